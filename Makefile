@@ -1,0 +1,33 @@
+# Two commands set up a fresh machine and do the work:
+#   make demo   -- the main job on its embedded default
+#   make test   -- the test suite
+# Both create .venv on first use. torch==2.13.0 is installed before anything
+# asks for a bare `torch`: with nothing installed, a bare requirement pulls a
+# multi-GB CUDA build.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-slow bench setup clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fastweights examples
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,10 @@
+"""fastweights: sequence memories that learn while they read.
+
+``fastweights.ops`` holds the functional solvers (softmax attention, linear
+attention, the delta rule and the gated delta rule) in recurrent, parallel and
+chunk forms, all proven equal to a float64 recurrence in the test suite.
+"""
+
+__version__ = "0.1.0"
+
+from . import ops  # noqa: F401

@@ -1,0 +1,37 @@
+"""Functional memory solvers: ``(q, k, v, beta, g, state) -> (o, state)``.
+
+Layout and argument names follow flash-linear-attention (DESIGN.md, "Op
+conventions"): ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``,
+state ``[N, H, K, V]`` in fp32 (fp64 for fp64 inputs), ``cu_seqlens [N + 1]``.
+
+=========================  ==============================  ========================
+rule                       forms                           state
+=========================  ==============================  ========================
+softmax attention          ``softmax_attn``                 :class:`KVCache` (grows)
+linear attention (sum)     ``recurrent_/parallel_/chunk_``  ``[N, H, D, V(+1)]``
+                           ``linear_attn``
+delta rule                 ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
+                           ``delta_rule``
+gated delta rule           ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
+                           ``gated_delta_rule``
+=========================  ==============================  ========================
+
+Every form of a rule takes the same arguments and returns the same thing; the
+``recurrent_*`` form is the reference that the others are tested against.
+"""
+
+from ._checks import finite_checks
+from .delta_rule import chunk_delta_rule, parallel_delta_rule, recurrent_delta_rule
+from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReLU, Taylor, get_feature_map, normalize_qk
+from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
+from .linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
+from .softmax_attn import KVCache, softmax_attn, softmax_attn_reference
+
+__all__ = [
+    "softmax_attn", "softmax_attn_reference", "KVCache",
+    "recurrent_linear_attn", "parallel_linear_attn", "chunk_linear_attn",
+    "recurrent_delta_rule", "parallel_delta_rule", "chunk_delta_rule",
+    "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
+    "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
+    "get_feature_map", "normalize_qk", "finite_checks",
+]

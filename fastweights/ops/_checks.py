@@ -1,0 +1,190 @@
+"""Input validation shared by every op.
+
+Every public op calls :func:`check_inputs` first, so a user who passes a wrong
+shape, dtype, device or ``cu_seqlens`` gets one ``ValueError``/``TypeError`` that
+names the argument, the expected value and the received value -- never a
+broadcast surprise deep inside a matmul.
+
+Non-finite inputs (NaN/Inf) are refused by default, because one NaN token
+poisons the recurrent state for every later token. The check costs one pass
+over the inputs (and a device sync on CUDA); switch it off with
+``fastweights.ops.finite_checks(False)`` (a context manager and a setter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+__all__ = ["check_inputs", "finite_checks", "state_dtype", "compute_dtype"]
+
+_CHECK_FINITE = True
+
+
+class finite_checks(contextlib.ContextDecorator):
+    """Turn the NaN/Inf check on op inputs on or off.
+
+    Use as a setter, ``finite_checks(False)``, which lasts until changed, or as a
+    context manager, ``with finite_checks(False): ...``, which restores the old
+    setting on exit.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        global _CHECK_FINITE
+        self._previous = _CHECK_FINITE
+        _CHECK_FINITE = bool(enabled)
+
+    def __enter__(self) -> "finite_checks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _CHECK_FINITE
+        _CHECK_FINITE = self._previous
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype of the ops: float64 stays float64, everything else is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+state_dtype = compute_dtype  # the recurrent state is kept in the same dtype
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(op: str, name: str, t, rank: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: `{name}` must be a floating-point tensor, got dtype {t.dtype}")
+    if t.dim() != rank:
+        raise ValueError(f"{op}: `{name}` must have rank {rank} with layout {layout}, got shape {_shape(t)}")
+
+
+def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
+    if not _CHECK_FINITE or t.numel() == 0:
+        return
+    if torch.compiler.is_compiling():  # a data-dependent branch would break the graph
+        return
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(
+            f"{op}: `{name}` contains {bad} non-finite value(s) (NaN or Inf); they would poison "
+            f"the recurrent state. Clean the input, or disable this check with "
+            f"fastweights.ops.finite_checks(False)."
+        )
+
+
+def check_cu_seqlens(op: str, cu_seqlens, batch_size: int, seq_len: int, device: torch.device) -> int:
+    """Validate FlashAttention-style packed sequence offsets; return the number of sequences."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: `cu_seqlens` must be a LongTensor of shape [N+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{op}: `cu_seqlens` must have dtype torch.int64 or torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{op}: `cu_seqlens` must be 1-D with at least 2 entries [0, ..., T], got shape {_shape(cu_seqlens)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{op}: `cu_seqlens` is on {cu_seqlens.device}, expected the inputs' device {device}")
+    if batch_size != 1:
+        raise ValueError(f"{op}: `cu_seqlens` requires batch size 1 (sequences packed along T), got batch size {batch_size}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{op}: `cu_seqlens` must start at 0, got {offsets[0]}")
+    steps = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if any(s <= 0 for s in steps):
+        i = next(i for i, s in enumerate(steps) if s <= 0)
+        raise ValueError(
+            f"{op}: `cu_seqlens` must be strictly increasing, got {offsets[i]} followed by {offsets[i + 1]} at index {i}"
+        )
+    if offsets[-1] != seq_len:
+        raise ValueError(f"{op}: `cu_seqlens` must end at the sequence length T={seq_len}, got {offsets[-1]}")
+    return len(offsets) - 1
+
+
+def check_chunk_size(op: str, chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"{op}: `chunk_size` must be a positive int, got {chunk_size!r}")
+    if chunk_size <= 0:
+        raise ValueError(f"{op}: `chunk_size` must be positive, got {chunk_size}")
+
+
+def check_inputs(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: Optional[torch.Tensor] = None,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    state_key_dim: Optional[int] = None,
+    state_value_dim: Optional[int] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
+    scale: Optional[float] = None,
+) -> int:
+    """Check the arguments of an op; return N, the number of sequences.
+
+    ``state_key_dim``/``state_value_dim`` are the state's K and V after any
+    feature map or normalizer column; they default to q's and v's last sizes.
+    """
+    _check_tensor(op, "q", q, 4, "[B, T, H, K]")
+    _check_tensor(op, "k", k, 4, "[B, T, H, K]")
+    _check_tensor(op, "v", v, 4, "[B, T, H, V]")
+    if k.shape != q.shape:
+        raise ValueError(f"{op}: `k` must have the shape of `q` {_shape(q)} ([B, T, H, K]), got {_shape(k)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"{op}: `v` must have shape [B, T, H, V] = [{q.shape[0]}, {q.shape[1]}, {q.shape[2]}, V] to match `q`, "
+            f"got {_shape(v)}"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{op}: `{name}` must have the dtype of `q` ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
+    B, T, H, K = q.shape
+    for name, t in (("beta", beta), ("g", g)):
+        if t is None:
+            continue
+        _check_tensor(op, name, t, 3, "[B, T, H]")
+        if t.shape != q.shape[:3]:
+            raise ValueError(f"{op}: `{name}` must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(t)}")
+        if t.device != q.device:
+            raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
+    if chunk_size is not None:
+        check_chunk_size(op, chunk_size)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"{op}: `scale` must be a float or None, got {type(scale).__name__}")
+    n = B
+    if cu_seqlens is not None:
+        n = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    if initial_state is not None:
+        sk = K if state_key_dim is None else state_key_dim
+        sv = v.shape[-1] if state_value_dim is None else state_value_dim
+        _check_tensor(op, "initial_state", initial_state, 4, "[N, H, K, V]")
+        if tuple(initial_state.shape) != (n, H, sk, sv):
+            raise ValueError(
+                f"{op}: `initial_state` must have shape [N, H, K, V] = [{n}, {H}, {sk}, {sv}], got {_shape(initial_state)}"
+            )
+        want = state_dtype(q.dtype)
+        if initial_state.dtype != want:
+            raise TypeError(
+                f"{op}: `initial_state` must have dtype {want} (states are fp32, or fp64 for fp64 inputs), "
+                f"got {initial_state.dtype}"
+            )
+        if initial_state.device != q.device:
+            raise ValueError(f"{op}: `initial_state` is on {initial_state.device}, expected the device of `q` ({q.device})")
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("initial_state", initial_state)):
+        if t is not None:
+            _check_finite(op, name, t)
+    return n
+
+
+def iter_offsets(cu_seqlens: torch.Tensor) -> Iterator[Sequence[int]]:
+    offsets = cu_seqlens.tolist()
+    return zip(offsets[:-1], offsets[1:])

@@ -1,0 +1,115 @@
+"""The one front end every linear/delta op goes through.
+
+``run_op`` does, in order: check the inputs; cast to the compute dtype (fp32, or
+fp64 for fp64 inputs); apply the feature map φ and the q/k normalization; unpack
+``cu_seqlens`` into a right-padded batch whose padding tokens are no-ops
+(k = v = 0, β = 0, g = 0: they neither write nor decay, so a padded sequence
+ends in exactly the state of its last real token); move to the head-first
+layout ``[N, H, T, D]`` that the solvers use; call the form's solver; and undo
+all of that on the way out.
+
+A solver ("core") has the signature
+``core(q, k, v, beta, g, h0, scale, chunk_size) -> (o, h_T)`` on head-first
+compute-dtype tensors, with ``beta``/``g``/``h0`` possibly ``None``. That keeps
+each form's file down to its algorithm.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from ._checks import check_inputs, compute_dtype
+from .feature_maps import FeatureMapLike, get_feature_map, normalize_qk
+
+Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
+
+
+def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[1, T, ...]`` packed -> (``[N, T_max, ...]`` right-padded with zeros, valid mask ``[N, T_max]``)."""
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    t_max = int(lengths.max())
+    pos = torch.arange(t_max, device=x.device)
+    valid = pos[None, :] < lengths[:, None]
+    index = (starts[:, None] + pos[None, :]).clamp(max=x.shape[1] - 1)
+    padded = x[0][index]
+    mask = valid.reshape(valid.shape + (1,) * (padded.dim() - 2))
+    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device)), valid
+
+
+def unpad_packed(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pad_packed`: ``[N, T_max, ...]`` -> ``[1, T, ...]``."""
+    return x[valid].unsqueeze(0)
+
+
+def run_op(
+    op: str,
+    core: Core,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: Optional[torch.Tensor] = None,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    feature_map: FeatureMapLike = None,
+    qk_norm: Optional[str] = None,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    requires_beta: bool = False,
+    requires_g: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if requires_beta and beta is None:
+        raise TypeError(f"{op}: `beta` is required (a [B, T, H] tensor of write strengths)")
+    if requires_g and g is None:
+        raise TypeError(f"{op}: `g` is required (a [B, T, H] tensor of log decays)")
+    if qk_norm not in (None, "l2", "sum"):
+        raise ValueError(f"{op}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
+    phi = get_feature_map(feature_map, op)
+    key_dim = phi.output_dim(q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    value_dim = v.shape[-1] + int(normalize) if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+    check_inputs(
+        op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
+        state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
+    )
+    out_dtype = q.dtype
+    dt = compute_dtype(out_dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+    q = normalize_qk(phi(q.to(dt)), qk_norm, op)
+    k = normalize_qk(phi(k.to(dt)), qk_norm, op)
+    v = v.to(dt)
+    if normalize:
+        # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:
+        # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    beta = None if beta is None else beta.to(dt)
+    g = None if g is None else g.to(dt)
+
+    valid = None
+    if cu_seqlens is not None:
+        q, valid = pad_packed(q, cu_seqlens)
+        k, _ = pad_packed(k, cu_seqlens)
+        v, _ = pad_packed(v, cu_seqlens)
+        beta = None if beta is None else pad_packed(beta, cu_seqlens)[0]
+        g = None if g is None else pad_packed(g, cu_seqlens)[0]
+
+    def head_first(t):
+        return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
+
+    o, h_t = core(
+        head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g),
+        initial_state, scale, chunk_size,
+    )
+    o = o.transpose(1, 2)  # [N, T, H, V]
+    if valid is not None:
+        o = unpad_packed(o, valid)
+    if normalize:
+        o = o[..., :-1] / (o[..., -1:] + eps)
+    return o.to(out_dtype), (h_t if output_final_state else None)

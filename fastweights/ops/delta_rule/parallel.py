@@ -1,0 +1,65 @@
+"""The delta rule, parallel form: the whole sequence as one T×T mixing matrix.
+
+With the UT transform over the whole sequence (``wy.py``), ``T = (I + A)⁻¹ diag(β)``:
+
+    U' = T (V − (K ⊙ e^b) h_0)                      pseudo-values
+    O  = scale · (Q ⊙ e^b) h_0 + M (V − (K ⊙ e^b) h_0),   M = scale · tril(Q Kᵀ ⊙ Γ) T
+    h_T = e^{b_T} h_0 + (K ⊙ e^{b_T − b})ᵀ U'
+
+M is the delta rule's effective causal attention matrix (lower triangular, T×T):
+row t says how much each value v_s contributes to o_t once every later write has
+corrected it. Cost O(T²K + T³) per head; the chunk form is the fast path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._chunk import block_terms
+from .._frontend import run_op
+from ..feature_maps import FeatureMapLike
+from .wy import ut_transform
+
+
+def delta_rule_parallel(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Whole-sequence UT transform on head-first tensors; returns ``(o, h_T)``."""
+    q_decayed, k_decayed, scores, seq_decay, b = block_terms(q, k, g, scale)
+    w, u = ut_transform(k, v, beta, b)
+    if h0 is not None:
+        u = u - w @ h0
+    o = scores @ u
+    h = k_decayed.transpose(-1, -2) @ u
+    if h0 is not None:
+        o = o + scale * (q_decayed @ h0)
+        h = h + (h0 if seq_decay is None else h0 * seq_decay[..., None, None])
+    return o, h
+
+
+def parallel_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+    feature_map: FeatureMapLike = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The delta rule as one T×T triangular solve and mixing matrix.
+
+    Equivalent to :func:`~fastweights.ops.recurrent_delta_rule` (same arguments,
+    same returns; ``chunk_size`` is unused). O(T²) memory: for short sequences
+    and for reading the maths; :func:`chunk_delta_rule` is the fast path.
+    """
+    return run_op(
+        "parallel_delta_rule", delta_rule_parallel, q, k, v, beta=beta, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, feature_map=feature_map,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
+    )

@@ -1,0 +1,90 @@
+"""The delta rule, recurrent form: the float64 ground truth for every delta op.
+
+Per head, state h stored K×V (the transpose of the seeds' W = Σ v kᵀ):
+
+    v̄_t = h_{t−1}ᵀ k_t                               retrieve (seed 001, ch. 4, step 1)
+    h_t = h_{t−1} + β_t k_t (v_t − v̄_t)ᵀ             write the correction (step 3)
+        = (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ   (a generalized Householder transition, ch. 6)
+    o_t = scale · h_tᵀ q_t                           read after the write
+
+The gated delta rule (Yang, Kautz & Hatamizadeh 2024) multiplies in the decay
+α_t = exp(g_t) first: ``h_t = α_t (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ``.
+One function serves both: ``g=None`` is the plain delta rule.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._frontend import run_op
+from ..feature_maps import FeatureMapLike
+
+
+def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
+    n, nh, t_len, dk = k.shape
+    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
+    outputs = []
+    for t in range(t_len):
+        k_t = k[:, :, t]
+        if g is not None:
+            h = h * torch.exp(g[:, :, t])[..., None, None]
+        v_old = torch.einsum("nhkv,nhk->nhv", h, k_t)  # what the memory holds at k_t
+        h = h + k_t[..., :, None] * (beta[:, :, t, None] * (v[:, :, t] - v_old))[..., None, :]
+        outputs.append(scale * torch.einsum("nhkv,nhk->nhv", h, q[:, :, t]))
+    o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
+    return o, h
+
+
+def recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+    feature_map: FeatureMapLike = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The delta rule (DeltaNet), one token at a time: the reference form.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys. The rule is stable for unit keys
+            and β in (0, 1) (use ``qk_norm="l2"`` unless the keys are normalized).
+        v: ``[B, T, H, V]`` values.
+        beta: ``[B, T, H]`` write strengths β_t, usually ``sigmoid(...)`` in (0, 1).
+        scale: read scale; ``None`` means ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` fp32 (fp64 for fp64 inputs).
+        output_final_state: also return the state after the last token.
+        cu_seqlens: ``[N + 1]`` offsets of N sequences packed along T (B must be 1).
+        chunk_size: accepted so that every form takes the same arguments; unused here.
+        qk_norm: ``None``, ``"l2"`` or ``"sum"`` normalization of (φ(q), φ(k)).
+        feature_map: optional φ applied to q and k first (as in Schlag et al. 2021,
+            who pair the delta rule with DPFP and sum normalization).
+        use_qk_l2norm_in_kernel: flash-linear-attention's spelling of ``qk_norm="l2"``.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, H, V]`` in the input dtype; the final
+        state ``[N, H, K, V]`` or ``None``.
+
+    Example::
+
+        >>> B, T, H, K, V = 2, 100, 4, 32, 48
+        >>> q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+        >>> v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
+        >>> o, h = recurrent_delta_rule(q, k, v, beta, qk_norm="l2", output_final_state=True)
+        >>> o.shape, h.shape
+        (torch.Size([2, 100, 4, 48]), torch.Size([2, 4, 32, 48]))
+    """
+    return run_op(
+        "recurrent_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, feature_map=feature_map,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
+    )

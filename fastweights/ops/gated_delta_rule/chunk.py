@@ -1,0 +1,51 @@
+"""The gated delta rule, chunk form: the WY/UT algorithm with cumulative decays.
+
+Inside a chunk, with b_r = g_1 + ... + g_r and Γ[r, i] = exp(b_r − b_i):
+
+    A  = tril(diag(β) (K Kᵀ ⊙ Γ), −1),   T = (I + A)⁻¹ diag(β)
+    W  = T (K ⊙ e^b),  U = T V,   U' = U − W h
+    O  = scale · (Q ⊙ e^b) h + scale · tril(Q Kᵀ ⊙ Γ) U'
+    h ← e^{b_C} h + (K ⊙ e^{b_C − b})ᵀ U'
+
+``delta_rule/wy.py`` derives these lines from the recurrence; the solver is the
+plain rule's (``delta_rule/chunk.py``) with g given.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._frontend import run_op
+from ..delta_rule.chunk import delta_rule_chunk
+from ..feature_maps import FeatureMapLike
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+    feature_map: FeatureMapLike = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule, chunkwise parallel: the fast path for training.
+
+    Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_rule` (same
+    arguments and returns), called as ``(q, k, v, g, beta, ...)`` like
+    flash-linear-attention. ``chunk_size`` as in :func:`chunk_delta_rule`.
+    """
+    return run_op(
+        "chunk_gated_delta_rule", delta_rule_chunk, q, k, v, beta=beta, g=g, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, feature_map=feature_map,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
+    )

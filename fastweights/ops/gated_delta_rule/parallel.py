@@ -1,0 +1,44 @@
+"""The gated delta rule, parallel form: one T×T decay-weighted UT transform.
+
+The solver is shared with the plain rule (``delta_rule/parallel.py``); with
+``g`` given, A and the causal scores carry Γ[r, i] = exp(b_r − b_i), and the
+reads and writes of h_0 carry e^{b_r} and e^{b_T − b_i} (``delta_rule/wy.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._frontend import run_op
+from ..delta_rule.parallel import delta_rule_parallel
+from ..feature_maps import FeatureMapLike
+
+
+def parallel_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+    feature_map: FeatureMapLike = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule as one T×T triangular solve (O(T²) memory).
+
+    Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_rule`; same
+    arguments and returns (``chunk_size`` is unused).
+    """
+    return run_op(
+        "parallel_gated_delta_rule", delta_rule_parallel, q, k, v, beta=beta, g=g, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, feature_map=feature_map,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
+    )

@@ -1,0 +1,56 @@
+"""The gated delta rule, recurrent form (reference).
+
+    h_t = α_t (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ,   α_t = exp(g_t) ≤ 1
+    o_t = scale · h_tᵀ q_t
+
+The decay fades every association a little (seed 000's "fading-memory solver
+choice"), the delta step corrects only along k_t. The solver is shared with the
+plain rule: :func:`fastweights.ops.delta_rule.recurrent.delta_rule_recurrence`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._frontend import run_op
+from ..delta_rule.recurrent import delta_rule_recurrence
+from ..feature_maps import FeatureMapLike
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+    feature_map: FeatureMapLike = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule (Gated DeltaNet), one token at a time: the reference form.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        g: ``[B, T, H]`` log decays, α_t = exp(g_t) (g ≤ 0 keeps α ≤ 1).
+        beta: ``[B, T, H]`` write strengths in (0, 1).
+        scale, initial_state, output_final_state, cu_seqlens, chunk_size, qk_norm,
+        feature_map, use_qk_l2norm_in_kernel: as in :func:`~fastweights.ops.recurrent_delta_rule`.
+
+    Returns:
+        ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
+
+    Note the argument order ``(q, k, v, g, beta)``, as in flash-linear-attention.
+    """
+    return run_op(
+        "recurrent_gated_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, g=g, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, feature_map=feature_map,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
+    )

@@ -1,0 +1,93 @@
+"""Linear attention (the sum rule), recurrent form: the float64 ground truth.
+
+Per head, with the state h stored K×V (the transpose of the seeds' S = Σ v kᵀ,
+which is V×K; we read hᵀq where the seeds read S q):
+
+    h_t = α_t h_{t−1} + φ(k_t) v_tᵀ           (seed 001, ch. 1: S_i = S_{i−1} + v_i ⊗ k_i)
+    o_t = scale · h_tᵀ φ(q_t)                 (read after the write)
+
+and, with ``normalize=True``, the normalizer of seeds 000 and 002,
+``z_t = α_t z_{t−1} + φ(k_t)``, ``o_t ← o_t / (scale · φ(q_t)ᵀ z_t + eps)``.
+α_t = exp(g_t) is an optional decay (``g=None`` means α = 1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._frontend import run_op
+from ..feature_maps import FeatureMapLike
+
+
+def linear_attn_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token sum rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
+    n, nh, t_len, dk = k.shape
+    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
+    outputs = []
+    for t in range(t_len):
+        if g is not None:
+            h = h * torch.exp(g[:, :, t])[..., None, None]
+        h = h + k[:, :, t, :, None] * v[:, :, t, None, :]  # write φ(k_t) v_tᵀ
+        outputs.append(scale * torch.einsum("nhkv,nhk->nhv", h, q[:, :, t]))  # read hᵀ φ(q_t)
+    o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
+    return o, h
+
+
+def recurrent_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    chunk_size: int = 64,
+    feature_map: FeatureMapLike = None,
+    qk_norm: Optional[str] = None,
+    normalize: bool = False,
+    eps: float = 1e-6,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Causal linear attention (the sum rule), one token at a time.
+
+    This is the reference that :func:`parallel_linear_attn` and
+    :func:`chunk_linear_attn` are tested against; it is also the right form for
+    decoding one token at a time from a carried state.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys.
+        v: ``[B, T, H, V]`` values.
+        g: ``[B, T, H]`` log decays, α_t = exp(g_t) ≤ 1; ``None`` for no decay.
+        scale: read scale; ``None`` means ``K ** -0.5``. With ``normalize=True`` it
+            cancels (numerator and denominator are both scaled).
+        initial_state: ``[N, H, D, V]`` (``[N, H, D, V + 1]`` with ``normalize``, the
+            last column holding z), fp32 (fp64 for fp64 inputs). D is φ's output size.
+        output_final_state: also return the state after the last token.
+        cu_seqlens: ``[N + 1]`` offsets of N sequences packed along T (B must be 1).
+        chunk_size: accepted so that every form takes the same arguments; unused here.
+        feature_map: φ, applied to q and k: ``None``/``"identity"``, ``"elu"``,
+            ``"relu"``, ``"dpfp"``, ``"taylor"`` or a :class:`~fastweights.ops.FeatureMap`
+            such as ``DPFP(nu=3)`` or ``FavorPlus(K, m, seed)``.
+        qk_norm: ``None``, ``"l2"`` or ``"sum"``, applied to φ(q) and φ(k).
+        normalize: divide each read by ``φ(q_t)ᵀ z_t + eps`` (seed 000's sufficient pair (S, z)).
+        eps: added to the normalizer's denominator.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, H, V]`` in the input dtype; the final state
+        ``[N, H, D, V(+1)]`` or ``None``.
+
+    Example::
+
+        >>> q = k = torch.randn(2, 100, 4, 16); v = torch.randn(2, 100, 4, 32)
+        >>> o, h = recurrent_linear_attn(q, k, v, feature_map="elu", normalize=True,
+        ...                              output_final_state=True)
+        >>> o.shape, h.shape
+        (torch.Size([2, 100, 4, 32]), torch.Size([2, 4, 16, 33]))
+    """
+    return run_op(
+        "recurrent_linear_attn", linear_attn_recurrence, q, k, v, g=g, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,
+    )

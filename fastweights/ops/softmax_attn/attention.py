@@ -1,0 +1,173 @@
+"""Causal softmax attention: the keep-the-dataset solver (seed 000, "Solver 1").
+
+For a query q_t, softmax attention is the local-constant fit over every stored
+pair, the kernel-weighted average
+
+    o_t = Σ_{τ≤t} softmax_τ(scale · q_t · k_τ) v_τ.
+
+It keeps every key-value row because a later query may weigh each row
+differently; during decoding that dataset is the KV cache, and it grows by one
+row per token (seed 000, "attention's memory is a dataset, not a hidden box").
+
+The "state" of this op is therefore a :class:`KVCache`, not a fixed matrix.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_inputs, compute_dtype
+from .._frontend import pad_packed, unpad_packed
+
+
+class KVCache(NamedTuple):
+    """The retained dataset of softmax attention.
+
+    Fields:
+        keys: ``[N, H, L, K]``, values: ``[N, H, L, V]``, in the inputs' dtype.
+        lengths: ``[N]`` int64, how many of the L rows of each sequence are real
+            (sequences of a batch may have cached different numbers of tokens;
+            rows past ``lengths[n]`` are padding and never attended to).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache; grows linearly with the context length."""
+        return sum(t.numel() * t.element_size() for t in self)
+
+
+def _check_cache(op: str, cache, n: int, q: torch.Tensor, v: torch.Tensor) -> None:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{op}: `initial_state` must be a KVCache (as returned with output_final_state=True), got {type(cache).__name__}")
+    _, _, h, kd = q.shape
+    want_k = (n, h, cache.keys.shape[2], kd)
+    want_v = (n, h, cache.keys.shape[2], v.shape[-1])
+    if cache.keys.dim() != 4 or tuple(cache.keys.shape) != want_k:
+        raise ValueError(f"{op}: `initial_state.keys` must have shape [N, H, L, K] = {list(want_k[:2])} + [L, {kd}], got {list(cache.keys.shape)}")
+    if tuple(cache.values.shape) != want_v:
+        raise ValueError(f"{op}: `initial_state.values` must have shape {list(want_v)}, got {list(cache.values.shape)}")
+    if tuple(cache.lengths.shape) != (n,):
+        raise ValueError(f"{op}: `initial_state.lengths` must have shape [{n}], got {list(cache.lengths.shape)}")
+    for name, t in (("keys", cache.keys), ("values", cache.values)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{op}: `initial_state.{name}` must have the dtype of `q` ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{op}: `initial_state.{name}` is on {t.device}, expected {q.device}")
+
+
+def softmax_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[KVCache] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+) -> Tuple[torch.Tensor, Optional[KVCache]]:
+    """Causal softmax attention with an optional KV cache.
+
+    Efficient implementation equivalent to :func:`softmax_attn_reference`. Query
+    i of a sequence attends to that sequence's cached rows and to new rows
+    0..i (for T = 3 new tokens after L = 2 cached ones)::
+
+                 cache  new
+        q_0   [  1 1 | 1 0 0 ]
+        q_1   [  1 1 | 1 1 0 ]
+        q_2   [  1 1 | 1 1 1 ]
+
+    Decoding is the same call with T = 1 and the cache of the previous call.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        scale: ``None`` means ``K ** -0.5``.
+        initial_state: a :class:`KVCache` with N = B (or N sequences with cu_seqlens).
+        output_final_state: also return the cache extended by these T tokens.
+        cu_seqlens: ``[N + 1]`` offsets of N sequences packed along T (B must be 1);
+            each sequence attends only to itself (and to its own cache rows).
+
+    Returns:
+        ``(o [B, T, H, V] in the input dtype, KVCache or None)``.
+    """
+    op = "softmax_attn"
+    n = check_inputs(op, q, k, v, cu_seqlens=cu_seqlens, scale=scale)
+    if initial_state is not None:
+        _check_cache(op, initial_state, n, q, v)
+    out_dtype = q.dtype
+    dt = compute_dtype(out_dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    device = q.device
+
+    valid = None
+    if cu_seqlens is not None:
+        (q, valid), (k, _), (v, _) = (pad_packed(x, cu_seqlens) for x in (q, k, v))
+        new_len = valid.sum(1)
+    else:
+        new_len = torch.full((q.shape[0],), q.shape[1], dtype=torch.long, device=device)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [N, H, T, D]
+    t_new = q.shape[2]
+
+    if initial_state is None:
+        cache_len = torch.zeros_like(new_len)
+        keys, values = k, v
+        if valid is None:  # the common case: plain causal attention
+            o = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), is_causal=True, scale=scale)
+    else:
+        cache_len = initial_state.lengths.to(device=device, dtype=torch.long)
+        keys = torch.cat([initial_state.keys, k], dim=2)
+        values = torch.cat([initial_state.values, v], dim=2)
+    if initial_state is not None or valid is not None:
+        l_cache = keys.shape[2] - t_new
+        j = torch.arange(keys.shape[2], device=device)
+        i = torch.arange(t_new, device=device)
+        sees_cache = (j[None, None, :] < cache_len[:, None, None]) & (j < l_cache)[None, None, :]
+        sees_new = (j[None, :] - l_cache <= i[:, None]) & (j[None, :] >= l_cache)
+        mask = (sees_cache | sees_new[None]).unsqueeze(1)  # [N, 1, T, L + T]
+        o = F.scaled_dot_product_attention(q.to(dt), keys.to(dt), values.to(dt), attn_mask=mask, scale=scale)
+
+    o = o.transpose(1, 2)
+    if valid is not None:
+        o = unpad_packed(o, valid)
+    o = o.to(out_dtype)
+    if not output_final_state:
+        return o, None
+    return o, _extend_cache(keys, values, cache_len, new_len, keys.shape[2] - t_new)
+
+
+def _extend_cache(keys, values, cache_len, new_len, l_cache) -> KVCache:
+    """Compact ``[cache rows | new rows]`` into each sequence's ``cache_len + new_len`` real rows."""
+    lengths = cache_len + new_len
+    pos = torch.arange(int(lengths.max()), device=keys.device)
+    # Row p of sequence n comes from cache row p, or from new row p - cache_len[n].
+    src = torch.where(pos[None] < cache_len[:, None], pos[None], l_cache + pos[None] - cache_len[:, None])
+    src = src.clamp(max=keys.shape[2] - 1)
+    real = pos[None] < lengths[:, None]
+    index = src[:, None, :, None]
+
+    def gather(x):
+        out = x.gather(2, index.expand(-1, x.shape[1], -1, x.shape[3]))
+        return torch.where(real[:, None, :, None], out, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    return KVCache(gather(keys), gather(values), lengths)
+
+
+def softmax_attn_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
+) -> torch.Tensor:
+    """The definition, one query at a time: ``o_t = Σ_{τ≤t} softmax_τ(scale q_t·k_τ) v_τ``.
+
+    ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]`` -> ``o: [B, T, H, V]``. Slow; for tests.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outputs = []
+    for t in range(q.shape[1]):
+        scores = scale * torch.einsum("bhk,bshk->bhs", q[:, t], k[:, : t + 1])
+        weights = torch.softmax(scores, dim=-1)
+        outputs.append(torch.einsum("bhs,bshv->bhv", weights, v[:, : t + 1]))
+    return torch.stack(outputs, dim=1)
