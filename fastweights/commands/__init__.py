@@ -1,0 +1,1 @@
+"""One module per ``fastweights`` subcommand (see ``fastweights/cli.py``)."""
