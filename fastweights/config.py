@@ -1,0 +1,149 @@
+"""Checked dataclass configs: loadable from JSON, overridable from the command line.
+
+A config class derives from :class:`Config` and is a ``@dataclass`` whose
+``__post_init__`` validates its fields. This module adds what every config needs:
+
+- ``from_dict`` refuses unknown keys (naming them, with the nearest known key),
+  so a typo in a config file is an error rather than a silently ignored setting;
+- ``from_json`` / ``to_json`` read and write a file (plain JSON, never code);
+- :func:`add_config_arguments` / :func:`overrides_from_args` turn each field into
+  a ``--field-name`` command-line flag whose value overrides the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from typing import Any, Dict, Type, TypeVar
+
+C = TypeVar("C", bound="Config")
+
+__all__ = ["Config", "add_config_arguments", "overrides_from_args", "atomic_write_text"]
+
+
+class Config:
+    """Mixin for ``@dataclass`` configs (see the module docstring)."""
+
+    @classmethod
+    def field_names(cls) -> list:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls: Type[C], data: Dict[str, Any], *, source: str = "config") -> C:
+        """Build from a mapping; unknown keys raise ``ValueError`` naming them."""
+        if not isinstance(data, dict):
+            raise TypeError(f"{cls.__name__}: {source} must be a JSON object (a dict), got {type(data).__name__}")
+        known = cls.field_names()
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(
+                f"{cls.__name__}: unknown config key(s) in {source}: {', '.join(hints)}; "
+                f"known keys are {', '.join(known)}"
+            )
+        return cls(**data)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: "str | os.PathLike | None" = None) -> str:
+        """The config as JSON text; also written (atomically) to ``path`` if given."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls: Type[C], path_or_text: "str | os.PathLike") -> C:
+        """Load from a JSON file path, or from JSON text starting with ``{``."""
+        text = str(path_or_text)
+        source = "JSON text"
+        if not text.lstrip().startswith("{"):
+            source = f"file {text}"
+            try:
+                with open(text, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ValueError(f"{cls.__name__}: cannot read config {source}: {e}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cls.__name__}: {source} is not valid JSON: {e}") from None
+        return cls.from_dict(data, source=source)
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with some fields changed, validated again (unknown names refused)."""
+        return type(self).from_dict({**self.to_dict(), **changes}, source="replace()")
+
+
+def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
+    """Write a text file atomically: a temp file in the same folder, then ``os.replace``."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def _parse_value(raw: str, annotation: Any, name: str) -> Any:
+    """Turn one command-line string into a field value, by the field's annotation."""
+    text = str(annotation)
+    if raw.lower() in ("none", "null") and ("Optional" in text or "None" in text):
+        return None
+    if "bool" in text and "int" not in text:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--{name}: expected true or false, got {raw!r}")
+    if raw.strip().startswith(("[", "{")):  # a JSON list, e.g. --mixer '["deltanet", "softmax"]'
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--{name}: not valid JSON: {e}") from None
+    for kind in (int, float):
+        if kind.__name__ in text and "str" not in text:
+            try:
+                return kind(raw)
+            except ValueError:
+                if kind is int and "float" in text:
+                    continue
+                raise ValueError(f"--{name}: expected {kind.__name__}, got {raw!r}") from None
+    if "List" in text or "list" in text:
+        return [s.strip() for s in raw.split(",")] if "," in raw else raw
+    return raw
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: Type[Config], title: str) -> None:
+    """Add a ``--field-name VALUE`` flag for each field of ``cls`` (absent unless given)."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else "required"
+        group.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", default=argparse.SUPPRESS,
+            metavar=f.name.upper(), help=f"({hints[f.name]}, default {default})".replace("%", "%%"),
+        )
+
+
+def overrides_from_args(args: argparse.Namespace, cls: Type[Config]) -> Dict[str, Any]:
+    """The fields of ``cls`` given on the command line, parsed to their types."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, raw in vars(args).items():
+        owner, _, name = key.partition(".")
+        if owner == cls.__name__:
+            out[name] = _parse_value(raw, hints[name], name.replace("_", "-"))
+    return out

@@ -1,0 +1,38 @@
+"""Token mixers as nn.Modules: thin shells of projections, convolution, norms and gates
+around :mod:`fastweights.ops` (DESIGN.md: layers never re-implement a recurrence).
+
+Every mixer has one interface::
+
+    y, state = layer(x, state=None, cu_seqlens=None)     x, y: [B, T, d_model]
+
+Prefill (T tokens, no state or a state) runs the chunk form of the op; a call with
+T = 1 and a state is one decoding step through the recurrent form.
+
+=====================  ================================  =========================
+layer                  op                                 state
+=====================  ================================  =========================
+``SoftmaxAttention``   ``softmax_attn``                   ``KVCache`` (grows)
+``LinearAttention``    ``chunk_/recurrent_linear_attn``   ``FastWeightState`` (fixed)
+``DeltaNet``           ``chunk_/recurrent_delta_rule``    ``FastWeightState`` (fixed)
+``GatedDeltaNet``      ``chunk_/recurrent_gated_...``     ``FastWeightState`` (fixed)
+=====================  ================================  =========================
+"""
+
+from .base import FastWeightMixer
+from .common import FastWeightState, GatedRMSNorm, RMSNorm, ShortConvolution
+from .deltanet import DeltaNet
+from .gated_deltanet import GatedDeltaNet
+from .linear_attention import LinearAttention
+from .softmax_attention import SoftmaxAttention
+
+MIXERS = {
+    "softmax": SoftmaxAttention,
+    "linear": LinearAttention,
+    "deltanet": DeltaNet,
+    "gated_deltanet": GatedDeltaNet,
+}
+
+__all__ = [
+    "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "FastWeightMixer",
+    "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "MIXERS",
+]

@@ -1,0 +1,58 @@
+"""DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule as a token mixer.
+
+Symbols (code -> paper): ``q, k, v`` the query, key and value of token t; ``beta``
+β_t, the write strength; the state h [K, V] is the fast-weight matrix (the
+transpose of the seeds' W = Σ v kᵀ, read as hᵀq). Per head and token::
+
+    β_t = sigmoid(w_β · x_t)                          (0, 1); 2·sigmoid with allow_neg_eigval
+    h_t = h_{t−1} + β_t k_t (v_t − h_{t−1}ᵀ k_t)ᵀ      write the correction (seed 001, ch. 4)
+    o_t = scale · h_tᵀ q_t
+
+with q, k normalized (l2 by default, so the transition I − β k kᵀ is a contraction).
+Projections, short convolution and output norm are in :mod:`fastweights.layers.base`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..ops import chunk_delta_rule, recurrent_delta_rule
+from .base import FastWeightMixer, write_strength
+
+
+class DeltaNet(FastWeightMixer):
+    """The DeltaNet token mixer. ``forward(x, state=None, cu_seqlens=None) -> (y, state)``.
+
+    Args (beyond :class:`~fastweights.layers.base.FastWeightMixer`'s d_model, n_heads,
+    use_short_conv, conv_size, activation, use_output_gate, norm_eps, chunk_size):
+        qk_norm: ``"l2"`` (default) or ``"sum"``, applied to the activated q and k.
+        allow_neg_eigval: β in (0, 2) instead of (0, 1), so I − β k kᵀ may have a
+            negative eigenvalue (it can then flip a direction, as state tracking needs).
+
+    Example::
+
+        >>> layer = DeltaNet(d_model=64, n_heads=4)
+        >>> y, state = layer(torch.randn(2, 10, 64))         # prefill: chunk form
+        >>> y1, state = layer(torch.randn(2, 1, 64), state)  # one decoding step
+        >>> state.memory.shape                               # [N, H, K, V]
+        torch.Size([2, 4, 16, 16])
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, qk_norm: str = "l2", allow_neg_eigval: bool = False, **kwargs) -> None:
+        super().__init__(d_model, n_heads, **kwargs)
+        if qk_norm not in ("l2", "sum"):
+            raise ValueError(f"{type(self).__name__}: unknown `qk_norm` {qk_norm!r}; expected 'l2' or 'sum'")
+        self.qk_norm = qk_norm
+        self.allow_neg_eigval = bool(allow_neg_eigval)
+        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+
+    def memory(self, q, k, v, x, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
+        beta = write_strength(self.b_proj(x), self.allow_neg_eigval)  # [B, T, H]
+        op = recurrent_delta_rule if recurrent else chunk_delta_rule
+        return op(
+            q, k, v, beta, initial_state=initial_state, output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+        )

@@ -1,0 +1,61 @@
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024): the delta rule with a decay.
+
+Per head and token, on top of :mod:`fastweights.layers.deltanet`::
+
+    g_t = −exp(A_log) · softplus(w_a · x_t + dt_bias)     ≤ 0, the log decay
+    α_t = exp(g_t)                                          in (0, 1]
+    h_t = α_t (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ
+    o_t = scale · h_tᵀ q_t,   then RMSNorm(o_t) · silu(W_g x_t)   (the output gate)
+
+``A_log`` and ``dt_bias`` are per head, initialized as in Mamba-2: A uniform in
+[1, 16], softplus(dt_bias) log-uniform in [0.001, 0.1].
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .base import FastWeightMixer, inverse_softplus, log_uniform, write_strength
+
+
+class GatedDeltaNet(FastWeightMixer):
+    """The Gated DeltaNet token mixer. ``forward(x, state=None, cu_seqlens=None) -> (y, state)``.
+
+    Args: as :class:`~fastweights.layers.DeltaNet` (``qk_norm``, ``allow_neg_eigval``
+    and the shared ones); the output gate is on by default.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, qk_norm: str = "l2", allow_neg_eigval: bool = False, **kwargs) -> None:
+        super().__init__(d_model, n_heads, **kwargs)
+        if qk_norm not in ("l2", "sum"):
+            raise ValueError(f"{type(self).__name__}: unknown `qk_norm` {qk_norm!r}; expected 'l2' or 'sum'")
+        self.qk_norm = qk_norm
+        self.allow_neg_eigval = bool(allow_neg_eigval)
+        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.a_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+        self.reset_decay()
+
+    @torch.no_grad()
+    def reset_decay(self) -> None:
+        self.A_log.copy_(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
+        self.dt_bias.copy_(inverse_softplus(log_uniform(self.n_heads, 1e-3, 1e-1)))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g = −exp(A_log)·softplus(w_a·x + dt_bias): ``[B, T, H]``, ≤ 0."""
+        return -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
+
+    def memory(self, q, k, v, x, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
+        beta = write_strength(self.b_proj(x), self.allow_neg_eigval)  # [B, T, H]
+        g = self.log_decay(x)                                         # [B, T, H]
+        op = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+        return op(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+        )

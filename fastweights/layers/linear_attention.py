@@ -1,0 +1,59 @@
+"""Linear attention (Katharopoulos et al. 2020) as a token mixer: the sum rule.
+
+Per head and token (seed 002, ch. 4; seed 000, "Solver 2")::
+
+    h_t = h_{t−1} + φ(k_t) v_tᵀ,   z_t = z_{t−1} + φ(k_t)        (z only with normalize)
+    o_t = scale · h_tᵀ φ(q_t)   [ / (scale · φ(q_t)ᵀ z_t + eps) ]
+
+φ and the normalizer are those of :func:`fastweights.ops.chunk_linear_attn`: the
+layer passes ``feature_map``, ``qk_norm`` and ``normalize`` through, and with
+``normalize=True`` the state carries z as its last value column ``[N, H, D, V + 1]``.
+Nothing is ever erased, which is why overwriting a key fails (seed 001, ch. 3).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..ops import chunk_linear_attn, get_feature_map, recurrent_linear_attn
+from ..ops.feature_maps import QK_NORMS
+from .base import FastWeightMixer
+
+
+class LinearAttention(FastWeightMixer):
+    """The linear-attention token mixer. ``forward(x, state=None, cu_seqlens=None) -> (y, state)``.
+
+    Args (beyond the shared ones of :class:`~fastweights.layers.base.FastWeightMixer`;
+    here ``activation`` and ``value_activation`` default to identity, φ does the work):
+        feature_map: φ: ``"identity"``, ``"elu"``, ``"relu"``, ``"dpfp"``, ``"taylor"``, or a
+            :class:`fastweights.ops.FeatureMap` such as ``DPFP(nu=2)``.
+        qk_norm: ``None``, ``"l2"`` or ``"sum"`` applied to φ(q), φ(k).
+        normalize: divide each read by the normalizer (the state gets a z column).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        feature_map="elu",
+        qk_norm: Optional[str] = None,
+        normalize: bool = True,
+        activation: str = "identity",
+        value_activation: str = "identity",
+        **kwargs,
+    ) -> None:
+        super().__init__(d_model, n_heads, activation=activation, value_activation=value_activation, **kwargs)
+        self.feature_map = get_feature_map(feature_map, type(self).__name__)
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"{type(self).__name__}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
+        self.qk_norm, self.normalize = qk_norm, bool(normalize)
+
+    def memory(self, q, k, v, x, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
+        op = recurrent_linear_attn if recurrent else chunk_linear_attn
+        return op(
+            q, k, v, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+            chunk_size=self.chunk_size, feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
+        )
