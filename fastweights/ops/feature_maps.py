@@ -81,7 +81,9 @@ class EluPlusOne(FeatureMap):
     name = "elu"
 
     def __call__(self, x):
-        return F.elu(x) + 1.0
+        # Written as exp(x) for x <= 0 rather than elu(x) + 1: in fp32, elu(x) + 1
+        # rounds to exactly 0 below x ≈ -17, which would zero a normalizer.
+        return torch.where(x > 0, x + 1.0, torch.exp(torch.clamp(x, max=0.0)))
 
 
 class ReLU(FeatureMap):

@@ -1,0 +1,104 @@
+"""Shared test helpers: the rule table, random inputs and error measures.
+
+Every rule is listed once with its forms; the first form is the recurrent
+reference. Tests build inputs with :func:`make_inputs` and call any form with
+keyword arguments, so one test body covers every rule and form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from fastweights import ops
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    forms: Tuple[Callable, ...]  # (recurrent reference, parallel, chunk)
+    beta: bool = False
+    g: bool = False
+    options: Dict = field(default_factory=dict)  # extra keyword arguments for every form
+
+    @property
+    def reference(self) -> Callable:
+        return self.forms[0]
+
+    def state_dims(self, k_dim: int, v_dim: int) -> Tuple[int, int]:
+        phi = ops.get_feature_map(self.options.get("feature_map"))
+        return phi.output_dim(k_dim), v_dim + int(self.options.get("normalize", False))
+
+
+LINEAR = (ops.recurrent_linear_attn, ops.parallel_linear_attn, ops.chunk_linear_attn)
+DELTA = (ops.recurrent_delta_rule, ops.parallel_delta_rule, ops.chunk_delta_rule)
+GATED = (ops.recurrent_gated_delta_rule, ops.parallel_gated_delta_rule, ops.chunk_gated_delta_rule)
+
+RULES = {
+    r.name: r
+    for r in (
+        Rule("linear", LINEAR),
+        Rule("linear_decay", LINEAR, g=True),
+        Rule("linear_elu_normalized", LINEAR, g=True, options=dict(feature_map="elu", normalize=True)),
+        Rule("delta", DELTA, beta=True),
+        Rule("delta_l2", DELTA, beta=True, options=dict(qk_norm="l2")),
+        Rule("gated_delta", GATED, beta=True, g=True),
+    )
+}
+
+
+def make_inputs(
+    rule: Rule,
+    B: int,
+    T: int,
+    H: int,
+    K: int,
+    V: int,
+    dtype=torch.float64,
+    initial_state: bool = False,
+    seed: int = 0,
+    requires_grad: bool = False,
+) -> Dict[str, torch.Tensor]:
+    """Random inputs for ``rule``: unit keys, β in (0, 1), g in (-1, 0)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x = dict(q=rand(B, T, H, K), k=F.normalize(rand(B, T, H, K), dim=-1), v=rand(B, T, H, V))
+    if rule.beta:
+        x["beta"] = torch.sigmoid(rand(B, T, H))
+    if rule.g:
+        x["g"] = F.logsigmoid(rand(B, T, H) + 2.0)
+    if initial_state:
+        kd, vd = rule.state_dims(K, V)
+        h0 = rand(B, H, kd, vd)
+        if rule.options.get("normalize"):
+            h0[..., -1] = h0[..., -1].abs() + 1.0  # a normalizer that came from positive features
+        x["initial_state"] = h0
+    x = {name: t.to(dtype) if name != "initial_state" else t for name, t in x.items()}
+    if requires_grad:
+        for t in x.values():
+            t.requires_grad_(True)
+    return x
+
+
+def call(form: Callable, rule: Rule, inputs: Dict[str, torch.Tensor], **kwargs):
+    return form(**inputs, **rule.options, **kwargs)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / max(‖b‖, tiny), in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
+    err = rel_err(got, want)
+    print(f"{name}: relative error {err:.2e} (tolerance {tol:.0e})")
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
+    return err

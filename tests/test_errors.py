@@ -1,0 +1,116 @@
+"""Bad input gets a ValueError/TypeError that names the argument, the expected and the received value."""
+
+import pytest
+import torch
+
+from fastweights import ops
+from helpers import RULES, make_inputs
+
+ALL_FORMS = [
+    pytest.param(rule, form, id=form.__name__)
+    for name, rule in RULES.items()
+    if name in ("linear_decay", "delta", "gated_delta")
+    for form in rule.forms
+]
+
+
+def good(rule, **overrides):
+    x = make_inputs(rule, 1, 12, 2, 4, 3, initial_state=True)
+    x.update(overrides)
+    return x
+
+
+def bad_cases(rule):
+    x = make_inputs(rule, 1, 12, 2, 4, 3, initial_state=True)
+    B, T, H, K = x["q"].shape
+    cases = {
+        "k-shape": (ValueError, r"`k` must have the shape of `q` \[1, 12, 2, 4\].*got \[1, 12, 2, 5\]", dict(k=torch.randn(B, T, H, 5, dtype=torch.float64))),
+        "v-shape": (ValueError, r"`v` must have shape \[B, T, H, V\] = \[1, 12, 2, V\].*got \[1, 11, 2, 3\]", dict(v=torch.randn(1, 11, 2, 3, dtype=torch.float64))),
+        "q-rank": (ValueError, r"`q` must have rank 4 with layout \[B, T, H, K\], got shape \[12, 2, 4\]", dict(q=x["q"][0])),
+        "k-dtype": (TypeError, r"`k` must have the dtype of `q` \(torch.float64\), got torch.float32", dict(k=x["k"].float())),
+        "q-int": (TypeError, r"`q` must be a floating-point tensor, got dtype torch.int64", dict(q=x["q"].long())),
+        "q-not-tensor": (TypeError, r"`q` must be a torch.Tensor", dict(q=x["q"].tolist())),
+        "k-device": (ValueError, r"`k` is on meta, expected the device of `q` \(cpu\)", dict(k=torch.empty(x["k"].shape, dtype=torch.float64, device="meta"))),
+        "state-shape": (ValueError, r"`initial_state` must have shape \[N, H, K, V\] = \[1, 2, 4, 3\], got \[1, 2, 3, 4\]", dict(initial_state=x["initial_state"].transpose(-1, -2).contiguous())),
+        "state-dtype": (TypeError, r"`initial_state` must have dtype torch.float64.*got torch.float32", dict(initial_state=x["initial_state"].float())),
+        "chunk-zero": (ValueError, r"`chunk_size` must be positive, got 0", dict(chunk_size=0)),
+        "chunk-negative": (ValueError, r"`chunk_size` must be positive, got -4", dict(chunk_size=-4)),
+        "chunk-float": (TypeError, r"`chunk_size` must be a positive int, got 2.5", dict(chunk_size=2.5)),
+        "q-nan": (ValueError, r"`q` contains 8 non-finite value\(s\) \(NaN or Inf\)", dict(q=x["q"].index_put((torch.tensor(0), torch.tensor(3)), torch.tensor(float("nan"), dtype=torch.float64)))),
+        "v-inf": (ValueError, r"`v` contains 6 non-finite value\(s\)", dict(v=torch.where(torch.arange(12)[None, :, None, None] == 5, float("inf"), x["v"]))),
+        "state-nan": (ValueError, r"`initial_state` contains", dict(initial_state=x["initial_state"] * float("nan"))),
+        "cu-not-increasing": (ValueError, r"`cu_seqlens` must be strictly increasing, got 5 followed by 5 at index 1", dict(cu_seqlens=torch.tensor([0, 5, 5, 12]), initial_state=None)),
+        "cu-decreasing": (ValueError, r"`cu_seqlens` must be strictly increasing, got 7 followed by 3", dict(cu_seqlens=torch.tensor([0, 7, 3, 12]), initial_state=None)),
+        "cu-wrong-end": (ValueError, r"`cu_seqlens` must end at the sequence length T=12, got 10", dict(cu_seqlens=torch.tensor([0, 4, 10]), initial_state=None)),
+        "cu-wrong-start": (ValueError, r"`cu_seqlens` must start at 0, got 2", dict(cu_seqlens=torch.tensor([2, 4, 12]), initial_state=None)),
+        "cu-float": (TypeError, r"`cu_seqlens` must have dtype torch.int64 or torch.int32, got torch.float32", dict(cu_seqlens=torch.tensor([0.0, 12.0]), initial_state=None)),
+        "cu-state-count": (ValueError, r"`initial_state` must have shape \[N, H, K, V\] = \[2, 2, 4, 3\], got \[1, 2, 4, 3\]", dict(cu_seqlens=torch.tensor([0, 4, 12]))),
+        "qk-norm": (ValueError, r"unknown `qk_norm` 'L2'", dict(qk_norm="L2")),
+        "feature-map": (ValueError, r"unknown `feature_map` 'softplus'", dict(feature_map="softplus")),
+        "scale-type": (TypeError, r"`scale` must be a float or None, got str", dict(scale="0.5")),
+    }
+    batched = make_inputs(rule, 2, 12, 2, 4, 3, initial_state=True)
+    cases["cu-with-batch"] = (ValueError, r"`cu_seqlens` requires batch size 1.*got batch size 2", dict(batched, cu_seqlens=torch.tensor([0, 5, 12]), initial_state=None))
+    for name in ("beta", "g"):
+        if name in x:
+            cases[f"{name}-shape"] = (ValueError, rf"`{name}` must have shape \[B, T, H\] = \[1, 12, 2\], got \[1, 11, 2\]", {name: x[name][:, :11]})
+    return cases
+
+
+CASES = [
+    pytest.param(p.values[0], p.values[1], case, id=f"{p.id}-{case}")
+    for p in ALL_FORMS
+    for case in sorted(bad_cases(p.values[0]))
+]
+
+
+@pytest.mark.parametrize("rule,form,case", CASES)
+def test_bad_input_names_the_argument(rule, form, case):
+    error, pattern, overrides = bad_cases(rule)[case]
+    x = good(rule, **overrides)
+    with pytest.raises(error, match=rf"^{form.__name__}: .*{pattern}"):
+        form(**x)
+
+
+@pytest.mark.parametrize("form", [ops.recurrent_delta_rule, ops.chunk_delta_rule, ops.chunk_gated_delta_rule])
+def test_missing_beta_is_a_type_error(form):
+    x = make_inputs(RULES["gated_delta"], 1, 5, 1, 4, 4)
+    x.pop("beta")
+    if "gated" not in form.__name__:
+        x.pop("g")
+    with pytest.raises(TypeError, match="`beta` is required"):
+        form(**x, beta=None)
+
+
+def test_missing_g_is_a_type_error():
+    x = make_inputs(RULES["gated_delta"], 1, 5, 1, 4, 4)
+    x["g"] = None
+    with pytest.raises(TypeError, match="`g` is required"):
+        ops.chunk_gated_delta_rule(**x)
+
+
+def test_finite_check_can_be_switched_off():
+    """The documented flag: with the check off, NaN propagates instead of raising."""
+    rule = RULES["delta"]
+    x = make_inputs(rule, 1, 6, 1, 4, 4)
+    x["v"][0, 2] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ops.chunk_delta_rule(**x)
+    with ops.finite_checks(False):
+        o, _ = ops.chunk_delta_rule(**x)
+    assert torch.isnan(o).any()
+    with pytest.raises(ValueError, match="non-finite"):  # the context restored the check
+        ops.chunk_delta_rule(**x)
+
+
+def test_softmax_rejects_a_bad_cache():
+    q = torch.randn(2, 3, 2, 4)
+    _, cache = ops.softmax_attn(q, q, q, output_final_state=True)
+    with pytest.raises(TypeError, match="softmax_attn: `initial_state` must be a KVCache"):
+        ops.softmax_attn(q, q, q, initial_state=(cache.keys, cache.values))
+    with pytest.raises(ValueError, match=r"softmax_attn: `initial_state.keys` must have shape"):
+        ops.softmax_attn(q[:1], q[:1], q[:1], initial_state=cache)
+    with pytest.raises(TypeError, match=r"softmax_attn: `initial_state.keys` must have the dtype of `q`"):
+        ops.softmax_attn(q.double(), q.double(), q.double(), initial_state=cache)
+    with pytest.raises(ValueError, match=r"softmax_attn: `v` must have shape"):
+        ops.softmax_attn(q, q, q[:, :2])
