@@ -1,0 +1,342 @@
+"""A small causal language model whose token mixers are sequence memories.
+
+The whole model in one file. Glossary (code name -> meaning):
+
+- ``B, T``: batch size and number of tokens of this call; ``V``: vocabulary size;
+  ``D``: ``d_model``; ``L``: ``n_layers``.
+- mixer: the per-layer token mixer, one of :data:`fastweights.layers.MIXERS`
+  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``).
+- cache: :class:`LMCache`, every layer's decode state. A softmax layer's state is
+  a KV cache that grows by one row per token; a fast-weight layer's state is a
+  fixed ``[B, H, K, V]`` matrix plus W − 1 convolution inputs, whatever the context.
+
+Architecture (pre-norm residual blocks, as in GPT-2/Llama)::
+
+    x = embed(input_ids)                            (B, T, D)
+    for each block:
+        x = x + mixer(RMSNorm(x))                   token mixing: the memory
+        x = x + SwiGLU(RMSNorm(x))                  W_down (silu(W_gate x) ⊙ W_up x)
+    logits = lm_head(RMSNorm(x))                    (B, T, V); lm_head tied to embed optionally
+
+Generation prefills the prompt with the chunk form of each op, then decodes one
+token at a time from the carried state with the recurrent form (see
+:mod:`fastweights.layers`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import Config
+from ..layers import MIXERS, RMSNorm
+
+__all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
+
+
+@dataclass
+class LMConfig(Config):
+    """The model's shape and its mixers' options; checked on construction.
+
+    Args:
+        vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
+        mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, or
+            a list with one of these per layer (a hybrid).
+        max_seq_len: the longest input (prompt) one call accepts.
+        mlp_hidden: SwiGLU hidden size; ``None`` means 8/3·d_model rounded up to a multiple of 8.
+        tie_embeddings: share the input embedding and the output projection.
+        use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
+            fast-weight mixers (linear, deltanet, gated_deltanet).
+        qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet options
+            (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
+        use_output_gate: gate the normalized output of the fast-weight mixers.
+        feature_map, normalize: linear attention's φ and normalizer.
+        chunk_size: C of the chunk ops used for training and prefill.
+        norm_eps: RMSNorm epsilon; init_std: std of the normal weight init.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mixer: Union[str, List[str]] = "deltanet"
+    max_seq_len: int = 1024
+    mlp_hidden: Optional[int] = None
+    tie_embeddings: bool = True
+    use_short_conv: bool = True
+    conv_size: int = 4
+    qk_activation: str = "silu"
+    qk_norm: str = "l2"
+    allow_neg_eigval: bool = False
+    use_output_gate: bool = True
+    feature_map: str = "elu"
+    normalize: bool = True
+    chunk_size: int = 64
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
+        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden <= 0):
+            raise ValueError(f"LMConfig: `mlp_hidden` must be a positive int or None, got {self.mlp_hidden!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"LMConfig: `d_model`={self.d_model} must be divisible by `n_heads`={self.n_heads}")
+        mixers = self.mixers
+        if len(mixers) != self.n_layers:
+            raise ValueError(f"LMConfig: `mixer` lists {len(mixers)} mixers but `n_layers`={self.n_layers}; give one per layer")
+        for i, m in enumerate(mixers):
+            if m not in MIXERS:
+                where = "" if isinstance(self.mixer, str) else f" at layer {i}"
+                raise ValueError(f"LMConfig: unknown `mixer` {m!r}{where}; expected one of {', '.join(MIXERS)}")
+        if self.qk_activation not in ("silu", "elu", "elu+1", "relu", "identity"):
+            raise ValueError(f"LMConfig: unknown `qk_activation` {self.qk_activation!r}; expected silu, elu, relu or identity")
+        if self.qk_norm not in ("l2", "sum"):
+            raise ValueError(f"LMConfig: unknown `qk_norm` {self.qk_norm!r}; expected 'l2' or 'sum'")
+        for name in ("tie_embeddings", "use_short_conv", "allow_neg_eigval", "use_output_gate", "normalize"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LMConfig: `{name}` must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.mixer, tuple):
+            self.mixer = list(self.mixer)
+
+    @property
+    def mixers(self) -> List[str]:
+        """The mixer of each layer (a single name is repeated ``n_layers`` times)."""
+        if isinstance(self.mixer, str):
+            return [self.mixer] * self.n_layers
+        if isinstance(self.mixer, (list, tuple)) and all(isinstance(m, str) for m in self.mixer):
+            return list(self.mixer)
+        raise TypeError(f"LMConfig: `mixer` must be a name or a list of names, got {self.mixer!r}")
+
+    @property
+    def hidden_size(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return 8 * math.ceil(8 * self.d_model / 3 / 8)
+
+
+def build_mixer(name: str, config: LMConfig) -> nn.Module:
+    """One token mixer with the options of ``config`` that apply to it."""
+    shared = dict(
+        use_short_conv=config.use_short_conv, conv_size=config.conv_size, use_output_gate=config.use_output_gate,
+        norm_eps=config.norm_eps, chunk_size=config.chunk_size,
+    )
+    if name == "softmax":
+        return MIXERS[name](config.d_model, config.n_heads)
+    if name == "linear":
+        return MIXERS[name](config.d_model, config.n_heads, feature_map=config.feature_map, normalize=config.normalize, **shared)
+    return MIXERS[name](
+        config.d_model, config.n_heads, activation=config.qk_activation, qk_norm=config.qk_norm,
+        allow_neg_eigval=config.allow_neg_eigval, **shared,
+    )
+
+
+class SwiGLU(nn.Module):
+    """``W_down (silu(W_gate x) ⊙ W_up x)``: [B, T, D] -> [B, T, D] (Shazeer 2020)."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, mixer: str, config: LMConfig) -> None:
+        super().__init__()
+        self.mixer_name = mixer
+        self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mixer = build_mixer(mixer, config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, state=None):
+        h, state = self.mixer(self.mixer_norm(x), state)  # (B, T, D), the layer's new state
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+@dataclass
+class LMCache:
+    """Every layer's decode state, and how many tokens have been read.
+
+    ``states[i]`` is a :class:`~fastweights.ops.KVCache` for a softmax layer and a
+    :class:`~fastweights.layers.FastWeightState` otherwise.
+    """
+
+    states: list
+    length: int = 0
+    batch_size: int = 0
+    mixers: List[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all layers' states (constant in the context length for the
+        fast-weight mixers; linear in it for softmax layers)."""
+        return sum(s.nbytes for s in self.states)
+
+
+class LM(nn.Module):
+    """The causal LM of :class:`LMConfig`. ``model(input_ids, cache=None) -> (logits, cache)``.
+
+    Example::
+
+        >>> model = LM(LMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, mixer="deltanet"))
+        >>> logits, cache = model(torch.randint(0, 256, (2, 10)))
+        >>> logits.shape, cache.length
+        (torch.Size([2, 10, 256]), 10)
+        >>> out = model.generate(torch.randint(0, 256, (1, 5)), max_new_tokens=20)   # (1, 25)
+    """
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        if not isinstance(config, LMConfig):
+            raise TypeError(f"LM: `config` must be an LMConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(m, config) for m in config.mixers)
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L) (GPT-2)."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.blocks:
+            block.mixer.reset_parameters(std, out_std)
+            for lin, s in ((block.mlp.gate, std), (block.mlp.up, std), (block.mlp.down, out_std)):
+                nn.init.normal_(lin.weight, std=s)
+            for extra in ("b_proj", "a_proj"):
+                if hasattr(block.mixer, extra):
+                    nn.init.normal_(getattr(block.mixer, extra).weight, std=std)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # a tied weight is counted once
+
+    def _check_ids(self, input_ids, name: str = "input_ids") -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            what = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise TypeError(f"LM: `{name}` must be an int64 tensor of shape [B, T], got {what}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"LM: `{name}` must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"LM: `{name}` holds token ids in [{int(input_ids.min())}, {int(input_ids.max())}], "
+                f"outside the vocabulary [0, {self.config.vocab_size})"
+            )
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: Optional[LMCache] = None, *, return_cache: bool = True
+    ) -> Tuple[torch.Tensor, Optional[LMCache]]:
+        """``input_ids (B, T)`` -> ``(logits (B, T, V), cache)``.
+
+        With ``cache`` (from a previous call) the T tokens continue those sequences:
+        T = 1 is one decoding step through the recurrent ops. ``return_cache=False``
+        (training) skips building the cache.
+        """
+        self._check_ids(input_ids)
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"LM: `input_ids` has {T} tokens, more than `max_seq_len`={self.config.max_seq_len} of this model")
+        if cache is not None:
+            if not isinstance(cache, LMCache):
+                raise TypeError(f"LM: `cache` must be an LMCache returned by this model, got {type(cache).__name__}")
+            if len(cache.states) != len(self.blocks) or cache.mixers != self.config.mixers:
+                raise ValueError(f"LM: `cache` was made by a model with mixers {cache.mixers}, this one has {self.config.mixers}")
+            if cache.batch_size != B:
+                raise ValueError(f"LM: `cache` holds {cache.batch_size} sequences but `input_ids` has batch size {B}")
+        x = self.embed(input_ids)  # (B, T, D)
+        states = []
+        for i, block in enumerate(self.blocks):
+            x, state = block(x, None if cache is None else cache.states[i])
+            states.append(state)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if not return_cache:
+            return logits, None
+        length = T + (0 if cache is None else cache.length)
+        return logits, LMCache(states, length=length, batch_size=B, mixers=list(self.config.mixers))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+        return_cache: bool = False,
+    ):
+        """Continue each prompt by ``max_new_tokens`` sampled tokens.
+
+        Prefills the prompt once (chunk ops), then feeds one token at a time with the
+        cache (recurrent ops): memory per step is the cache, constant for fast-weight
+        mixers.
+
+        Args:
+            input_ids: ``(B, T)`` or ``(T,)`` prompt token ids, T <= ``max_seq_len``.
+            max_new_tokens: how many tokens to add (>= 0).
+            temperature: softmax temperature; 0 means greedy (argmax).
+            top_k: sample only among the k most likely tokens.
+            generator: a ``torch.Generator`` for reproducible sampling.
+            return_cache: also return the :class:`LMCache` (it has read every token but the last).
+
+        Returns:
+            ``(B, T + max_new_tokens)`` token ids (``(T + max_new_tokens,)`` for a 1-D
+            prompt), and the cache if ``return_cache``.
+        """
+        squeeze = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1
+        if squeeze:
+            input_ids = input_ids[None]
+        self._check_ids(input_ids, "prompt")
+        if input_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(
+                f"LM.generate: the prompt has {input_ids.shape[1]} tokens, more than the model allows "
+                f"(`max_seq_len`={self.config.max_seq_len}); shorten it"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"LM.generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"LM.generate: `temperature` must be a number >= 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+            raise ValueError(f"LM.generate: `top_k` must be a positive int or None, got {top_k!r}")
+        logits, cache = self(input_ids)  # prefill: chunk form
+        out = [input_ids]
+        for i in range(max_new_tokens):
+            token = self._sample(logits[:, -1], temperature, top_k, generator)  # (B, 1)
+            out.append(token)
+            if i + 1 < max_new_tokens:
+                logits, cache = self(token, cache)  # one step: recurrent form
+        ids = torch.cat(out, dim=1)
+        ids = ids[0] if squeeze else ids
+        return (ids, cache) if return_cache else ids
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator) -> torch.Tensor:
+        """``logits (B, V)`` -> next token ids ``(B, 1)``."""
+        if temperature == 0:
+            return logits.argmax(-1, keepdim=True)
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)

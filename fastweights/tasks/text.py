@@ -1,0 +1,68 @@
+"""Byte-level text: any file is a dataset, the vocabulary is the 256 byte values.
+
+No tokenizer, no download. The last ``val_fraction`` of the bytes is held out for
+evaluation; training windows are drawn uniformly from the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+VOCAB_SIZE = 256
+
+
+class ByteText:
+    """Windows of ``seq_len + 1`` bytes of a file, as (inputs, targets) ``[B, seq_len]`` pairs.
+
+    Args:
+        source: a file path, or the ``bytes`` themselves.
+        seq_len: tokens per training window.
+        val_fraction: share of the bytes (at the end) held out for evaluation.
+    """
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self, source, seq_len: int, val_fraction: float = 0.1) -> None:
+        if isinstance(source, (bytes, bytearray)):
+            data, name = bytes(source), "<bytes>"
+        else:
+            name = os.fspath(source)
+            if not os.path.isfile(name):
+                raise ValueError(f"ByteText: data file {name!r} does not exist (or is not a file)")
+            with open(name, "rb") as f:
+                data = f.read()
+        if len(data) == 0:
+            raise ValueError(f"ByteText: data file {name!r} is empty; it needs at least {2 * (seq_len + 1)} bytes")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"ByteText: `seq_len` must be a positive int, got {seq_len!r}")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"ByteText: `val_fraction` must be in (0, 1), got {val_fraction!r}")
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        n_val = max(seq_len + 1, int(len(tokens) * val_fraction))
+        if len(tokens) - n_val < seq_len + 1:
+            raise ValueError(
+                f"ByteText: data file {name!r} has {len(tokens)} bytes, too few for windows of "
+                f"seq_len + 1 = {seq_len + 1} in both the training and the held-out part "
+                f"(needs at least {2 * (seq_len + 1)}); use a longer file or a smaller --seq-len"
+            )
+        self.name, self.seq_len = name, seq_len
+        self.train, self.val = tokens[:-n_val], tokens[-n_val:]
+
+    def sample(self, batch_size: int, generator: Optional[torch.Generator] = None, split: str = "train") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Random windows: ``(inputs [B, seq_len], targets [B, seq_len])``, targets shifted by one."""
+        data = self.train if split == "train" else self.val
+        starts = torch.randint(0, len(data) - self.seq_len, (batch_size,), generator=generator)
+        windows = data[starts[:, None] + torch.arange(self.seq_len + 1)]
+        return windows[:, :-1], windows[:, 1:]
+
+    @staticmethod
+    def encode(text: str):
+        return list(text.encode("utf-8"))
+
+    @staticmethod
+    def decode(ids) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
