@@ -13,8 +13,7 @@ over the inputs (and a device sync on CUDA); switch it off with
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -23,7 +22,7 @@ __all__ = ["check_inputs", "finite_checks", "state_dtype", "compute_dtype"]
 _CHECK_FINITE = True
 
 
-class finite_checks(contextlib.ContextDecorator):
+class finite_checks:
     """Turn the NaN/Inf check on op inputs on or off.
 
     Use as a setter, ``finite_checks(False)``, which lasts until changed, or as a
@@ -183,8 +182,3 @@ def check_inputs(
         if t is not None:
             _check_finite(op, name, t)
     return n
-
-
-def iter_offsets(cu_seqlens: torch.Tensor) -> Iterator[Sequence[int]]:
-    offsets = cu_seqlens.tolist()
-    return zip(offsets[:-1], offsets[1:])
