@@ -119,3 +119,135 @@ def block_terms(
     q_decayed = q * torch.exp(b).unsqueeze(-1)
     k_decayed = k * torch.exp(b[..., -1:] - b).unsqueeze(-1)
     return q_decayed, k_decayed, intra, torch.exp(b[..., -1]), b
+
+
+# --------------------------------------------------------------------------------------
+# The fast chunk path (hand-written backward): shared pieces.
+#
+# Regrouping the chunk update by the incoming state h_c exposes what truly depends on
+# the previous chunk. For every rule,
+#
+#     h_{c+1} = M_c h_c + B_c          O_c = Q̂_c h_c + P_c U_c
+#
+# with, for the delta rules, M_c = e^{b_C} I − K̄ᵀ W (K×K), B_c = K̄ᵀ U, Q̂ = scale·Q_b − P W;
+# for linear attention M_c = e^{b_C} (a scalar; 1 without decay), B_c = K̄ᵀ V, Q̂ = scale·Q_b.
+# M, B and Q̂ are batched matmuls over all chunks; only h_{c+1} = M_c h_c + B_c is a
+# loop, one matmul per step. Its adjoint is the same loop run backwards with Mᵀ:
+#     dh_c = M_cᵀ dh_{c+1} + Q̂_cᵀ dO_c.
+# --------------------------------------------------------------------------------------
+
+
+def state_scan(
+    transition: Optional[torch.Tensor], inject: torch.Tensor, h0: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run ``h_{c+1} = M_c h_c + B_c`` over the chunks; the one sequential loop of the fast path.
+
+    Args:
+        transition: M, ``[N, H, NC, K, K]`` (delta rules), ``[N, H, NC]`` (a scalar
+            decay) or None (the identity).
+        inject: B, ``[N, H, NC, K, V]``.
+        h0: ``[N, H, K, V]`` or None (zeros).
+
+    Returns:
+        ``(states, h_T)``: ``states[:, :, c]`` is the state entering chunk c
+        (``[N, H, NC, K, V]``, the only per-chunk state the backward keeps), and
+        the state after the last chunk. Not differentiable by autograd (it writes
+        into a preallocated buffer); the callers' backward passes differentiate it.
+    """
+    n, nh, nc, dk, dv = inject.shape
+    h = inject.new_zeros(n, nh, dk, dv) if h0 is None else h0.to(inject.dtype)
+    if transition is None:  # a plain running sum: no loop at all
+        ends = inject.cumsum(2).add_(h[:, :, None])
+        return torch.cat([h[:, :, None], ends[:, :, :-1]], dim=2), ends[:, :, -1]
+    states = inject.new_empty(n, nh, nc, dk, dv)
+    for c in range(nc):
+        states[:, :, c] = h
+        if transition.dim() == 3:
+            h = torch.addcmul(inject[:, :, c], transition[:, :, c, None, None], h)
+        else:
+            h = torch.matmul(transition[:, :, c], h).add_(inject[:, :, c])
+    return states, h
+
+
+def state_scan_backward(
+    transition: Optional[torch.Tensor], inject_grad: torch.Tensor, dh_final: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Adjoint of :func:`state_scan`: ``dh_c = M_cᵀ dh_{c+1} + G_c``, from the last chunk down.
+
+    Args:
+        transition: as in :func:`state_scan`.
+        inject_grad: G, ``[N, H, NC, K, V]``, the gradient reaching each chunk's
+            incoming state from that chunk's own outputs (``Q̂_cᵀ dO_c``).
+        dh_final: ``[N, H, K, V]``, the cotangent of the final state.
+
+    Returns:
+        ``(dh_next, dh0)``: ``dh_next[:, :, c]`` is the gradient with respect to the
+        state *leaving* chunk c (``[N, H, NC, K, V]``), and the gradient with respect
+        to the initial state.
+    """
+    nc = inject_grad.shape[2]
+    dh = dh_final.to(inject_grad.dtype)
+    if transition is None:  # adjoint of the running sum: a reversed running sum
+        starts = inject_grad.flip(2).cumsum(2).flip(2).add_(dh[:, :, None])
+        return torch.cat([starts[:, :, 1:], dh[:, :, None]], dim=2), starts[:, :, 0]
+    dh_next = torch.empty_like(inject_grad)
+    for c in range(nc - 1, -1, -1):
+        dh_next[:, :, c] = dh
+        if transition.dim() == 3:
+            dh = torch.addcmul(inject_grad[:, :, c], transition[:, :, c, None, None], dh)
+        else:
+            dh = torch.matmul(transition[:, :, c].transpose(-1, -2), dh).add_(inject_grad[:, :, c])
+    return dh_next, dh
+
+
+def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``y_j = Σ_{r ≥ j} x_r`` along the last dim: the adjoint of ``cumsum``."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+def decay_pair_grad(e: torch.Tensor) -> torch.Tensor:
+    """Gradient of b through a matrix ``M[r, i] = X[r, i] · exp(b_r − b_i)``, given ``E = dM ⊙ M``.
+
+    ``∂M[r, i]/∂b_r = M[r, i]`` and ``∂M[r, i]/∂b_i = −M[r, i]``, so
+    ``db_r = Σ_i E[r, i] − Σ_i E[i, r]`` (row sums minus column sums).
+    """
+    return e.sum(-1) - e.sum(-2)
+
+
+def read_write_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    b: Optional[torch.Tensor],
+    scores: torch.Tensor,
+    q_decayed: torch.Tensor,
+    k_decayed: torch.Tensor,
+    d_scores: torch.Tensor,
+    d_q_decayed: torch.Tensor,
+    d_k_decayed: torch.Tensor,
+    d_chunk_decay: Optional[torch.Tensor],
+    chunk_decay: Optional[torch.Tensor],
+    scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Gradients through the terms every rule shares (``block_terms``), per chunk.
+
+    The forward terms are ``P = scale · (Q Kᵀ ⊙ Γ)`` (causal, diagonal included),
+    ``Q_b = Q ⊙ e^b``, ``K̄ = K ⊙ e^{b_C − b}`` and ``e^{b_C}``. Given their
+    cotangents (``d_scores`` need not be masked: Γ masks it), returns
+    ``(dq, dk, db)`` with ``db`` the gradient of the cumulative log decay b
+    (None without decay).
+    """
+    gamma = decay_matrix(b, q.shape[-2], q.device, q.dtype)
+    d_qk = scale * d_scores * gamma
+    dq = d_qk @ k
+    dk = d_qk.transpose(-1, -2) @ q
+    if b is None:
+        return dq + d_q_decayed, dk + d_k_decayed, None
+    dq = dq + d_q_decayed * torch.exp(b).unsqueeze(-1)
+    dk = dk + d_k_decayed * torch.exp(b[..., -1:] - b).unsqueeze(-1)
+    write = (d_k_decayed * k_decayed).sum(-1)  # ∂/∂(b_C − b_r) of K̄
+    db = (d_q_decayed * q_decayed).sum(-1) - write + decay_pair_grad(d_scores * scores)
+    last = write.sum(-1)
+    if d_chunk_decay is not None:
+        last = last + d_chunk_decay * chunk_decay
+    db[..., -1] += last
+    return dq, dk, db
