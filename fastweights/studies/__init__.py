@@ -1,0 +1,43 @@
+"""Experiments that reproduce the seeds, each a library function with a command line.
+
+=============  ==========================================  ===============================
+study          what it reproduces                          entry point
+=============  ==========================================  ===============================
+``capacity``   seed 000: recall under a fixed capacity      :func:`capacity.run_capacity`
+               (sealed protocol, more arms, width sweep)
+``costs``      seed 000 Fig. 17.1 and its audit; seed 002   :func:`costs.run_costs`
+               memory-per-session calculator
+``retrieval``  seed 001: Schlag et al. (2021) settings 1/2  :func:`retrieval.run_retrieval`
+``mqar``       multi-query associative recall (Arora et     :func:`mqar.run_mqar`
+               al. 2023) on :class:`fastweights.models.LM`
+=============  ==========================================  ===============================
+
+Every study is deterministic given its root seed, has a quick default and a
+``full`` setting, prints a table (``report(result)``), and with an output folder
+writes ``<study>.json``, ``<study>.csv`` and PNG plots. The capacity, costs and
+retrieval studies call :mod:`fastweights.ops` directly (DESIGN.md: a study never
+re-implements a layer; a raw memory is an op); MQAR trains full models.
+
+Run one from the shell with ``fastweights study <name> [--full] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+STUDIES = {
+    "capacity": "fastweights.studies.capacity",
+    "costs": "fastweights.studies.costs",
+    "retrieval": "fastweights.studies.retrieval",
+    "mqar": "fastweights.studies.mqar",
+}
+
+
+def get_study(name: str):
+    """The module of study ``name``; a ``ValueError`` naming ``study`` for an unknown one."""
+    if name not in STUDIES:
+        raise ValueError(f"unknown `study` {name!r}; expected one of {', '.join(STUDIES)}")
+    return importlib.import_module(STUDIES[name])
+
+
+__all__ = ["STUDIES", "get_study"]

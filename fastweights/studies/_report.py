@@ -1,0 +1,126 @@
+"""What every study shares: seeds, tables, JSON/CSV files and matplotlib figures.
+
+A study returns a plain ``dict`` (JSON-ready) and writes, under its output folder,
+``<study>.json``, ``<study>.csv`` (its main table) and PNG plots. Figures are drawn
+with matplotlib's Agg backend, so no display is needed; matplotlib is the ``plots``
+extra and is imported only when a figure is drawn.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+BRANCHES = ("dev1", "dev2", "heldout")
+
+
+def branch_seed_sequence(root_seed: int, branch: str, *key: int) -> np.random.SeedSequence:
+    """The seed sequence of ``branch`` (``dev1``, ``dev2`` or ``heldout``) under ``root_seed``.
+
+    The three branches are the children ``spawn_key=(0,)``, ``(1,)``, ``(2,)`` of one
+    root ``SeedSequence`` (what ``SeedSequence(root_seed).spawn(3)`` returns), so
+    they are disjoint by construction; ``key`` extends the spawn key further (for
+    example with a cell's width and load), so every cell of every branch draws from
+    its own stream, and adding a cell never shifts another cell's numbers.
+    """
+    if isinstance(root_seed, bool) or not isinstance(root_seed, (int, np.integer)) or root_seed < 0:
+        raise ValueError(f"`root_seed` must be a non-negative int, got {root_seed!r}")
+    if branch not in BRANCHES:
+        raise ValueError(f"`branch` must be one of {', '.join(BRANCHES)}, got {branch!r}")
+    return np.random.SeedSequence(int(root_seed), spawn_key=(BRANCHES.index(branch),) + tuple(int(k) for k in key))
+
+
+def torch_generator(seed_sequence: np.random.SeedSequence):
+    """A ``torch.Generator`` seeded from a ``SeedSequence`` (64 bits of its state)."""
+    import torch
+
+    state = seed_sequence.generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def mean_se(values: Sequence[float]) -> Dict[str, float]:
+    """Mean and standard error (sample std / √n) of ``values``; ``se`` is 0 for n = 1."""
+    x = np.asarray(values, dtype=np.float64)
+    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+    return {"mean": float(x.mean()), "se": se}
+
+
+def format_table(rows: List[Dict], columns: Sequence[str], floatfmt: str = ".3f", title: Optional[str] = None) -> str:
+    """A plain-text table of ``rows`` (dicts) with the given ``columns``."""
+
+    def cell(v):
+        if isinstance(v, float):
+            return "nan" if math.isnan(v) else format(v, floatfmt)
+        return "" if v is None else str(v)
+
+    body = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
+    lines = [] if title is None else [title]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(b[i].rjust(w) for i, w in enumerate(widths)) for b in body)
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, result: Dict) -> None:
+    _atomic_write(Path(path), json.dumps(result, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def write_csv(path: Path, rows: Iterable[Dict], columns: Sequence[str]) -> None:
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow(r)
+    _atomic_write(Path(path), buf.getvalue())
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    try:
+        import matplotlib
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the studies' plots need matplotlib: pip install 'fastweights[plots]'") from e
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 100) -> str:
+    """Save ``fig`` as PNG at ``path`` (folders created), close it, return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    pyplot().close(fig)
+    return str(path)
