@@ -194,8 +194,13 @@ class CapacityConfig:
 
 
 def recursive_least_squares(
-    keys: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, ridge: float = 1e-6
-) -> torch.Tensor:
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    gamma: float = 1.0,
+    ridge: float = 1e-6,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    return_covariance: bool = False,
+):
     """Exact exponentially weighted least squares, one token at a time.
 
     Returns the state ``h_t = M_tᵀ`` (K×V, the layout of the ops) of
@@ -216,9 +221,12 @@ def recursive_least_squares(
         keys: ``[B, T, K]``; values: ``[B, T, V]``; computed in float64.
         gamma: γ in (0, 1], the history weight; 1 is ordinary ridge regression.
         ridge: λ > 0, the initial ridge (P_0 = I/λ), decayed by γ^t as the data are.
+        initial_state: ``(h [B, K, V], P [B, K, K])`` to resume from (as returned
+            with ``return_covariance=True``); ``None`` starts from h = 0, P = I/λ.
+        return_covariance: also return P, the rest of the solver's state.
 
     Returns:
-        ``h [B, K, V]`` in float64.
+        ``h [B, K, V]`` in float64, or ``(h, P)`` with ``return_covariance``.
     """
     if keys.dim() != 3 or values.dim() != 3 or keys.shape[:2] != values.shape[:2]:
         raise ValueError(f"recursive_least_squares: `keys` [B, T, K] and `values` [B, T, V] must agree in B, T; "
@@ -230,8 +238,14 @@ def recursive_least_squares(
     k = keys.to(torch.float64)
     v = values.to(torch.float64)
     b, t_len, dk = k.shape
-    h = k.new_zeros(b, dk, v.shape[-1])
-    p = torch.eye(dk, dtype=torch.float64).expand(b, dk, dk) / ridge
+    if initial_state is None:
+        h = k.new_zeros(b, dk, v.shape[-1])
+        p = torch.eye(dk, dtype=torch.float64).expand(b, dk, dk) / ridge
+    else:
+        h, p = (x.to(torch.float64) for x in initial_state)
+        if h.shape != (b, dk, v.shape[-1]) or p.shape != (b, dk, dk):
+            raise ValueError(f"recursive_least_squares: `initial_state` must be (h {[b, dk, v.shape[-1]]}, "
+                             f"P {[b, dk, dk]}), got ({list(h.shape)}, {list(p.shape)})")
     for t in range(t_len):
         k_t = k[:, t]
         pk = torch.einsum("bij,bj->bi", p, k_t)  # P is symmetric: P k = (kᵀ P)ᵀ
@@ -239,7 +253,7 @@ def recursive_least_squares(
         residual = v[:, t] - torch.einsum("bkv,bk->bv", h, k_t)
         h = h + gain[:, :, None] * residual[:, None, :]
         p = (p - gain[:, :, None] * pk[:, None, :]) / gamma
-    return h
+    return (h, p) if return_covariance else h
 
 
 def weighted_least_squares(keys: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, ridge: float = 1e-6) -> torch.Tensor:
