@@ -1,0 +1,85 @@
+"""Optional Triton kernels for the chunk delta rules and the one-token decode step.
+
+Install with ``pip install fastweights[triton]``. Nothing here imports Triton's
+kernels until they are first used, because Triton decides when a kernel module is
+imported whether ``@triton.jit`` compiles for the GPU or runs on numpy
+(``TRITON_INTERPRET=1``, how the tests run them on the CPU).
+
+=============================  ===============================================
+file                           what
+=============================  ===============================================
+``_chunk_kernels.py``          the four kernels (WY, state, state adjoint, grads)
+``chunk.py``                   launchers, the ``autograd.Function``, the front end
+``decode.py``                  the fused one-token step and its PyTorch twin
+=============================  ===============================================
+
+The public ops ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` take
+``backend="auto" | "torch" | "triton"``; :func:`select_backend` decides.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+try:  # the optional extra
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "torch", "triton")
+MAX_HEAD_DIM = 256  # K and V the kernels accept (64 and 128 are the fast sizes)
+CHUNK_SIZE = 64  # the kernels' chunk length
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+__all__ = ["HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "select_backend", "interpreting"]
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def select_backend(op: str, backend: str, q: torch.Tensor, key_dim: Optional[int] = None,
+                   value_dim: Optional[int] = None, chunk_size: int = CHUNK_SIZE) -> str:
+    """``"torch"`` or ``"triton"`` for one call of a chunk op.
+
+    ``auto`` takes Triton for CUDA tensors in fp32/bf16/fp16 with K, V <= 256 and
+    chunk size 64 when Triton imports, and PyTorch otherwise (CPU tensors, fp64,
+    other sizes). ``triton`` insists, and says why when it cannot.
+    ``key_dim``/``value_dim`` are the state's sizes (after any feature map).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+    if backend == "torch" or not isinstance(q, torch.Tensor):
+        return "torch"
+    key_dim = q.shape[-1] if key_dim is None else key_dim
+    value_dim = value_dim if value_dim is not None else key_dim
+    if backend == "auto":
+        ok = (
+            HAS_TRITON and q.is_cuda and q.dtype in TRITON_DTYPES and chunk_size == CHUNK_SIZE
+            and key_dim <= MAX_HEAD_DIM and value_dim <= MAX_HEAD_DIM
+        )
+        return "triton" if ok else "torch"
+    if not HAS_TRITON:
+        raise ImportError(f"{op}: backend='triton' needs the triton package: pip install 'fastweights[triton]'")
+    if not q.is_cuda and not interpreting():
+        raise ValueError(
+            f"{op}: backend='triton' needs CUDA tensors, got `q` on {q.device}; use backend='torch' (or "
+            f"'auto'), or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU"
+        )
+    if q.dtype not in TRITON_DTYPES:
+        raise TypeError(f"{op}: backend='triton' supports float32, bfloat16 and float16 inputs, got `q` of dtype {q.dtype}")
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"{op}: backend='triton' supports `chunk_size`={CHUNK_SIZE} only, got {chunk_size}")
+    for name, dim in (("key (q, k)", key_dim), ("value (v)", value_dim)):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{op}: backend='triton' supports head sizes up to {MAX_HEAD_DIM}, got {name} size {dim}; "
+                f"use backend='torch'"
+            )
+    return "triton"

@@ -1,0 +1,229 @@
+"""The chunk (gated) delta rule on Triton: launchers, autograd.Function, front end.
+
+Equivalent to :func:`fastweights.ops.delta_rule.chunk.delta_rule_chunk` (same
+maths, same regrouping; ``_chunk_kernels.py`` lists the symbols) and therefore to
+the recurrent reference ``recurrent_delta_rule`` / ``recurrent_gated_delta_rule``.
+
+Forward (two launches)::
+
+    _wy_fwd_kernel     [chunks, H]          b, A⁻ = (I + A)⁻¹, W, U      (fully parallel)
+    _state_fwd_kernel  [V/BV, N·H]          U', O, h per chunk           (sequential in chunks)
+
+Backward (two launches)::
+
+    _state_bwd_kernel  [V/BV, N·H]          dU', dh per chunk, dh0       (sequential, reversed)
+    _grads_kernel      [chunks, H]          dq, dk, dv, dβ, dg           (fully parallel)
+
+Memory kept for the backward: the inputs, b, A⁻ (C per token), W and U (K + V
+per token, fp32) and the state entering every chunk (``[chunks, H, K, V]``,
+fp32) -- the same per-chunk states the PyTorch chunk form keeps.
+
+The kernels read the inputs in their own layout ``[B, T, H, D]`` (no transposes,
+no fp32 copies of bf16 inputs) and take varlen batches natively through
+``cu_seqlens`` (a plain batch is B sequences of T tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from .._checks import check_inputs
+from ..feature_maps import FeatureMapLike, Identity, get_feature_map, normalize_qk
+from . import CHUNK_SIZE, interpreting
+from . import _chunk_kernels as kernels
+
+BT = CHUNK_SIZE
+
+
+def _autotuned(kernel, key):
+    """Autotune warps and stages on a GPU; one fixed config under the interpreter."""
+    if interpreting():
+        return kernel
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+    return triton.autotune(configs=configs, key=key)(kernel)
+
+
+_KEY = ["K", "V", "BV", "GATED", "PREC"]
+_wy_fwd = _autotuned(kernels._wy_fwd_kernel, _KEY)
+_state_fwd = _autotuned(kernels._state_fwd_kernel, _KEY + ["HAS_H0", "SAVE_STATES"])
+_state_bwd = _autotuned(kernels._state_bwd_kernel, _KEY + ["HAS_DHT", "STORE_DH0"])
+_grads = _autotuned(kernels._grads_kernel, _KEY)
+
+
+def _block(dim: int, cap: int) -> int:
+    return min(cap, max(16, triton.next_power_of_2(dim)))
+
+
+def _value_block(value_dim: int, n_programs: int, device: torch.device) -> int:
+    """V-block of the sequential kernels: 64, or 32 when (sequences × heads) leave SMs idle."""
+    bv = _block(value_dim, 64)
+    if bv == 64 and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if n_programs * triton.cdiv(value_dim, 64) < 2 * sms:
+            bv = 32
+    return bv
+
+
+def chunk_tables(cu_seqlens: Optional[torch.Tensor], batch: int, length: int, device) -> Tuple[torch.Tensor, ...]:
+    """``(cu_seqlens, chunk_indices [NT, 2], chunk_offsets [N + 1])`` for the kernels.
+
+    A plain batch is B sequences of T tokens packed along B·T, so one code path
+    serves both; chunk c of sequence n is global chunk ``chunk_offsets[n] + c``.
+    """
+    if cu_seqlens is None:
+        n_chunks = triton.cdiv(length, BT)
+        cu = torch.arange(0, batch + 1, device=device, dtype=torch.int64) * length
+        counts = torch.full((batch,), n_chunks, device=device, dtype=torch.int64)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        counts = (cu[1:] - cu[:-1] + BT - 1) // BT
+    offsets = torch.zeros(counts.numel() + 1, device=device, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    total = int(offsets[-1]) if cu_seqlens is not None else batch * triton.cdiv(length, BT)
+    seq = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=total)
+    within = torch.arange(total, device=device) - offsets[seq]
+    return cu, torch.stack([seq, within], dim=1).to(torch.int32).contiguous(), offsets.to(torch.int32)
+
+
+def _precision(v: torch.Tensor) -> str:
+    return "ieee" if v.dtype == torch.float32 else "tf32"
+
+
+def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, save_for_backward: bool):
+    """Forward launches on ``[B, T, H, D]`` inputs; returns ``(o, h_T, saved)``."""
+    batch, length, heads, dk = q.shape
+    dv = v.shape[-1]
+    n_seqs = chunk_offsets.numel() - 1
+    n_chunks = chunk_indices.shape[0]
+    dev = q.device
+    gated = g is not None
+    bk = _block(dk, 256)
+    bv = _value_block(dv, n_seqs * heads, dev)
+    prec = _precision(v)
+    tokens = batch * length
+
+    bcum = torch.empty(tokens, heads, device=dev, dtype=torch.float32) if gated else beta
+    ainv = torch.empty(tokens, heads, BT, device=dev, dtype=torch.float32)
+    w = torch.empty(tokens, heads, dk, device=dev, dtype=torch.float32)
+    u = torch.empty(tokens, heads, dv, device=dev, dtype=torch.float32)
+    _wy_fwd[(n_chunks, heads)](
+        k, v, beta, g if gated else beta, bcum, ainv, w, u, cu, chunk_indices,
+        heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, PREC=prec,
+    )
+    o = torch.empty_like(v)
+    h_final = torch.empty(n_seqs, heads, dk, dv, device=dev, dtype=torch.float32)
+    states = torch.empty(n_chunks if save_for_backward else 1, heads, dk, dv, device=dev, dtype=torch.float32)
+    _state_fwd[(triton.cdiv(dv, bv), n_seqs * heads)](
+        q, k, w, u, bcum, o, h0 if h0 is not None else h_final, h_final, states, cu, chunk_offsets, scale,
+        heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, HAS_H0=h0 is not None, STORE_FINAL=True,
+        SAVE_STATES=save_for_backward, PREC=prec,
+    )
+    return o, h_final, (bcum, ainv, w, u, states)
+
+
+def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, saved, do, dh_final):
+    """Backward launches; returns ``(dq, dk, dv, dbeta, dg, dh0)`` (``dg``/``dh0`` None when absent)."""
+    bcum, ainv, w, u, states = saved
+    batch, length, heads, dk = q.shape
+    dv = v.shape[-1]
+    n_seqs = chunk_offsets.numel() - 1
+    n_chunks = chunk_indices.shape[0]
+    dev = q.device
+    gated = g is not None
+    bk = _block(dk, 256)
+    bv = _value_block(dv, n_seqs * heads, dev)
+    prec = _precision(v)
+
+    do = do.contiguous()
+    dstates = torch.empty_like(states)
+    du = torch.empty_like(u)
+    dh0 = torch.empty_like(h0) if h0 is not None else None
+    _state_bwd[(triton.cdiv(dv, bv), n_seqs * heads)](
+        q, k, w, bcum, do, dh_final if dh_final is not None else du, dh0 if dh0 is not None else du,
+        dstates, du, cu, chunk_offsets, scale,
+        heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, HAS_DHT=dh_final is not None,
+        STORE_DH0=dh0 is not None, PREC=prec,
+    )
+    dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    dg = torch.empty_like(g) if gated else None
+    _grads[(n_chunks, heads)](
+        q, k, v, beta, bcum, ainv, w, u, states, dstates, do, du,
+        dq, dk_, dv_, dbeta, dg if gated else dbeta, cu, chunk_indices, scale,
+        heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, PREC=prec,
+    )
+    return dq, dk_, dv_, dbeta, dg, dh0
+
+
+class ChunkDeltaRuleTriton(torch.autograd.Function):
+    """``apply(q, k, v, beta, g, h0, scale, cu_seqlens) -> (o, h_T)`` on ``[B, T, H, D]`` tensors.
+
+    ``g=None`` is the plain delta rule; ``h0`` may be None. ``cu_seqlens`` (B = 1)
+    packs sequences along T. Gradients reach q, k, v, beta, g and h0, and the
+    cotangent of h_T is honoured. Double backward is not supported.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, h0, scale, cu_seqlens):
+        q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+        g = None if g is None else g.contiguous()
+        h0 = None if h0 is None else h0.contiguous()
+        cu, chunk_indices, chunk_offsets = chunk_tables(cu_seqlens, q.shape[0], q.shape[1], q.device)
+        train = any(ctx.needs_input_grad[:6])
+        o, h_final, saved = chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, train)
+        if train:
+            ctx.save_for_backward(q, k, v, beta, g, h0, cu, chunk_indices, chunk_offsets, *saved)
+            ctx.scale = scale
+        ctx.set_materialize_grads(False)
+        return o, h_final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dh_final):
+        q, k, v, beta, g, h0, cu, chunk_indices, chunk_offsets, *saved = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dbeta, dg, dh0 = chunk_bwd(
+            q, k, v, beta, g, h0, ctx.scale, cu, chunk_indices, chunk_offsets, saved, do, dh_final,
+        )
+        return dq, dk, dv, dbeta, dg, dh0, None, None
+
+
+def chunk_op_triton(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    chunk_size: int = CHUNK_SIZE,
+    feature_map: FeatureMapLike = None,
+    qk_norm: Optional[str] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The Triton path of ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (same arguments and returns).
+
+    Validation is the shared ``check_inputs``; ``select_backend`` has already
+    checked dtype, head sizes and chunk size. Feature maps and q/k normalization
+    run in PyTorch (fp32) in front of the kernels, as in ``run_op``.
+    """
+    if qk_norm not in (None, "l2", "sum"):
+        raise ValueError(f"{op}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
+    phi = get_feature_map(feature_map, op)
+    check_inputs(
+        op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=phi.output_dim(q.shape[-1]),
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
+    )
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not isinstance(phi, Identity) or qk_norm is not None:
+        q = normalize_qk(phi(q.float()), qk_norm, op)
+        k = normalize_qk(phi(k.float()), qk_norm, op)
+    o, h_final = ChunkDeltaRuleTriton.apply(q, k, v, beta, g, initial_state, scale, cu_seqlens)
+    return o, (h_final if output_final_state else None)
