@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 from .._chunk import block_terms, from_chunks, read_write_backward, reverse_cumsum, state_scan, state_scan_backward, to_chunks
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
+from ..triton import chunk_op_triton, select_backend
 from .wy import ut_factors
 
 
@@ -172,6 +173,7 @@ def chunk_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule, chunkwise parallel: the fast path for training.
 
@@ -183,10 +185,15 @@ def chunk_delta_rule(
     Args beyond the reference's:
         chunk_size: C, tokens per chunk (T need not be a multiple of C). The
             intra-chunk work is O(T·C·(K+V) + T·C²); the sequential loop has T/C steps.
+        backend: ``"auto"`` (Triton kernels for CUDA tensors when ``fastweights[triton]``
+            is installed, PyTorch otherwise), ``"torch"`` or ``"triton"``
+            (``fastweights/ops/triton/``: fp32/bf16/fp16, K, V <= 256, chunk size 64).
     """
-    return run_op(
-        "chunk_delta_rule", delta_rule_chunk, q, k, v, beta=beta, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, feature_map=feature_map,
-        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
+    kwargs = dict(
+        beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
     )
+    if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
+        return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)
+    return run_op("chunk_delta_rule", delta_rule_chunk, q, k, v, **kwargs, requires_beta=True)

@@ -20,6 +20,7 @@ import torch
 from .._frontend import run_op
 from ..delta_rule.chunk import delta_rule_chunk
 from ..feature_maps import FeatureMapLike
+from ..triton import chunk_op_triton, select_backend
 
 
 def chunk_gated_delta_rule(
@@ -36,16 +37,20 @@ def chunk_gated_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    backend: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
 
     Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_rule` (same
     arguments and returns), called as ``(q, k, v, g, beta, ...)`` like
-    flash-linear-attention. ``chunk_size`` as in :func:`chunk_delta_rule`.
+    flash-linear-attention. ``chunk_size`` and ``backend`` as in :func:`chunk_delta_rule`.
     """
-    return run_op(
-        "chunk_gated_delta_rule", delta_rule_chunk, q, k, v, beta=beta, g=g, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, feature_map=feature_map,
-        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
+    kwargs = dict(
+        beta=beta, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_g=True,
     )
+    op = "chunk_gated_delta_rule"
+    if select_backend(op, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
+        return chunk_op_triton(op, q, k, v, **kwargs)
+    return run_op(op, delta_rule_chunk, q, k, v, **kwargs, requires_beta=True)

@@ -36,7 +36,8 @@ MAX_HEAD_DIM = 256  # K and V the kernels accept (64 and 128 are the fast sizes)
 CHUNK_SIZE = 64  # the kernels' chunk length
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-__all__ = ["HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "select_backend", "interpreting"]
+__all__ = ["HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "select_backend", "interpreting", "chunk_op_triton",
+           "delta_rule_step"]
 
 
 def interpreting() -> bool:
@@ -44,21 +45,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def select_backend(op: str, backend: str, q: torch.Tensor, key_dim: Optional[int] = None,
-                   value_dim: Optional[int] = None, chunk_size: int = CHUNK_SIZE) -> str:
+def select_backend(op: str, backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None, *,
+                   chunk_size: int = CHUNK_SIZE, feature_map=None) -> str:
     """``"torch"`` or ``"triton"`` for one call of a chunk op.
 
     ``auto`` takes Triton for CUDA tensors in fp32/bf16/fp16 with K, V <= 256 and
     chunk size 64 when Triton imports, and PyTorch otherwise (CPU tensors, fp64,
-    other sizes). ``triton`` insists, and says why when it cannot.
-    ``key_dim``/``value_dim`` are the state's sizes (after any feature map).
+    other sizes). ``triton`` insists, and says why when it cannot. K is the
+    state's key size, after any ``feature_map``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
     if backend == "torch" or not isinstance(q, torch.Tensor):
         return "torch"
-    key_dim = q.shape[-1] if key_dim is None else key_dim
-    value_dim = value_dim if value_dim is not None else key_dim
+    from ..feature_maps import get_feature_map
+
+    key_dim = get_feature_map(feature_map, op).output_dim(q.shape[-1])
+    value_dim = v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() > 0 else key_dim
     if backend == "auto":
         ok = (
             HAS_TRITON and q.is_cuda and q.dtype in TRITON_DTYPES and chunk_size == CHUNK_SIZE
@@ -83,3 +86,17 @@ def select_backend(op: str, backend: str, q: torch.Tensor, key_dim: Optional[int
                 f"use backend='torch'"
             )
     return "triton"
+
+
+def chunk_op_triton(op: str, q, k, v, **kwargs):
+    """The Triton path of the chunk delta ops; imports the kernels on first use (see ``chunk.py``)."""
+    from .chunk import chunk_op_triton as run
+
+    return run(op, q, k, v, **kwargs)
+
+
+def delta_rule_step(*args, **kwargs):
+    """One decode step of the (gated) delta rule; see :func:`fastweights.ops.triton.decode.delta_rule_step`."""
+    from .decode import delta_rule_step as step
+
+    return step(*args, **kwargs)

@@ -198,7 +198,7 @@ def chunk_op_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    beta: torch.Tensor,
+    beta: Optional[torch.Tensor],
     g: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
@@ -207,6 +207,7 @@ def chunk_op_triton(
     chunk_size: int = CHUNK_SIZE,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
+    requires_g: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The Triton path of ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (same arguments and returns).
 
@@ -214,6 +215,10 @@ def chunk_op_triton(
     checked dtype, head sizes and chunk size. Feature maps and q/k normalization
     run in PyTorch (fp32) in front of the kernels, as in ``run_op``.
     """
+    if beta is None:
+        raise TypeError(f"{op}: `beta` is required (a [B, T, H] tensor of write strengths)")
+    if requires_g and g is None:
+        raise TypeError(f"{op}: `g` is required (a [B, T, H] tensor of log decays)")
     if qk_norm not in (None, "l2", "sum"):
         raise ValueError(f"{op}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
     phi = get_feature_map(feature_map, op)
