@@ -1,0 +1,145 @@
+"""Checkpoints: round trip, atomic writes, no code execution on load, clear errors for
+corrupt or mismatched files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import safetensors.torch
+import torch
+
+from fastweights import checkpoint as ckpt_module
+from fastweights.checkpoint import CheckpointError, load_checkpoint, load_model, mark_latest, save_checkpoint
+from fastweights.models import LM, LMConfig
+
+
+def make_model(**kw):
+    config = dict(vocab_size=23, d_model=32, n_layers=2, n_heads=2, mixer=["deltanet", "softmax"], chunk_size=8)
+    return LM(LMConfig(**{**config, **kw}))
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_round_trip_gives_identical_logits(tmp_path, tie, dtype):
+    model = make_model(tie_embeddings=tie).to(dtype)
+    save_checkpoint(tmp_path / "ckpt", model)
+    loaded, ckpt = load_model(tmp_path / "ckpt")
+    ids = torch.randint(0, 23, (2, 11))
+    assert loaded.config == model.config
+    assert next(loaded.parameters()).dtype == dtype
+    assert torch.equal(loaded(ids)[0], model(ids)[0])
+    assert (loaded.lm_head.weight is loaded.embed.weight) == tie
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "model.safetensors"]
+
+
+def test_run_folder_follows_latest(tmp_path):
+    a, b = make_model(), make_model()
+    for name, model in (("ckpt-000001", a), ("ckpt-000002", b)):
+        save_checkpoint(tmp_path / name, model)
+        mark_latest(tmp_path, tmp_path / name)
+    loaded, ckpt = load_model(tmp_path)
+    assert ckpt.path.endswith("ckpt-000002")
+    assert torch.equal(loaded.embed.weight, b.embed.weight)
+
+
+def test_training_state_round_trip(tmp_path):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 23, (2, 5)))[0].sum().backward()
+    opt.step()
+    tensors, info = ckpt_module.optimizer_to_flat(opt)
+    save_checkpoint(tmp_path / "c", model, train={"step": 1, "optimizer": info}, train_tensors=tensors)
+    ckpt = load_checkpoint(tmp_path / "c")
+    restored = torch.optim.AdamW(make_model().parameters(), lr=1e-3)
+    restored.load_state_dict(ckpt_module.optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
+    before, after = opt.state_dict()["state"], restored.state_dict()["state"]
+    assert sorted(before) == sorted(after) and len(before) > 10
+    for i, slots in before.items():
+        assert all(torch.equal(slots[k], after[i][k]) for k in slots)
+
+
+def test_overwrite_is_atomic_when_a_write_fails(tmp_path, monkeypatch):
+    good = make_model()
+    save_checkpoint(tmp_path / "c", good)
+    real = safetensors.torch.save_file
+
+    def fail_on_train_state(tensors, filename, metadata=None):
+        if "train_state" in str(filename):
+            raise OSError("disk full (simulated)")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail_on_train_state)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path / "c", make_model(), train={"step": 2}, train_tensors={"x": torch.zeros(2)})
+    loaded, ckpt = load_model(tmp_path / "c")  # the old checkpoint, whole
+    assert ckpt.train is None and torch.equal(loaded.embed.weight, good.embed.weight)
+
+
+def test_loading_executes_no_code(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path / "c", make_model())
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a checkpoint load must not unpickle")
+
+    for target, name in ((pickle, "load"), (pickle, "loads"), (torch, "load"), (pickle, "Unpickler")):
+        monkeypatch.setattr(target, name, forbidden)
+    load_model(tmp_path / "c")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_corrupt_weights_file(tmp_path, damage):
+    save_checkpoint(tmp_path / "c", make_model())
+    path = tmp_path / "c" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": os.urandom(300), "empty": b""}[damage])
+    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file"):
+        load_model(tmp_path / "c")
+
+
+def test_config_that_does_not_match_the_weights(tmp_path):
+    save_checkpoint(tmp_path / "c", make_model())
+    config_file = tmp_path / "c" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["d_model"] = 64
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="config.json does not match.*d_model: 32 vs 64"):
+        load_model(tmp_path / "c")
+
+
+def test_weights_swapped_from_another_model(tmp_path):
+    save_checkpoint(tmp_path / "a", make_model())
+    save_checkpoint(tmp_path / "b", make_model(d_model=48))
+    os.replace(tmp_path / "b" / "model.safetensors", tmp_path / "a" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="does not match"):
+        load_model(tmp_path / "a")
+
+
+def test_weights_that_do_not_fit_the_model():
+    model = make_model()
+    weights = {k: v for k, v in ckpt_module._weights_of(make_model(d_model=48)).items()}
+    with pytest.raises(CheckpointError, match=r"shape mismatches blocks.0.mixer.b_proj.weight: \[2, 48\] vs model \[2, 32\]"):
+        ckpt_module.load_weights(model, weights)
+    weights = ckpt_module._weights_of(model)
+    weights.pop("norm.weight")
+    weights["extra"] = torch.zeros(1)
+    with pytest.raises(CheckpointError, match=r"missing tensors \['norm.weight'\], unexpected tensors \['extra'\]"):
+        ckpt_module.load_weights(model, weights)
+
+
+def test_unknown_key_in_config_json(tmp_path):
+    save_checkpoint(tmp_path / "c", make_model())
+    config_file = tmp_path / "c" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "flash": True}))
+    with pytest.raises(CheckpointError, match="unknown config key.*'flash'"):
+        load_model(tmp_path / "c")
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor a `latest` file"):
+        load_model(tmp_path / "empty")
