@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/fastweights examples
+	$(VENV)/bin/fastweights examples && $(VENV)/bin/fastweights demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -4,6 +4,9 @@ Subcommands live in their own modules and register themselves here, so each
 part of the library owns its command line::
 
     fastweights examples      print the seeds' worked examples beside the text's numbers
+    fastweights train         train an LM on a text file or the built-in recall task
+    fastweights generate      continue a prompt with a trained checkpoint
+    fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from typing import List, Optional
 # name -> module with `add_parser(subparsers)`; each parser sets `func(args) -> int`.
 COMMANDS = {
     "examples": "fastweights.commands.examples",
+    "train": "fastweights.commands.train",
+    "generate": "fastweights.commands.generate",
+    "demo": "fastweights.commands.demo",
 }
 
 
@@ -29,8 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:  # bad input (a config, a file, a prompt): the message, not a traceback
+        parser.exit(2, f"fastweights {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

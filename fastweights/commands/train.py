@@ -1,0 +1,100 @@
+"""``fastweights train``: train an LM on a text file or the built-in recall task.
+
+The configuration is two checked dataclasses, :class:`~fastweights.models.LMConfig`
+and :class:`~fastweights.train.TrainConfig`. Values come from, in order of
+precedence: command-line flags (one per field, e.g. ``--d-model 64 --steps 500``),
+a JSON file given with ``--config`` (``{"model": {...}, "train": {...}}``), the
+defaults. ``--resume`` continues the run in ``--out`` from its latest checkpoint.
+
+Examples::
+
+    fastweights train --out runs/recall --mixer deltanet --steps 600
+    fastweights train --out runs/text --data notes.txt --seq-len 128 --mixer gated_deltanet
+    fastweights train --out runs/recall --resume                  # after a crash or kill
+    torchrun --nproc_per_node=2 -m fastweights.cli train --out runs/ddp --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..config import add_config_arguments, overrides_from_args
+
+# Model defaults of the command line (LMConfig's own defaults are for a larger model).
+MODEL_DEFAULTS = {"d_model": 64, "n_layers": 2, "n_heads": 2, "mixer": "deltanet"}
+# Fields of TrainConfig that may change when a run is resumed.
+RESUMABLE = ("steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "threads")
+
+
+def add_parser(sub) -> None:
+    from ..models import LMConfig
+    from ..train import TrainConfig
+
+    p = sub.add_parser("train", help="train an LM (text file or built-in recall task), with checkpoints and --resume",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help='JSON file {"model": {...}, "train": {...}}')
+    p.add_argument("--out", metavar="DIR", help="run folder for checkpoints and metrics.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                   help="progress bar (auto: on a terminal and not under CI)")
+    add_config_arguments(p, LMConfig, "model (LMConfig)")
+    add_config_arguments(p, TrainConfig, "training (TrainConfig)")
+    p.set_defaults(func=run)
+
+
+def load_config_file(path: str):
+    """The ``model`` and ``train`` sections of a JSON config file (unknown sections refused)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a JSON object with 'model' and 'train' sections")
+    unknown = sorted(set(data) - {"model", "train"})
+    if unknown:
+        raise ValueError(f"--config {path}: unknown section(s) {unknown}; expected 'model' and 'train'")
+    return dict(data.get("model", {})), dict(data.get("train", {}))
+
+
+def build_configs(args):
+    """(LMConfig, TrainConfig) from defaults, ``--config`` and the flags; resumes read the run's own."""
+    from ..checkpoint import load_checkpoint
+    from ..models import LMConfig
+    from ..train import TrainConfig, make_task
+
+    model_flags = overrides_from_args(args, LMConfig)
+    train_flags = overrides_from_args(args, TrainConfig)
+    if args.resume:
+        if not args.out:
+            raise ValueError("train: --resume needs --out, the folder of the run to continue")
+        if model_flags or args.config:
+            raise ValueError(f"train: a resumed run keeps its model and config; drop {sorted(model_flags) or '--config'}")
+        fixed = sorted(set(train_flags) - set(RESUMABLE))
+        if fixed:
+            raise ValueError(f"train: a resumed run cannot change {fixed}; only {', '.join(RESUMABLE)} may differ")
+        ckpt = load_checkpoint(args.out)
+        if ckpt.train is None:
+            raise ValueError(f"train: {ckpt.path} has no training state to resume")
+        train_config = TrainConfig.from_dict({**ckpt.train["train_config"], **train_flags}, source=f"{ckpt.path}/train.json")
+        return ckpt.config, train_config
+    model_file, train_file = load_config_file(args.config) if args.config else ({}, {})
+    train_config = TrainConfig.from_dict({**train_file, **train_flags}, source=args.config or "flags")
+    task = make_task(train_config)
+    model_dict = {**MODEL_DEFAULTS, "vocab_size": task.vocab_size, "max_seq_len": max(task.seq_len, 64), **model_file, **model_flags}
+    return LMConfig.from_dict(model_dict, source=args.config or "flags"), train_config
+
+
+def run(args) -> int:
+    from ..train import train
+
+    model_config, train_config = build_configs(args)
+    progress = {"auto": None, "on": True, "off": False}[args.progress]
+    result = train(model_config, train_config, args.out, resume=args.resume, progress=progress)
+    if result.history:
+        last = result.evals[-1] if result.evals else {}
+        print(f"done: step {result.history[-1]['step']}, loss {result.history[-1]['loss']:.4f}"
+              + (f", eval accuracy {last['eval_accuracy']:.3f}" if last else "")
+              + (f"; checkpoint in {args.out}" if args.out else ""))
+    return 0

@@ -1,0 +1,394 @@
+"""Training: the loop, evaluation, checkpoints with exact resume, and data parallelism.
+
+Determinism is by construction, so that a resumed run follows the loss trajectory
+of an uninterrupted one exactly:
+
+- the batch of step s is a pure function of ``(seed, s)`` (its own ``torch.Generator``),
+  never of how many batches a process has drawn before;
+- a checkpoint holds the weights, the optimizer moments, the step, the loss history
+  and the global RNG state, and the learning rate is a function of the step.
+
+Data parallelism (``torchrun --nproc_per_node=P``, gloo on the CPU): every process
+draws the same global batch of step s and keeps its 1/P slice; the loss is the sum
+of token losses divided by the global number of target tokens, and gradients are
+summed across processes, so P processes take exactly the step one process takes
+on the whole batch (up to the order of float additions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .checkpoint import (
+    load_checkpoint, load_weights, mark_latest, optimizer_from_flat, optimizer_to_flat, save_checkpoint,
+)
+from .config import Config
+from .models import LM, LMConfig
+from .tasks import IGNORE, AssociativeRecall, ByteText
+
+__all__ = ["TrainConfig", "train", "make_task", "evaluate", "TrainResult", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class TrainConfig(Config):
+    """How to train; checked on construction.
+
+    Args:
+        data: ``"recall"`` (the built-in associative recall with overwrites) or the path
+            of a text file (byte-level tokens).
+        seq_len: tokens per training window (text only; recall's length follows its sizes).
+        recall_keys, recall_values, recall_pairs, recall_active_keys, recall_queries:
+            the sizes of :class:`~fastweights.tasks.AssociativeRecall`.
+        steps: optimizer steps in total (a resumed run continues up to this).
+        batch_size: sequences per step, over all processes together.
+        lr, min_lr_ratio, warmup_steps: linear warmup to ``lr``, then cosine decay to
+            ``lr · min_lr_ratio`` at ``steps``.
+        weight_decay: AdamW decay of the matrices (not of norms, biases, decay parameters).
+        grad_clip: clip the global gradient norm (0: off).
+        eval_every, eval_batches: evaluate every N steps (and at the end) on this many batches.
+        save_every: write a checkpoint every N steps (and at the end); 0: only at the end.
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        seed: seeds the initialization, the data order and the evaluation data.
+        dtype: ``"float32"`` or ``"float64"``.
+        threads: torch intra-op threads (0: leave torch's default).
+    """
+
+    data: str = "recall"
+    seq_len: int = 128
+    recall_keys: int = 16
+    recall_values: int = 16
+    recall_pairs: int = 16
+    recall_active_keys: int = 6
+    recall_queries: int = 4
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 4
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+    dtype: str = "float32"
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, str) or not self.data:
+            raise ValueError(f"TrainConfig: `data` must be 'recall' or a text file path, got {self.data!r}")
+        for name in ("seq_len", "steps", "batch_size", "eval_batches", "keep_checkpoints",
+                     "recall_keys", "recall_values", "recall_pairs", "recall_active_keys", "recall_queries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "eval_every", "save_every", "seed", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainConfig: `{name}` must be an int >= 0, got {value!r}")
+        for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
+                raise ValueError(f"TrainConfig: `{name}` must be a finite number >= 0, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainConfig: unknown `dtype` {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+class RecallData:
+    """The recall task behind the interface the loop uses: ``sample(B, generator, split)``."""
+
+    tokenizer = "recall"
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.task = AssociativeRecall(config.recall_keys, config.recall_values, config.recall_pairs,
+                                      config.recall_active_keys, config.recall_queries)
+        self.vocab_size, self.seq_len = self.task.vocab_size, self.task.seq_len - 1
+
+    def sample(self, batch_size, generator, split="train"):
+        b = self.task.sample(batch_size, generator)
+        return b.inputs, b.targets
+
+    def encode(self, text):
+        return self.task.encode(text)
+
+    def decode(self, ids):
+        return self.task.decode(ids)
+
+
+class TextData(ByteText):
+    tokenizer = "bytes"
+
+
+def make_task(config: TrainConfig):
+    """The data source of ``config.data``: recall, or a text file as bytes."""
+    if config.data == "recall":
+        return RecallData(config)
+    return TextData(config.data, config.seq_len)
+
+
+def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """The generator of one batch: a pure function of (seed, step, stream)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + stream * 7_919 + step) % (2**63 - 1))
+
+
+# -- distributed ----------------------------------------------------------------------------
+
+
+def _dist_info():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _maybe_init_distributed() -> bool:
+    """Join the process group torchrun set up (WORLD_SIZE > 1); True if this call created it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+        return True
+    return False
+
+
+def _all_reduce_(tensors: List[torch.Tensor]) -> None:
+    """Sum tensors across processes in place, as one flat buffer."""
+    if _dist_info()[1] == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+# -- the loop -------------------------------------------------------------------------------
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``lr · min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: LM, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, vectors (norm weights, conv kernels' biases, A_log, dt_bias) do not."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), foreach=False)
+
+
+def token_losses(model: LM, inputs: torch.Tensor, targets: torch.Tensor):
+    """(sum of token cross-entropies, logits) over targets that are not ``IGNORE``."""
+    logits, _ = model(inputs, return_cache=False)
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return loss_sum, logits
+
+
+@torch.no_grad()
+def evaluate(model: LM, task, config: TrainConfig, batches: Optional[int] = None) -> Dict[str, float]:
+    """Loss and next-token accuracy on held-out data (the same batches at every call)."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(batches or config.eval_batches):
+        inputs, targets = task.sample(config.batch_size, step_generator(config.seed, i, stream=1), split="val")
+        s, logits = token_losses(model, inputs, targets)
+        keep = targets != IGNORE
+        loss_sum += float(s)
+        correct += int(((logits.argmax(-1) == targets) & keep).sum())
+        count += int(keep.sum())
+    model.train(was_training)
+    return {"eval_loss": loss_sum / max(count, 1), "eval_accuracy": correct / max(count, 1)}
+
+
+@dataclass
+class TrainResult:
+    model: LM
+    history: List[Dict[str, Any]]
+    evals: List[Dict[str, Any]]
+    seconds: float
+    task: Any
+
+
+def _progress(total: int, initial: int, enabled: Optional[bool], desc: str):
+    from tqdm.auto import tqdm
+
+    if enabled is None:  # auto: only on a terminal, never under CI
+        enabled = sys.stderr.isatty() and os.environ.get("CI", "").lower() not in ("1", "true")
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, mininterval=0.5,
+                dynamic_ncols=True, leave=True)
+
+
+def _metrics_path(out_dir: str) -> str:
+    return os.path.join(out_dir, "metrics.jsonl")
+
+
+def _write_metrics(out_dir: Optional[str], record: Dict[str, Any]) -> None:
+    if out_dir is not None:
+        with open(_metrics_path(out_dir), "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train(
+    model_config: LMConfig,
+    config: TrainConfig,
+    out_dir: Optional[str] = None,
+    *,
+    resume: bool = False,
+    progress: Optional[bool] = None,
+    log: Callable[[str], None] = print,
+    desc: str = "train",
+) -> TrainResult:
+    """Train an LM of ``model_config`` as ``config`` says; checkpoints go to ``out_dir``.
+
+    Args:
+        model_config: the model; its ``vocab_size`` must equal the task's.
+        config: the :class:`TrainConfig`.
+        out_dir: run folder for checkpoints and ``metrics.jsonl`` (``None``: write nothing).
+        resume: continue from ``out_dir``'s latest checkpoint; the stored configs are
+            used (only ``steps`` and the eval/save cadence may differ).
+        progress: show a progress bar (``None``: only on a terminal and not under CI).
+        log: where evaluation lines go.
+
+    Returns:
+        :class:`TrainResult` with the model, the per-step losses and the evaluations.
+    """
+    created = _maybe_init_distributed()
+    rank, world = _dist_info()
+    try:
+        return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world) -> TrainResult:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if config.batch_size % world:
+        raise ValueError(f"train: `batch_size`={config.batch_size} must be divisible by the number of processes ({world})")
+    task = make_task(config)
+    if model_config.vocab_size != task.vocab_size:
+        raise ValueError(
+            f"train: the model's `vocab_size`={model_config.vocab_size} does not match the data's "
+            f"vocabulary of {task.vocab_size} tokens ({config.data})"
+        )
+    if model_config.max_seq_len < task.seq_len:
+        raise ValueError(f"train: `max_seq_len`={model_config.max_seq_len} is shorter than the data's sequences ({task.seq_len} tokens)")
+    dtype = DTYPES[config.dtype]
+    torch.manual_seed(config.seed)
+    model = LM(model_config).to(dtype)
+    optimizer = make_optimizer(model, config)
+    start, history, evals = 0, [], []
+
+    if resume:
+        if out_dir is None:
+            raise ValueError("train: `resume` needs the run folder `out_dir`")
+        ckpt = load_checkpoint(out_dir)
+        if ckpt.train is None:
+            raise ValueError(f"train: {ckpt.path} holds a model but no training state; it cannot be resumed")
+        load_weights(model, ckpt.weights, ckpt.path)
+        optimizer.load_state_dict(optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
+        torch.set_rng_state(ckpt.train_tensors["rng.torch"])
+        start, history, evals = ckpt.train["step"], ckpt.train["history"], ckpt.train["evals"]
+        if rank == 0:  # drop what the killed run logged after its last checkpoint
+            _rewrite_metrics(out_dir, history, evals)
+        log(f"resumed {ckpt.path} at step {start}")
+    elif out_dir is not None and rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        if os.path.exists(_metrics_path(out_dir)):
+            os.remove(_metrics_path(out_dir))
+
+    per_rank = config.batch_size // world
+    tokens_per_step = config.batch_size * task.seq_len
+    bar = _progress(config.steps, start, progress if rank == 0 else False, desc)
+    model.train()
+    t0 = time.perf_counter()
+    seconds_before = history[-1]["seconds"] if history else 0.0
+    for step in range(start, config.steps):
+        lr = learning_rate(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = task.sample(config.batch_size, step_generator(config.seed, step))
+        inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
+        loss_sum, _ = token_losses(model, inputs, targets)
+        counts = torch.tensor([float(loss_sum.detach()), float((targets != IGNORE).sum())], dtype=torch.float64)
+        _all_reduce_([counts])
+        (loss_sum / counts[1].to(loss_sum.dtype)).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        _all_reduce_(grads)
+        if config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip, foreach=False)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        loss = float(counts[0] / counts[1])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"train: the loss became {loss} at step {step + 1}; lower `lr`")
+        elapsed = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": loss, "lr": lr, "seconds": seconds_before + elapsed}
+        history.append(record)
+        if rank == 0:
+            _write_metrics(out_dir, record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step * (step + 1 - start) / max(elapsed, 1e-9):,.0f}")
+
+        last = step + 1 == config.steps
+        if rank == 0 and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
+            result = {"step": step + 1, **evaluate(model, task, config)}
+            evals.append(result)
+            _write_metrics(out_dir, result)
+            message = f"step {step + 1}: loss {loss:.4f}, eval loss {result['eval_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}"
+            if bar.disable:
+                log(message)
+            else:
+                bar.write(message)
+        if out_dir is not None and ((config.save_every and (step + 1) % config.save_every == 0) or last):
+            if rank == 0:
+                _save(out_dir, model, optimizer, model_config, config, task, step + 1, history, evals)
+            if world > 1:
+                dist.barrier()
+    bar.close()
+    return TrainResult(model, history, evals, time.perf_counter() - t0, task)
+
+
+def _rewrite_metrics(out_dir: str, history, evals) -> None:
+    records = sorted(history + evals, key=lambda r: (r["step"], "eval_loss" in r))
+    tmp = _metrics_path(out_dir) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(tmp, _metrics_path(out_dir))
+
+
+def _save(out_dir, model, optimizer, model_config, config, task, step, history, evals) -> None:
+    tensors, optimizer_info = optimizer_to_flat(optimizer)
+    tensors["rng.torch"] = torch.get_rng_state()
+    train_state = {
+        "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
+        "optimizer": optimizer_info, "history": history, "evals": evals,
+    }
+    path = save_checkpoint(os.path.join(out_dir, f"ckpt-{step:06d}"), model, train=train_state, train_tensors=tensors)
+    mark_latest(out_dir, path)
+    checkpoints = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and ".tmp" not in d and ".old" not in d)
+    for stale in checkpoints[:-config.keep_checkpoints]:
+        shutil.rmtree(os.path.join(out_dir, stale), ignore_errors=True)
