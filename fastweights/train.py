@@ -275,16 +275,18 @@ def train(
     """
     created = _maybe_init_distributed()
     rank, world = _dist_info()
+    threads = torch.get_num_threads()
     try:
+        if config.threads:
+            torch.set_num_threads(config.threads)
         return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world)
     finally:
+        torch.set_num_threads(threads)  # a setting of this run, not of the caller's process
         if created:
             dist.destroy_process_group()
 
 
 def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world) -> TrainResult:
-    if config.threads:
-        torch.set_num_threads(config.threads)
     if config.batch_size % world:
         raise ValueError(f"train: `batch_size`={config.batch_size} must be divisible by the number of processes ({world})")
     task = make_task(config)

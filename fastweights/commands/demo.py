@@ -19,7 +19,8 @@ import time
 # The embedded default: about a minute of CPU per model.
 DEMO_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "max_seq_len": 1024}
 DEMO_TRAIN = {"data": "recall", "steps": 700, "batch_size": 32, "lr": 3e-3, "warmup_steps": 30,
-              "eval_every": 100, "eval_batches": 2, "save_every": 0, "seed": 0}
+              "eval_every": 100, "eval_batches": 2, "save_every": 0, "seed": 0,
+              "threads": 1}  # one thread: these matrices are too small to share, and cores may be busy
 MIXERS = ("deltanet", "linear")
 FINAL_EVAL_BATCHES = 16
 

@@ -69,15 +69,19 @@ def build_configs(args):
     if args.resume:
         if not args.out:
             raise ValueError("train: --resume needs --out, the folder of the run to continue")
-        if model_flags or args.config:
-            raise ValueError(f"train: a resumed run keeps its model and config; drop {sorted(model_flags) or '--config'}")
-        fixed = sorted(set(train_flags) - set(RESUMABLE))
-        if fixed:
-            raise ValueError(f"train: a resumed run cannot change {fixed}; only {', '.join(RESUMABLE)} may differ")
         ckpt = load_checkpoint(args.out)
         if ckpt.train is None:
             raise ValueError(f"train: {ckpt.path} has no training state to resume")
-        train_config = TrainConfig.from_dict({**ckpt.train["train_config"], **train_flags}, source=f"{ckpt.path}/train.json")
+        stored_model, stored_train = ckpt.config.to_dict(), ckpt.train["train_config"]
+        # Repeating the original command with --resume is fine; changing the run is not.
+        changed = sorted(k for k, v in model_flags.items() if stored_model[k] != v)
+        changed += sorted(k for k, v in train_flags.items() if stored_train[k] != v and k not in RESUMABLE)
+        if changed or args.config:
+            raise ValueError(
+                f"train: a resumed run keeps its model and training config; {changed or '--config'} would change it "
+                f"(only {', '.join(RESUMABLE)} may differ)"
+            )
+        train_config = TrainConfig.from_dict({**stored_train, **train_flags}, source=f"{ckpt.path}/train.json")
         return ckpt.config, train_config
     model_file, train_file = load_config_file(args.config) if args.config else ({}, {})
     train_config = TrainConfig.from_dict({**train_file, **train_flags}, source=args.config or "flags")
