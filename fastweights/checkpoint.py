@@ -204,7 +204,9 @@ def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
                 train = json.load(f)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: train.json is corrupt: {e}") from None
-        train_tensors, _ = _read_safetensors(os.path.join(path, "train_state.safetensors"))
+        state_file = os.path.join(path, "train_state.safetensors")
+        if os.path.exists(state_file):  # absent for a finished model saved without its optimizer
+            train_tensors, _ = _read_safetensors(state_file)
     return Checkpoint(path, config, weights, train, train_tensors)
 
 

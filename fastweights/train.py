@@ -307,8 +307,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         if out_dir is None:
             raise ValueError("train: `resume` needs the run folder `out_dir`")
         ckpt = load_checkpoint(out_dir)
-        if ckpt.train is None:
-            raise ValueError(f"train: {ckpt.path} holds a model but no training state; it cannot be resumed")
+        if ckpt.train is None or not ckpt.train.get("optimizer") or "rng.torch" not in ckpt.train_tensors:
+            raise ValueError(f"train: {ckpt.path} holds a model but no optimizer state; it cannot be resumed")
         load_weights(model, ckpt.weights, ckpt.path)
         optimizer.load_state_dict(optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
         torch.set_rng_state(ckpt.train_tensors["rng.torch"])

@@ -56,6 +56,17 @@ def split_accuracy(model, data, batches: int, seed: int):
 def run(args) -> int:
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(DEMO_TRAIN["threads"])
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> int:
+    import torch
+
     from ..checkpoint import save_checkpoint
     from ..models import LM, LMConfig
     from ..train import RecallData, TrainConfig, step_generator, train
@@ -79,10 +90,10 @@ def run(args) -> int:
         model = result.model.eval()
         accuracy, n = split_accuracy(model, data, FINAL_EVAL_BATCHES, seed=1234)
         results[mixer] = (model, accuracy, result)
-        if args.out:
+        if args.out:  # the model and how its tokens are made; no optimizer state (not resumable)
             save_checkpoint(os.path.join(args.out, mixer), model, train={
                 "step": train_config.steps, "train_config": train_config.to_dict(), "tokenizer": "recall",
-                "optimizer": None, "history": [], "evals": result.evals})
+                "evals": result.evals})
 
     print(f"\nrecall accuracy on {n} fresh queries (argmax of the answer token; chance is 1/{train_config.recall_values}):")
     header = f"  {'mixer':<10}{'params':>9}{'all':>9}{'overwritten':>13}{'written once':>14}{'train s':>9}"

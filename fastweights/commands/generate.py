@@ -54,7 +54,9 @@ def run(args) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     out, cache = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 generator=generator, return_cache=True)
-    print(decode(out[: len(ids)]) + " \u2192 " + decode(out[len(ids):]) if getattr(ckpt.train, "get", None) and ckpt.train.get("tokenizer") == "recall"
-          else decode(out))
+    if (ckpt.train or {}).get("tokenizer") == "recall":  # words: show where the answer starts
+        print(decode(out[: len(ids)]) + " -> " + decode(out[len(ids):]))
+    else:
+        print(decode(out))
     print(f"[{len(ids)} prompt + {args.max_new_tokens} new tokens; cache {cache.nbytes:,} bytes]")
     return 0
