@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=DEMO_TRAIN["steps"], help="training steps per model")
     p.add_argument("--out", metavar="DIR", help="also save each trained model under DIR/<mixer> (for `fastweights generate`)")
-    p.add_argument("--progress", choices=["auto", "on", "off"], default="on")
+    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                   help="progress bars (auto: on a terminal and not under CI)")
     p.set_defaults(func=run)
 
 
