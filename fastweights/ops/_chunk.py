@@ -8,8 +8,9 @@ length T, the chunk form has blocks of length C):
   from the block start to token r it is ``exp(b_r)``.
 - A rule without decay has g = 0: every Γ entry of the causal triangle is 1.
 
-The sequential part, :func:`chunk_scan`, is the only loop across chunks. Given
-per-chunk quantities computed for all chunks at once, it carries the state:
+:func:`chunk_scan` is the textbook loop across chunks (``delta_rule/textbook.py``,
+the benchmark's baseline). Given per-chunk quantities computed for all chunks at
+once, it carries the state with four matmuls per chunk:
 
     U' = U − W h                         (pseudo-values given the incoming state)
     O  = scale · (Q ⊙ e^b) h + P U'      (P = scale · tril(Q Kᵀ ⊙ Γ), diagonal included)
@@ -17,6 +18,10 @@ per-chunk quantities computed for all chunks at once, it carries the state:
 
 For linear attention U = V and W = 0; for the delta rules U and W come from the
 UT transform (``delta_rule/wy.py``).
+
+The fast chunk forms regroup the same update by the incoming state and keep one
+matmul per chunk in the loop (:func:`state_scan`, below); the pieces of their
+hand-written backward passes shared by all rules live here too.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def chunk_scan(
     h0: Optional[torch.Tensor],
     scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The inter-chunk recurrence: the only part of a chunk form that is sequential.
+    """The inter-chunk recurrence as the textbook writes it (autograd-friendly, four matmuls per chunk).
 
     Args (``NC`` chunks of ``C`` tokens, per batch N and head H):
         q_decayed: ``[N, H, NC, C, K]``, Q ⊙ e^b (the read of the incoming state).
@@ -134,7 +139,50 @@ def block_terms(
 # M, B and Q̂ are batched matmuls over all chunks; only h_{c+1} = M_c h_c + B_c is a
 # loop, one matmul per step. Its adjoint is the same loop run backwards with Mᵀ:
 #     dh_c = M_cᵀ dh_{c+1} + Q̂_cᵀ dO_c.
+# The fast path works on flattened chunks ``[N·H·NC, C, D]`` ("Bt" below) so that
+# every batched product is one ``bmm`` on contiguous memory.
 # --------------------------------------------------------------------------------------
+
+
+def flat_chunks(x: Optional[torch.Tensor], chunk_size: int) -> Optional[torch.Tensor]:
+    """``[N, H, T, ...]`` -> contiguous ``[N·H·NC, C, ...]``, zero-padding T (see :func:`to_chunks`)."""
+    if x is None:
+        return None
+    x = to_chunks(x, chunk_size)
+    return x.reshape((-1,) + x.shape[3:]).contiguous()
+
+
+def unflat_chunks(x: torch.Tensor, n: int, nh: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`flat_chunks`: ``[N·H·NC, C, ...]`` -> ``[N, H, T, ...]``."""
+    return x.reshape((n, nh, -1) + x.shape[1:]).flatten(2, 3)[:, :, :length]
+
+
+class ChunkDecay:
+    """The decay factors of a gate inside every chunk (all None without a gate).
+
+    From ``g [Bt, C]``: ``b = cumsum(g)``, ``e^b`` (reads of the incoming state),
+    ``e^{b_C − b}`` (writes to the outgoing state), ``e^{b_C}`` (``[Bt]``) and
+    ``Γ[r, i] = exp(b_r − b_i)`` on the causal triangle (``[Bt, C, C]``).
+    """
+
+    def __init__(self, g: Optional[torch.Tensor], length: int, device, dtype) -> None:
+        self.b = self.read = self.to_end = self.last = self.gamma = None
+        if g is not None:
+            self.b = g.cumsum(-1)
+            self.read = torch.exp(self.b)
+            self.to_end = torch.exp(self.b[..., -1:] - self.b)
+            self.last = self.read[..., -1]
+            self.gamma = decay_matrix(self.b, length, device, dtype)
+
+    def rows(self, x: torch.Tensor, factor: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x ⊙ factor`` row by row (``x`` itself without a gate)."""
+        return x if factor is None else x * factor.unsqueeze(-1)
+
+    def mask_(self, m: torch.Tensor, diagonal: int = 0) -> torch.Tensor:
+        """In place: ``m ⊙ Γ`` on the causal triangle (strictly below it for ``diagonal=-1``)."""
+        if self.gamma is not None:
+            m.mul_(self.gamma)
+        return m.tril_(diagonal)
 
 
 def state_scan(
@@ -143,29 +191,30 @@ def state_scan(
     """Run ``h_{c+1} = M_c h_c + B_c`` over the chunks; the one sequential loop of the fast path.
 
     Args:
-        transition: M, ``[N, H, NC, K, K]`` (delta rules), ``[N, H, NC]`` (a scalar
-            decay) or None (the identity).
-        inject: B, ``[N, H, NC, K, V]``.
-        h0: ``[N, H, K, V]`` or None (zeros).
+        transition: M, ``[NH, NC, K, K]`` (delta rules), ``[NH, NC]`` (a scalar
+            decay) or None (the identity: a running sum, computed by ``cumsum``).
+        inject: B, ``[NH, NC, K, V]``.
+        h0: ``[NH, K, V]`` or None (zeros).
 
     Returns:
-        ``(states, h_T)``: ``states[:, :, c]`` is the state entering chunk c
-        (``[N, H, NC, K, V]``, the only per-chunk state the backward keeps), and
-        the state after the last chunk. Not differentiable by autograd (it writes
-        into a preallocated buffer); the callers' backward passes differentiate it.
+        ``(states, h_T)``: ``states[:, c]`` is the state entering chunk c
+        (``[NH, NC, K, V]``, the only per-chunk state the backward keeps), and the
+        state after the last chunk. Not differentiable by autograd (it writes into
+        a preallocated buffer); the callers' backward passes differentiate it.
     """
-    n, nh, nc, dk, dv = inject.shape
-    h = inject.new_zeros(n, nh, dk, dv) if h0 is None else h0.to(inject.dtype)
+    nh, nc, dk, dv = inject.shape
+    h = inject.new_zeros(nh, dk, dv) if h0 is None else h0
     if transition is None:  # a plain running sum: no loop at all
-        ends = inject.cumsum(2).add_(h[:, :, None])
-        return torch.cat([h[:, :, None], ends[:, :, :-1]], dim=2), ends[:, :, -1]
-    states = inject.new_empty(n, nh, nc, dk, dv)
+        ends = inject.cumsum(1).add_(h.unsqueeze(1))
+        return torch.cat([h.unsqueeze(1), ends[:, :-1]], dim=1), ends[:, -1]
+    states = inject.new_empty(nh, nc, dk, dv)
+    states[:, 0] = h
     for c in range(nc):
-        states[:, :, c] = h
-        if transition.dim() == 3:
-            h = torch.addcmul(inject[:, :, c], transition[:, :, c, None, None], h)
+        out = states[:, c + 1] if c + 1 < nc else None
+        if transition.dim() == 2:
+            h = torch.addcmul(inject[:, c], transition[:, c, None, None], states[:, c], out=out)
         else:
-            h = torch.matmul(transition[:, :, c], h).add_(inject[:, :, c])
+            h = torch.baddbmm(inject[:, c], transition[:, c], states[:, c], out=out)
     return states, h
 
 
@@ -176,27 +225,28 @@ def state_scan_backward(
 
     Args:
         transition: as in :func:`state_scan`.
-        inject_grad: G, ``[N, H, NC, K, V]``, the gradient reaching each chunk's
+        inject_grad: G, ``[NH, NC, K, V]``, the gradient reaching each chunk's
             incoming state from that chunk's own outputs (``Q̂_cᵀ dO_c``).
-        dh_final: ``[N, H, K, V]``, the cotangent of the final state.
+        dh_final: ``[NH, K, V]``, the cotangent of the final state.
 
     Returns:
-        ``(dh_next, dh0)``: ``dh_next[:, :, c]`` is the gradient with respect to the
-        state *leaving* chunk c (``[N, H, NC, K, V]``), and the gradient with respect
+        ``(dh_next, dh0)``: ``dh_next[:, c]`` is the gradient with respect to the
+        state *leaving* chunk c (``[NH, NC, K, V]``), and the gradient with respect
         to the initial state.
     """
-    nc = inject_grad.shape[2]
-    dh = dh_final.to(inject_grad.dtype)
+    nc = inject_grad.shape[1]
     if transition is None:  # adjoint of the running sum: a reversed running sum
-        starts = inject_grad.flip(2).cumsum(2).flip(2).add_(dh[:, :, None])
-        return torch.cat([starts[:, :, 1:], dh[:, :, None]], dim=2), starts[:, :, 0]
+        starts = inject_grad.flip(1).cumsum(1).flip(1).add_(dh_final.unsqueeze(1))
+        return torch.cat([starts[:, 1:], dh_final.unsqueeze(1)], dim=1), starts[:, 0]
     dh_next = torch.empty_like(inject_grad)
+    dh_next[:, -1] = dh_final
+    dh = dh_final
     for c in range(nc - 1, -1, -1):
-        dh_next[:, :, c] = dh
-        if transition.dim() == 3:
-            dh = torch.addcmul(inject_grad[:, :, c], transition[:, :, c, None, None], dh)
+        out = dh_next[:, c - 1] if c > 0 else None
+        if transition.dim() == 2:
+            dh = torch.addcmul(inject_grad[:, c], transition[:, c, None, None], dh_next[:, c], out=out)
         else:
-            dh = torch.matmul(transition[:, :, c].transpose(-1, -2), dh).add_(inject_grad[:, :, c])
+            dh = torch.baddbmm(inject_grad[:, c], transition[:, c].transpose(-1, -2), dh_next[:, c], out=out)
     return dh_next, dh
 
 
@@ -217,37 +267,30 @@ def decay_pair_grad(e: torch.Tensor) -> torch.Tensor:
 def read_write_backward(
     q: torch.Tensor,
     k: torch.Tensor,
-    b: Optional[torch.Tensor],
+    decay: ChunkDecay,
     scores: torch.Tensor,
     q_decayed: torch.Tensor,
     k_decayed: torch.Tensor,
     d_scores: torch.Tensor,
     d_q_decayed: torch.Tensor,
     d_k_decayed: torch.Tensor,
-    d_chunk_decay: Optional[torch.Tensor],
-    chunk_decay: Optional[torch.Tensor],
+    d_last: Optional[torch.Tensor],
     scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Gradients through the terms every rule shares (``block_terms``), per chunk.
+    """Gradients through the terms every rule shares, per chunk (``[Bt, C, ·]``).
 
     The forward terms are ``P = scale · (Q Kᵀ ⊙ Γ)`` (causal, diagonal included),
     ``Q_b = Q ⊙ e^b``, ``K̄ = K ⊙ e^{b_C − b}`` and ``e^{b_C}``. Given their
-    cotangents (``d_scores`` need not be masked: Γ masks it), returns
+    cotangents (``d_scores`` need not be masked; it is overwritten), returns
     ``(dq, dk, db)`` with ``db`` the gradient of the cumulative log decay b
-    (None without decay).
+    (None without a gate).
     """
-    gamma = decay_matrix(b, q.shape[-2], q.device, q.dtype)
-    d_qk = scale * d_scores * gamma
-    dq = d_qk @ k
-    dk = d_qk.transpose(-1, -2) @ q
-    if b is None:
-        return dq + d_q_decayed, dk + d_k_decayed, None
-    dq = dq + d_q_decayed * torch.exp(b).unsqueeze(-1)
-    dk = dk + d_k_decayed * torch.exp(b[..., -1:] - b).unsqueeze(-1)
-    write = (d_k_decayed * k_decayed).sum(-1)  # ∂/∂(b_C − b_r) of K̄
-    db = (d_q_decayed * q_decayed).sum(-1) - write + decay_pair_grad(d_scores * scores)
-    last = write.sum(-1)
-    if d_chunk_decay is not None:
-        last = last + d_chunk_decay * chunk_decay
-    db[..., -1] += last
+    db = None
+    if decay.b is not None:
+        write = (d_k_decayed * k_decayed).sum(-1)  # ∂/∂(b_C − b_r) of K̄
+        db = (d_q_decayed * q_decayed).sum(-1) - write + decay_pair_grad(d_scores * scores)
+        db[..., -1] += write.sum(-1) + d_last * decay.last
+    d_qk = decay.mask_(d_scores).mul_(scale)  # dP ⊙ Γ ⊙ scale, in place
+    dq = torch.baddbmm(decay.rows(d_q_decayed, decay.read), d_qk, k)
+    dk = torch.baddbmm(decay.rows(d_k_decayed, decay.to_end), d_qk.transpose(-1, -2), q)
     return dq, dk, db

@@ -30,93 +30,134 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._chunk import block_terms, from_chunks, read_write_backward, reverse_cumsum, state_scan, state_scan_backward, to_chunks
+from .._chunk import (
+    ChunkDecay, decay_pair_grad, flat_chunks, read_write_backward, reverse_cumsum, state_scan,
+    state_scan_backward, unflat_chunks,
+)
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
-from .wy import ut_factors
+from .wy import unit_lower_inverse
 
 
-def _intra_chunk(qc, kc, vc, bc, gc, scale):
+class _Chunks:
     """Every per-chunk quantity that does not need the state, for all chunks at once.
 
-    Returns ``(terms, transition, q_hat)``: ``terms`` are the forward pieces the
-    backward reuses, ``transition`` is ``M = e^{b_C} I − K̄ᵀ W`` ``[N, H, NC, K, K]``
-    and ``q_hat = scale·Q_b − P W`` ``[N, H, NC, C, K]``.
+    Inputs are flattened chunks ``[Bt, C, ·]`` (Bt = N·H·NC). Glossary (README.md):
+    ``scores`` P = scale·(Q Kᵀ ⊙ Γ); ``s`` S = K Kᵀ ⊙ Γ strictly lower, A = diag(β) S;
+    ``inverse`` (I + A)⁻¹ (backward only); ``kv`` [K_b | V] with K_b = K ⊙ e^b;
+    ``wu`` [W | U] = (I + A)⁻¹ diag(β) [K_b | V]; ``k_decayed`` K̄ = K ⊙ e^{b_C − b};
+    ``q_decayed`` Q_b = Q ⊙ e^b; ``transition`` M = e^{b_C} I − K̄ᵀ W.
     """
-    q_decayed, k_decayed, scores, chunk_decay, b = block_terms(qc, kc, gc, scale)
-    inverse, s, gamma = ut_factors(kc, bc, b)
-    k_b = kc if b is None else kc * torch.exp(b).unsqueeze(-1)  # K ⊙ e^b
-    beta_ = bc.unsqueeze(-1)
-    w = inverse @ (beta_ * k_b)  # W = (I + A)⁻¹ diag(β) (K ⊙ e^b)
-    u = inverse @ (beta_ * vc)  # U = (I + A)⁻¹ diag(β) V
-    transition = k_decayed.transpose(-1, -2) @ w
-    transition.neg_().diagonal(dim1=-2, dim2=-1).add_(1.0 if chunk_decay is None else chunk_decay.unsqueeze(-1))
-    q_hat = scale * q_decayed - scores @ w
-    terms = dict(
-        q_decayed=q_decayed, k_decayed=k_decayed, scores=scores, chunk_decay=chunk_decay, b=b,
-        inverse=inverse, s=s, gamma=gamma, k_b=k_b, w=w, u=u,
-    )
-    return terms, transition, q_hat
+
+    def __init__(self, q, k, kv, beta, g, scale, backward: bool) -> None:
+        c, dk = k.shape[-2], k.shape[-1]
+        self.decay = decay = ChunkDecay(g, c, k.device, k.dtype)
+        self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
+        self.s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
+        inverse = unit_lower_inverse(beta.unsqueeze(-1) * self.s)  # (I + A)⁻¹
+        if backward:  # the backward needs (I + A)⁻¹ itself; the forward only T = (I + A)⁻¹ diag(β)
+            self.inverse = inverse
+            inverse = inverse * beta.unsqueeze(-2)
+        else:
+            inverse.mul_(beta.unsqueeze(-2))
+        self.wu = inverse @ kv  # [W | U] = T [K_b | V]
+        self.w, self.u = self.wu[..., :dk], self.wu[..., dk:]
+        self.q_decayed = decay.rows(q, decay.read)
+        self.k_decayed = decay.rows(k, decay.to_end)
+        eye_k = torch.eye(dk, dtype=k.dtype, device=k.device)
+        m = eye_k if decay.last is None else eye_k * decay.last[:, None, None]
+        if backward:  # M = e^{b_C} I − K̄ᵀ W
+            self.transition = torch.baddbmm(m, self.k_decayed.transpose(-1, -2), self.w, alpha=-1.0)
+        else:  # [K̄ᵀ W | K̄ᵀ U] in one product; M and the injection B = K̄ᵀ U are views of it
+            mb = self.k_decayed.transpose(-1, -2) @ self.wu
+            self.transition = mb[..., :dk].neg_().add_(m)
+            self.inject = mb[..., dk:]
 
 
-def chunk_delta_rule_fwd(qc, kc, vc, bc, gc, h0, scale) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward on chunked head-first tensors ``[N, H, NC, C, D]``.
+def _kv(k, v, decay_g):
+    """``[K ⊙ e^b | V]`` in one buffer ``[Bt, C, K + V]``."""
+    if decay_g is None:
+        return torch.cat([k, v], dim=-1)
+    b = decay_g.cumsum(-1)
+    return torch.cat([k * torch.exp(b).unsqueeze(-1), v], dim=-1)
 
-    Returns ``(o [N, H, NC, C, V], h_T [N, H, K, V], states [N, H, NC, K, V])``;
-    ``states[:, :, c]`` is the state entering chunk c.
+
+def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
+    """Forward on flattened chunks ``[Bt, C, ·]`` (Bt = N·H·NC), ``h0 [N·H, K, V]`` or None.
+
+    Returns ``(o [Bt, C, V], h_T [N·H, K, V], states [N·H, NC, K, V])``; ``states[:, c]``
+    is the state entering chunk c.
     """
-    terms, transition, q_hat = _intra_chunk(qc, kc, vc, bc, gc, scale)
-    inject = terms["k_decayed"].transpose(-1, -2) @ terms["u"]  # K̄ᵀ U
-    states, h_final = state_scan(transition, inject, h0)  # the only loop: h ← M h + K̄ᵀ U
-    o = torch.matmul(q_hat, states).add_(terms["scores"] @ terms["u"])  # O = Q̂ h + P U
+    dk, dv = k.shape[-1], v.shape[-1]
+    x = _Chunks(q, k, _kv(k, v, g), beta, g, scale, backward=False)
+    nc = q.shape[0] // (n * nh)
+    transition = x.transition.reshape(n * nh, nc, dk, dk)
+    states, h_final = state_scan(transition, x.inject.reshape(n * nh, nc, dk, dv), h0)  # h ← M h + K̄ᵀ U
+    pwu = x.scores @ x.wu  # [P W | P U]
+    q_hat = pwu[..., :dk].neg_().add_(x.q_decayed, alpha=scale)  # Q̂ = scale·Q_b − P W
+    o = torch.baddbmm(pwu[..., dk:], q_hat, states.reshape(-1, dk, dv))  # O = Q̂ h + P U
     return o, h_final, states
 
 
-def chunk_delta_rule_bwd(qc, kc, vc, bc, gc, states, do, dh_final, scale):
-    """Backward on chunked tensors; README.md in this folder derives every line.
+def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
+    """Backward on flattened chunks; ``README.md`` in this folder derives every line.
 
-    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)`` in the chunked layout.
+    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five as ``[Bt, C, ·]``.
     """
-    terms, transition, q_hat = _intra_chunk(qc, kc, vc, bc, gc, scale)
-    scores, k_decayed, w, u, inverse = (terms[n] for n in ("scores", "k_decayed", "w", "u", "inverse"))
-    b = terms["b"]
+    c, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
+    kv = _kv(k, v, g)
+    x = _Chunks(q, k, kv, beta, g, scale, backward=True)
+    decay, w, u = x.decay, x.w, x.u
+    nhc = states.shape[:2]
+    states = states.reshape(-1, dk, dv)
+    states_t = states.transpose(-1, -2)
 
-    # 1. The state gradients, backwards over chunks: dh_c = Mᵀ dh_{c+1} + Q̂ᵀ dO_c.
-    dh_next, dh0 = state_scan_backward(transition, q_hat.transpose(-1, -2) @ do, dh_final)
+    # 1. The state gradients, last chunk first: dh_c = Mᵀ dh_{c+1} + Q̂ᵀ dO_c,
+    #    with Q̂ᵀ dO = scale·Q_bᵀ dO − Wᵀ (Pᵀ dO).
+    pt_do = x.scores.transpose(-1, -2) @ do
+    inject_grad = torch.baddbmm(x.q_decayed.transpose(-1, -2) @ do, w.transpose(-1, -2), pt_do, beta=scale, alpha=-1.0)
+    dh_next, dh0 = state_scan_backward(
+        x.transition.reshape(nhc + (dk, dk)), inject_grad.reshape(nhc + (dk, dv)), dh_final
+    )
+    dh_next = dh_next.reshape(-1, dk, dv)
 
     # 2. Through O = scale·Q_b h + P U' and h' = e^{b_C} h + K̄ᵀ U', with U' = U − W h.
-    u_prime = u - w @ states
-    du = scores.transpose(-1, -2) @ do + k_decayed @ dh_next  # dU' (= dU)
-    d_scores = do @ u_prime.transpose(-1, -2)
-    d_q_decayed = scale * (do @ states.transpose(-1, -2))
+    u_prime = torch.baddbmm(u, w, states, alpha=-1.0)
+    du = torch.baddbmm(pt_do, x.k_decayed, dh_next)  # dU' (= dU; dW = −dU' hᵀ)
+    # 3. Through [W | U] = (I + A)⁻¹ diag(β) [K_b | V]: dZ = (I + A)⁻ᵀ dY. Since dW = −dU hᵀ,
+    #    dZ_W = −dZ_U hᵀ and dA = −tril(dZ_W Wᵀ + dZ_U Uᵀ, −1) = −tril(dZ_U U'ᵀ, −1). Stacking
+    #    [dO; dZ_U] shares the products with U'ᵀ (dP, −dA) and with hᵀ (dQ_b, −dZ_W).
+    stacked = torch.empty(do.shape[0], 2 * c, dv, dtype=do.dtype, device=do.device)
+    stacked[:, :c] = do
+    dz_u = torch.bmm(x.inverse.transpose(-1, -2), du, out=stacked[:, c:])
+    with_u = stacked @ u_prime.transpose(-1, -2)  # [dP; −dA]
+    with_h = stacked @ states_t  # [dQ_b / scale; −dZ_W]
+    d_scores, minus_da = with_u[:, :c], with_u[:, c:].tril_(-1)
+    d_q_decayed = with_h[:, :c].mul_(scale)
+    minus_dz_w = with_h[:, c:]
     d_k_decayed = u_prime @ dh_next.transpose(-1, -2)
-    d_chunk_decay = None if b is None else (states * dh_next).sum((-1, -2))
-    dw = -(du @ states.transpose(-1, -2))
+    d_last = None if decay.b is None else (states * dh_next).sum((-1, -2))
 
-    # 3. Through the UT transform Y = [W | U] = (I + A)⁻¹ diag(β) [K_b | V].
-    inverse_t = inverse.transpose(-1, -2)
-    dz_w = inverse_t @ dw  # dZ = (I + A)⁻ᵀ dY
-    dz_u = inverse_t @ du
-    da = (dz_w @ w.transpose(-1, -2)).add_(dz_u @ u.transpose(-1, -2)).neg_().tril_(-1)  # dA = −tril(dZ Yᵀ, −1)
-    beta_ = bc.unsqueeze(-1)
-    dbeta = (dz_w * terms["k_b"]).sum(-1) + (dz_u * vc).sum(-1) + (da * terms["s"]).sum(-1)
-    dv = beta_ * dz_u
-    dk_b = beta_ * dz_w
-    ds = beta_ * da  # dS, with A = diag(β) S and S = K Kᵀ ⊙ Γ_strict
-    d_kk = ds * terms["gamma"]
+    k_b = kv[..., :dk]
+    beta_ = beta.unsqueeze(-1)
+    dbeta = (dz_u * v).sum(-1) - (minus_dz_w * k_b).sum(-1) - (minus_da * x.s).sum(-1)
+    dv_ = beta_ * dz_u
+    minus_dk_b = beta_ * minus_dz_w
+    minus_ds = minus_da.mul_(beta_)  # −dS, with A = diag(β) S
 
-    # 4. Through the shared terms P, Q_b, K̄, e^{b_C}; then K_b and S's K Kᵀ.
-    dq, dk, db = read_write_backward(
-        qc, kc, b, scores, terms["q_decayed"], k_decayed, d_scores, d_q_decayed, d_k_decayed,
-        d_chunk_decay, terms["chunk_decay"], scale,
+    # 4. Through the shared terms (P, Q_b, K̄, e^{b_C}), then S = K Kᵀ ⊙ Γ_strict and K_b.
+    db = None
+    if decay.b is not None:
+        db = (minus_dk_b * k_b).sum(-1).neg_() - decay_pair_grad(minus_ds * x.s)
+    dq, dk_, db_shared = read_write_backward(
+        q, k, decay, x.scores, x.q_decayed, x.k_decayed, d_scores, d_q_decayed, d_k_decayed, d_last, scale
     )
-    dk = dk + d_kk @ kc + d_kk.transpose(-1, -2) @ kc
-    if b is None:
-        return dq, dk + dk_b, dv, dbeta, None, dh0
-    dk = dk + dk_b * torch.exp(b).unsqueeze(-1)
-    db = db + (dk_b * terms["k_b"]).sum(-1) + (ds * terms["s"]).sum(-1) - (ds * terms["s"]).sum(-2)
-    return dq, dk, dv, dbeta, reverse_cumsum(db), dh0
+    d_kk = decay.mask_(minus_ds, diagonal=-1)  # −dS ⊙ Γ
+    dk_.baddbmm_(d_kk + d_kk.transpose(-1, -2), k, alpha=-1.0)
+    dk_.sub_(decay.rows(minus_dk_b, decay.read))
+    dg = None if db is None else reverse_cumsum(db + db_shared)
+    return dq, dk_, dv_, dbeta, dg, dh0
 
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
@@ -127,32 +168,36 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     the plain rule). Gradients reach q, k, v, beta, g and h0, and the cotangent of
     h_T is honoured.
 
-    Memory kept for the backward: the inputs (O(T·(2K + V)) per head) and the
-    T/C states entering the chunks (O((T/C)·K·V)); the backward recomputes the
-    intra-chunk terms (O(T·C + T·(K + V)) transient, plus (T/C)·K·K for M).
+    Memory kept for the backward: the inputs, chunked (O(T·(2K + V)) per head), and
+    the T/C states entering the chunks (O((T/C)·K·V)). The backward recomputes the
+    intra-chunk terms (transient O(T·(C + K + V)) per head, plus (T/C)·K² for M).
     Double backward is not supported (``once_differentiable``): use the
     recurrent or parallel form, which keep plain autograd, for higher derivatives.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, h0, scale, chunk_size):
-        t_len = q.shape[2]
-        qc, kc, vc, bc, gc = (to_chunks(x, chunk_size) for x in (q, k, v, beta, g))
-        o, h_final, states = chunk_delta_rule_fwd(qc, kc, vc, bc, gc, h0, scale)
-        ctx.save_for_backward(q, k, v, beta, g, states)
-        ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
-        return from_chunks(o, t_len), h_final
+        n, nh, t_len, dk = k.shape
+        dv = v.shape[-1]
+        qc, kc, vc, bc, gc = (flat_chunks(x, chunk_size) for x in (q, k, v, beta, g))
+        h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
+        o, h_final, states = chunk_delta_rule_fwd(qc, kc, vc, bc, gc, h0_, scale, n, nh)
+        ctx.save_for_backward(qc, kc, vc, bc, gc, states)
+        ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.shape = scale, chunk_size, h0 is not None, (n, nh, t_len)
+        return unflat_chunks(o, n, nh, t_len), h_final.reshape(n, nh, dk, dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dh_final):
-        q, k, v, beta, g, states = ctx.saved_tensors
-        t_len, c = q.shape[2], ctx.chunk_size
-        qc, kc, vc, bc, gc, doc = (to_chunks(x, c) for x in (q, k, v, beta, g, do))
+        qc, kc, vc, bc, gc, states = ctx.saved_tensors
+        n, nh, t_len = ctx.shape
+        doc = flat_chunks(do, ctx.chunk_size)
+        dh_final = dh_final.reshape(states.shape[0], *dh_final.shape[-2:])
         dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(qc, kc, vc, bc, gc, states, doc, dh_final, ctx.scale)
-        grads = [from_chunks(x, t_len) for x in (dq, dk, dv, dbeta)]
-        grads.append(None if dg is None else from_chunks(dg, t_len))
-        return (*grads, dh0 if ctx.has_h0 else None, None, None)
+        grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv, dbeta)]
+        grads.append(None if dg is None else unflat_chunks(dg, n, nh, t_len))
+        dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
+        return (*grads, dh0, None, None)
 
 
 def delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:

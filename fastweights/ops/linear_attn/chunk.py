@@ -22,34 +22,49 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._chunk import block_terms, from_chunks, read_write_backward, reverse_cumsum, state_scan, state_scan_backward, to_chunks
+from .._chunk import ChunkDecay, flat_chunks, read_write_backward, reverse_cumsum, state_scan, state_scan_backward, unflat_chunks
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 
 
-def chunk_linear_attn_fwd(qc, kc, vc, gc, h0, scale) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward on chunked head-first tensors ``[N, H, NC, C, D]``: ``(o, h_T, states)``."""
-    q_decayed, k_decayed, scores, chunk_decay, _ = block_terms(qc, kc, gc, scale)
-    inject = k_decayed.transpose(-1, -2) @ vc  # K̄ᵀ V
-    states, h_final = state_scan(chunk_decay, inject, h0)  # h ← e^{b_C} h + K̄ᵀ V
-    o = torch.matmul(q_decayed, states).mul_(scale).add_(scores @ vc)  # O = scale·Q_b h + P V
+def _terms(q, k, g, scale):
+    """``(decay, P, Q_b, K̄)`` for flattened chunks ``[Bt, C, ·]``: P = scale·(Q Kᵀ ⊙ Γ)."""
+    decay = ChunkDecay(g, k.shape[-2], k.device, k.dtype)
+    scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
+    return decay, scores, decay.rows(q, decay.read), decay.rows(k, decay.to_end)
+
+
+def chunk_linear_attn_fwd(q, k, v, g, h0, scale, n, nh):
+    """Forward on flattened chunks ``[Bt, C, ·]``: ``(o [Bt, C, V], h_T [N·H, K, V], states [N·H, NC, K, V])``."""
+    dk, dv = k.shape[-1], v.shape[-1]
+    decay, scores, q_decayed, k_decayed = _terms(q, k, g, scale)
+    nc = q.shape[0] // (n * nh)
+    inject = (k_decayed.transpose(-1, -2) @ v).reshape(n * nh, nc, dk, dv)  # K̄ᵀ V
+    last = None if decay.last is None else decay.last.reshape(n * nh, nc)
+    states, h_final = state_scan(last, inject, h0)  # h ← e^{b_C} h + K̄ᵀ V
+    o = torch.baddbmm(scores @ v, q_decayed, states.reshape(-1, dk, dv), alpha=scale)  # O = P V + scale·Q_b h
     return o, h_final, states
 
 
-def chunk_linear_attn_bwd(qc, kc, vc, gc, states, do, dh_final, scale):
-    """Backward on chunked tensors: ``(dq, dk, dv, dg_or_None, dh0)``."""
-    q_decayed, k_decayed, scores, chunk_decay, b = block_terms(qc, kc, gc, scale)
-    dh_next, dh0 = state_scan_backward(chunk_decay, scale * (q_decayed.transpose(-1, -2) @ do), dh_final)
-    dv = scores.transpose(-1, -2) @ do + k_decayed @ dh_next
-    d_chunk_decay = None if b is None else (states * dh_next).sum((-1, -2))
-    dq, dk, db = read_write_backward(
-        qc, kc, b, scores, q_decayed, k_decayed,
-        d_scores=do @ vc.transpose(-1, -2),
-        d_q_decayed=scale * (do @ states.transpose(-1, -2)),
-        d_k_decayed=vc @ dh_next.transpose(-1, -2),
-        d_chunk_decay=d_chunk_decay, chunk_decay=chunk_decay, scale=scale,
+def chunk_linear_attn_bwd(q, k, v, g, states, do, dh_final, scale):
+    """Backward on flattened chunks: ``(dq, dk, dv, dg_or_None, dh0)``; ``delta_rule/README.md`` derives it."""
+    dk, dv = k.shape[-1], v.shape[-1]
+    decay, scores, q_decayed, k_decayed = _terms(q, k, g, scale)
+    nhc = states.shape[:2]
+    last = None if decay.last is None else decay.last.reshape(nhc)
+    inject_grad = (q_decayed.transpose(-1, -2) @ do).mul_(scale).reshape(nhc + (dk, dv))  # Q̂ᵀ dO
+    dh_next, dh0 = state_scan_backward(last, inject_grad, dh_final)
+    states, dh_next = states.reshape(-1, dk, dv), dh_next.reshape(-1, dk, dv)
+    dv_ = torch.baddbmm(scores.transpose(-1, -2) @ do, k_decayed, dh_next)
+    d_last = None if decay.b is None else (states * dh_next).sum((-1, -2))
+    dq, dk_, db = read_write_backward(
+        q, k, decay, scores, q_decayed, k_decayed,
+        d_scores=do @ v.transpose(-1, -2),
+        d_q_decayed=(do @ states.transpose(-1, -2)).mul_(scale),
+        d_k_decayed=v @ dh_next.transpose(-1, -2),
+        d_last=d_last, scale=scale,
     )
-    return dq, dk, dv, None if db is None else reverse_cumsum(db), dh0
+    return dq, dk_, dv_, None if db is None else reverse_cumsum(db), dh0
 
 
 class ChunkLinearAttnFunction(torch.autograd.Function):
@@ -63,23 +78,27 @@ class ChunkLinearAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, chunk_size):
-        t_len = q.shape[2]
-        qc, kc, vc, gc = (to_chunks(x, chunk_size) for x in (q, k, v, g))
-        o, h_final, states = chunk_linear_attn_fwd(qc, kc, vc, gc, h0, scale)
-        ctx.save_for_backward(q, k, v, g, states)
-        ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
-        return from_chunks(o, t_len), h_final
+        n, nh, t_len, dk = k.shape
+        dv = v.shape[-1]
+        qc, kc, vc, gc = (flat_chunks(x, chunk_size) for x in (q, k, v, g))
+        h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
+        o, h_final, states = chunk_linear_attn_fwd(qc, kc, vc, gc, h0_, scale, n, nh)
+        ctx.save_for_backward(qc, kc, vc, gc, states)
+        ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.shape = scale, chunk_size, h0 is not None, (n, nh, t_len)
+        return unflat_chunks(o, n, nh, t_len), h_final.reshape(n, nh, dk, dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dh_final):
-        q, k, v, g, states = ctx.saved_tensors
-        t_len, c = q.shape[2], ctx.chunk_size
-        qc, kc, vc, gc, doc = (to_chunks(x, c) for x in (q, k, v, g, do))
+        qc, kc, vc, gc, states = ctx.saved_tensors
+        n, nh, t_len = ctx.shape
+        doc = flat_chunks(do, ctx.chunk_size)
+        dh_final = dh_final.reshape(states.shape[0], *dh_final.shape[-2:])
         dq, dk, dv, dg, dh0 = chunk_linear_attn_bwd(qc, kc, vc, gc, states, doc, dh_final, ctx.scale)
-        grads = [from_chunks(x, t_len) for x in (dq, dk, dv)]
-        grads.append(None if dg is None else from_chunks(dg, t_len))
-        return (*grads, dh0 if ctx.has_h0 else None, None, None)
+        grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv)]
+        grads.append(None if dg is None else unflat_chunks(dg, n, nh, t_len))
+        dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
+        return (*grads, dh0, None, None)
 
 
 def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
