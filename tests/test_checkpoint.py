@@ -16,6 +16,15 @@ from fastweights.checkpoint import CheckpointError, load_checkpoint, load_model,
 from fastweights.models import LM, LMConfig
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is as fast, and spares a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_model(**kw):
     config = dict(vocab_size=23, d_model=32, n_layers=2, n_heads=2, mixer=["deltanet", "softmax"], chunk_size=8)
     return LM(LMConfig(**{**config, **kw}))

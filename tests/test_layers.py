@@ -35,6 +35,15 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is as fast, and spares a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _layer(name):
     return VARIANTS[name]().double()
 

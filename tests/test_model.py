@@ -20,6 +20,15 @@ MIXER_CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is as fast, and spares a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small_config(mixer, **kw):
     n_layers = len(mixer) if isinstance(mixer, list) else 2
     return LMConfig(vocab_size=37, d_model=40, n_layers=n_layers, n_heads=2, mixer=mixer, chunk_size=8,
