@@ -31,7 +31,7 @@ class SoftmaxAttention(nn.Module):
     decoding is a call with T = 1 and that cache.
     """
 
-    def __init__(self, d_model: int, n_heads: int, **unused) -> None:
+    def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
         if not isinstance(d_model, int) or not isinstance(n_heads, int) or d_model <= 0 or n_heads <= 0:
             raise ValueError(f"SoftmaxAttention: `d_model` and `n_heads` must be positive ints, got {d_model!r} and {n_heads!r}")
