@@ -3,6 +3,7 @@
 Subcommands live in their own modules and register themselves here, so each
 part of the library owns its command line::
 
+    fastweights bench         time the delta rule's chunk path against its baselines (JSON)
     fastweights examples      print the seeds' worked examples beside the text's numbers
     fastweights train         train an LM on a text file or the built-in recall task
     fastweights generate      continue a prompt with a trained checkpoint
@@ -18,6 +19,7 @@ from typing import List, Optional
 
 # name -> module with `add_parser(subparsers)`; each parser sets `func(args) -> int`.
 COMMANDS = {
+    "bench": "fastweights.commands.bench",
     "examples": "fastweights.commands.examples",
     "train": "fastweights.commands.train",
     "generate": "fastweights.commands.generate",
