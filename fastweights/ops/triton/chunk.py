@@ -38,28 +38,29 @@ from . import _chunk_kernels as kernels
 BT = CHUNK_SIZE
 
 
-def _autotuned(kernel, key):
-    """Autotune warps and stages on a GPU; one fixed config under the interpreter."""
+def _autotuned(kernel, key, stages):
+    """Autotune warps (and pipeline stages of the chunk loop) on a GPU; the kernel as is under the interpreter."""
     if interpreting():
         return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in stages]
     return triton.autotune(configs=configs, key=key)(kernel)
 
 
 _KEY = ["K", "V", "BV", "GATED", "PREC"]
-_wy_fwd = _autotuned(kernels._wy_fwd_kernel, _KEY)
-_state_fwd = _autotuned(kernels._state_fwd_kernel, _KEY + ["HAS_H0", "SAVE_STATES"])
-_state_bwd = _autotuned(kernels._state_bwd_kernel, _KEY + ["HAS_DHT", "STORE_DH0"])
-_grads = _autotuned(kernels._grads_kernel, _KEY)
+_wy_fwd = _autotuned(kernels._wy_fwd_kernel, _KEY, stages=(1,))  # no loop to pipeline
+_state_fwd = _autotuned(kernels._state_fwd_kernel, _KEY + ["HAS_H0", "SAVE_STATES"], stages=(2, 3))
+_state_bwd = _autotuned(kernels._state_bwd_kernel, _KEY + ["HAS_DHT", "STORE_DH0"], stages=(2, 3))
+_grads = _autotuned(kernels._grads_kernel, _KEY, stages=(1,))
 
 
 def _block(dim: int, cap: int) -> int:
     return min(cap, max(16, triton.next_power_of_2(dim)))
 
 
-def _value_block(value_dim: int, n_programs: int, device: torch.device) -> int:
-    """V-block of the sequential kernels: 64, or 32 when (sequences × heads) leave SMs idle."""
-    bv = _block(value_dim, 64)
+def _value_block(value_dim: int, key_block: int, n_programs: int, device: torch.device) -> int:
+    """V-block of the sequential kernels: 64, or 32 for K > 128 (shared memory) or when
+    (sequences × heads) would leave SMs idle."""
+    bv = _block(value_dim, 64 if key_block <= 128 else 32)
     if bv == 64 and device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if n_programs * triton.cdiv(value_dim, 64) < 2 * sms:
@@ -89,7 +90,21 @@ def chunk_tables(cu_seqlens: Optional[torch.Tensor], batch: int, length: int, de
 
 
 def _precision(v: torch.Tensor) -> str:
-    return "ieee" if v.dtype == torch.float32 else "tf32"
+    """tl.dot input precision: fp32 inputs get fp32-accurate products from three tf32
+    passes (plain "ieee" FMA dots compile for minutes); bf16/fp16 inputs get tf32,
+    whose 10-bit mantissa is finer than the inputs' own rounding."""
+    return "tf32x3" if v.dtype == torch.float32 else "tf32"
+
+
+# The gradient kernel keeps [64, K] fp32 tiles; tf32 tensor-core operands for K > 128
+# need more than Hopper's 227 KB of shared memory per block. There (GPU only; the
+# interpreter has no such limit and tests the kernel at K = 256) the backward runs
+# the PyTorch chunk form: correct, not fast.
+MAX_KERNEL_BACKWARD_KEY_BLOCK = 128
+
+
+def use_torch_backward(key_dim: int) -> bool:
+    return not interpreting() and _block(key_dim, 256) > MAX_KERNEL_BACKWARD_KEY_BLOCK
 
 
 def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, save_for_backward: bool):
@@ -101,7 +116,7 @@ def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
     dev = q.device
     gated = g is not None
     bk = _block(dk, 256)
-    bv = _value_block(dv, n_seqs * heads, dev)
+    bv = _value_block(dv, bk, n_seqs * heads, dev)
     prec = _precision(v)
     tokens = batch * length
 
@@ -134,7 +149,7 @@ def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
     dev = q.device
     gated = g is not None
     bk = _block(dk, 256)
-    bv = _value_block(dv, n_seqs * heads, dev)
+    bv = _value_block(dv, bk, n_seqs * heads, dev)
     prec = _precision(v)
 
     do = do.contiguous()
@@ -150,10 +165,10 @@ def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
     dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty_like(g) if gated else None
-    _grads[(n_chunks, heads)](
+    _grads[(n_chunks, heads)](  # V-blocks of 32 keep its shared memory under 200 KB at K = 128
         q, k, v, beta, bcum, ainv, w, u, states, dstates, do, du,
         dq, dk_, dv_, dbeta, dg if gated else dbeta, cu, chunk_indices, scale,
-        heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, PREC=prec,
+        heads, K=dk, V=dv, BT=BT, BK=bk, BV=_block(dv, 32), GATED=gated, PREC=prec,
     )
     return dq, dk_, dv_, dbeta, dg, dh0
 
@@ -173,10 +188,11 @@ class ChunkDeltaRuleTriton(torch.autograd.Function):
         h0 = None if h0 is None else h0.contiguous()
         cu, chunk_indices, chunk_offsets = chunk_tables(cu_seqlens, q.shape[0], q.shape[1], q.device)
         train = any(ctx.needs_input_grad[:6])
-        o, h_final, saved = chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, train)
+        keep_states = train and not use_torch_backward(q.shape[-1])
+        o, h_final, saved = chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, keep_states)
         if train:
             ctx.save_for_backward(q, k, v, beta, g, h0, cu, chunk_indices, chunk_offsets, *saved)
-            ctx.scale = scale
+            ctx.scale, ctx.cu_seqlens = scale, cu_seqlens
         ctx.set_materialize_grads(False)
         return o, h_final
 
@@ -186,10 +202,36 @@ class ChunkDeltaRuleTriton(torch.autograd.Function):
         q, k, v, beta, g, h0, cu, chunk_indices, chunk_offsets, *saved = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
+        if use_torch_backward(q.shape[-1]):
+            return (*_torch_backward(q, k, v, beta, g, h0, ctx.scale, ctx.cu_seqlens, do, dh_final), None, None)
         dq, dk, dv, dbeta, dg, dh0 = chunk_bwd(
             q, k, v, beta, g, h0, ctx.scale, cu, chunk_indices, chunk_offsets, saved, do, dh_final,
         )
         return dq, dk, dv, dbeta, dg, dh0, None, None
+
+
+def _torch_backward(q, k, v, beta, g, h0, scale, cu_seqlens, do, dh_final):
+    """Gradients from the PyTorch chunk form (recomputes its forward); see ``use_torch_backward``."""
+    from ..delta_rule.chunk import chunk_delta_rule
+
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(True) if x is not None else None for x in (q, k, v, beta, g, h0)]
+        xq, xk, xv, xb, xg, xh = leaves
+        if xg is not None:
+            from ..gated_delta_rule.chunk import chunk_gated_delta_rule
+
+            o, h_final = chunk_gated_delta_rule(xq, xk, xv, xg, xb, scale=scale, initial_state=xh,
+                                                output_final_state=True, cu_seqlens=cu_seqlens, backend="torch")
+        else:
+            o, h_final = chunk_delta_rule(xq, xk, xv, xb, scale=scale, initial_state=xh,
+                                          output_final_state=True, cu_seqlens=cu_seqlens, backend="torch")
+        outputs, cotangents = [o], [do]
+        if dh_final is not None:
+            outputs.append(h_final)
+            cotangents.append(dh_final)
+        used = [x for x in leaves if x is not None]
+        grads = iter(torch.autograd.grad(outputs, used, cotangents, allow_unused=True))
+    return tuple(next(grads) if x is not None else None for x in leaves)
 
 
 def chunk_op_triton(

@@ -1,0 +1,49 @@
+"""Triton kernel of the one-token (gated) delta-rule step; imported lazily by ``decode.py``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+
+@triton.jit
+def _delta_step_kernel(
+    q, k, v, beta, g, state, o, scale, K, V,
+    BK: tl.constexpr, BV: tl.constexpr, GATED: tl.constexpr,
+):
+    """One (batch·head, V-block): the state block is read once and written once, in place.
+
+        h ← α h;  u = β (v − hᵀ k);  h ← h + k uᵀ;  o = scale · hᵀ q
+    """
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    r = tl.arange(0, BK)
+    c = i_v * BV + tl.arange(0, BV)
+    mr = r < K
+    mc = c < V
+    h_ptr = state + i_bh.to(tl.int64) * K * V + r[:, None] * V + c[None, :]
+    h = tl.load(h_ptr, mask=mr[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    k_t = tl.load(k + i_bh * K + r, mask=mr, other=0.0).to(tl.float32)
+    q_t = tl.load(q + i_bh * K + r, mask=mr, other=0.0).to(tl.float32)
+    v_t = tl.load(v + i_bh * V + c, mask=mc, other=0.0).to(tl.float32)
+    b_t = tl.load(beta + i_bh).to(tl.float32)
+    if GATED:
+        h = h * tl.exp(tl.load(g + i_bh).to(tl.float32))
+    u_t = b_t * (v_t - tl.sum(h * k_t[:, None], axis=0))
+    h = h + k_t[:, None] * u_t[None, :]
+    tl.store(h_ptr, h.to(state.dtype.element_ty), mask=mr[:, None] & mc[None, :])
+    o_t = tl.sum(h * q_t[:, None], axis=0) * scale
+    tl.store(o + i_bh * V + c, o_t.to(o.dtype.element_ty), mask=mc)
+
+
+def _autotuned(kernel):
+    if interpreting():
+        return kernel
+    configs = [triton.Config({}, num_warps=w) for w in (1, 2, 4)]
+    # The kernel updates the state in place: restore it between autotuning trials.
+    return triton.autotune(configs=configs, key=["K", "V", "BV", "GATED"], restore_value=["state"])(kernel)
+
+
+delta_step = _autotuned(_delta_step_kernel)
