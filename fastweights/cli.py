@@ -8,6 +8,7 @@ part of the library owns its command line::
     fastweights train         train an LM on a text file or the built-in recall task
     fastweights generate      continue a prompt with a trained checkpoint
     fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
+    fastweights study NAME    reproduce a seed's experiment (capacity, costs, retrieval, mqar)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import List, Optional
 COMMANDS = {
     "bench": "fastweights.commands.bench",
     "examples": "fastweights.commands.examples",
+    "study": "fastweights.commands.study",
     "train": "fastweights.commands.train",
     "generate": "fastweights.commands.generate",
     "demo": "fastweights.commands.demo",

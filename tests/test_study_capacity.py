@@ -167,3 +167,27 @@ def test_files_written(tmp_path):
     for name in ("capacity_recall.png", "capacity_widths.png"):
         assert (tmp_path / name).stat().st_size > 1000
     assert result["width_sweep"]["widths"] == [4, 8, 16, 32, 64]
+
+
+def test_command_line(tmp_path, capsys):
+    from fastweights.cli import main
+
+    assert main(["study", "capacity", "--repetitions", "2", "--widths", "4", "--out", str(tmp_path), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "priority_gain" in printed and "0.387" in printed
+    saved = json.loads((tmp_path / "capacity.json").read_text())
+    assert saved["config"]["branch"] == "heldout" and saved["config"]["repetitions"] == 2
+    with pytest.raises(SystemExit):
+        main(["study", "capacity", "--branch", "test"])
+    with pytest.raises(SystemExit):
+        main(["study", "attention"])
+
+
+def test_unknown_study_names_the_argument():
+    from fastweights.studies import STUDIES, get_study
+
+    with pytest.raises(ValueError, match="study"):
+        get_study("attention")
+    for name in STUDIES:  # every study module has the command-line interface
+        module = get_study(name)
+        assert all(hasattr(module, a) for a in ("HELP", "Config", "run", "report", "add_arguments", "config_from_args"))

@@ -37,6 +37,18 @@ def branch_seed_sequence(root_seed: int, branch: str, *key: int) -> np.random.Se
     return np.random.SeedSequence(int(root_seed), spawn_key=(BRANCHES.index(branch),) + tuple(int(k) for k in key))
 
 
+def keyed_seed(root_seed: int, *key: int) -> int:
+    """A 63-bit seed for the stream ``key`` under ``root_seed`` (``SeedSequence`` spawn keys).
+
+    Studies without development branches (retrieval, MQAR) key their runs by
+    their settings, so every run is deterministic and independent of the others.
+    """
+    if isinstance(root_seed, bool) or not isinstance(root_seed, (int, np.integer)) or root_seed < 0:
+        raise ValueError(f"`root_seed` must be a non-negative int, got {root_seed!r}")
+    state = np.random.SeedSequence(int(root_seed), spawn_key=tuple(int(k) for k in key)).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
 def torch_generator(seed_sequence: np.random.SeedSequence):
     """A ``torch.Generator`` seeded from a ``SeedSequence`` (64 bits of its state)."""
     import torch

@@ -2,9 +2,14 @@
 
 - :class:`AssociativeRecall`: associative recall with overwrites (``recall.py``).
 - :class:`ByteText`: any text file as byte-level tokens (``text.py``).
+- :class:`RetrievalTask`: Schlag et al. (2021) retrieval settings 1 and 2 (``retrieval.py``).
+- :class:`MQAR`: multi-query associative recall, Arora et al. (2023) (``mqar.py``).
 """
 
 from .recall import IGNORE, SEP, AssociativeRecall, RecallBatch, recall_accuracy
 from .text import ByteText
+from .retrieval import RetrievalBatch, RetrievalTask
+from .mqar import MQAR, MQARBatch
 
-__all__ = ["AssociativeRecall", "RecallBatch", "recall_accuracy", "ByteText", "IGNORE", "SEP"]
+__all__ = ["AssociativeRecall", "RecallBatch", "recall_accuracy", "ByteText", "IGNORE", "SEP",
+           "RetrievalTask", "RetrievalBatch", "MQAR", "MQARBatch"]
