@@ -145,16 +145,21 @@ def block_terms(
 
 
 def flat_chunks(x: Optional[torch.Tensor], chunk_size: int) -> Optional[torch.Tensor]:
-    """``[N, H, T, ...]`` -> contiguous ``[N·H·NC, C, ...]``, zero-padding T (see :func:`to_chunks`)."""
+    """``[N, H, T, ...]`` -> contiguous ``[NC·N·H, C, ...]``, chunk-major, zero-padding T (see :func:`to_chunks`).
+
+    Chunk-major order makes each chunk's slice of every per-chunk tensor (and of
+    the states, ``[NC, N·H, K, V]``) contiguous, so the loop's products take the
+    fast batched path.
+    """
     if x is None:
         return None
-    x = to_chunks(x, chunk_size)
+    x = to_chunks(x, chunk_size).movedim(2, 0)
     return x.reshape((-1,) + x.shape[3:]).contiguous()
 
 
 def unflat_chunks(x: torch.Tensor, n: int, nh: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`flat_chunks`: ``[N·H·NC, C, ...]`` -> ``[N, H, T, ...]``."""
-    return x.reshape((n, nh, -1) + x.shape[1:]).flatten(2, 3)[:, :, :length]
+    """Inverse of :func:`flat_chunks`: ``[NC·N·H, C, ...]`` -> ``[N, H, T, ...]``."""
+    return x.reshape((-1, n, nh) + x.shape[1:]).movedim(0, 2).flatten(2, 3)[:, :, :length]
 
 
 class ChunkDecay:
@@ -190,31 +195,31 @@ def state_scan(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run ``h_{c+1} = M_c h_c + B_c`` over the chunks; the one sequential loop of the fast path.
 
-    Args:
-        transition: M, ``[NH, NC, K, K]`` (delta rules), ``[NH, NC]`` (a scalar
+    Args (chunk-major, NH = N·H):
+        transition: M, ``[NC, NH, K, K]`` (delta rules), ``[NC, NH]`` (a scalar
             decay) or None (the identity: a running sum, computed by ``cumsum``).
-        inject: B, ``[NH, NC, K, V]``.
+        inject: B, ``[NC, NH, K, V]``.
         h0: ``[NH, K, V]`` or None (zeros).
 
     Returns:
-        ``(states, h_T)``: ``states[:, c]`` is the state entering chunk c
-        (``[NH, NC, K, V]``, the only per-chunk state the backward keeps), and the
+        ``(states, h_T)``: ``states[c]`` is the state entering chunk c
+        (``[NC, NH, K, V]``, the only per-chunk state the backward keeps), and the
         state after the last chunk. Not differentiable by autograd (it writes into
         a preallocated buffer); the callers' backward passes differentiate it.
     """
-    nh, nc, dk, dv = inject.shape
+    nc, nh, dk, dv = inject.shape
     h = inject.new_zeros(nh, dk, dv) if h0 is None else h0
     if transition is None:  # a plain running sum: no loop at all
-        ends = inject.cumsum(1).add_(h.unsqueeze(1))
-        return torch.cat([h.unsqueeze(1), ends[:, :-1]], dim=1), ends[:, -1]
-    states = inject.new_empty(nh, nc, dk, dv)
-    states[:, 0] = h
+        ends = inject.cumsum(0).add_(h)
+        return torch.cat([h.unsqueeze(0), ends[:-1]], dim=0), ends[-1]
+    states = inject.new_empty(nc, nh, dk, dv)
+    states[0] = h
     for c in range(nc):
-        out = states[:, c + 1] if c + 1 < nc else None
+        out = states[c + 1] if c + 1 < nc else None
         if transition.dim() == 2:
-            h = torch.addcmul(inject[:, c], transition[:, c, None, None], states[:, c], out=out)
+            h = torch.addcmul(inject[c], transition[c, :, None, None], states[c], out=out)
         else:
-            h = torch.baddbmm(inject[:, c], transition[:, c], states[:, c], out=out)
+            h = torch.baddbmm(inject[c], transition[c], states[c], out=out)
     return states, h
 
 
@@ -225,28 +230,28 @@ def state_scan_backward(
 
     Args:
         transition: as in :func:`state_scan`.
-        inject_grad: G, ``[NH, NC, K, V]``, the gradient reaching each chunk's
+        inject_grad: G, ``[NC, NH, K, V]``, the gradient reaching each chunk's
             incoming state from that chunk's own outputs (``Q̂_cᵀ dO_c``).
         dh_final: ``[NH, K, V]``, the cotangent of the final state.
 
     Returns:
-        ``(dh_next, dh0)``: ``dh_next[:, c]`` is the gradient with respect to the
-        state *leaving* chunk c (``[NH, NC, K, V]``), and the gradient with respect
+        ``(dh_next, dh0)``: ``dh_next[c]`` is the gradient with respect to the
+        state *leaving* chunk c (``[NC, NH, K, V]``), and the gradient with respect
         to the initial state.
     """
-    nc = inject_grad.shape[1]
+    nc = inject_grad.shape[0]
     if transition is None:  # adjoint of the running sum: a reversed running sum
-        starts = inject_grad.flip(1).cumsum(1).flip(1).add_(dh_final.unsqueeze(1))
-        return torch.cat([starts[:, 1:], dh_final.unsqueeze(1)], dim=1), starts[:, 0]
+        starts = inject_grad.flip(0).cumsum(0).flip(0).add_(dh_final)
+        return torch.cat([starts[1:], dh_final.unsqueeze(0)], dim=0), starts[0]
     dh_next = torch.empty_like(inject_grad)
-    dh_next[:, -1] = dh_final
+    dh_next[-1] = dh_final
     dh = dh_final
     for c in range(nc - 1, -1, -1):
-        out = dh_next[:, c - 1] if c > 0 else None
+        out = dh_next[c - 1] if c > 0 else None
         if transition.dim() == 2:
-            dh = torch.addcmul(inject_grad[:, c], transition[:, c, None, None], dh_next[:, c], out=out)
+            dh = torch.addcmul(inject_grad[c], transition[c, :, None, None], dh_next[c], out=out)
         else:
-            dh = torch.baddbmm(inject_grad[:, c], transition[:, c].transpose(-1, -2), dh_next[:, c], out=out)
+            dh = torch.baddbmm(inject_grad[c], transition[c].transpose(-1, -2), dh_next[c], out=out)
     return dh_next, dh
 
 

@@ -43,7 +43,7 @@ from .wy import unit_lower_inverse
 class _Chunks:
     """Every per-chunk quantity that does not need the state, for all chunks at once.
 
-    Inputs are flattened chunks ``[Bt, C, ·]`` (Bt = N·H·NC). Glossary (README.md):
+    Inputs are flattened chunks ``[Bt, C, ·]`` (Bt = NC·N·H, chunk-major). Glossary (README.md):
     ``scores`` P = scale·(Q Kᵀ ⊙ Γ); ``s`` S = K Kᵀ ⊙ Γ strictly lower, A = diag(β) S;
     ``inverse`` (I + A)⁻¹ (backward only); ``kv`` [K_b | V] with K_b = K ⊙ e^b;
     ``wu`` [W | U] = (I + A)⁻¹ diag(β) [K_b | V]; ``k_decayed`` K̄ = K ⊙ e^{b_C − b};
@@ -84,16 +84,16 @@ def _kv(k, v, decay_g):
 
 
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
-    """Forward on flattened chunks ``[Bt, C, ·]`` (Bt = N·H·NC), ``h0 [N·H, K, V]`` or None.
+    """Forward on flattened chunks ``[Bt, C, ·]`` (Bt = NC·N·H, chunk-major), ``h0 [N·H, K, V]`` or None.
 
-    Returns ``(o [Bt, C, V], h_T [N·H, K, V], states [N·H, NC, K, V])``; ``states[:, c]``
+    Returns ``(o [Bt, C, V], h_T [N·H, K, V], states [NC, N·H, K, V])``; ``states[c]``
     is the state entering chunk c.
     """
     dk, dv = k.shape[-1], v.shape[-1]
     x = _Chunks(q, k, _kv(k, v, g), beta, g, scale, backward=False)
     nc = q.shape[0] // (n * nh)
-    transition = x.transition.reshape(n * nh, nc, dk, dk)
-    states, h_final = state_scan(transition, x.inject.reshape(n * nh, nc, dk, dv), h0)  # h ← M h + K̄ᵀ U
+    transition = x.transition.reshape(nc, n * nh, dk, dk)
+    states, h_final = state_scan(transition, x.inject.reshape(nc, n * nh, dk, dv), h0)  # h ← M h + K̄ᵀ U
     pwu = x.scores @ x.wu  # [P W | P U]
     q_hat = pwu[..., :dk].neg_().add_(x.q_decayed, alpha=scale)  # Q̂ = scale·Q_b − P W
     o = torch.baddbmm(pwu[..., dk:], q_hat, states.reshape(-1, dk, dv))  # O = Q̂ h + P U
@@ -109,7 +109,7 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
     kv = _kv(k, v, g)
     x = _Chunks(q, k, kv, beta, g, scale, backward=True)
     decay, w, u = x.decay, x.w, x.u
-    nhc = states.shape[:2]
+    grid = states.shape[:2]
     states = states.reshape(-1, dk, dv)
     states_t = states.transpose(-1, -2)
 
@@ -118,7 +118,7 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
     pt_do = x.scores.transpose(-1, -2) @ do
     inject_grad = torch.baddbmm(x.q_decayed.transpose(-1, -2) @ do, w.transpose(-1, -2), pt_do, beta=scale, alpha=-1.0)
     dh_next, dh0 = state_scan_backward(
-        x.transition.reshape(nhc + (dk, dk)), inject_grad.reshape(nhc + (dk, dv)), dh_final
+        x.transition.reshape(grid + (dk, dk)), inject_grad.reshape(grid + (dk, dv)), dh_final
     )
     dh_next = dh_next.reshape(-1, dk, dv)
 
@@ -192,7 +192,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         qc, kc, vc, bc, gc, states = ctx.saved_tensors
         n, nh, t_len = ctx.shape
         doc = flat_chunks(do, ctx.chunk_size)
-        dh_final = dh_final.reshape(states.shape[0], *dh_final.shape[-2:])
+        dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
         dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(qc, kc, vc, bc, gc, states, doc, dh_final, ctx.scale)
         grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv, dbeta)]
         grads.append(None if dg is None else unflat_chunks(dg, n, nh, t_len))

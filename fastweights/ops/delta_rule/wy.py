@@ -74,11 +74,11 @@ def unit_lower_inverse(a: torch.Tensor, base: int = 16) -> torch.Tensor:
     while size < total:
         n = total // size
         a21 = torch.diagonal(a.view(batch, n, size, n, size), offset=-1, dim1=1, dim2=3)[..., 0::2]
-        a21 = a21.permute(0, 3, 1, 2)  # [B, n/2, size, size]: the blocks below each diagonal pair
-        x11, x22 = x[:, 0::2], x[:, 1::2]
-        merged = x.new_zeros(batch, n // 2, 2 * size, 2 * size)
-        merged[..., :size, :size] = x11
-        merged[..., size:, size:] = x22
-        torch.matmul(x22, a21 @ x11, out=merged[..., size:, :size]).neg_()
-        x, size = merged, 2 * size
+        a21 = a21.permute(0, 3, 1, 2).reshape(-1, size, size)  # the blocks below each diagonal pair
+        x11 = x[:, 0::2].reshape(-1, size, size)  # contiguous copies: bmm's fast path
+        x22 = x[:, 1::2].reshape(-1, size, size)
+        x21 = torch.bmm(x22, torch.bmm(a21, x11)).neg_()
+        top = torch.cat([x11, torch.zeros_like(x11)], dim=-1)
+        x = torch.cat([top, torch.cat([x21, x22], dim=-1)], dim=-2).view(batch, n // 2, 2 * size, 2 * size)
+        size *= 2
     return x[:, 0, :length, :length]

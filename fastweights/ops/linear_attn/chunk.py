@@ -35,12 +35,12 @@ def _terms(q, k, g, scale):
 
 
 def chunk_linear_attn_fwd(q, k, v, g, h0, scale, n, nh):
-    """Forward on flattened chunks ``[Bt, C, ·]``: ``(o [Bt, C, V], h_T [N·H, K, V], states [N·H, NC, K, V])``."""
+    """Forward on flattened chunks ``[Bt, C, ·]``: ``(o [Bt, C, V], h_T [N·H, K, V], states [NC, N·H, K, V])``."""
     dk, dv = k.shape[-1], v.shape[-1]
     decay, scores, q_decayed, k_decayed = _terms(q, k, g, scale)
     nc = q.shape[0] // (n * nh)
-    inject = (k_decayed.transpose(-1, -2) @ v).reshape(n * nh, nc, dk, dv)  # K̄ᵀ V
-    last = None if decay.last is None else decay.last.reshape(n * nh, nc)
+    inject = (k_decayed.transpose(-1, -2) @ v).reshape(nc, n * nh, dk, dv)  # K̄ᵀ V
+    last = None if decay.last is None else decay.last.reshape(nc, n * nh)
     states, h_final = state_scan(last, inject, h0)  # h ← e^{b_C} h + K̄ᵀ V
     o = torch.baddbmm(scores @ v, q_decayed, states.reshape(-1, dk, dv), alpha=scale)  # O = P V + scale·Q_b h
     return o, h_final, states
@@ -50,9 +50,9 @@ def chunk_linear_attn_bwd(q, k, v, g, states, do, dh_final, scale):
     """Backward on flattened chunks: ``(dq, dk, dv, dg_or_None, dh0)``; ``delta_rule/README.md`` derives it."""
     dk, dv = k.shape[-1], v.shape[-1]
     decay, scores, q_decayed, k_decayed = _terms(q, k, g, scale)
-    nhc = states.shape[:2]
-    last = None if decay.last is None else decay.last.reshape(nhc)
-    inject_grad = (q_decayed.transpose(-1, -2) @ do).mul_(scale).reshape(nhc + (dk, dv))  # Q̂ᵀ dO
+    grid = states.shape[:2]
+    last = None if decay.last is None else decay.last.reshape(grid)
+    inject_grad = (q_decayed.transpose(-1, -2) @ do).mul_(scale).reshape(grid + (dk, dv))  # Q̂ᵀ dO
     dh_next, dh0 = state_scan_backward(last, inject_grad, dh_final)
     states, dh_next = states.reshape(-1, dk, dv), dh_next.reshape(-1, dk, dv)
     dv_ = torch.baddbmm(scores.transpose(-1, -2) @ do, k_decayed, dh_next)
@@ -93,7 +93,7 @@ class ChunkLinearAttnFunction(torch.autograd.Function):
         qc, kc, vc, gc, states = ctx.saved_tensors
         n, nh, t_len = ctx.shape
         doc = flat_chunks(do, ctx.chunk_size)
-        dh_final = dh_final.reshape(states.shape[0], *dh_final.shape[-2:])
+        dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
         dq, dk, dv, dg, dh0 = chunk_linear_attn_bwd(qc, kc, vc, gc, states, doc, dh_final, ctx.scale)
         grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv)]
         grads.append(None if dg is None else unflat_chunks(dg, n, nh, t_len))
