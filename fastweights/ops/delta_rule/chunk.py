@@ -233,6 +233,15 @@ def chunk_delta_rule(
         backend: ``"auto"`` (Triton kernels for CUDA tensors when ``fastweights[triton]``
             is installed, PyTorch otherwise), ``"torch"`` or ``"triton"``
             (``fastweights/ops/triton/``: fp32/bf16/fp16, K, V <= 256, chunk size 64).
+
+    Training: the PyTorch backend differentiates through
+    :class:`ChunkDeltaRuleFunction`, a hand-written backward (derived in
+    ``delta_rule/README.md``) that keeps only the inputs and the T/C chunk-entry
+    states -- O(T·(K+V) + (T/C)·K·V) per head -- and recomputes the rest.
+    Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
+    double backward is not supported (use the recurrent or parallel form).
+    ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the
+    textbook chunk implementation and the recurrence.
     """
     kwargs = dict(
         beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
