@@ -176,3 +176,24 @@ def test_textbook_baseline_equals_the_recurrence():
         got = loss_grads(textbook_chunk_delta_rule, rule, x, do, dh, chunk_size=32)
         for name in want:
             assert_close(f"{rule_name} d{name}", got[name], want[name], TOL)
+
+
+def test_bench_command_runs_on_tiny_shapes(tmp_path):
+    """``fastweights bench`` end to end on tiny shapes (its numbers mean nothing here)."""
+    import json
+
+    from fastweights.cli import main
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--T", "40", "--heads", "1", "--head-dim", "8", "--chunk-size", "16", "--repeats", "1",
+            "--threads", "1", "--recurrent-max-t", "40", "--no-memory", "--json", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        assert main(args) == 0
+    finally:
+        torch.set_num_threads(threads)  # the command sets the thread count for the whole process
+    result = json.loads(out.read_text())
+    impls = {(r["impl"], r["mode"]) for r in result["rows"]}
+    assert impls == {(i, m) for i in ("recurrent", "textbook", "fast") for m in ("fwd", "fwd+bwd")}
+    assert all(r["ms_min"] > 0 and r["gflops"] > 0 for r in result["rows"])
+    assert result["meta"]["threads"] == 1 and result["matmul_gflops"]["square_1024"] > 0
