@@ -19,17 +19,15 @@ The public ops ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` take
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
 import torch
 
-try:  # the optional extra
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAS_TRITON = False
+# The optional extra. Looked up, not imported: importing triton costs every user of
+# fastweights time, and the kernels import it themselves on first use.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 BACKENDS = ("auto", "torch", "triton")
 MAX_HEAD_DIM = 256  # K and V the kernels accept (64 and 128 are the fast sizes)
