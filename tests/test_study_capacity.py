@@ -19,6 +19,15 @@ from fastweights.studies.capacity import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: one thread is fastest, and steadier on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small(**overrides):
     settings = dict(repetitions=8, dims=(8, 16), sweep_widths=(), loads=(0.5, 1, 2, 4, 8))
     settings.update(overrides)

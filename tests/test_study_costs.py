@@ -18,6 +18,15 @@ from fastweights.studies.costs import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: one thread is fastest, and steadier on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("solver", SOLVERS)
 @pytest.mark.parametrize("context", [16, 100])
 def test_state_bytes_formula_matches_the_ops(solver, context):

@@ -8,6 +8,7 @@ extra and is imported only when a figure is drawn.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
+import torch
 
 BRANCHES = ("dev1", "dev2", "heldout")
 
@@ -51,10 +53,27 @@ def keyed_seed(root_seed: int, *key: int) -> int:
 
 def torch_generator(seed_sequence: np.random.SeedSequence):
     """A ``torch.Generator`` seeded from a ``SeedSequence`` (64 bits of its state)."""
-    import torch
-
     state = seed_sequence.generate_state(2, dtype=np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+@contextlib.contextmanager
+def torch_threads(threads: Optional[int]):
+    """Run the block with ``torch.set_num_threads(threads)`` (``None``: leave it), then restore.
+
+    The studies' tensors are small: on a shared machine one thread is both the
+    fastest and the least noisy setting (above PyTorch's parallel grain size a
+    busy second core stalls every op), so the studies default to one.
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"`threads` must be a positive int or None, got {threads!r}")
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def mean_se(values: Sequence[float]) -> Dict[str, float]:

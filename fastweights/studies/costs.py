@@ -60,7 +60,8 @@ from ..ops import (
     recurrent_linear_attn,
     softmax_attn,
 )
-from ._report import branch_seed_sequence, format_table, pyplot, save_figure, torch_generator, write_csv, write_json
+from ._report import branch_seed_sequence, format_table, pyplot, save_figure, torch_generator, torch_threads
+from ._report import write_csv, write_json
 from .capacity import recursive_least_squares
 
 SOLVERS = ("softmax", "linear", "delta", "gated_delta", "rls")
@@ -110,6 +111,7 @@ class CostsConfig:
     calc_contexts: Tuple[int, ...] = tuple(2**p for p in range(10, 21))
     budget_gb: float = 80.0
     check_lm: bool = True
+    threads: Optional[int] = 1
 
     def __post_init__(self) -> None:
         for name in ("key_dim", "value_dim", "repeats", "layers", "heads", "head_dim_k", "head_dim_v"):
@@ -331,8 +333,14 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
     gen = torch_generator(branch_seed_sequence(config.root_seed, "dev1", 2))
     table: List[Dict] = []
     jobs = [(s, t) for t in config.contexts for s in SOLVERS]
-    for solver, t in tqdm(jobs, desc="costs", disable=not progress, leave=False):
-        m = measure_solver(solver, t, config.key_dim, config.value_dim, config.repeats, config.gamma, gen)
+    measured = {}
+    with torch_threads(config.threads):
+        threads_used = torch.get_num_threads()
+        for solver, t in tqdm(jobs, desc="costs", disable=not progress, leave=False):
+            measured[(solver, t)] = measure_solver(solver, t, config.key_dim, config.value_dim, config.repeats,
+                                                   config.gamma, gen)
+    for solver, t in jobs:
+        m = measured[(solver, t)]
         update, query = predicted_flops(solver, t, config.key_dim, config.value_dim)
         table.append({
             "solver": solver, "context": t,
@@ -358,6 +366,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
         "study": "costs",
         "seed_text": "seed 000 Figure 17.1 and its audit exercise; seed 002 §4.2 calculator",
         "config": asdict(config),
+        "threads": threads_used,
         "formulas": {s: dict(zip(("state", "update", "query"), f)) for s, f in FORMULAS.items()},
         "cannot_reconstruct": dict(LOST),
         "matched": {
@@ -449,8 +458,8 @@ def _human(n: float) -> str:
 
 def report(result: Dict) -> str:
     cfg = result["config"]
-    lines = [f"costs study: one head, K = {cfg['key_dim']}, V = {cfg['value_dim']}, fp32 (RLS fp64), "
-             f"{torch.get_num_threads()} threads, median of {cfg['repeats']} decode steps"]
+    lines = [f"costs study: one head, K = {cfg['key_dim']}, V = {cfg['value_dim']}, fp32 (RLS fp64), CPU, "
+             f"{result['threads']} thread(s), median of {cfg['repeats']} decode steps"]
     rows = [{"solver": s, "state": f[0], "update FLOPs": f[1], "query FLOPs": f[2]} for s, f in FORMULAS.items()]
     lines.append(format_table(rows, ("solver", "state", "update FLOPs", "query FLOPs"), title="formulas"))
     lines.append("")

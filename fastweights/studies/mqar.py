@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..tasks.mqar import MQAR
 from ..tasks.recall import IGNORE
-from ._report import format_table, keyed_seed, pyplot, save_figure, write_csv, write_json
+from ._report import format_table, keyed_seed, pyplot, save_figure, torch_threads, write_csv, write_json
 
 MIXERS = ("deltanet", "linear", "gated_deltanet", "softmax")
 TABLE_COLUMNS = ("mixer", "d_model", "num_kv_pairs", "seq_len", "vocab_size", "accuracy", "loss", "steps",
@@ -137,12 +137,9 @@ def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None,
 
     config = MQARConfig() if config is None else config
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
     rows: List[Dict] = []
     curves: Dict[str, List[float]] = {}
-    try:
+    with torch_threads(config.threads):
         cells = [(d, kv, m) for d in config.d_models for kv in config.num_kv_pairs for m in config.mixers]
         for d_model, kv, mixer in tqdm(cells, desc="mqar", disable=not progress, leave=False):
             task = MQAR(config.vocab_size, config.seq_len, kv, config.power_a)
@@ -152,8 +149,6 @@ def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None,
                          "vocab_size": config.vocab_size, **{k: r[k] for k in ("accuracy", "loss", "steps",
                                                                                  "parameters", "seconds")}})
             curves[f"{mixer}/d{d_model}/kv{kv}"] = r["train_loss"]
-    finally:
-        torch.set_num_threads(threads)
     result = {
         "study": "mqar",
         "paper": "Arora et al. 2023, Zoology: multi-query associative recall",

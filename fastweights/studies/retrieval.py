@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..tasks.retrieval import RetrievalTask
-from ._report import format_table, keyed_seed, pyplot, save_figure, write_csv, write_json
+from ._report import format_table, keyed_seed, pyplot, save_figure, torch_threads, write_csv, write_json
 
 FEATURE_MAPS = ("linear", "dpfp1", "dpfp2", "dpfp3", "favor")
 RULES = ("sum", "delta")
@@ -258,10 +258,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
 
     config = RetrievalConfig() if config is None else config
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         rows: List[Dict] = []
         thresholds: Dict[str, Dict] = {}
         bar = tqdm(total=len(config.memories) * len(config.sizes), desc="retrieval setting 1", disable=not progress,
@@ -305,8 +302,6 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
             rows.append({"setting": 2, "rule": rule, "feature_map": config.setting2_feature_map,
                          "S": config.setting2_keys,
                          **{k: r[k] for k in ("d_dot", "reached", "loss", "accuracy", "steps", "seconds")}})
-    finally:
-        torch.set_num_threads(threads)
 
     result = {
         "study": "retrieval",
