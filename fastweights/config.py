@@ -132,9 +132,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: Type[Config], tit
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else "required"
+        hint = hints[f.name]
+        kind = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+        about = f.metadata.get("help", "")
+        text = f"{about + ' ' if about else ''}({kind}; default: {default})"
         group.add_argument(
             "--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", default=argparse.SUPPRESS,
-            metavar=f.name.upper(), help=f"({hints[f.name]}, default {default})".replace("%", "%%"),
+            metavar=f.name.upper(), help=text.replace("%", "%%"),
         )
 
 
