@@ -197,3 +197,16 @@ def test_bench_command_runs_on_tiny_shapes(tmp_path):
     assert impls == {(i, m) for i in ("recurrent", "textbook", "fast") for m in ("fwd", "fwd+bwd")}
     assert all(r["ms_min"] > 0 and r["gflops"] > 0 for r in result["rows"])
     assert result["meta"]["threads"] == 1 and result["matmul_gflops"]["square_1024"] > 0
+
+
+@pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])
+def test_grouped_backward_equals_the_recurrence(rule_name, monkeypatch):
+    """Long inputs run the backward in groups of chunks (bounded transients); force small groups."""
+    import fastweights.ops.delta_rule.chunk as chunk_module
+
+    monkeypatch.setattr(chunk_module, "BACKWARD_GROUP", 3)  # 2 heads: one chunk-pair per group
+    rule = RULES[rule_name]
+    x, do, dh, want = reference_case(rule_name, 100)
+    got = loss_grads(rule.forms[2], rule, x, do, dh, chunk_size=16)
+    for name in want:
+        assert_close(f"d{name}", got[name], want[name], TOL)

@@ -100,39 +100,35 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
     return o, h_final, states
 
 
-def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
-    """Backward on flattened chunks; ``README.md`` in this folder derives every line.
+#: Chunk-heads per group in the backward: its transient tensors are O(group·C·(C + K + V)),
+#: so the backward's peak memory stops growing with T beyond the saved inputs and states.
+BACKWARD_GROUP = 128
 
-    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five as ``[Bt, C, ·]``.
-    """
-    c, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
-    kv = _kv(k, v, g)
+
+def _state_grad_terms(q, k, kv, beta, g, do, scale):
+    """One group's ``(terms, Pᵀ dO, Q̂ᵀ dO)``: what the state-gradient loop needs from it."""
     x = _Chunks(q, k, kv, beta, g, scale, backward=True)
-    decay, w, u = x.decay, x.w, x.u
-    grid = states.shape[:2]
-    states = states.reshape(-1, dk, dv)
-    states_t = states.transpose(-1, -2)
-
-    # 1. The state gradients, last chunk first: dh_c = Mᵀ dh_{c+1} + Q̂ᵀ dO_c,
-    #    with Q̂ᵀ dO = scale·Q_bᵀ dO − Wᵀ (Pᵀ dO).
     pt_do = x.scores.transpose(-1, -2) @ do
-    inject_grad = torch.baddbmm(x.q_decayed.transpose(-1, -2) @ do, w.transpose(-1, -2), pt_do, beta=scale, alpha=-1.0)
-    dh_next, dh0 = state_scan_backward(
-        x.transition.reshape(grid + (dk, dk)), inject_grad.reshape(grid + (dk, dv)), dh_final
-    )
-    dh_next = dh_next.reshape(-1, dk, dv)
+    # Q̂ᵀ dO = scale·Q_bᵀ dO − Wᵀ (Pᵀ dO)
+    inject_grad = torch.baddbmm(x.q_decayed.transpose(-1, -2) @ do, x.w.transpose(-1, -2), pt_do, beta=scale, alpha=-1.0)
+    return x, pt_do, inject_grad
 
+
+def _input_grads(x, q, k, v, kv, beta, do, pt_do, states, dh_next, scale):
+    """Steps 2-5 of README.md for one group, given its states h and state gradients dh_{c+1}."""
+    c, dk = k.shape[-2], k.shape[-1]
+    decay, w, u = x.decay, x.w, x.u
     # 2. Through O = scale·Q_b h + P U' and h' = e^{b_C} h + K̄ᵀ U', with U' = U − W h.
     u_prime = torch.baddbmm(u, w, states, alpha=-1.0)
     du = torch.baddbmm(pt_do, x.k_decayed, dh_next)  # dU' (= dU; dW = −dU' hᵀ)
     # 3. Through [W | U] = (I + A)⁻¹ diag(β) [K_b | V]: dZ = (I + A)⁻ᵀ dY. Since dW = −dU hᵀ,
     #    dZ_W = −dZ_U hᵀ and dA = −tril(dZ_W Wᵀ + dZ_U Uᵀ, −1) = −tril(dZ_U U'ᵀ, −1). Stacking
     #    [dO; dZ_U] shares the products with U'ᵀ (dP, −dA) and with hᵀ (dQ_b, −dZ_W).
-    stacked = torch.empty(do.shape[0], 2 * c, dv, dtype=do.dtype, device=do.device)
+    stacked = torch.empty(do.shape[0], 2 * c, do.shape[-1], dtype=do.dtype, device=do.device)
     stacked[:, :c] = do
     dz_u = torch.bmm(x.inverse.transpose(-1, -2), du, out=stacked[:, c:])
     with_u = stacked @ u_prime.transpose(-1, -2)  # [dP; −dA]
-    with_h = stacked @ states_t  # [dQ_b / scale; −dZ_W]
+    with_h = stacked @ states.transpose(-1, -2)  # [dQ_b / scale; −dZ_W]
     d_scores, minus_da = with_u[:, :c], with_u[:, c:].tril_(-1)
     d_q_decayed = with_h[:, :c].mul_(scale)
     minus_dz_w = with_h[:, c:]
@@ -142,11 +138,11 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
     k_b = kv[..., :dk]
     beta_ = beta.unsqueeze(-1)
     dbeta = (dz_u * v).sum(-1) - (minus_dz_w * k_b).sum(-1) - (minus_da * x.s).sum(-1)
-    dv_ = beta_ * dz_u
+    dv = beta_ * dz_u
     minus_dk_b = beta_ * minus_dz_w
     minus_ds = minus_da.mul_(beta_)  # −dS, with A = diag(β) S
 
-    # 4. Through the shared terms (P, Q_b, K̄, e^{b_C}), then S = K Kᵀ ⊙ Γ_strict and K_b.
+    # 4-5. Through the shared terms (P, Q_b, K̄, e^{b_C}), then S = K Kᵀ ⊙ Γ_strict and K_b.
     db = None
     if decay.b is not None:
         db = (minus_dk_b * k_b).sum(-1).neg_() - decay_pair_grad(minus_ds * x.s)
@@ -157,6 +153,55 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
     dk_.baddbmm_(d_kk + d_kk.transpose(-1, -2), k, alpha=-1.0)
     dk_.sub_(decay.rows(minus_dk_b, decay.read))
     dg = None if db is None else reverse_cumsum(db + db_shared)
+    return dq, dk_, dv, dbeta, dg
+
+
+def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
+    """Backward on flattened chunks; ``README.md`` in this folder derives every line.
+
+    Works through the chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, twice:
+    first for the state-gradient loop's inputs (M and Q̂ᵀ dO, kept for all chunks:
+    (T/C)·K·(K + V) per head), then, after the loop, for the input gradients.
+    With a single group (T·H ≤ 8192 at C = 64) the recomputed terms are reused.
+
+    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five as ``[Bt, C, ·]``.
+    """
+    nc, nh, dk, dv = states.shape
+    kv = _kv(k, v, g)
+    per = max(1, BACKWARD_GROUP // nh)
+    groups = [slice(c0 * nh, min(c0 + per, nc) * nh) for c0 in range(0, nc, per)]
+
+    def part(x, sl):
+        return None if x is None else x[sl]
+
+    # 1. The state gradients, last chunk first: dh_c = Mᵀ dh_{c+1} + Q̂ᵀ dO_c.
+    if len(groups) == 1:
+        x, pt_do, inject_grad = _state_grad_terms(q, k, kv, beta, g, do, scale)
+        transition = x.transition
+    else:
+        x = pt_do = None
+        transition = q.new_empty(nc * nh, dk, dk)
+        inject_grad = q.new_empty(nc * nh, dk, dv)
+        for sl in groups:
+            xg, _, inject_grad[sl] = _state_grad_terms(q[sl], k[sl], kv[sl], beta[sl], part(g, sl), do[sl], scale)
+            transition[sl] = xg.transition
+            del xg
+    dh_next, dh0 = state_scan_backward(transition.view(nc, nh, dk, dk), inject_grad.view(nc, nh, dk, dv), dh_final)
+    del transition, inject_grad
+    states, dh_next = states.view(-1, dk, dv), dh_next.view(-1, dk, dv)
+
+    # 2-5. Everything else, one group at a time.
+    if x is not None:
+        return (*_input_grads(x, q, k, v, kv, beta, do, pt_do, states, dh_next, scale), dh0)
+    dq, dk_, dv_, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+    dg = None if g is None else torch.empty_like(g)
+    for sl in groups:
+        xg, pt_do, _ = _state_grad_terms(q[sl], k[sl], kv[sl], beta[sl], part(g, sl), do[sl], scale)
+        grads = _input_grads(xg, q[sl], k[sl], v[sl], kv[sl], beta[sl], do[sl], pt_do, states[sl], dh_next[sl], scale)
+        for out, grad in zip((dq, dk_, dv_, dbeta, dg), grads):
+            if out is not None:
+                out[sl] = grad
+        del xg, pt_do, grads
     return dq, dk_, dv_, dbeta, dg, dh0
 
 
