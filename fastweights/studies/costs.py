@@ -109,7 +109,7 @@ class CostsConfig:
     state_dtype: str = "float32"
     softmax_layers: int = 4
     calc_contexts: Tuple[int, ...] = tuple(2**p for p in range(10, 21))
-    budget_gb: float = 80.0
+    budget_gib: float = 80.0
     check_lm: bool = True
     threads: Optional[int] = 1
 
@@ -129,8 +129,8 @@ class CostsConfig:
             raise ValueError(f"CostsConfig: `softmax_layers` must be in [0, layers={self.layers}], got {self.softmax_layers!r}")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"CostsConfig: `gamma` must be in (0, 1], got {self.gamma!r}")
-        if not self.budget_gb > 0:
-            raise ValueError(f"CostsConfig: `budget_gb` must be > 0, got {self.budget_gb!r}")
+        if not self.budget_gib > 0:
+            raise ValueError(f"CostsConfig: `budget_gib` must be > 0, got {self.budget_gib!r}")
 
     @classmethod
     def full(cls, **overrides) -> "CostsConfig":
@@ -358,7 +358,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
     for t in config.calc_contexts:
         mem = memory_per_session(t, config.layers, config.heads, config.head_dim_k, config.head_dim_v,
                                  config.kv_dtype, config.state_dtype, config.softmax_layers)
-        budget = config.budget_gb * 2**30
+        budget = config.budget_gib * 2**30
         calc.append({"context": t, **{f"{k}_bytes": v for k, v in mem.items()},
                      **{f"{k}_sessions": int(budget // v) for k, v in mem.items()}})
     k, v = config.key_dim, config.value_dim
@@ -384,7 +384,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
                                                          "state_dtype", "softmax_layers")},
             "crossover_context": crossover_context(config.head_dim_k, config.head_dim_v, config.kv_dtype,
                                                    config.state_dtype),
-            "budget_gb": config.budget_gb,
+            "budget_gib": config.budget_gib,
             "rows": calc,
         },
         "files": [],
@@ -436,7 +436,7 @@ def plot_costs(result: Dict, out: Path) -> List[str]:
     if m["softmax_layers"]:
         ax.plot(t, [r["hybrid_bytes"] / gib for r in calc["rows"]], marker="o",
                 label=f"hybrid: {m['softmax_layers']} softmax layers of {m['layers']}")
-    ax.axhline(calc["budget_gb"], color="gray", ls="--", lw=1, label=f"{calc['budget_gb']:g} GB budget")
+    ax.axhline(calc["budget_gib"], color="gray", ls="--", lw=1, label=f"{calc['budget_gib']:g} GiB budget")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
@@ -486,7 +486,7 @@ def report(result: Dict) -> str:
         ("context", "softmax", "fixed_state", "hybrid", "sessions_softmax", "sessions_fixed"),
         title=(f"calculator: {m['layers']} layers × {m['heads']} heads, d_k={m['head_dim_k']}, d_v={m['head_dim_v']}, "
                f"KV {m['kv_dtype']}, state {m['state_dtype']}, hybrid with {m['softmax_layers']} softmax layers; "
-               f"sessions in {calc['budget_gb']:g} GB")))
+               f"sessions in {calc['budget_gib']:g} GiB")))
     lines.append(f"crossover: the KV cache outgrows the fixed state after {calc['crossover_context']:.0f} tokens")
     if "lm_check" in result:
         lines.append(f"calculator formula vs LM's measured cache (every mixer): exact = {result['lm_check']['exact']}")
@@ -511,11 +511,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--state-dtype", default="float32", choices=sorted(DTYPE_BYTES),
                         help="calculator: fixed-state dtype (fastweights keeps fp32)")
     parser.add_argument("--softmax-layers", type=int, default=4, help="calculator: softmax layers of the hybrid (0: none)")
-    parser.add_argument("--budget-gb", type=float, default=80.0, help="calculator: memory to count sessions against")
+    parser.add_argument("--budget-gib", type=float, default=80.0, help="calculator: memory (GiB) to count sessions against")
 
 
 def config_from_args(args) -> CostsConfig:
     overrides = dict(root_seed=args.root_seed, layers=args.layers, heads=args.heads, head_dim_k=args.head_dim,
                      head_dim_v=args.value_dim or args.head_dim, kv_dtype=args.dtype, state_dtype=args.state_dtype,
-                     softmax_layers=args.softmax_layers, budget_gb=args.budget_gb)
+                     softmax_layers=args.softmax_layers, budget_gib=args.budget_gib)
     return CostsConfig.full(**overrides) if args.full else CostsConfig(**overrides)

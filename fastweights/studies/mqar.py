@@ -173,21 +173,33 @@ def plot_mqar(result: Dict, out: Path) -> List[str]:
     cfg = result["config"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     rows = result["table"]
+    single_width = len(cfg["d_models"]) == 1
     for i, mixer in enumerate(cfg["mixers"]):
         mine = [r for r in rows if r["mixer"] == mixer]
         for j, kv in enumerate(cfg["num_kv_pairs"]):
             pts = sorted((r["d_model"], r["accuracy"]) for r in mine if r["num_kv_pairs"] == kv)
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
-                         ls=["-", "--", ":", "-."][j % 4], label=f"{mixer}, D={kv}")
+            if single_width:  # one bar per mixer (and per D)
+                width = 0.8 / len(cfg["num_kv_pairs"])
+                axes[0].bar(i + j * width, pts[0][1], width=width, color=f"C{i}", alpha=1.0 - 0.25 * j,
+                            label=f"D={kv}" if i == 0 and len(cfg["num_kv_pairs"]) > 1 else None)
+            else:
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
+                             ls=["-", "--", ":", "-."][j % 4], label=f"{mixer}, D={kv}")
         key = f"{mixer}/d{cfg['d_models'][0]}/kv{cfg['num_kv_pairs'][0]}"
         loss = result["train_loss"][key]
         window = max(1, len(loss) // 50)
         smooth = [sum(loss[max(0, k - window + 1):k + 1]) / len(loss[max(0, k - window + 1):k + 1]) for k in range(len(loss))]
         axes[1].plot(range(1, len(loss) + 1), smooth, color=f"C{i}", label=mixer)
-    axes[0].set_xscale("log", base=2)
-    axes[0].set_xlabel("model width d_model")
-    axes[0].set_ylabel("held-out MQAR accuracy")
-    axes[0].set_ylim(-0.02, 1.02)
+    if single_width:
+        axes[0].set_xticks(range(len(cfg["mixers"])))
+        axes[0].set_xticklabels(cfg["mixers"], fontsize=8)
+        axes[0].set_xlabel(f"mixer (d_model = {cfg['d_models'][0]})")
+        axes[0].axhline(1.0 / (cfg["vocab_size"] - cfg["vocab_size"] // 2), color="gray", ls=":", lw=1,
+                        label="chance")
+    else:
+        axes[0].set_xscale("log", base=2)
+        axes[0].set_xlabel("model width d_model")
+    axes[0].set_ylim(0, 1.02)
     axes[0].legend(fontsize=7)
     axes[1].set_yscale("log")
     axes[1].set_xlabel("step")
@@ -195,6 +207,7 @@ def plot_mqar(result: Dict, out: Path) -> List[str]:
     axes[1].legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)
+    fig.subplots_adjust(wspace=0.3)
     fig.suptitle(f"MQAR: vocab {cfg['vocab_size']}, T = {cfg['seq_len']}, α = {cfg['power_a']}, "
                  f"{cfg['n_layers']} layers, {cfg['steps']} steps", fontsize=9)
     return [save_figure(fig, out / "mqar.png", dpi=80)]

@@ -35,7 +35,7 @@ The published comparison is at d_key = 64 (``--full``): linear S* ≈ 60, DPFP
 ν = 1/2/3 S* ≈ 128/256/384, i.e. S* ≈ d_dot. The quick default keeps CPU time to
 minutes by shrinking the model to d_key = 8 (so d_dot, and the expected S*,
 shrink by 8; compare S*/d_dot), by a coarser grid of S, by training the delta
-rule with two feature maps only, and by asking every stored key after the
+rule with three feature maps only, and by asking every stored key after the
 writes instead of one (``num_queries``): the memory that must hold the S pairs
 is the same, only the training signal per sequence grows.
 
@@ -200,9 +200,9 @@ class RetrievalConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     memories: Tuple[Tuple[str, str], ...] = (
         ("sum", "linear"), ("sum", "dpfp1"), ("sum", "dpfp2"), ("sum", "dpfp3"), ("sum", "favor"),
-        ("delta", "linear"), ("delta", "dpfp1"),
+        ("delta", "linear"), ("delta", "dpfp1"), ("delta", "dpfp2"),
     )
-    sizes: Tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96)
+    sizes: Tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64, 96)
     patience: Optional[int] = 2
     queries: Optional[int] = None
     setting2_rules: Tuple[str, ...] = RULES
