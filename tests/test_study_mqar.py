@@ -103,8 +103,9 @@ def test_bad_config_names_the_argument(bad, match):
 
 @pytest.mark.slow
 def test_quick_default_models_learn_far_above_chance():
-    """The quick default cell: every model ends far above chance (1/32 values)."""
+    """The quick default cell (a few CPU minutes): every model ends far above chance (1/32), one solves it."""
     result = run_mqar(MQARConfig(), progress=False)
     for r in result["table"]:
         print(r["mixer"], r["accuracy"])
         assert r["accuracy"] > 0.25
+    assert max(r["accuracy"] for r in result["table"]) > 0.9

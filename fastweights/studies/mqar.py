@@ -13,7 +13,7 @@ its own generator keyed by the root seed, the cell and s) and the same held-out
 batch.
 
 The quick default is a CPU-sized cell (vocabulary 64, T = 32, D = 4 pairs,
-d_model = 64, two layers, 600 steps): it shows the ordering, not the paper's
+d_model = 64, two layers, 1500 steps): it shows the ordering, not the paper's
 numbers. ``full`` sweeps the paper's regime: vocabulary 8192, T = 256,
 D ∈ {16, 32, 64}, d_model ∈ {64, 128, 256}, longer training (a GPU job).
 """
@@ -51,7 +51,7 @@ class MQARConfig:
     vocab_size: int = 64
     seq_len: int = 32
     power_a: float = 0.01
-    steps: int = 600
+    steps: int = 1500
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.1

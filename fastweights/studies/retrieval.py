@@ -263,7 +263,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
         thresholds: Dict[str, Dict] = {}
         bar = tqdm(total=len(config.memories) * len(config.sizes), desc="retrieval setting 1", disable=not progress,
                    leave=False)
-        for mi, (rule, fmap) in enumerate(config.memories):
+        for rule, fmap in config.memories:
             misses, best, d_dot = 0, None, None
             for s in config.sizes:
                 queries = s if config.queries is None else min(config.queries, s)
