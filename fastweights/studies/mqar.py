@@ -13,9 +13,10 @@ its own generator keyed by the root seed, the cell and s) and the same held-out
 batch.
 
 The quick default is a CPU-sized cell (vocabulary 64, T = 32, D = 4 pairs,
-d_model = 64, two layers, 1500 steps): it shows the ordering, not the paper's
-numbers. ``full`` sweeps the paper's regime: vocabulary 8192, T = 256,
-D ∈ {16, 32, 64}, d_model ∈ {64, 128, 256}, longer training (a GPU job).
+d_model = 64, two layers, 1500 steps, a few CPU minutes): it shows the machinery
+and a first ranking on one seed, not the paper's numbers. ``full`` sweeps the
+paper's regime: vocabulary 8192, T = 256, D ∈ {16, 32, 64}, d_model ∈ {64, 128,
+256}, longer training (a GPU job).
 """
 
 from __future__ import annotations
