@@ -21,7 +21,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ._checks import check_inputs, compute_dtype
-from .feature_maps import FeatureMapLike, get_feature_map, normalize_qk
+from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
 
 Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
@@ -42,6 +42,45 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor,
 def unpad_packed(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pad_packed`: ``[N, T_max, ...]`` -> ``[1, T, ...]``."""
     return x[valid].unsqueeze(0)
+
+
+def check_op_args(
+    op: str,
+    q,
+    k,
+    v,
+    *,
+    beta=None,
+    g=None,
+    initial_state=None,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+    scale=None,
+    feature_map: FeatureMapLike = None,
+    qk_norm: Optional[str] = None,
+    normalize: bool = False,
+    requires_beta: bool = False,
+    requires_g: bool = False,
+) -> FeatureMap:
+    """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
+
+    Shared by :func:`run_op` and the Triton front end, so both refuse the same
+    inputs with the same messages.
+    """
+    if requires_beta and beta is None:
+        raise TypeError(f"{op}: `beta` is required (a [B, T, H] tensor of write strengths)")
+    if requires_g and g is None:
+        raise TypeError(f"{op}: `g` is required (a [B, T, H] tensor of log decays)")
+    if qk_norm not in (None, "l2", "sum"):
+        raise ValueError(f"{op}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
+    phi = get_feature_map(feature_map, op)
+    key_dim = phi.output_dim(q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    value_dim = v.shape[-1] + int(normalize) if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+    check_inputs(
+        op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
+        state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
+    )
+    return phi
 
 
 def run_op(
@@ -65,18 +104,10 @@ def run_op(
     requires_beta: bool = False,
     requires_g: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    if requires_beta and beta is None:
-        raise TypeError(f"{op}: `beta` is required (a [B, T, H] tensor of write strengths)")
-    if requires_g and g is None:
-        raise TypeError(f"{op}: `g` is required (a [B, T, H] tensor of log decays)")
-    if qk_norm not in (None, "l2", "sum"):
-        raise ValueError(f"{op}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
-    phi = get_feature_map(feature_map, op)
-    key_dim = phi.output_dim(q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else None
-    value_dim = v.shape[-1] + int(normalize) if isinstance(v, torch.Tensor) and v.dim() == 4 else None
-    check_inputs(
-        op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
-        state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
+    phi = check_op_args(
+        op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
+        requires_beta=requires_beta, requires_g=requires_g,
     )
     out_dtype = q.dtype
     dt = compute_dtype(out_dtype)

@@ -30,8 +30,8 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from .._checks import check_inputs
-from ..feature_maps import FeatureMapLike, Identity, get_feature_map, normalize_qk
+from .._frontend import check_op_args
+from ..feature_maps import FeatureMapLike, Identity, normalize_qk
 from . import CHUNK_SIZE, interpreting
 from . import _chunk_kernels as kernels
 
@@ -253,20 +253,13 @@ def chunk_op_triton(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The Triton path of ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (same arguments and returns).
 
-    Validation is the shared ``check_inputs``; ``select_backend`` has already
+    Validation is the shared ``check_op_args``; ``select_backend`` has already
     checked dtype, head sizes and chunk size. Feature maps and q/k normalization
     run in PyTorch (fp32) in front of the kernels, as in ``run_op``.
     """
-    if beta is None:
-        raise TypeError(f"{op}: `beta` is required (a [B, T, H] tensor of write strengths)")
-    if requires_g and g is None:
-        raise TypeError(f"{op}: `g` is required (a [B, T, H] tensor of log decays)")
-    if qk_norm not in (None, "l2", "sum"):
-        raise ValueError(f"{op}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
-    phi = get_feature_map(feature_map, op)
-    check_inputs(
-        op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=phi.output_dim(q.shape[-1]),
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
+    phi = check_op_args(
+        op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        scale=scale, feature_map=feature_map, qk_norm=qk_norm, requires_beta=True, requires_g=requires_g,
     )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not isinstance(phi, Identity) or qk_norm is not None:
