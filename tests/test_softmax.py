@@ -83,3 +83,17 @@ def test_low_precision_returns_input_dtype(dtype):
     assert o.dtype == dtype and cache.keys.dtype == dtype
     err = (o.double() - ops.softmax_attn_reference(*(x.double() for x in (q, k, v)))).abs().max()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("pieces", [(10, 1, 7, 22), (1, 39), (40,)], ids=str)
+def test_continuing_a_full_cache_in_pieces_equals_one_pass(pieces):
+    """Prefill, then several tokens at a time: the dense-cache path (no per-sequence mask)."""
+    q, k, v = qkv(2, 40, 3, 8, 5, seed=4)
+    full, _ = ops.softmax_attn(q, k, v)
+    outs, cache, start = [], None, 0
+    for n in pieces:
+        o, cache = ops.softmax_attn(q[:, start : start + n], k[:, start : start + n], v[:, start : start + n], initial_state=cache, output_final_state=True)
+        outs.append(o)
+        start += n
+    assert_close("pieces", torch.cat(outs, dim=1), full, TOL)
+    assert cache.lengths.tolist() == [40, 40] and torch.equal(cache.keys, k.transpose(1, 2))

@@ -122,6 +122,14 @@ def softmax_attn(
         cache_len = initial_state.lengths.to(device=device, dtype=torch.long)
         keys = torch.cat([initial_state.keys, k], dim=2)
         values = torch.cat([initial_state.values, v], dim=2)
+        l_cache = initial_state.keys.shape[2]
+        if valid is None and bool((cache_len == l_cache).all()):
+            # The common decode case: every sequence has cached all L rows, so the new rows
+            # simply follow them and no per-sequence mask or compaction is needed.
+            mask = None if t_new == 1 else torch.ones(t_new, l_cache + t_new, dtype=torch.bool, device=device).tril(l_cache)
+            o = F.scaled_dot_product_attention(q.to(dt), keys.to(dt), values.to(dt), attn_mask=mask, scale=scale)
+            o = o.transpose(1, 2).to(out_dtype)
+            return o, (KVCache(keys, values, cache_len + new_len) if output_final_state else None)
     if initial_state is not None or valid is not None:
         l_cache = keys.shape[2] - t_new
         j = torch.arange(keys.shape[2], device=device)
