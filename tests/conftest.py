@@ -15,3 +15,16 @@ def _seed_everything():
     """Every test starts from the same RNG state, so failures reproduce."""
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tests on tiny tensors.
+
+    With matrices this small a second thread only adds synchronization, and on a
+    shared, busy machine it stalls every op; the caller's setting is restored.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ keyword arguments, so one test body covers every rule and form.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn.functional as F

@@ -35,13 +35,7 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is as fast, and spares a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def _layer(name):

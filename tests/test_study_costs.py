@@ -18,13 +18,7 @@ from fastweights.studies.costs import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: one thread is fastest, and steadier on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 @pytest.mark.parametrize("solver", SOLVERS)

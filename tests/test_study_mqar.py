@@ -10,13 +10,7 @@ from fastweights.tasks.mqar import MQAR
 from fastweights.tasks.recall import IGNORE
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: one thread is fastest, and steadier on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def test_every_key_is_asked_once_and_answered_by_its_value():

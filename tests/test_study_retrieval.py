@@ -16,13 +16,7 @@ from fastweights.studies.retrieval import (
 from fastweights.tasks.retrieval import RetrievalTask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is fastest, and steadier on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def test_setting_1_writes_each_key_once():

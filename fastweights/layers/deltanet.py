@@ -14,7 +14,7 @@ Projections, short convolution and output norm are in :mod:`fastweights.layers.b
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn as nn

@@ -475,7 +475,7 @@ def plot_capacity(result: Dict, out: Path) -> List[str]:
     plt = pyplot()
     cfg = result["config"]
     rows = result["table"]
-    dims, loads, arms = cfg["dims"], cfg["loads"], cfg["arms"]
+    dims, arms = cfg["dims"], cfg["arms"]
     files = []
 
     def series(d, arm, key):
