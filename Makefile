@@ -29,5 +29,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+bench: $(STAMP)
+	$(VENV)/bin/fastweights bench
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
