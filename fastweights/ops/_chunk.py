@@ -139,6 +139,9 @@ def block_terms(
 # M, B and Q̂ are batched matmuls over all chunks; only h_{c+1} = M_c h_c + B_c is a
 # loop, one matmul per step. Its adjoint is the same loop run backwards with Mᵀ:
 #     dh_c = M_cᵀ dh_{c+1} + Q̂_cᵀ dO_c.
+# (The delta rules' ``delta_rule/chunk.py`` runs the ungrouped form instead,
+# U' = U − W h and h ← e^{b_C} h + K̄ᵀ U', two products per chunk in the loop: it
+# needs fewer products overall than forming M, B and Q̂.)
 # The fast path works on flattened chunks ``[N·H·NC, C, D]`` ("Bt" below) so that
 # every batched product is one ``bmm`` on contiguous memory.
 # --------------------------------------------------------------------------------------

@@ -12,15 +12,17 @@ For chunks of C tokens with incoming state h (DESIGN.md, "The chunk form"):
 The gated rule multiplies in the cumulative decays (``wy.py`` derives them). One
 solver serves both; ``g=None`` is the plain rule.
 
-This file is the fast path for training. Regrouped by the incoming state, the last
-three lines are ``h ← M h + Kᵀ U`` with ``M = e^{b_C} I − K̄ᵀ W`` and
-``O = (scale·Q_b − P W) h + P U``: everything except one K×K by K×V matmul per
-chunk runs as batched matmuls over all chunks (``_chunk.state_scan``).
-:class:`ChunkDeltaRuleFunction` carries a hand-derived backward (``README.md`` in
-this folder, step by step) that keeps only the inputs and the T/C states entering
-the chunks, not autograd's graph of the loop. ``textbook.py`` holds the plain
-implementation (row-by-row forward substitution, a per-chunk loop, autograd) that
-``benchmarks/chunk_speed.py`` measures this one against.
+This file is the fast path for training. Everything that does not need the state
+(P, S, T, W, U, for all chunks) is one batched matmul each; the loop does the two
+small products per chunk that do (U' = U − W h and h ← e^{b_C} h + K̄ᵀ U', in
+place), and O = scale·Q_b h + P U' is batched again after it from the saved
+chunk-entry states. :class:`ChunkDeltaRuleFunction` carries a hand-derived
+backward (``README.md`` in this folder, step by step) that keeps only the inputs
+and the T/C states entering the chunks, not autograd's graph of the loop; its
+loop is the adjoint of the forward's (dU' and dh, two products per chunk).
+``textbook.py`` holds the plain implementation (row-by-row forward substitution,
+a per-chunk loop, autograd) that ``benchmarks/chunk_speed.py`` measures this one
+against.
 """
 
 from __future__ import annotations
@@ -30,10 +32,7 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._chunk import (
-    ChunkDecay, decay_pair_grad, flat_chunks, read_write_backward, reverse_cumsum, state_scan,
-    state_scan_backward, unflat_chunks,
-)
+from .._chunk import ChunkDecay, decay_pair_grad, flat_chunks, read_write_backward, reverse_cumsum, unflat_chunks
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
@@ -44,43 +43,53 @@ class _Chunks:
     """Every per-chunk quantity that does not need the state, for all chunks at once.
 
     Inputs are flattened chunks ``[Bt, C, ·]`` (Bt = NC·N·H, chunk-major). Glossary (README.md):
-    ``scores`` P = scale·(Q Kᵀ ⊙ Γ); ``s`` S = K Kᵀ ⊙ Γ strictly lower, A = diag(β) S;
-    ``inverse`` (I + A)⁻¹ (backward only); ``kv`` [K_b | V] with K_b = K ⊙ e^b;
+    ``scores`` P = scale·(Q Kᵀ ⊙ Γ); ``s`` S = K Kᵀ ⊙ Γ strictly lower, A = diag(β) S
+    (backward only); ``inverse`` (I + A)⁻¹ (backward only); ``k_b`` K_b = K ⊙ e^b;
     ``wu`` [W | U] = (I + A)⁻¹ diag(β) [K_b | V]; ``k_decayed`` K̄ = K ⊙ e^{b_C − b};
-    ``q_decayed`` Q_b = Q ⊙ e^b; ``transition`` M = e^{b_C} I − K̄ᵀ W.
+    ``q_decayed`` Q_b = Q ⊙ e^b.
     """
 
-    def __init__(self, q, k, kv, beta, g, scale, backward: bool) -> None:
+    def __init__(self, q, k, v, beta, g, scale, backward: bool) -> None:
         c, dk = k.shape[-2], k.shape[-1]
         self.decay = decay = ChunkDecay(g, c, k.device, k.dtype)
         self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
-        self.s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
-        inverse = unit_lower_inverse(beta.unsqueeze(-1) * self.s)  # (I + A)⁻¹
-        if backward:  # the backward needs (I + A)⁻¹ itself; the forward only T = (I + A)⁻¹ diag(β)
-            self.inverse = inverse
-            inverse = inverse * beta.unsqueeze(-2)
+        s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
+        beta_ = beta.unsqueeze(-1)
+        if backward:  # the backward needs S and (I + A)⁻¹ themselves
+            self.s = s
+            inverse = self.inverse = unit_lower_inverse(beta_ * s)
         else:
-            inverse.mul_(beta.unsqueeze(-2))
-        self.wu = inverse @ kv  # [W | U] = T [K_b | V]
+            inverse = unit_lower_inverse(s.mul_(beta_))
+        self.k_b = decay.rows(k, decay.read)
+        kv = torch.cat([self.k_b, v], dim=-1).mul_(beta_)  # diag(β) [K_b | V]
+        self.wu = inverse @ kv  # [W | U] = (I + A)⁻¹ diag(β) [K_b | V]
         self.w, self.u = self.wu[..., :dk], self.wu[..., dk:]
         self.q_decayed = decay.rows(q, decay.read)
         self.k_decayed = decay.rows(k, decay.to_end)
-        eye_k = torch.eye(dk, dtype=k.dtype, device=k.device)
-        m = eye_k if decay.last is None else eye_k * decay.last[:, None, None]
-        if backward:  # M = e^{b_C} I − K̄ᵀ W
-            self.transition = torch.baddbmm(m, self.k_decayed.transpose(-1, -2), self.w, alpha=-1.0)
-        else:  # [K̄ᵀ W | K̄ᵀ U] in one product; M and the injection B = K̄ᵀ U are views of it
-            mb = self.k_decayed.transpose(-1, -2) @ self.wu
-            self.transition = mb[..., :dk].neg_().add_(m)
-            self.inject = mb[..., dk:]
 
 
-def _kv(k, v, decay_g):
-    """``[K ⊙ e^b | V]`` in one buffer ``[Bt, C, K + V]``."""
-    if decay_g is None:
-        return torch.cat([k, v], dim=-1)
-    b = decay_g.cumsum(-1)
-    return torch.cat([k * torch.exp(b).unsqueeze(-1), v], dim=-1)
+def _delta_scan(x, h0, nc, nh):
+    """The one sequential loop: ``U'_c = U_c − W_c h_c`` (in place of U) and ``h_{c+1} = e^{b_C} h_c + K̄_cᵀ U'_c``.
+
+    Returns ``(states [NC, N·H, K, V], h_T)``; afterwards ``x.u`` holds U'.
+    """
+    dk, dv = x.w.shape[-1], x.u.shape[-1]
+    c = x.w.shape[-2]
+    w = x.w.view(nc, nh, c, dk)
+    u = x.u.view(nc, nh, c, dv)
+    k_t = x.k_decayed.view(nc, nh, c, dk).transpose(-1, -2)
+    last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1)
+    states = x.u.new_empty(nc, nh, dk, dv)
+    if h0 is None:
+        states[0].zero_()
+    else:
+        states[0] = h0
+    h = states[0]
+    for i in range(nc):
+        u_prime = u[i].baddbmm_(w[i], h, alpha=-1.0)
+        carried = h if last is None else h * last[i]
+        h = torch.baddbmm(carried, k_t[i], u_prime, out=states[i + 1] if i + 1 < nc else None)
+    return states, h
 
 
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
@@ -90,13 +99,10 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
     is the state entering chunk c.
     """
     dk, dv = k.shape[-1], v.shape[-1]
-    x = _Chunks(q, k, _kv(k, v, g), beta, g, scale, backward=False)
+    x = _Chunks(q, k, v, beta, g, scale, backward=False)
     nc = q.shape[0] // (n * nh)
-    transition = x.transition.reshape(nc, n * nh, dk, dk)
-    states, h_final = state_scan(transition, x.inject.reshape(nc, n * nh, dk, dv), h0)  # h ← M h + K̄ᵀ U
-    pwu = x.scores @ x.wu  # [P W | P U]
-    q_hat = pwu[..., :dk].neg_().add_(x.q_decayed, alpha=scale)  # Q̂ = scale·Q_b − P W
-    o = torch.baddbmm(pwu[..., dk:], q_hat, states.reshape(-1, dk, dv))  # O = Q̂ h + P U
+    states, h_final = _delta_scan(x, h0, nc, n * nh)  # x.u is now U' = U − W h
+    o = torch.baddbmm(x.scores @ x.u, x.q_decayed, states.view(-1, dk, dv), alpha=scale)  # O = P U' + scale·Q_b h
     return o, h_final, states
 
 
@@ -105,22 +111,11 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
 BACKWARD_GROUP = 128
 
 
-def _state_grad_terms(q, k, kv, beta, g, do, scale):
-    """One group's ``(terms, Pᵀ dO, Q̂ᵀ dO)``: what the state-gradient loop needs from it."""
-    x = _Chunks(q, k, kv, beta, g, scale, backward=True)
-    pt_do = x.scores.transpose(-1, -2) @ do
-    # Q̂ᵀ dO = scale·Q_bᵀ dO − Wᵀ (Pᵀ dO)
-    inject_grad = torch.baddbmm(x.q_decayed.transpose(-1, -2) @ do, x.w.transpose(-1, -2), pt_do, beta=scale, alpha=-1.0)
-    return x, pt_do, inject_grad
-
-
-def _input_grads(x, q, k, v, kv, beta, do, pt_do, states, dh_next, scale):
-    """Steps 2-5 of README.md for one group, given its states h and state gradients dh_{c+1}."""
+def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
+    """Steps 3-5 of README.md for one group, given its states h, dU' and state gradients dh_{c+1}."""
     c, dk = k.shape[-2], k.shape[-1]
-    decay, w, u = x.decay, x.w, x.u
-    # 2. Through O = scale·Q_b h + P U' and h' = e^{b_C} h + K̄ᵀ U', with U' = U − W h.
-    u_prime = torch.baddbmm(u, w, states, alpha=-1.0)
-    du = torch.baddbmm(pt_do, x.k_decayed, dh_next)  # dU' (= dU; dW = −dU' hᵀ)
+    decay = x.decay
+    u_prime = x.u.baddbmm_(x.w, states, alpha=-1.0)  # U' = U − W h
     # 3. Through [W | U] = (I + A)⁻¹ diag(β) [K_b | V]: dZ = (I + A)⁻ᵀ dY. Since dW = −dU hᵀ,
     #    dZ_W = −dZ_U hᵀ and dA = −tril(dZ_W Wᵀ + dZ_U Uᵀ, −1) = −tril(dZ_U U'ᵀ, −1). Stacking
     #    [dO; dZ_U] shares the products with U'ᵀ (dP, −dA) and with hᵀ (dQ_b, −dZ_W).
@@ -135,7 +130,7 @@ def _input_grads(x, q, k, v, kv, beta, do, pt_do, states, dh_next, scale):
     d_k_decayed = u_prime @ dh_next.transpose(-1, -2)
     d_last = None if decay.b is None else (states * dh_next).sum((-1, -2))
 
-    k_b = kv[..., :dk]
+    k_b = x.k_b
     beta_ = beta.unsqueeze(-1)
     dbeta = (dz_u * v).sum(-1) - (minus_dz_w * k_b).sum(-1) - (minus_da * x.s).sum(-1)
     dv = beta_ * dz_u
@@ -156,52 +151,80 @@ def _input_grads(x, q, k, v, kv, beta, do, pt_do, states, dh_next, scale):
     return dq, dk_, dv, dbeta, dg
 
 
+def _state_grads(w, k_decayed, last, du, read_grad, dh_final):
+    """The backward's one loop, last chunk first (README.md, step 2), on chunk-major ``[NC, NH, ·]``.
+
+    ``du`` enters holding Pᵀ dO and leaves holding dU'_c = Pᵀ dO_c + K̄_c dh_{c+1};
+    ``read_grad`` holds scale·Q_bᵀ dO. dh_c = e^{b_C} dh_{c+1} + scale·Q_bᵀ dO_c − W_cᵀ dU'_c.
+    Returns ``(dh_next [NC, NH, K, V], dh0)``.
+    """
+    nc = du.shape[0]
+    dh_next = torch.empty_like(read_grad)
+    dh_next[-1] = dh_final
+    dh = dh_next[-1]
+    for i in range(nc - 1, -1, -1):
+        du_i = du[i].baddbmm_(k_decayed[i], dh)
+        carried = read_grad[i].add_(dh) if last is None else read_grad[i].addcmul_(dh, last[i])
+        dh = torch.baddbmm(carried, w[i].transpose(-1, -2), du_i, alpha=-1.0, out=dh_next[i - 1] if i > 0 else None)
+    return dh_next, dh
+
+
 def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
     """Backward on flattened chunks; ``README.md`` in this folder derives every line.
 
     Works through the chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, twice:
-    first for the state-gradient loop's inputs (M and Q̂ᵀ dO, kept for all chunks:
-    (T/C)·K·(K + V) per head), then, after the loop, for the input gradients.
-    With a single group (T·H ≤ 8192 at C = 64) the recomputed terms are reused.
+    first for the state-gradient loop's inputs (W, K̄, e^{b_C}, Pᵀ dO and Q_bᵀ dO,
+    kept for all chunks: O(T·(K + V) + (T/C)·K·V) per head), then, after the loop,
+    for the input gradients. With a single group (T·H ≤ 8192 at C = 64) the
+    recomputed terms are reused.
 
     Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five as ``[Bt, C, ·]``.
     """
     nc, nh, dk, dv = states.shape
-    kv = _kv(k, v, g)
+    c = k.shape[-2]
     per = max(1, BACKWARD_GROUP // nh)
     groups = [slice(c0 * nh, min(c0 + per, nc) * nh) for c0 in range(0, nc, per)]
 
     def part(x, sl):
         return None if x is None else x[sl]
 
-    # 1. The state gradients, last chunk first: dh_c = Mᵀ dh_{c+1} + Q̂ᵀ dO_c.
-    if len(groups) == 1:
-        x, pt_do, inject_grad = _state_grad_terms(q, k, kv, beta, g, do, scale)
-        transition = x.transition
-    else:
-        x = pt_do = None
-        transition = q.new_empty(nc * nh, dk, dk)
-        inject_grad = q.new_empty(nc * nh, dk, dv)
-        for sl in groups:
-            xg, _, inject_grad[sl] = _state_grad_terms(q[sl], k[sl], kv[sl], beta[sl], part(g, sl), do[sl], scale)
-            transition[sl] = xg.transition
-            del xg
-    dh_next, dh0 = state_scan_backward(transition.view(nc, nh, dk, dk), inject_grad.view(nc, nh, dk, dv), dh_final)
-    del transition, inject_grad
+    # 1-2. The state gradients, last chunk first.
+    du = torch.empty_like(v)  # Pᵀ dO, then dU'
+    read_grad = q.new_empty(nc * nh, dk, dv)  # scale·Q_bᵀ dO
+    w = k.new_empty(nc * nh, c, dk)
+    k_decayed = k if g is None else torch.empty_like(k)
+    last = None if g is None else beta.new_empty(nc * nh)
+    x = None
+    for sl in groups:
+        xg = _Chunks(q[sl], k[sl], v[sl], beta[sl], part(g, sl), scale, backward=True)
+        torch.bmm(xg.scores.transpose(-1, -2), do[sl], out=du[sl])
+        torch.baddbmm(read_grad[sl], xg.q_decayed.transpose(-1, -2), do[sl], beta=0.0, alpha=scale, out=read_grad[sl])
+        w[sl] = xg.w
+        if g is not None:
+            k_decayed[sl] = xg.k_decayed
+            last[sl] = xg.decay.last
+        if len(groups) == 1:
+            x = xg
+        del xg
+    dh_next, dh0 = _state_grads(
+        w.view(nc, nh, c, dk), k_decayed.view(nc, nh, c, dk), None if last is None else last.view(nc, nh, 1, 1),
+        du.view(nc, nh, c, dv), read_grad.view(nc, nh, dk, dv), dh_final,
+    )
+    del read_grad, w
     states, dh_next = states.view(-1, dk, dv), dh_next.view(-1, dk, dv)
 
-    # 2-5. Everything else, one group at a time.
+    # 3-5. Everything else, one group at a time.
     if x is not None:
-        return (*_input_grads(x, q, k, v, kv, beta, do, pt_do, states, dh_next, scale), dh0)
+        return (*_input_grads(x, q, k, v, beta, do, du, states, dh_next, scale), dh0)
     dq, dk_, dv_, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = None if g is None else torch.empty_like(g)
     for sl in groups:
-        xg, pt_do, _ = _state_grad_terms(q[sl], k[sl], kv[sl], beta[sl], part(g, sl), do[sl], scale)
-        grads = _input_grads(xg, q[sl], k[sl], v[sl], kv[sl], beta[sl], do[sl], pt_do, states[sl], dh_next[sl], scale)
+        xg = _Chunks(q[sl], k[sl], v[sl], beta[sl], part(g, sl), scale, backward=True)
+        grads = _input_grads(xg, q[sl], k[sl], v[sl], beta[sl], do[sl], du[sl], states[sl], dh_next[sl], scale)
         for out, grad in zip((dq, dk_, dv_, dbeta, dg), grads):
             if out is not None:
                 out[sl] = grad
-        del xg, pt_do, grads
+        del xg, grads
     return dq, dk_, dv_, dbeta, dg, dh0
 
 

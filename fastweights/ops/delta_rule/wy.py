@@ -48,7 +48,7 @@ def ut_transform(
 
 
 
-def unit_lower_inverse(a: torch.Tensor, base: int = 16) -> torch.Tensor:
+def unit_lower_inverse(a: torch.Tensor, base: int = 8) -> torch.Tensor:
     """``(I + A)⁻¹`` for strictly lower-triangular blocks ``a [B, L, L]`` (B a flat batch).
 
     The UT transform's T without diag(β). Forward substitution on the diagonal
@@ -56,7 +56,8 @@ def unit_lower_inverse(a: torch.Tensor, base: int = 16) -> torch.Tensor:
     doubling: ``[[X₁₁, 0], [A₂₁, X₂₂]]`` inverts to ``[[X₁₁, 0], [−X₂₂ A₂₁ X₁₁, X₂₂]]``.
     Every step is a batched matmul; on the CPU this beats one batched
     ``torch.linalg.solve_triangular`` (which calls a C×C LAPACK solve per chunk),
-    and it is the same sum of products as row-by-row substitution.
+    and it is the same sum of products as row-by-row substitution. The blocks are
+    written into one preallocated result (no concatenation).
     """
     batch, length = a.shape[0], a.shape[-1]
     base = min(base, length)
@@ -66,19 +67,24 @@ def unit_lower_inverse(a: torch.Tensor, base: int = 16) -> torch.Tensor:
     if total != length:  # pad with zero rows and columns: their block of I + A is I
         a = torch.nn.functional.pad(a, (0, total - length, 0, total - length))
     blocks = total // base
-    diagonal = torch.diagonal(a.view(batch, blocks, base, blocks, base), dim1=1, dim2=3).permute(0, 3, 1, 2)
+    out = a.new_zeros(batch, total, total)
+
+    def diagonal_blocks(m, size, offset=0):  # [batch, n, size, size] view of the (sub)diagonal blocks
+        n = total // size
+        return torch.diagonal(m.view(batch, n, size, n, size), offset=offset, dim1=1, dim2=3).permute(0, 3, 1, 2)
+
+    a_diag = diagonal_blocks(a, base).contiguous()
     x = torch.eye(base, dtype=a.dtype, device=a.device).repeat(batch, blocks, 1, 1)
     for r in range(1, base):  # row r of every diagonal block: x_r = e_r − a_r x
-        x[:, :, r, :r] -= (diagonal[:, :, r : r + 1, :r] @ x[:, :, :r, :r]).squeeze(-2)
+        x[:, :, r, :r] -= (a_diag[:, :, r : r + 1, :r] @ x[:, :, :r, :r]).squeeze(-2)
+    diagonal_blocks(out, base).copy_(x)
     size = base
     while size < total:
-        n = total // size
-        a21 = torch.diagonal(a.view(batch, n, size, n, size), offset=-1, dim1=1, dim2=3)[..., 0::2]
-        a21 = a21.permute(0, 3, 1, 2).reshape(-1, size, size)  # the blocks below each diagonal pair
-        x11 = x[:, 0::2].reshape(-1, size, size)  # contiguous copies: bmm's fast path
-        x22 = x[:, 1::2].reshape(-1, size, size)
+        x_diag = diagonal_blocks(out, size)
+        x11 = x_diag[:, 0::2].reshape(-1, size, size)  # contiguous copies: bmm's fast path
+        x22 = x_diag[:, 1::2].reshape(-1, size, size)
+        a21 = diagonal_blocks(a, size, offset=-1)[:, 0::2].reshape(-1, size, size)  # below each diagonal pair
         x21 = torch.bmm(x22, torch.bmm(a21, x11)).neg_()
-        top = torch.cat([x11, torch.zeros_like(x11)], dim=-1)
-        x = torch.cat([top, torch.cat([x21, x22], dim=-1)], dim=-2).view(batch, n // 2, 2 * size, 2 * size)
+        diagonal_blocks(out, size, offset=-1)[:, 0::2].copy_(x21.view(batch, -1, size, size))
         size *= 2
-    return x[:, 0, :length, :length]
+    return out if total == length else out[:, :length, :length]
