@@ -201,10 +201,11 @@ def test_bench_command_runs_on_tiny_shapes(tmp_path):
 
 @pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])
 def test_grouped_backward_equals_the_recurrence(rule_name, monkeypatch):
-    """Long inputs run the backward in groups of chunks (bounded transients); force small groups."""
+    """Long inputs run the forward and backward in groups of chunks (bounded transients); force small groups."""
     import fastweights.ops.delta_rule.chunk as chunk_module
 
     monkeypatch.setattr(chunk_module, "BACKWARD_GROUP", 3)  # 2 heads: one chunk-pair per group
+    monkeypatch.setattr(chunk_module, "FORWARD_GROUP", 5)  # the forward in groups too (two chunks each)
     rule = RULES[rule_name]
     x, do, dh, want = reference_case(rule_name, 100)
     got = loss_grads(rule.forms[2], rule, x, do, dh, chunk_size=16)

@@ -161,8 +161,17 @@ def flat_chunks(x: Optional[torch.Tensor], chunk_size: int) -> Optional[torch.Te
 
 
 def unflat_chunks(x: torch.Tensor, n: int, nh: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`flat_chunks`: ``[NC·N·H, C, ...]`` -> ``[N, H, T, ...]``."""
-    return x.reshape((-1, n, nh) + x.shape[1:]).movedim(0, 2).flatten(2, 3)[:, :, :length]
+    """Inverse of :func:`flat_chunks`: ``[NC·N·H, C, ...]`` -> ``[N, H, T, ...]``.
+
+    One copy, into memory laid out as ``[N, T, H, ...]`` (the front end's layout), so
+    that its ``transpose(1, 2)`` back is contiguous and autograd keeps the gradients
+    as they are instead of copying them again.
+    """
+    nc, c, rest = x.shape[0] // (n * nh), x.shape[1], tuple(x.shape[2:])
+    out = x.new_empty((n, nc * c, nh) + rest)
+    chunks = x.view((nc, n, nh, c) + rest).permute((1, 0, 3, 2) + tuple(range(4, 4 + len(rest))))
+    out.view((n, nc, c, nh) + rest).copy_(chunks)
+    return out[:, :length].transpose(1, 2)
 
 
 class ChunkDecay:

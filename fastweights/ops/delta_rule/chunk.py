@@ -45,7 +45,7 @@ class _Chunks:
     Inputs are flattened chunks ``[Bt, C, ·]`` (Bt = NC·N·H, chunk-major). Glossary (README.md):
     ``scores`` P = scale·(Q Kᵀ ⊙ Γ); ``s`` S = K Kᵀ ⊙ Γ strictly lower, A = diag(β) S
     (backward only); ``inverse`` (I + A)⁻¹ (backward only); ``k_b`` K_b = K ⊙ e^b;
-    ``wu`` [W | U] = (I + A)⁻¹ diag(β) [K_b | V]; ``k_decayed`` K̄ = K ⊙ e^{b_C − b};
+    ``w``, ``u`` W, U = (I + A)⁻¹ diag(β) (K_b, V); ``k_decayed`` K̄ = K ⊙ e^{b_C − b};
     ``q_decayed`` Q_b = Q ⊙ e^b.
     """
 
@@ -57,39 +57,43 @@ class _Chunks:
         beta_ = beta.unsqueeze(-1)
         if backward:  # the backward needs S and (I + A)⁻¹ themselves
             self.s = s
-            inverse = self.inverse = unit_lower_inverse(beta_ * s)
+            self.inverse = unit_lower_inverse(beta_ * s)
+            t = self.inverse * beta.unsqueeze(-2)
         else:
-            inverse = unit_lower_inverse(s.mul_(beta_))
+            t = unit_lower_inverse(s.mul_(beta_)).mul_(beta.unsqueeze(-2))
         self.k_b = decay.rows(k, decay.read)
-        kv = torch.cat([self.k_b, v], dim=-1).mul_(beta_)  # diag(β) [K_b | V]
-        self.wu = inverse @ kv  # [W | U] = (I + A)⁻¹ diag(β) [K_b | V]
-        self.w, self.u = self.wu[..., :dk], self.wu[..., dk:]
+        self.w = t @ self.k_b  # W = T K_b and U = T V, T = (I + A)⁻¹ diag(β): two contiguous products
+        self.u = t @ v
         self.q_decayed = decay.rows(q, decay.read)
         self.k_decayed = decay.rows(k, decay.to_end)
 
 
-def _delta_scan(x, h0, nc, nh):
+def _delta_scan(x, h, states):
     """The one sequential loop: ``U'_c = U_c − W_c h_c`` (in place of U) and ``h_{c+1} = e^{b_C} h_c + K̄_cᵀ U'_c``.
 
-    Returns ``(states [NC, N·H, K, V], h_T)``; afterwards ``x.u`` holds U'.
+    ``h`` is the state entering the first chunk of ``x`` (``[N·H, K, V]``); the state
+    entering each chunk is written into ``states [NC, N·H, K, V]``. Returns the state
+    after the last chunk; afterwards ``x.u`` holds U'.
     """
-    dk, dv = x.w.shape[-1], x.u.shape[-1]
+    nc, nh, dk, dv = states.shape
     c = x.w.shape[-2]
     w = x.w.view(nc, nh, c, dk)
     u = x.u.view(nc, nh, c, dv)
     k_t = x.k_decayed.view(nc, nh, c, dk).transpose(-1, -2)
     last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1)
-    states = x.u.new_empty(nc, nh, dk, dv)
-    if h0 is None:
-        states[0].zero_()
-    else:
-        states[0] = h0
+    states[0] = h
     h = states[0]
     for i in range(nc):
         u_prime = u[i].baddbmm_(w[i], h, alpha=-1.0)
         carried = h if last is None else h * last[i]
         h = torch.baddbmm(carried, k_t[i], u_prime, out=states[i + 1] if i + 1 < nc else None)
-    return states, h
+    return h
+
+
+#: Chunk-heads per group in the forward: each group's intra-chunk terms, its part of
+#: the loop and its outputs are computed before the next group's, so the transient
+#: tensors stay small (cache-resident, and reused by the allocator instead of fresh pages).
+FORWARD_GROUP = 64
 
 
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
@@ -99,16 +103,25 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
     is the state entering chunk c.
     """
     dk, dv = k.shape[-1], v.shape[-1]
-    x = _Chunks(q, k, v, beta, g, scale, backward=False)
-    nc = q.shape[0] // (n * nh)
-    states, h_final = _delta_scan(x, h0, nc, n * nh)  # x.u is now U' = U − W h
-    o = torch.baddbmm(x.scores @ x.u, x.q_decayed, states.view(-1, dk, dv), alpha=scale)  # O = P U' + scale·Q_b h
-    return o, h_final, states
+    nh = n * nh
+    nc = q.shape[0] // nh
+    per = max(1, FORWARD_GROUP // nh)
+    states = v.new_empty(nc, nh, dk, dv)
+    o = torch.empty_like(v)
+    h = v.new_zeros(nh, dk, dv) if h0 is None else h0
+    for c0 in range(0, nc, per):
+        c1 = min(c0 + per, nc)
+        sl = slice(c0 * nh, c1 * nh)
+        x = _Chunks(q[sl], k[sl], v[sl], beta[sl], None if g is None else g[sl], scale, backward=False)
+        h = _delta_scan(x, h, states[c0:c1])  # x.u is now U' = U − W h
+        torch.bmm(x.scores, x.u, out=o[sl]).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
+    return o, h, states
 
 
 #: Chunk-heads per group in the backward: its transient tensors are O(group·C·(C + K + V)),
-#: so the backward's peak memory stops growing with T beyond the saved inputs and states.
-BACKWARD_GROUP = 128
+#: so the backward's peak memory stops growing with T beyond the saved inputs and states
+#: (and, as in the forward, they stay small enough to be reused rather than fresh pages).
+BACKWARD_GROUP = 64
 
 
 def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
@@ -151,81 +164,66 @@ def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
     return dq, dk_, dv, dbeta, dg
 
 
-def _state_grads(w, k_decayed, last, du, read_grad, dh_final):
-    """The backward's one loop, last chunk first (README.md, step 2), on chunk-major ``[NC, NH, ·]``.
+def _state_grads(x, du, read_grad, dh, dh_next):
+    """The backward's loop over one group's chunks, last chunk first (README.md, step 2).
 
-    ``du`` enters holding Pᵀ dO and leaves holding dU'_c = Pᵀ dO_c + K̄_c dh_{c+1};
-    ``read_grad`` holds scale·Q_bᵀ dO. dh_c = e^{b_C} dh_{c+1} + scale·Q_bᵀ dO_c − W_cᵀ dU'_c.
-    Returns ``(dh_next [NC, NH, K, V], dh0)``.
+    On entry ``du`` holds Pᵀ dO and ``read_grad`` scale·Q_bᵀ dO (``[NC·N·H, ·, ·]``
+    for the group's NC chunks); ``dh`` is the gradient of the state leaving the
+    group's last chunk. Writes dU'_c = Pᵀ dO_c + K̄_c dh_{c+1} into ``du`` and
+    dh_{c+1} into ``dh_next [NC, N·H, K, V]``; returns the gradient of the state
+    entering the group, dh_c = e^{b_C} dh_{c+1} + scale·Q_bᵀ dO_c − W_cᵀ dU'_c.
     """
-    nc = du.shape[0]
-    dh_next = torch.empty_like(read_grad)
-    dh_next[-1] = dh_final
+    nc, nh, dk, dv = dh_next.shape
+    c = x.w.shape[-2]
+    w_t = x.w.view(nc, nh, c, dk).transpose(-1, -2)
+    k_decayed = x.k_decayed.view(nc, nh, c, dk)
+    last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1)
+    du, read_grad = du.view(nc, nh, c, dv), read_grad.view(nc, nh, dk, dv)
+    dh_next[-1] = dh
     dh = dh_next[-1]
     for i in range(nc - 1, -1, -1):
         du_i = du[i].baddbmm_(k_decayed[i], dh)
         carried = read_grad[i].add_(dh) if last is None else read_grad[i].addcmul_(dh, last[i])
-        dh = torch.baddbmm(carried, w[i].transpose(-1, -2), du_i, alpha=-1.0, out=dh_next[i - 1] if i > 0 else None)
-    return dh_next, dh
+        dh = torch.baddbmm(carried, w_t[i], du_i, alpha=-1.0, out=dh_next[i - 1] if i > 0 else None)
+    return dh
 
 
 def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
     """Backward on flattened chunks; ``README.md`` in this folder derives every line.
 
-    Works through the chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, twice:
-    first for the state-gradient loop's inputs (W, K̄, e^{b_C}, Pᵀ dO and Q_bᵀ dO,
-    kept for all chunks: O(T·(K + V) + (T/C)·K·V) per head), then, after the loop,
-    for the input gradients. With a single group (T·H ≤ 8192 at C = 64) the
-    recomputed terms are reused.
+    Works through the chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, last
+    group first: each group's intra-chunk terms are recomputed once, its part of the
+    state-gradient loop runs, and its input gradients are written before the next
+    group's. Nothing is recomputed twice, and the transient tensors are those of one
+    group, O(group·C·(C + K + V)), independent of T.
 
     Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five as ``[Bt, C, ·]``.
     """
     nc, nh, dk, dv = states.shape
-    c = k.shape[-2]
     per = max(1, BACKWARD_GROUP // nh)
-    groups = [slice(c0 * nh, min(c0 + per, nc) * nh) for c0 in range(0, nc, per)]
-
-    def part(x, sl):
-        return None if x is None else x[sl]
-
-    # 1-2. The state gradients, last chunk first.
-    du = torch.empty_like(v)  # Pᵀ dO, then dU'
-    read_grad = q.new_empty(nc * nh, dk, dv)  # scale·Q_bᵀ dO
-    w = k.new_empty(nc * nh, c, dk)
-    k_decayed = k if g is None else torch.empty_like(k)
-    last = None if g is None else beta.new_empty(nc * nh)
-    x = None
-    for sl in groups:
-        xg = _Chunks(q[sl], k[sl], v[sl], beta[sl], part(g, sl), scale, backward=True)
-        torch.bmm(xg.scores.transpose(-1, -2), do[sl], out=du[sl])
-        torch.baddbmm(read_grad[sl], xg.q_decayed.transpose(-1, -2), do[sl], beta=0.0, alpha=scale, out=read_grad[sl])
-        w[sl] = xg.w
-        if g is not None:
-            k_decayed[sl] = xg.k_decayed
-            last[sl] = xg.decay.last
-        if len(groups) == 1:
-            x = xg
-        del xg
-    dh_next, dh0 = _state_grads(
-        w.view(nc, nh, c, dk), k_decayed.view(nc, nh, c, dk), None if last is None else last.view(nc, nh, 1, 1),
-        du.view(nc, nh, c, dv), read_grad.view(nc, nh, dk, dv), dh_final,
-    )
-    del read_grad, w
-    states, dh_next = states.view(-1, dk, dv), dh_next.view(-1, dk, dv)
-
-    # 3-5. Everything else, one group at a time.
-    if x is not None:
-        return (*_input_grads(x, q, k, v, beta, do, du, states, dh_next, scale), dh0)
-    dq, dk_, dv_, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
-    dg = None if g is None else torch.empty_like(g)
-    for sl in groups:
-        xg = _Chunks(q[sl], k[sl], v[sl], beta[sl], part(g, sl), scale, backward=True)
-        grads = _input_grads(xg, q[sl], k[sl], v[sl], beta[sl], do[sl], du[sl], states[sl], dh_next[sl], scale)
+    single = per >= nc
+    if not single:
+        dq, dk_, dv_, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+        dg = None if g is None else torch.empty_like(g)
+    dh = dh_final
+    for c0 in reversed(range(0, nc, per)):
+        c1 = min(c0 + per, nc)
+        sl = slice(c0 * nh, c1 * nh)
+        q_, k_, v_, beta_, do_ = q[sl], k[sl], v[sl], beta[sl], do[sl]
+        x = _Chunks(q_, k_, v_, beta_, None if g is None else g[sl], scale, backward=True)
+        du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU'
+        read_grad = (x.q_decayed.transpose(-1, -2) @ do_).mul_(scale)  # scale·Q_bᵀ dO
+        dh_next = states.new_empty(c1 - c0, nh, dk, dv)
+        dh = _state_grads(x, du, read_grad, dh, dh_next)
+        del read_grad
+        grads = _input_grads(x, q_, k_, v_, beta_, do_, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
+        if single:
+            return (*grads, dh)
         for out, grad in zip((dq, dk_, dv_, dbeta, dg), grads):
             if out is not None:
                 out[sl] = grad
-        del xg, grads
-    return dq, dk_, dv_, dbeta, dg, dh0
+        del x, du, dh_next, grads
+    return dq, dk_, dv_, dbeta, dg, dh
 
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
