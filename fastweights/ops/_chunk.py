@@ -147,17 +147,42 @@ def block_terms(
 # --------------------------------------------------------------------------------------
 
 
-def flat_chunks(x: Optional[torch.Tensor], chunk_size: int) -> Optional[torch.Tensor]:
+def flat_chunks(
+    x: Optional[torch.Tensor], chunk_size: int, start: int = 0, stop: Optional[int] = None
+) -> Optional[torch.Tensor]:
     """``[N, H, T, ...]`` -> contiguous ``[NC·N·H, C, ...]``, chunk-major, zero-padding T (see :func:`to_chunks`).
 
     Chunk-major order makes each chunk's slice of every per-chunk tensor (and of
     the states, ``[NC, N·H, K, V]``) contiguous, so the loop's products take the
-    fast batched path.
+    fast batched path. ``start``/``stop`` select chunks ``start, ..., stop − 1``
+    only (a group of chunks, copied while it is needed).
     """
     if x is None:
         return None
+    if start or stop is not None:
+        t = x.shape[2]
+        stop = -(-t // chunk_size) if stop is None else stop
+        x = x[:, :, start * chunk_size : min(stop * chunk_size, t)]
     x = to_chunks(x, chunk_size).movedim(2, 0)
     return x.reshape((-1,) + x.shape[3:]).contiguous()
+
+
+def chunk_buffer(like: torch.Tensor, n: int, nh: int, chunks: int, chunk_size: int) -> torch.Tensor:
+    """An empty ``[N, NC·C, H, ...]`` buffer (the front end's token-major layout) for :func:`put_chunks`; ``like`` is ``[N, H, T, ...]``."""
+    return like.new_empty((n, chunks * chunk_size, nh) + tuple(like.shape[3:]))
+
+
+def put_chunks(buffer: torch.Tensor, x: torch.Tensor, start: int) -> None:
+    """Copy flattened chunks ``x [NC'·N·H, C, ...]`` into chunks ``start, ..., start + NC' − 1`` of ``buffer``."""
+    n, nh = buffer.shape[0], buffer.shape[2]
+    count, c, rest = x.shape[0] // (n * nh), x.shape[1], tuple(x.shape[2:])
+    dest = buffer[:, start * c : (start + count) * c].unflatten(1, (count, c))  # [N, NC', C, H, ...]
+    dest.copy_(x.view((count, n, nh, c) + rest).permute((1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))))
+
+
+def from_chunk_buffer(buffer: torch.Tensor, length: int) -> torch.Tensor:
+    """``[N, NC·C, H, ...]`` -> the head-first view ``[N, H, T, ...]``, dropping the padded tail."""
+    return buffer[:, :length].transpose(1, 2)
 
 
 def unflat_chunks(x: torch.Tensor, n: int, nh: int, length: int) -> torch.Tensor:
@@ -167,11 +192,10 @@ def unflat_chunks(x: torch.Tensor, n: int, nh: int, length: int) -> torch.Tensor
     that its ``transpose(1, 2)`` back is contiguous and autograd keeps the gradients
     as they are instead of copying them again.
     """
-    nc, c, rest = x.shape[0] // (n * nh), x.shape[1], tuple(x.shape[2:])
-    out = x.new_empty((n, nc * c, nh) + rest)
-    chunks = x.view((nc, n, nh, c) + rest).permute((1, 0, 3, 2) + tuple(range(4, 4 + len(rest))))
-    out.view((n, nc, c, nh) + rest).copy_(chunks)
-    return out[:, :length].transpose(1, 2)
+    chunks = x.shape[0] // (n * nh)
+    buffer = x.new_empty((n, chunks * x.shape[1], nh) + tuple(x.shape[2:]))
+    put_chunks(buffer, x, 0)
+    return from_chunk_buffer(buffer, length)
 
 
 class ChunkDecay:
@@ -298,7 +322,8 @@ def read_write_backward(
 
     The forward terms are ``P = scale · (Q Kᵀ ⊙ Γ)`` (causal, diagonal included),
     ``Q_b = Q ⊙ e^b``, ``K̄ = K ⊙ e^{b_C − b}`` and ``e^{b_C}``. Given their
-    cotangents (``d_scores`` need not be masked; it is overwritten), returns
+    cotangents (``d_scores`` need not be masked; it is overwritten, and so are
+    ``d_q_decayed`` and ``d_k_decayed``, which must be contiguous), returns
     ``(dq, dk, db)`` with ``db`` the gradient of the cumulative log decay b
     (None without a gate).
     """
@@ -308,6 +333,6 @@ def read_write_backward(
         db = (d_q_decayed * q_decayed).sum(-1) - write + decay_pair_grad(d_scores * scores)
         db[..., -1] += write.sum(-1) + d_last * decay.last
     d_qk = decay.mask_(d_scores).mul_(scale)  # dP ⊙ Γ ⊙ scale, in place
-    dq = torch.baddbmm(decay.rows(d_q_decayed, decay.read), d_qk, k)
-    dk = torch.baddbmm(decay.rows(d_k_decayed, decay.to_end), d_qk.transpose(-1, -2), q)
+    dq = decay.rows(d_q_decayed, decay.read).baddbmm_(d_qk, k)  # in place (no copy) without a gate
+    dk = decay.rows(d_k_decayed, decay.to_end).baddbmm_(d_qk.transpose(-1, -2), q)
     return dq, dk, db

@@ -32,7 +32,10 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._chunk import ChunkDecay, decay_pair_grad, flat_chunks, read_write_backward, reverse_cumsum, unflat_chunks
+from .._chunk import (
+    ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
+    reverse_cumsum,
+)
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
@@ -96,26 +99,28 @@ def _delta_scan(x, h, states):
 FORWARD_GROUP = 64
 
 
-def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, n, nh):
-    """Forward on flattened chunks ``[Bt, C, ·]`` (Bt = NC·N·H, chunk-major), ``h0 [N·H, K, V]`` or None.
+def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size):
+    """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
-    Returns ``(o [Bt, C, V], h_T [N·H, K, V], states [NC, N·H, K, V])``; ``states[c]``
-    is the state entering chunk c.
+    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``; ``states[c]``
+    is the state entering chunk c. Each group of chunks is copied into the
+    flattened chunk-major layout ``[NC'·N·H, C, ·]`` only while it is worked on.
     """
-    dk, dv = k.shape[-1], v.shape[-1]
-    nh = n * nh
-    nc = q.shape[0] // nh
-    per = max(1, FORWARD_GROUP // nh)
-    states = v.new_empty(nc, nh, dk, dv)
-    o = torch.empty_like(v)
-    h = v.new_zeros(nh, dk, dv) if h0 is None else h0
+    n, nh, t_len, dk = k.shape
+    dv = v.shape[-1]
+    nc = -(-t_len // chunk_size)
+    per = max(1, FORWARD_GROUP // (n * nh))
+    states = v.new_empty(nc, n * nh, dk, dv)
+    o = chunk_buffer(v, n, nh, nc, chunk_size)
+    h = v.new_zeros(n * nh, dk, dv) if h0 is None else h0
     for c0 in range(0, nc, per):
         c1 = min(c0 + per, nc)
-        sl = slice(c0 * nh, c1 * nh)
-        x = _Chunks(q[sl], k[sl], v[sl], beta[sl], None if g is None else g[sl], scale, backward=False)
+        qg, kg, vg, bg, gg = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, beta, g))
+        x = _Chunks(qg, kg, vg, bg, gg, scale, backward=False)
         h = _delta_scan(x, h, states[c0:c1])  # x.u is now U' = U − W h
-        torch.bmm(x.scores, x.u, out=o[sl]).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
-    return o, h, states
+        og = torch.bmm(x.scores, x.u).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
+        put_chunks(o, og, c0)
+    return from_chunk_buffer(o, t_len), h, states
 
 
 #: Chunk-heads per group in the backward: its transient tensors are O(group·C·(C + K + V)),
@@ -130,16 +135,13 @@ def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
     decay = x.decay
     u_prime = x.u.baddbmm_(x.w, states, alpha=-1.0)  # U' = U − W h
     # 3. Through [W | U] = (I + A)⁻¹ diag(β) [K_b | V]: dZ = (I + A)⁻ᵀ dY. Since dW = −dU hᵀ,
-    #    dZ_W = −dZ_U hᵀ and dA = −tril(dZ_W Wᵀ + dZ_U Uᵀ, −1) = −tril(dZ_U U'ᵀ, −1). Stacking
-    #    [dO; dZ_U] shares the products with U'ᵀ (dP, −dA) and with hᵀ (dQ_b, −dZ_W).
-    stacked = torch.empty(do.shape[0], 2 * c, do.shape[-1], dtype=do.dtype, device=do.device)
-    stacked[:, :c] = do
-    dz_u = torch.bmm(x.inverse.transpose(-1, -2), du, out=stacked[:, c:])
-    with_u = stacked @ u_prime.transpose(-1, -2)  # [dP; −dA]
-    with_h = stacked @ states.transpose(-1, -2)  # [dQ_b / scale; −dZ_W]
-    d_scores, minus_da = with_u[:, :c], with_u[:, c:].tril_(-1)
-    d_q_decayed = with_h[:, :c].mul_(scale)
-    minus_dz_w = with_h[:, c:]
+    #    dZ_W = −dZ_U hᵀ and dA = −tril(dZ_W Wᵀ + dZ_U Uᵀ, −1) = −tril(dZ_U U'ᵀ, −1).
+    dz_u = x.inverse.transpose(-1, -2) @ du
+    u_prime_t, states_t = u_prime.transpose(-1, -2), states.transpose(-1, -2)
+    d_scores = do @ u_prime_t  # dP
+    minus_da = (dz_u @ u_prime_t).tril_(-1)
+    d_q_decayed = torch.bmm(do, states_t).mul_(scale)
+    minus_dz_w = dz_u @ states_t
     d_k_decayed = u_prime @ dh_next.transpose(-1, -2)
     d_last = None if decay.b is None else (states * dh_next).sum((-1, -2))
 
@@ -188,42 +190,38 @@ def _state_grads(x, du, read_grad, dh, dh_next):
     return dh
 
 
-def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale):
-    """Backward on flattened chunks; ``README.md`` in this folder derives every line.
+def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale, chunk_size):
+    """Backward on head-first ``[N, H, T, ·]`` tensors; ``README.md`` in this folder derives every line.
 
     Works through the chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, last
-    group first: each group's intra-chunk terms are recomputed once, its part of the
-    state-gradient loop runs, and its input gradients are written before the next
-    group's. Nothing is recomputed twice, and the transient tensors are those of one
-    group, O(group·C·(C + K + V)), independent of T.
+    group first: each group's inputs are copied into the flattened layout and its
+    intra-chunk terms recomputed once, its part of the state-gradient loop runs,
+    and its input gradients are written before the next group's. Nothing is
+    recomputed twice, and the transient tensors are those of one group,
+    O(group·C·(C + K + V)), independent of T.
 
-    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five as ``[Bt, C, ·]``.
+    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five ``[N, H, T, ·]``.
     """
-    nc, nh, dk, dv = states.shape
-    per = max(1, BACKWARD_GROUP // nh)
-    single = per >= nc
-    if not single:
-        dq, dk_, dv_, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
-        dg = None if g is None else torch.empty_like(g)
+    nc, nhh, dk, dv = states.shape
+    n, nh, t_len = k.shape[:3]
+    per = max(1, BACKWARD_GROUP // nhh)
+    grads = [None if t is None else chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, g)]
     dh = dh_final
     for c0 in reversed(range(0, nc, per)):
         c1 = min(c0 + per, nc)
-        sl = slice(c0 * nh, c1 * nh)
-        q_, k_, v_, beta_, do_ = q[sl], k[sl], v[sl], beta[sl], do[sl]
-        x = _Chunks(q_, k_, v_, beta_, None if g is None else g[sl], scale, backward=True)
+        q_, k_, v_, beta_, g_, do_ = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, beta, g, do))
+        x = _Chunks(q_, k_, v_, beta_, g_, scale, backward=True)
         du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU'
         read_grad = (x.q_decayed.transpose(-1, -2) @ do_).mul_(scale)  # scale·Q_bᵀ dO
-        dh_next = states.new_empty(c1 - c0, nh, dk, dv)
+        dh_next = states.new_empty(c1 - c0, nhh, dk, dv)
         dh = _state_grads(x, du, read_grad, dh, dh_next)
         del read_grad
-        grads = _input_grads(x, q_, k_, v_, beta_, do_, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
-        if single:
-            return (*grads, dh)
-        for out, grad in zip((dq, dk_, dv_, dbeta, dg), grads):
-            if out is not None:
-                out[sl] = grad
-        del x, du, dh_next, grads
-    return dq, dk_, dv_, dbeta, dg, dh
+        group = _input_grads(x, q_, k_, v_, beta_, do_, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
+        for buffer, grad in zip(grads, group):
+            if buffer is not None:
+                put_chunks(buffer, grad, c0)
+        del x, du, dh_next, group
+    return (*(None if b is None else from_chunk_buffer(b, t_len) for b in grads), dh)
 
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
@@ -234,9 +232,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     the plain rule). Gradients reach q, k, v, beta, g and h0, and the cotangent of
     h_T is honoured.
 
-    Memory kept for the backward: the inputs, chunked (O(T·(2K + V)) per head), and
+    Memory kept for the backward: the inputs (O(T·(2K + V)) per head, not copied), and
     the T/C states entering the chunks (O((T/C)·K·V)). The backward recomputes the
-    intra-chunk terms (transient O(T·(C + K + V)) per head, plus (T/C)·K² for M).
+    intra-chunk terms group by group (transient O(group·C·(C + K + V))).
     Double backward is not supported (``once_differentiable``): use the
     recurrent or parallel form, which keep plain autograd, for higher derivatives.
     """
@@ -245,25 +243,21 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, beta, g, h0, scale, chunk_size):
         n, nh, t_len, dk = k.shape
         dv = v.shape[-1]
-        qc, kc, vc, bc, gc = (flat_chunks(x, chunk_size) for x in (q, k, v, beta, g))
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
-        o, h_final, states = chunk_delta_rule_fwd(qc, kc, vc, bc, gc, h0_, scale, n, nh)
-        ctx.save_for_backward(qc, kc, vc, bc, gc, states)
-        ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.shape = scale, chunk_size, h0 is not None, (n, nh, t_len)
-        return unflat_chunks(o, n, nh, t_len), h_final.reshape(n, nh, dk, dv)
+        o, h_final, states = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size)
+        ctx.save_for_backward(q, k, v, beta, g, states)
+        ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
+        return o, h_final.reshape(n, nh, dk, dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dh_final):
-        qc, kc, vc, bc, gc, states = ctx.saved_tensors
-        n, nh, t_len = ctx.shape
-        doc = flat_chunks(do, ctx.chunk_size)
+        q, k, v, beta, g, states = ctx.saved_tensors
+        n, nh = k.shape[:2]
         dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
-        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(qc, kc, vc, bc, gc, states, doc, dh_final, ctx.scale)
-        grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv, dbeta)]
-        grads.append(None if dg is None else unflat_chunks(dg, n, nh, t_len))
+        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, ctx.scale, ctx.chunk_size)
         dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
-        return (*grads, dh0, None, None)
+        return dq, dk, dv, dbeta, dg, dh0, None, None
 
 
 def delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
