@@ -20,23 +20,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from .base import FastWeightMixer, inverse_softplus, log_uniform, write_strength
+from .base import inverse_softplus, log_uniform, write_strength
+from .deltanet import DeltaNet
 
 
-class GatedDeltaNet(FastWeightMixer):
+class GatedDeltaNet(DeltaNet):
     """The Gated DeltaNet token mixer. ``forward(x, state=None, cu_seqlens=None) -> (y, state)``.
 
     Args: as :class:`~fastweights.layers.DeltaNet` (``qk_norm``, ``allow_neg_eigval``
     and the shared ones); the output gate is on by default.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, qk_norm: str = "l2", allow_neg_eigval: bool = False, **kwargs) -> None:
-        super().__init__(d_model, n_heads, **kwargs)
-        if qk_norm not in ("l2", "sum"):
-            raise ValueError(f"{type(self).__name__}: unknown `qk_norm` {qk_norm!r}; expected 'l2' or 'sum'")
-        self.qk_norm = qk_norm
-        self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+    def __init__(self, d_model: int, n_heads: int, **kwargs) -> None:
+        super().__init__(d_model, n_heads, **kwargs)  # DeltaNet's projections, β, qk_norm
         self.a_proj = nn.Linear(d_model, n_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.dt_bias = nn.Parameter(torch.empty(n_heads))
