@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import json
 import os
+import tempfile
 import typing
 from typing import Any, Dict, Type, TypeVar
 
@@ -84,14 +85,22 @@ class Config:
 
 
 def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
-    """Write a text file atomically: a temp file in the same folder, then ``os.replace``."""
+    """Write a text file atomically: a temp file in the same folder (created if needed),
+    flushed to disk, then ``os.replace``; a failed write leaves no temp file behind."""
     path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 # -- command line --------------------------------------------------------------------------

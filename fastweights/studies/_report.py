@@ -12,13 +12,13 @@ import contextlib
 import csv
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from ..config import atomic_write_text
 
 BRANCHES = ("dev1", "dev2", "heldout")
 
@@ -100,21 +100,8 @@ def format_table(rows: List[Dict], columns: Sequence[str], floatfmt: str = ".3f"
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_json(path: Path, result: Dict) -> None:
-    _atomic_write(Path(path), json.dumps(result, indent=2, sort_keys=False, default=_json_default) + "\n")
+    atomic_write_text(path, json.dumps(result, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 
 def _json_default(x):
@@ -133,7 +120,21 @@ def write_csv(path: Path, rows: Iterable[Dict], columns: Sequence[str]) -> None:
     writer.writeheader()
     for r in rows:
         writer.writerow(r)
-    _atomic_write(Path(path), buf.getvalue())
+    atomic_write_text(path, buf.getvalue())
+
+
+def save_result(result: Dict, out_dir, name: str, rows: Iterable[Dict], columns: Sequence[str],
+                plot: Optional[Callable[[Dict, Path], List[str]]] = None) -> None:
+    """Write a study's ``<name>.csv`` (its main table), its plots and ``<name>.json``
+    under ``out_dir``, listing every file in ``result["files"]``; nothing without ``out_dir``."""
+    if out_dir is None:
+        return
+    out = Path(out_dir)
+    if plot is not None:
+        result["files"] += plot(result, out)
+    write_csv(out / f"{name}.csv", rows, columns)
+    result["files"] += [str(out / f"{name}.csv"), str(out / f"{name}.json")]
+    write_json(out / f"{name}.json", result)
 
 
 def pyplot():

@@ -98,8 +98,7 @@ import numpy as np
 import torch
 
 from ..ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_linear_attn, softmax_attn
-from ._report import BRANCHES, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, torch_generator
-from ._report import torch_threads, write_csv, write_json
+from ._report import BRANCHES, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, save_result, torch_generator, torch_threads
 
 ARMS = ("softmax", "delta", "selective", "sum", "fading", "rls")
 PROTOCOL_ARMS = ("softmax", "delta", "selective")
@@ -404,13 +403,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
         "files": [],
     }
     result["runtime_s"] = round(time.perf_counter() - start, 3)
-    if out_dir is not None:
-        out = Path(out_dir)
-        if plots:
-            result["files"] += plot_capacity(result, out)
-        write_csv(out / "capacity.csv", table, TABLE_COLUMNS)
-        result["files"] += [str(out / "capacity.csv"), str(out / "capacity.json")]
-        write_json(out / "capacity.json", result)
+    save_result(result, out_dir, "capacity", table, TABLE_COLUMNS, plot_capacity if plots else None)
     return result
 
 

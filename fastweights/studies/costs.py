@@ -60,8 +60,7 @@ from ..ops import (
     recurrent_linear_attn,
     softmax_attn,
 )
-from ._report import branch_seed_sequence, format_table, pyplot, save_figure, torch_generator, torch_threads
-from ._report import write_csv, write_json
+from ._report import branch_seed_sequence, format_table, pyplot, save_figure, save_result, torch_generator, torch_threads
 from .capacity import recursive_least_squares
 
 SOLVERS = ("softmax", "linear", "delta", "gated_delta", "rls")
@@ -393,13 +392,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
         rows = check_lm_calculator()
         result["lm_check"] = {"rows": rows, "exact": all(r["predicted"] == r["measured"] for r in rows)}
     result["runtime_s"] = round(time.perf_counter() - start, 3)
-    if out_dir is not None:
-        out = Path(out_dir)
-        if plots:
-            result["files"] += plot_costs(result, out)
-        write_csv(out / "costs.csv", table, TABLE_COLUMNS)
-        result["files"] += [str(out / "costs.csv"), str(out / "costs.json")]
-        write_json(out / "costs.json", result)
+    save_result(result, out_dir, "costs", table, TABLE_COLUMNS, plot_costs if plots else None)
     return result
 
 

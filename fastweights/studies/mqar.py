@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..tasks.mqar import MQAR
 from ..tasks.recall import IGNORE
-from ._report import format_table, keyed_seed, pyplot, save_figure, torch_threads, write_csv, write_json
+from ._report import format_table, keyed_seed, pyplot, save_figure, save_result, torch_threads
 
 MIXERS = ("deltanet", "linear", "gated_deltanet", "softmax")
 TABLE_COLUMNS = ("mixer", "d_model", "num_kv_pairs", "seq_len", "vocab_size", "accuracy", "loss", "steps",
@@ -159,13 +159,7 @@ def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None,
         "files": [],
     }
     result["runtime_s"] = round(time.perf_counter() - start, 3)
-    if out_dir is not None:
-        out = Path(out_dir)
-        if plots:
-            result["files"] += plot_mqar(result, out)
-        write_csv(out / "mqar.csv", rows, TABLE_COLUMNS)
-        result["files"] += [str(out / "mqar.csv"), str(out / "mqar.json")]
-        write_json(out / "mqar.json", result)
+    save_result(result, out_dir, "mqar", rows, TABLE_COLUMNS, plot_mqar if plots else None)
     return result
 
 

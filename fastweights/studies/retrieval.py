@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..tasks.retrieval import RetrievalTask
-from ._report import format_table, keyed_seed, pyplot, save_figure, torch_threads, write_csv, write_json
+from ._report import format_table, keyed_seed, pyplot, save_figure, save_result, torch_threads
 
 FEATURE_MAPS = ("linear", "dpfp1", "dpfp2", "dpfp3", "favor")
 RULES = ("sum", "delta")
@@ -313,13 +313,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
         "files": [],
     }
     result["runtime_s"] = round(time.perf_counter() - start, 3)
-    if out_dir is not None:
-        out = Path(out_dir)
-        if plots:
-            result["files"] += plot_retrieval(result, out)
-        write_csv(out / "retrieval.csv", rows, TABLE_COLUMNS)
-        result["files"] += [str(out / "retrieval.csv"), str(out / "retrieval.json")]
-        write_json(out / "retrieval.json", result)
+    save_result(result, out_dir, "retrieval", rows, TABLE_COLUMNS, plot_retrieval if plots else None)
     return result
 
 

@@ -53,7 +53,7 @@ class _Chunks:
     """
 
     def __init__(self, q, k, v, beta, g, scale, backward: bool) -> None:
-        c, dk = k.shape[-2], k.shape[-1]
+        c = k.shape[-2]
         self.decay = decay = ChunkDecay(g, c, k.device, k.dtype)
         self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
         s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
@@ -131,7 +131,6 @@ BACKWARD_GROUP = 64
 
 def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
     """Steps 3-5 of README.md for one group, given its states h, dU' and state gradients dh_{c+1}."""
-    c, dk = k.shape[-2], k.shape[-1]
     decay = x.decay
     u_prime = x.u.baddbmm_(x.w, states, alpha=-1.0)  # U' = U − W h
     # 3. Through [W | U] = (I + A)⁻¹ diag(β) [K_b | V]: dZ = (I + A)⁻ᵀ dY. Since dW = −dU hᵀ,
