@@ -128,9 +128,15 @@ def matmul_rates(device: str, batched_shape) -> Dict[str, float]:
 
 def memory_child(name: str, T: int, B: int, H: int, K: int, V: int, C: int, threads: int, device: str) -> Dict:
     """Peak memory of one forward+backward, measured in a fresh process (see the module docstring)."""
-    cmd = [sys.executable, "-c", f"import fastweights.bench as b; b._memory_main({name!r}, {T}, {B}, {H}, {K}, {V}, {C}, {threads}, {device!r})"]
+    return _run_child(f"_memory_main({name!r}, {T}, {B}, {H}, {K}, {V}, {C}, {threads}, {device!r})", timeout=3600)
+
+
+def _run_child(call: str, timeout: int) -> Dict:
+    """Run ``fastweights.bench.<call>`` in a fresh Python process; return the JSON it prints
+    last, or ``{"error": ...}`` with the child's last stderr line."""
+    cmd = [sys.executable, "-c", f"import fastweights.bench as b; b.{call}"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0:
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -197,12 +203,7 @@ def _memory_main(name, T, B, H, K, V, C, threads, device) -> None:
 
 
 def long_child(tokens: int, piece: int, H: int, K: int, V: int, C: int, threads: int, device: str) -> Dict:
-    cmd = [sys.executable, "-c", f"import fastweights.bench as b; b._long_main({tokens}, {piece}, {H}, {K}, {V}, {C}, {threads}, {device!r})"]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
-    if res.returncode != 0:
-        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return _run_child(f"_long_main({tokens}, {piece}, {H}, {K}, {V}, {C}, {threads}, {device!r})", timeout=7200)
 
 
 def _long_main(tokens, piece, H, K, V, C, threads, device) -> None:

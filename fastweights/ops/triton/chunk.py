@@ -107,17 +107,22 @@ def use_torch_backward(key_dim: int) -> bool:
     return not interpreting() and _block(key_dim, 256) > MAX_KERNEL_BACKWARD_KEY_BLOCK
 
 
-def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, save_for_backward: bool):
-    """Forward launches on ``[B, T, H, D]`` inputs; returns ``(o, h_T, saved)``."""
+def _launch_geometry(q, v, g, chunk_indices, chunk_offsets):
+    """Sizes, block shapes and precision shared by the forward and backward launches."""
     batch, length, heads, dk = q.shape
     dv = v.shape[-1]
     n_seqs = chunk_offsets.numel() - 1
     n_chunks = chunk_indices.shape[0]
     dev = q.device
-    gated = g is not None
     bk = _block(dk, 256)
     bv = _value_block(dv, bk, n_seqs * heads, dev)
-    prec = _precision(v)
+    return batch, length, heads, dk, dv, n_seqs, n_chunks, dev, g is not None, bk, bv, _precision(v)
+
+
+def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, save_for_backward: bool):
+    """Forward launches on ``[B, T, H, D]`` inputs; returns ``(o, h_T, saved)``."""
+    batch, length, heads, dk, dv, n_seqs, n_chunks, dev, gated, bk, bv, prec = _launch_geometry(
+        q, v, g, chunk_indices, chunk_offsets)
     tokens = batch * length
 
     bcum = torch.empty(tokens, heads, device=dev, dtype=torch.float32) if gated else beta
@@ -142,15 +147,8 @@ def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
 def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, saved, do, dh_final):
     """Backward launches; returns ``(dq, dk, dv, dbeta, dg, dh0)`` (``dg``/``dh0`` None when absent)."""
     bcum, ainv, w, u, states = saved
-    batch, length, heads, dk = q.shape
-    dv = v.shape[-1]
-    n_seqs = chunk_offsets.numel() - 1
-    n_chunks = chunk_indices.shape[0]
-    dev = q.device
-    gated = g is not None
-    bk = _block(dk, 256)
-    bv = _value_block(dv, bk, n_seqs * heads, dev)
-    prec = _precision(v)
+    batch, length, heads, dk, dv, n_seqs, n_chunks, dev, gated, bk, bv, prec = _launch_geometry(
+        q, v, g, chunk_indices, chunk_offsets)
 
     do = do.contiguous()
     dstates = torch.empty_like(states)
