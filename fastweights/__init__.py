@@ -8,3 +8,4 @@ chunk forms, all proven equal to a float64 recurrence in the test suite.
 __version__ = "0.1.0"
 
 from . import ops  # noqa: F401
+from .allocator import tune_cpu_allocator  # noqa: F401  (not called on import; see its docstring)

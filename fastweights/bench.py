@@ -53,6 +53,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from .allocator import tune_cpu_allocator
+
 IMPLEMENTATIONS = ("recurrent", "textbook", "fast")
 TARGETS = {  # issue 3, at T = 2048 (memory at T = 8192)
     "fwd_vs_textbook": 3.0,
@@ -364,6 +366,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also stream this many tokens (default 1,000,000) through the fast forward in pieces")
     p.add_argument("--piece", type=int, default=16384, help="piece length for --long")
     p.add_argument("--json", default="benchmarks/results/chunk_speed.json", help="where to write the results")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/allocator.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -371,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
         print("fastweights bench: --device cuda requested but CUDA is not available", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    tuned = False if args.default_allocator else tune_cpu_allocator()
     B, H, K, C = args.batch, args.heads, args.head_dim, args.chunk_size
     V = K
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else _cpu_name()
@@ -381,6 +386,8 @@ def run(args: argparse.Namespace) -> int:
                 flop_count="chunk algorithm matmuls: 2C^2(3K+2V) + 6CKV per chunk and head; backward = 2x forward",
                 memory="CPU: VmHWM growth over VmRSS in a fresh child process (allocator slack included); "
                 "CUDA: max_memory_allocated growth. saved_for_backward: bytes autograd keeps (distinct storages)",
+                allocator="glibc mmap/trim thresholds raised in the timing process (fastweights/allocator.py), "
+                "the same for every contender" if tuned else "the platform's default malloc settings",
                 time_s=time.strftime("%Y-%m-%d %H:%M:%S"))
     batched = (B * H * (-(-2048 // C)), C, C)
     matmul = matmul_rates(args.device, batched)

@@ -18,6 +18,8 @@ import importlib
 import sys
 from typing import List, Optional
 
+from .allocator import tune_cpu_allocator
+
 # name -> module with `add_parser(subparsers)`; each parser sets `func(args) -> int`.
 COMMANDS = {
     "bench": "fastweights.commands.bench",
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    tune_cpu_allocator()  # keep freed memory in the process: see fastweights/allocator.py
     try:
         return int(args.func(args) or 0)
     except ValueError as e:  # bad input (a config, a file, a prompt): the message, not a traceback

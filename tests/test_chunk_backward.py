@@ -149,16 +149,17 @@ def saved_bytes(fn):
 
 
 @pytest.mark.parametrize("rule_name", ["delta", "gated_delta", "linear_decay"])
-def test_backward_keeps_inputs_and_chunk_states_only(rule_name):
-    """Memory: O(T·(2K + V)) inputs + (T/C)·K·V chunk-entry states per head, no loop graph."""
+def test_backward_keeps_inputs_states_and_wu_only(rule_name):
+    """Memory: O(T·(2K + V)) inputs + (T/C)·K·V chunk-entry states per head (+ the delta
+    rules' [W | U'], T·(K + V)), no loop graph."""
     rule = RULES[rule_name]
     B, T, H, K, V, C = 1, 512, 2, 32, 24, 64
     x = make_inputs(rule, B, T, H, K, V, dtype=torch.float32, initial_state=True)
     x = {n: t.float().requires_grad_(True) for n, t in x.items()}
     saved = saved_bytes(lambda: call(rule.forms[2], rule, x, output_final_state=True, chunk_size=C))
-    per_token = 2 * K + V + int(rule.beta) + int(rule.g)
+    per_token = 2 * K + V + int(rule.beta) + int(rule.g) + (K + V if rule.beta else 0)
     bound = 4 * B * H * (T * per_token + (T // C) * K * V) + 4096  # + the front end's scalars
-    print(f"{rule_name}: autograd keeps {saved / 2**20:.2f} MiB; bound inputs + states = {bound / 2**20:.2f} MiB")
+    print(f"{rule_name}: autograd keeps {saved / 2**20:.2f} MiB; bound inputs + states (+ W, U') = {bound / 2**20:.2f} MiB")
     assert saved <= bound
     if rule_name == "delta":
         textbook = saved_bytes(lambda: textbook_chunk_delta_rule(**x, output_final_state=True, chunk_size=C))
@@ -211,3 +212,26 @@ def test_grouped_backward_equals_the_recurrence(rule_name, monkeypatch):
     got = loss_grads(rule.forms[2], rule, x, do, dh, chunk_size=16)
     for name in want:
         assert_close(f"d{name}", got[name], want[name], TOL)
+
+
+@pytest.mark.parametrize("length", [1, 2, 17, 60, 63, 64, 100])
+def test_block_substitution_solves_the_ut_system_and_its_transpose(length):
+    """``wy.block_substitution``: the UT solve (I + diag(β) S)⁻¹ diag(β) R and (I + A)⁻ᵀ R, float64."""
+    from fastweights.ops.delta_rule.wy import block_substitution, diagonal_block_inverses
+
+    gen = torch.Generator().manual_seed(length)
+    s = torch.randn(3, length, length, generator=gen, dtype=torch.float64).tril(-1) * 0.4
+    beta = torch.rand(3, length, generator=gen, dtype=torch.float64) * 2
+    rhs = torch.randn(3, length, 5, generator=gen, dtype=torch.float64)
+    lower = torch.eye(length, dtype=torch.float64) + beta.unsqueeze(-1) * s
+    x = diagonal_block_inverses(s, beta)
+    nb, bs = x.shape[0], x.shape[-1]
+    assert nb * bs == length and nb <= 4
+    factors = x * beta.view(3, nb, 1, bs).transpose(0, 1)
+    y = block_substitution(s, factors, rhs)
+    assert_close("UT solve", y, torch.linalg.solve(lower, beta.unsqueeze(-1) * rhs), 1e-12)
+    yt = block_substitution(beta.unsqueeze(-1) * s, x, rhs, transpose=True)
+    assert_close("transposed solve", yt, torch.linalg.solve(lower.transpose(-1, -2), rhs), 1e-12)
+    inplace = rhs.clone()
+    block_substitution(s, factors, inplace, out=inplace)
+    assert_close("in place", inplace, y, 1e-15)

@@ -148,14 +148,16 @@ def block_terms(
 
 
 def flat_chunks(
-    x: Optional[torch.Tensor], chunk_size: int, start: int = 0, stop: Optional[int] = None
+    x: Optional[torch.Tensor], chunk_size: int, start: int = 0, stop: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """``[N, H, T, ...]`` -> contiguous ``[NC·N·H, C, ...]``, chunk-major, zero-padding T (see :func:`to_chunks`).
 
     Chunk-major order makes each chunk's slice of every per-chunk tensor (and of
     the states, ``[NC, N·H, K, V]``) contiguous, so the loop's products take the
     fast batched path. ``start``/``stop`` select chunks ``start, ..., stop − 1``
-    only (a group of chunks, copied while it is needed).
+    only (a group of chunks, copied while it is needed). ``out`` (``[NC·N·H, C, ...]``,
+    e.g. a column slice of a wider buffer) receives the copy instead of new memory.
     """
     if x is None:
         return None
@@ -164,6 +166,9 @@ def flat_chunks(
         stop = -(-t // chunk_size) if stop is None else stop
         x = x[:, :, start * chunk_size : min(stop * chunk_size, t)]
     x = to_chunks(x, chunk_size).movedim(2, 0)
+    if out is not None:
+        out.view(x.shape).copy_(x)
+        return out
     return x.reshape((-1,) + x.shape[3:]).contiguous()
 
 

@@ -13,13 +13,14 @@ The gated rule multiplies in the cumulative decays (``wy.py`` derives them). One
 solver serves both; ``g=None`` is the plain rule.
 
 This file is the fast path for training. Everything that does not need the state
-(P, S, T, W, U, for all chunks) is one batched matmul each; the loop does the two
-small products per chunk that do (U' = U − W h and h ← e^{b_C} h + K̄ᵀ U', in
-place), and O = scale·Q_b h + P U' is batched again after it from the saved
-chunk-entry states. :class:`ChunkDeltaRuleFunction` carries a hand-derived
-backward (``README.md`` in this folder, step by step) that keeps only the inputs
-and the T/C states entering the chunks, not autograd's graph of the loop; its
-loop is the adjoint of the forward's (dU' and dh, two products per chunk).
+(P, S, and W, U by a block substitution that never forms the C×C inverse; ``wy.py``)
+is a few batched matmuls over a group of chunks; the loop does the two small
+products per chunk that do (U' = U − W h and h ← e^{b_C} h + K̄ᵀ U'), and
+O = scale·Q_b h + P U' is batched again after it from the saved chunk-entry
+states. :class:`ChunkDeltaRuleFunction` carries a hand-derived backward
+(``README.md`` in this folder, step by step) that keeps the inputs, [W | U'] and
+the T/C states entering the chunks, not autograd's graph of the loop; its loop
+is the adjoint of the forward's (dU' and dh, two products per chunk).
 ``textbook.py`` holds the plain implementation (row-by-row forward substitution,
 a per-chunk loop, autograd) that ``benchmarks/chunk_speed.py`` measures this one
 against.
@@ -39,92 +40,117 @@ from .._chunk import (
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
-from .wy import unit_lower_inverse
+from .wy import block_substitution, diagonal_block_inverses
 
 
 class _Chunks:
-    """Every per-chunk quantity that does not need the state, for all chunks at once.
+    """Every per-chunk quantity that does not need the state, for a group of chunks at once.
 
-    Inputs are flattened chunks ``[Bt, C, ·]`` (Bt = NC·N·H, chunk-major). Glossary (README.md):
-    ``scores`` P = scale·(Q Kᵀ ⊙ Γ); ``s`` S = K Kᵀ ⊙ Γ strictly lower, A = diag(β) S
-    (backward only); ``inverse`` (I + A)⁻¹ (backward only); ``k_b`` K_b = K ⊙ e^b;
-    ``w``, ``u`` W, U = (I + A)⁻¹ diag(β) (K_b, V); ``k_decayed`` K̄ = K ⊙ e^{b_C − b};
-    ``q_decayed`` Q_b = Q ⊙ e^b.
+    Inputs are flattened chunks ``[Bt, C, ·]`` (Bt = NC·N·H, chunk-major), keys and
+    values side by side in one buffer ``kv [Bt, C, K + V]``. Glossary (README.md):
+    ``scores`` P = scale·(Q Kᵀ ⊙ Γ); ``s`` S = K Kᵀ ⊙ Γ strictly lower; ``a`` A = diag(β) S
+    (backward only); ``inverse_blocks`` (I + A)'s diagonal-block inverses X_j
+    (:func:`~.wy.diagonal_block_inverses`); ``k_b`` K_b = K ⊙ e^b (backward only);
+    ``wu`` [W | U] = (I + A)⁻¹ diag(β) [K_b | V] (forward: solved into ``wu``;
+    backward: the forward's saved [W | U'] is passed in); ``k_decayed``
+    K̄ = K ⊙ e^{b_C − b}; ``q_decayed`` Q_b = Q ⊙ e^b.
+
+    The forward scales the K columns of ``kv`` into K_b in place (gated rule).
     """
 
-    def __init__(self, q, k, v, beta, g, scale, backward: bool) -> None:
-        c = k.shape[-2]
-        self.decay = decay = ChunkDecay(g, c, k.device, k.dtype)
+    def __init__(self, q, kv, beta, g, scale, backward: bool, wu: torch.Tensor) -> None:
+        c, dk = q.shape[-2:]
+        k, v = kv[..., :dk], kv[..., dk:]
+        self.decay = decay = ChunkDecay(g, c, q.device, q.dtype)
         self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
-        s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
-        beta_ = beta.unsqueeze(-1)
-        if backward:  # the backward needs S and (I + A)⁻¹ themselves
-            self.s = s
-            self.inverse = unit_lower_inverse(beta_ * s)
-            t = self.inverse * beta.unsqueeze(-2)
-        else:
-            t = unit_lower_inverse(s.mul_(beta_)).mul_(beta.unsqueeze(-2))
-        self.k_b = decay.rows(k, decay.read)
-        self.w = t @ self.k_b  # W = T K_b and U = T V, T = (I + A)⁻¹ diag(β): two contiguous products
-        self.u = t @ v
+        self.s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
+        self.inverse_blocks = diagonal_block_inverses(self.s, beta)
         self.q_decayed = decay.rows(q, decay.read)
-        self.k_decayed = decay.rows(k, decay.to_end)
+        self.k_decayed = decay.rows(k, decay.to_end)  # a new tensor with a gate, k itself without
+        self.k, self.v = k, v
+        if backward:
+            self.a = beta.unsqueeze(-1) * self.s
+            self.k_b = decay.rows(k, decay.read)
+        else:  # [W | U] = (I + diag(β) S)⁻¹ diag(β) [K_b | V], by blocks with D_j = X_j diag(β_j)
+            if decay.read is not None:
+                k.mul_(decay.read.unsqueeze(-1))  # kv holds [K_b | V] from here on
+            nb, bs = self.inverse_blocks.shape[0], self.inverse_blocks.shape[-1]
+            factors = self.inverse_blocks * beta.view(-1, nb, 1, bs).transpose(0, 1)
+            block_substitution(self.s, factors, kv, out=wu)
+        self.wu, self.w, self.u = wu, wu[..., :dk], wu[..., dk:]
 
 
-def _delta_scan(x, h, states):
-    """The one sequential loop: ``U'_c = U_c − W_c h_c`` (in place of U) and ``h_{c+1} = e^{b_C} h_c + K̄_cᵀ U'_c``.
+def _flat_kv(k, v, chunk_size, c0, c1):
+    """Chunks ``c0 .. c1 − 1`` of k and v copied side by side into one ``[Bt, C, K + V]`` buffer."""
+    dk = k.shape[-1]
+    rows = (c1 - c0) * k.shape[0] * k.shape[1]
+    kv = k.new_empty(rows, chunk_size, dk + v.shape[-1])
+    flat_chunks(k, chunk_size, c0, c1, out=kv[..., :dk])
+    flat_chunks(v, chunk_size, c0, c1, out=kv[..., dk:])
+    return kv
+
+
+def _delta_scan(x, h, states, u_prime):
+    """The one sequential loop: ``U'_c = U_c − W_c h_c`` and ``h_{c+1} = e^{b_C} h_c + K̄_cᵀ U'_c``.
 
     ``h`` is the state entering the first chunk of ``x`` (``[N·H, K, V]``); the state
-    entering each chunk is written into ``states [NC, N·H, K, V]``. Returns the state
-    after the last chunk; afterwards ``x.u`` holds U'.
+    entering each chunk is written into ``states [NC, N·H, K, V]`` and U' into
+    ``u_prime`` (contiguous, ``[NC·N·H, C, V]``). Returns the state after the last chunk.
     """
     nc, nh, dk, dv = states.shape
     c = x.w.shape[-2]
-    w = x.w.view(nc, nh, c, dk)
-    u = x.u.view(nc, nh, c, dv)
-    k_t = x.k_decayed.view(nc, nh, c, dk).transpose(-1, -2)
-    last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1)
+    w = x.w.view(nc, nh, c, dk).unbind(0)
+    u = x.u.view(nc, nh, c, dv).unbind(0)
+    u_out = u_prime.view(nc, nh, c, dv).unbind(0)
+    k_t = x.k_decayed.view(nc, nh, c, dk).transpose(-1, -2).unbind(0)
+    last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1).unbind(0)
+    targets = states.unbind(0)[1:] + (None,)
     states[0] = h
     h = states[0]
     for i in range(nc):
-        u_prime = u[i].baddbmm_(w[i], h, alpha=-1.0)
+        u_i = torch.baddbmm(u[i], w[i], h, alpha=-1.0, out=u_out[i])
         carried = h if last is None else h * last[i]
-        h = torch.baddbmm(carried, k_t[i], u_prime, out=states[i + 1] if i + 1 < nc else None)
+        h = torch.baddbmm(carried, k_t[i], u_i, out=targets[i])
     return h
 
 
 #: Chunk-heads per group in the forward: each group's intra-chunk terms, its part of
 #: the loop and its outputs are computed before the next group's, so the transient
 #: tensors stay small (cache-resident, and reused by the allocator instead of fresh pages).
-FORWARD_GROUP = 64
+FORWARD_GROUP = 128
 
 
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
-    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``; ``states[c]``
-    is the state entering chunk c. Each group of chunks is copied into the
-    flattened chunk-major layout ``[NC'·N·H, C, ·]`` only while it is worked on.
+    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], wu [NC·N·H, C, K + V])``;
+    ``states[c]`` is the state entering chunk c and ``wu`` holds [W | U'] of every
+    chunk (flattened, chunk-major), which the backward reuses. Each group of
+    chunks is copied into the flattened layout only while it is worked on.
     """
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
     per = max(1, FORWARD_GROUP // (n * nh))
     states = v.new_empty(nc, n * nh, dk, dv)
+    wu = v.new_empty(nc * n * nh, chunk_size, dk + dv)
     o = chunk_buffer(v, n, nh, nc, chunk_size)
     h = v.new_zeros(n * nh, dk, dv) if h0 is None else h0
     for c0 in range(0, nc, per):
         c1 = min(c0 + per, nc)
-        qg, kg, vg, bg, gg = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, beta, g))
-        x = _Chunks(qg, kg, vg, bg, gg, scale, backward=False)
-        h = _delta_scan(x, h, states[c0:c1])  # x.u is now U' = U − W h
-        og = torch.bmm(x.scores, x.u).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
+        qg, bg, gg = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g))
+        wu_g = wu[c0 * n * nh : c1 * n * nh]
+        x = _Chunks(qg, _flat_kv(k, v, chunk_size, c0, c1), bg, gg, scale, backward=False, wu=wu_g)
+        u_prime = v.new_empty(wu_g.shape[:-1] + (dv,))
+        h = _delta_scan(x, h, states[c0:c1], u_prime)
+        og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
         put_chunks(o, og, c0)
-    return from_chunk_buffer(o, t_len), h, states
+        wu_g[..., dk:] = u_prime  # keep [W | U'] for the backward
+    return from_chunk_buffer(o, t_len), h, states, wu
 
 
 #: Chunk-heads per group in the backward: its transient tensors are O(group·C·(C + K + V)),
-#: so the backward's peak memory stops growing with T beyond the saved inputs and states
+#: so the backward's peak memory stops growing with T beyond the saved tensors
 #: (and, as in the forward, they stay small enough to be reused rather than fresh pages).
 BACKWARD_GROUP = 64
 
@@ -132,10 +158,10 @@ BACKWARD_GROUP = 64
 def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
     """Steps 3-5 of README.md for one group, given its states h, dU' and state gradients dh_{c+1}."""
     decay = x.decay
-    u_prime = x.u.baddbmm_(x.w, states, alpha=-1.0)  # U' = U − W h
+    u_prime = x.u  # the forward's U' = U − W h
     # 3. Through [W | U] = (I + A)⁻¹ diag(β) [K_b | V]: dZ = (I + A)⁻ᵀ dY. Since dW = −dU hᵀ,
     #    dZ_W = −dZ_U hᵀ and dA = −tril(dZ_W Wᵀ + dZ_U Uᵀ, −1) = −tril(dZ_U U'ᵀ, −1).
-    dz_u = x.inverse.transpose(-1, -2) @ du
+    dz_u = block_substitution(x.a, x.inverse_blocks, du, transpose=True)
     u_prime_t, states_t = u_prime.transpose(-1, -2), states.transpose(-1, -2)
     d_scores = do @ u_prime_t  # dP
     minus_da = (dz_u @ u_prime_t).tril_(-1)
@@ -176,28 +202,30 @@ def _state_grads(x, du, read_grad, dh, dh_next):
     """
     nc, nh, dk, dv = dh_next.shape
     c = x.w.shape[-2]
-    w_t = x.w.view(nc, nh, c, dk).transpose(-1, -2)
-    k_decayed = x.k_decayed.view(nc, nh, c, dk)
-    last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1)
-    du, read_grad = du.view(nc, nh, c, dv), read_grad.view(nc, nh, dk, dv)
+    w_t = x.w.view(nc, nh, c, dk).transpose(-1, -2).unbind(0)
+    k_decayed = x.k_decayed.view(nc, nh, c, dk).unbind(0)
+    last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1).unbind(0)
+    du, read_grad = du.view(nc, nh, c, dv).unbind(0), read_grad.view(nc, nh, dk, dv).unbind(0)
+    targets = (None,) + dh_next.unbind(0)[:-1]
     dh_next[-1] = dh
     dh = dh_next[-1]
     for i in range(nc - 1, -1, -1):
         du_i = du[i].baddbmm_(k_decayed[i], dh)
         carried = read_grad[i].add_(dh) if last is None else read_grad[i].addcmul_(dh, last[i])
-        dh = torch.baddbmm(carried, w_t[i], du_i, alpha=-1.0, out=dh_next[i - 1] if i > 0 else None)
+        dh = torch.baddbmm(carried, w_t[i], du_i, alpha=-1.0, out=targets[i])
     return dh
 
 
-def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale, chunk_size):
+def chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, do, dh_final, scale, chunk_size):
     """Backward on head-first ``[N, H, T, ·]`` tensors; ``README.md`` in this folder derives every line.
 
-    Works through the chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, last
-    group first: each group's inputs are copied into the flattened layout and its
-    intra-chunk terms recomputed once, its part of the state-gradient loop runs,
-    and its input gradients are written before the next group's. Nothing is
-    recomputed twice, and the transient tensors are those of one group,
-    O(group·C·(C + K + V)), independent of T.
+    ``wu`` is the forward's [W | U'] (``[NC·N·H, C, K + V]``). Works through the
+    chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, last group first: each
+    group's inputs are copied into the flattened layout and its intra-chunk terms
+    (P, S, the diagonal-block inverses) recomputed once, its part of the
+    state-gradient loop runs, and its input gradients are written before the next
+    group's. The transient tensors are those of one group, O(group·C·(C + K + V)),
+    independent of T.
 
     Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five ``[N, H, T, ·]``.
     """
@@ -208,14 +236,14 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, scale, chunk_si
     dh = dh_final
     for c0 in reversed(range(0, nc, per)):
         c1 = min(c0 + per, nc)
-        q_, k_, v_, beta_, g_, do_ = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, beta, g, do))
-        x = _Chunks(q_, k_, v_, beta_, g_, scale, backward=True)
+        q_, beta_, g_, do_ = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g, do))
+        x = _Chunks(q_, _flat_kv(k, v, chunk_size, c0, c1), beta_, g_, scale, backward=True, wu=wu[c0 * nhh : c1 * nhh])
         du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU'
         read_grad = (x.q_decayed.transpose(-1, -2) @ do_).mul_(scale)  # scale·Q_bᵀ dO
         dh_next = states.new_empty(c1 - c0, nhh, dk, dv)
         dh = _state_grads(x, du, read_grad, dh, dh_next)
         del read_grad
-        group = _input_grads(x, q_, k_, v_, beta_, do_, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
+        group = _input_grads(x, q_, x.k, x.v, beta_, do_, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
         for buffer, grad in zip(grads, group):
             if buffer is not None:
                 put_chunks(buffer, grad, c0)
@@ -231,9 +259,10 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     the plain rule). Gradients reach q, k, v, beta, g and h0, and the cotangent of
     h_T is honoured.
 
-    Memory kept for the backward: the inputs (O(T·(2K + V)) per head, not copied), and
-    the T/C states entering the chunks (O((T/C)·K·V)). The backward recomputes the
-    intra-chunk terms group by group (transient O(group·C·(C + K + V))).
+    Memory kept for the backward: the inputs (O(T·(2K + V)) per head, not copied),
+    [W | U'] (T·(K + V)) and the T/C states entering the chunks (O((T/C)·K·V)). The
+    backward recomputes P, S and the diagonal-block inverses group by group
+    (transient O(group·C·(C + K + V))).
     Double backward is not supported (``once_differentiable``): use the
     recurrent or parallel form, which keep plain autograd, for higher derivatives.
     """
@@ -243,18 +272,18 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         n, nh, t_len, dk = k.shape
         dv = v.shape[-1]
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
-        o, h_final, states = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size)
-        ctx.save_for_backward(q, k, v, beta, g, states)
+        o, h_final, states, wu = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size)
+        ctx.save_for_backward(q, k, v, beta, g, states, wu)
         ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
         return o, h_final.reshape(n, nh, dk, dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dh_final):
-        q, k, v, beta, g, states = ctx.saved_tensors
+        q, k, v, beta, g, states, wu = ctx.saved_tensors
         n, nh = k.shape[:2]
         dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
-        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(q, k, v, beta, g, states, do, dh_final, ctx.scale, ctx.chunk_size)
+        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, do, dh_final, ctx.scale, ctx.chunk_size)
         dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
         return dq, dk, dv, dbeta, dg, dh0, None, None
 
@@ -295,8 +324,8 @@ def chunk_delta_rule(
 
     Training: the PyTorch backend differentiates through
     :class:`ChunkDeltaRuleFunction`, a hand-written backward (derived in
-    ``delta_rule/README.md``) that keeps only the inputs and the T/C chunk-entry
-    states -- O(T·(K+V) + (T/C)·K·V) per head -- and recomputes the rest.
+    ``delta_rule/README.md``) that keeps the inputs, [W | U'] and the T/C
+    chunk-entry states -- O(T·(K+V) + (T/C)·K·V) per head -- and recomputes the rest.
     Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
     double backward is not supported (use the recurrent or parallel form).
     ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the

@@ -88,3 +88,55 @@ def unit_lower_inverse(a: torch.Tensor, base: int = 8) -> torch.Tensor:
         diagonal_blocks(out, size, offset=-1)[:, 0::2].copy_(x21.view(batch, -1, size, size))
         size *= 2
     return out if total == length else out[:, :length, :length]
+
+
+def diagonal_block_inverses(s: torch.Tensor, beta: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+    """Inverses of the diagonal blocks of ``I + diag(β) S``, for :func:`block_substitution`.
+
+    ``s [B, L, L]`` is strictly lower triangular, ``beta [B, L]``. The L rows are cut
+    into ``nb`` equal blocks of ``bs = L / nb`` (``nb`` the largest of ``blocks, ..., 1``
+    that divides L); returns ``[nb, B, bs, bs]``, block-major so that each block's
+    inverses are one contiguous batch.
+    """
+    batch, length = s.shape[0], s.shape[-1]
+    nb = next(n for n in range(min(blocks, length), 0, -1) if length % n == 0)
+    bs = length // nb
+    diag = torch.diagonal(s.view(batch, nb, bs, nb, bs), dim1=1, dim2=3).permute(3, 0, 1, 2)  # [nb, B, bs, bs]
+    a = torch.mul(diag, beta.view(batch, nb, bs).transpose(0, 1).unsqueeze(-1), out=s.new_empty(nb, batch, bs, bs))
+    return unit_lower_inverse(a.view(nb * batch, bs, bs)).view(nb, batch, bs, bs)  # of diag(β) S's blocks
+
+
+def block_substitution(
+    lower: torch.Tensor, diagonal: torch.Tensor, rhs: torch.Tensor, transpose: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Block forward substitution ``Y_j = D_j (R_j − L_{j,<j} Y_{<j})``, top block first.
+
+    ``lower [B, L, L]`` (only its strictly lower blocks are read), ``diagonal
+    [nb, B, bs, bs]`` the diagonal factors D_j, ``rhs [B, L, D]``. With
+    ``transpose=True`` it runs the transposed system bottom block first,
+    ``Y_j = D_jᵀ (R_j − L_{>j,j}ᵀ Y_{>j})``. Two uses (README.md):
+
+    - the UT transform, ``(I + diag(β) S)⁻¹ diag(β) R``: ``lower`` = S and
+      D_j = X_j diag(β_j), X_j the inverses of :func:`diagonal_block_inverses`;
+    - its adjoint, ``(I + A)⁻ᵀ R`` with A = diag(β) S: ``lower`` = A, D_j = X_j.
+
+    2·nb − 1 batched products on views: about 5/8 of the multiply-adds of forming
+    the C×C inverse and multiplying by it (nb = 4), and no full inverse. ``out``
+    (contiguous, shaped like ``rhs``; may be ``rhs`` itself) receives Y.
+    """
+    nb, bs = diagonal.shape[0], diagonal.shape[-1]
+    y = torch.empty_like(rhs) if out is None else out
+    for j in (reversed(range(nb)) if transpose else range(nb)):
+        lo, hi = j * bs, (j + 1) * bs
+        r = rhs[:, lo:hi]
+        if transpose:
+            d = diagonal[j].transpose(-1, -2)
+            if hi < nb * bs:
+                r = torch.baddbmm(r, lower[:, hi:, lo:hi].transpose(-1, -2), y[:, hi:], alpha=-1.0)
+        else:
+            d = diagonal[j]
+            if lo:
+                r = torch.baddbmm(r, lower[:, lo:hi, :lo], y[:, :lo], alpha=-1.0)
+        y[:, lo:hi] = torch.bmm(d, r)  # (bmm's out= on a row-block view takes a slow per-matrix path)
+    return y
