@@ -51,11 +51,12 @@ def ut_transform(
 def unit_lower_inverse(a: torch.Tensor, base: int = 8) -> torch.Tensor:
     """``(I + A)⁻¹`` for strictly lower-triangular blocks ``a [B, L, L]`` (B a flat batch).
 
-    The UT transform's T without diag(β). Forward substitution on the diagonal
-    ``base × base`` blocks of every chunk at once (``base − 1`` steps), then block
+    The chunk path calls it on the C/4 × C/4 diagonal blocks of the UT system
+    (:func:`diagonal_block_inverses`). Forward substitution on the diagonal
+    ``base × base`` blocks of every matrix at once (``base − 1`` steps), then block
     doubling: ``[[X₁₁, 0], [A₂₁, X₂₂]]`` inverts to ``[[X₁₁, 0], [−X₂₂ A₂₁ X₁₁, X₂₂]]``.
     Every step is a batched matmul; on the CPU this beats one batched
-    ``torch.linalg.solve_triangular`` (which calls a C×C LAPACK solve per chunk),
+    ``torch.linalg.solve_triangular`` (which calls a LAPACK solve per matrix),
     and it is the same sum of products as row-by-row substitution. The blocks are
     written into one preallocated result (no concatenation).
     """
