@@ -43,6 +43,10 @@ from ..triton import chunk_op_triton, select_backend
 from .wy import block_substitution, diagonal_block_inverses
 
 
+#: Row blocks of the UT solve (``wy.block_substitution``): C/UT_BLOCKS-row diagonal blocks.
+UT_BLOCKS = 4
+
+
 class _Chunks:
     """Every per-chunk quantity that does not need the state, for a group of chunks at once.
 
@@ -64,7 +68,7 @@ class _Chunks:
         self.decay = decay = ChunkDecay(g, c, q.device, q.dtype)
         self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
         self.s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
-        self.inverse_blocks = diagonal_block_inverses(self.s, beta)
+        self.inverse_blocks = diagonal_block_inverses(self.s, beta, UT_BLOCKS)
         self.q_decayed = decay.rows(q, decay.read)
         self.k_decayed = decay.rows(k, decay.to_end)  # a new tensor with a gate, k itself without
         self.k, self.v = k, v
