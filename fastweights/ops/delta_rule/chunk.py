@@ -18,8 +18,9 @@ is a few batched matmuls over a group of chunks; the loop does the two small
 products per chunk that do (U' = U − W h and h ← e^{b_C} h + K̄ᵀ U'), and
 O = scale·Q_b h + P U' is batched again after it from the saved chunk-entry
 states. :class:`ChunkDeltaRuleFunction` carries a hand-derived backward
-(``README.md`` in this folder, step by step) that keeps the inputs, [W | U'] and
-the T/C states entering the chunks, not autograd's graph of the loop; its loop
+(``README.md`` in this folder, step by step) that keeps the inputs, [W | U'], the
+diagonal-block inverses and the T/C states entering the chunks, not autograd's
+graph of the loop; its loop
 is the adjoint of the forward's (dU' and dh, two products per chunk).
 ``textbook.py`` holds the plain implementation (row-by-row forward substitution,
 a per-chunk loop, autograd) that ``benchmarks/chunk_speed.py`` measures this one
@@ -56,19 +57,21 @@ class _Chunks:
     (backward only); ``inverse_blocks`` (I + A)'s diagonal-block inverses X_j
     (:func:`~.wy.diagonal_block_inverses`); ``k_b`` K_b = K ⊙ e^b (backward only);
     ``wu`` [W | U] = (I + A)⁻¹ diag(β) [K_b | V] (forward: solved into ``wu``;
-    backward: the forward's saved [W | U'] is passed in); ``k_decayed``
+    backward: the forward's saved [W | U'] and X_j are passed in); ``k_decayed``
     K̄ = K ⊙ e^{b_C − b}; ``q_decayed`` Q_b = Q ⊙ e^b.
 
     The forward scales the K columns of ``kv`` into K_b in place (gated rule).
     """
 
-    def __init__(self, q, kv, beta, g, scale, backward: bool, wu: torch.Tensor) -> None:
+    def __init__(self, q, kv, beta, g, scale, backward: bool, wu: torch.Tensor, inverse_blocks=None) -> None:
         c, dk = q.shape[-2:]
         k, v = kv[..., :dk], kv[..., dk:]
         self.decay = decay = ChunkDecay(g, c, q.device, q.dtype)
         self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
         self.s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
-        self.inverse_blocks = diagonal_block_inverses(self.s, beta, UT_BLOCKS)
+        if inverse_blocks is None:
+            inverse_blocks = diagonal_block_inverses(self.s, beta, UT_BLOCKS)
+        self.inverse_blocks = inverse_blocks
         self.q_decayed = decay.rows(q, decay.read)
         self.k_decayed = decay.rows(k, decay.to_end)  # a new tensor with a gate, k itself without
         self.k, self.v = k, v
@@ -127,9 +130,10 @@ FORWARD_GROUP = 128
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
-    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], wu [NC·N·H, C, K + V])``;
-    ``states[c]`` is the state entering chunk c and ``wu`` holds [W | U'] of every
-    chunk (flattened, chunk-major), which the backward reuses. Each group of
+    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], wu [NC·N·H, C, K + V],
+    inverses [nb, NC·N·H, C/nb, C/nb])``; ``states[c]`` is the state entering chunk c,
+    ``wu`` holds [W | U'] of every chunk and ``inverses`` the diagonal-block
+    inverses X_j (flattened, chunk-major), which the backward reuses. Each group of
     chunks is copied into the flattened layout only while it is worked on.
     """
     n, nh, t_len, dk = k.shape
@@ -138,6 +142,7 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size):
     per = max(1, FORWARD_GROUP // (n * nh))
     states = v.new_empty(nc, n * nh, dk, dv)
     wu = v.new_empty(nc * n * nh, chunk_size, dk + dv)
+    inverses = None
     o = chunk_buffer(v, n, nh, nc, chunk_size)
     h = v.new_zeros(n * nh, dk, dv) if h0 is None else h0
     for c0 in range(0, nc, per):
@@ -149,8 +154,11 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size):
         h = _delta_scan(x, h, states[c0:c1], u_prime)
         og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
         put_chunks(o, og, c0)
-        wu_g[..., dk:] = u_prime  # keep [W | U'] for the backward
-    return from_chunk_buffer(o, t_len), h, states, wu
+        wu_g[..., dk:] = u_prime  # keep [W | U'] and X_j for the backward
+        if inverses is None:
+            inverses = v.new_empty((x.inverse_blocks.shape[0], wu.shape[0]) + x.inverse_blocks.shape[2:])
+        inverses[:, c0 * n * nh : c1 * n * nh] = x.inverse_blocks
+    return from_chunk_buffer(o, t_len), h, states, wu, inverses
 
 
 #: Chunk-heads per group in the backward: its transient tensors are O(group·C·(C + K + V)),
@@ -224,13 +232,13 @@ def _state_grads(x, du, read_grad, dh, dh_next):
     return dh
 
 
-def chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, do, dh_final, scale, chunk_size):
+def chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, inverses, do, dh_final, scale, chunk_size):
     """Backward on head-first ``[N, H, T, ·]`` tensors; ``README.md`` in this folder derives every line.
 
-    ``wu`` is the forward's [W | U'] (``[NC·N·H, C, K + V]``). Works through the
+    ``wu`` and ``inverses`` are the forward's [W | U'] and X_j. Works through the
     chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, last group first: each
     group's inputs are copied into the flattened layout and its intra-chunk terms
-    (P, S, the diagonal-block inverses) recomputed once, its part of the
+    (P and S) recomputed once, its part of the
     state-gradient loop runs, and its input gradients are written before the next
     group's. The transient tensors are those of one group, O(group·C·(C + K + V)),
     independent of T.
@@ -247,7 +255,8 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, do, dh_final, scale, chun
         q_, beta_, g_ = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g))
         do_dz = do.new_empty((c1 - c0) * nhh, 2 * chunk_size, dv)  # [dO; dZ_U] (_input_grads)
         do_ = flat_chunks(do, chunk_size, c0, c1, out=do_dz[:, :chunk_size])
-        x = _Chunks(q_, _flat_kv(k, v, chunk_size, c0, c1), beta_, g_, scale, backward=True, wu=wu[c0 * nhh : c1 * nhh])
+        x = _Chunks(q_, _flat_kv(k, v, chunk_size, c0, c1), beta_, g_, scale, backward=True, wu=wu[c0 * nhh : c1 * nhh],
+                    inverse_blocks=inverses[:, c0 * nhh : c1 * nhh])
         du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU'
         read_grad = (x.q_decayed.transpose(-1, -2) @ do_).mul_(scale)  # scale·Q_bᵀ dO
         dh_next = states.new_empty(c1 - c0, nhh, dk, dv)
@@ -270,9 +279,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     h_T is honoured.
 
     Memory kept for the backward: the inputs (O(T·(2K + V)) per head, not copied),
-    [W | U'] (T·(K + V)) and the T/C states entering the chunks (O((T/C)·K·V)). The
-    backward recomputes P, S and the diagonal-block inverses group by group
-    (transient O(group·C·(C + K + V))).
+    [W | U'] (T·(K + V)), the diagonal-block inverses (T·C/4) and the T/C states
+    entering the chunks (O((T/C)·K·V)). The backward recomputes P and S group by
+    group (transient O(group·C·(C + K + V))).
     Double backward is not supported (``once_differentiable``): use the
     recurrent or parallel form, which keep plain autograd, for higher derivatives.
     """
@@ -282,18 +291,18 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         n, nh, t_len, dk = k.shape
         dv = v.shape[-1]
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
-        o, h_final, states, wu = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size)
-        ctx.save_for_backward(q, k, v, beta, g, states, wu)
+        o, h_final, states, wu, inverses = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size)
+        ctx.save_for_backward(q, k, v, beta, g, states, wu, inverses)
         ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
         return o, h_final.reshape(n, nh, dk, dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dh_final):
-        q, k, v, beta, g, states, wu = ctx.saved_tensors
+        q, k, v, beta, g, states, wu, inverses = ctx.saved_tensors
         n, nh = k.shape[:2]
         dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
-        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, do, dh_final, ctx.scale, ctx.chunk_size)
+        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, inverses, do, dh_final, ctx.scale, ctx.chunk_size)
         dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
         return dq, dk, dv, dbeta, dg, dh0, None, None
 
@@ -334,8 +343,9 @@ def chunk_delta_rule(
 
     Training: the PyTorch backend differentiates through
     :class:`ChunkDeltaRuleFunction`, a hand-written backward (derived in
-    ``delta_rule/README.md``) that keeps the inputs, [W | U'] and the T/C
-    chunk-entry states -- O(T·(K+V) + (T/C)·K·V) per head -- and recomputes the rest.
+    ``delta_rule/README.md``) that keeps the inputs, [W | U'], the diagonal-block
+    inverses and the T/C chunk-entry states -- O(T·(K+V) + (T/C)·K·V) per head --
+    and recomputes the rest.
     Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
     double backward is not supported (use the recurrent or parallel form).
     ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the
