@@ -127,13 +127,15 @@ def _delta_scan(x, h, states, u_prime):
 FORWARD_GROUP = 128
 
 
-def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size):
+def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], wu [NC·N·H, C, K + V],
     inverses [nb, NC·N·H, C/nb, C/nb])``; ``states[c]`` is the state entering chunk c,
     ``wu`` holds [W | U'] of every chunk and ``inverses`` the diagonal-block
-    inverses X_j (flattened, chunk-major), which the backward reuses. Each group of
+    inverses X_j (flattened, chunk-major), which the backward reuses; with
+    ``keep=False`` (no backward to come) both are None and only one group's [W | U]
+    exists at a time, so the transient memory is independent of T. Each group of
     chunks is copied into the flattened layout only while it is worked on.
     """
     n, nh, t_len, dk = k.shape
@@ -141,23 +143,24 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size):
     nc = -(-t_len // chunk_size)
     per = max(1, FORWARD_GROUP // (n * nh))
     states = v.new_empty(nc, n * nh, dk, dv)
-    wu = v.new_empty(nc * n * nh, chunk_size, dk + dv)
+    wu = v.new_empty(nc * n * nh, chunk_size, dk + dv) if keep else None
     inverses = None
     o = chunk_buffer(v, n, nh, nc, chunk_size)
     h = v.new_zeros(n * nh, dk, dv) if h0 is None else h0
     for c0 in range(0, nc, per):
         c1 = min(c0 + per, nc)
         qg, bg, gg = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g))
-        wu_g = wu[c0 * n * nh : c1 * n * nh]
+        wu_g = wu[c0 * n * nh : c1 * n * nh] if keep else v.new_empty((c1 - c0) * n * nh, chunk_size, dk + dv)
         x = _Chunks(qg, _flat_kv(k, v, chunk_size, c0, c1), bg, gg, scale, backward=False, wu=wu_g)
         u_prime = v.new_empty(wu_g.shape[:-1] + (dv,))
         h = _delta_scan(x, h, states[c0:c1], u_prime)
         og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
         put_chunks(o, og, c0)
-        wu_g[..., dk:] = u_prime  # keep [W | U'] and X_j for the backward
-        if inverses is None:
-            inverses = v.new_empty((x.inverse_blocks.shape[0], wu.shape[0]) + x.inverse_blocks.shape[2:])
-        inverses[:, c0 * n * nh : c1 * n * nh] = x.inverse_blocks
+        if keep:  # [W | U'] and X_j for the backward
+            wu_g[..., dk:] = u_prime
+            if inverses is None:
+                inverses = v.new_empty((x.inverse_blocks.shape[0], wu.shape[0]) + x.inverse_blocks.shape[2:])
+            inverses[:, c0 * n * nh : c1 * n * nh] = x.inverse_blocks
     return from_chunk_buffer(o, t_len), h, states, wu, inverses
 
 
@@ -291,7 +294,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         n, nh, t_len, dk = k.shape
         dv = v.shape[-1]
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
-        o, h_final, states, wu, inverses = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size)
+        keep = any(ctx.needs_input_grad[:6])  # under no_grad (inference) nothing is kept
+        o, h_final, states, wu, inverses = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
         ctx.save_for_backward(q, k, v, beta, g, states, wu, inverses)
         ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
         return o, h_final.reshape(n, nh, dk, dv)
