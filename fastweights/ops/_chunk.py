@@ -327,8 +327,8 @@ def read_write_backward(
 
     The forward terms are ``P = scale · (Q Kᵀ ⊙ Γ)`` (causal, diagonal included),
     ``Q_b = Q ⊙ e^b``, ``K̄ = K ⊙ e^{b_C − b}`` and ``e^{b_C}``. Given their
-    cotangents (``d_scores`` need not be masked; it is overwritten, and so is
-    ``d_k_decayed``, which must be contiguous; ``d_q_decayed`` may be a view), returns
+    cotangents (``d_scores`` need not be masked; it is overwritten, and so are
+    ``d_q_decayed`` and ``d_k_decayed``, which must be contiguous), returns
     ``(dq, dk, db)`` with ``db`` the gradient of the cumulative log decay b
     (None without a gate).
     """
@@ -338,6 +338,6 @@ def read_write_backward(
         db = (d_q_decayed * q_decayed).sum(-1) - write + decay_pair_grad(d_scores * scores)
         db[..., -1] += write.sum(-1) + d_last * decay.last
     d_qk = decay.mask_(d_scores).mul_(scale)  # dP ⊙ Γ ⊙ scale, in place
-    dq = torch.baddbmm(decay.rows(d_q_decayed, decay.read), d_qk, k)
+    dq = decay.rows(d_q_decayed, decay.read).baddbmm_(d_qk, k)  # in place (no copy) without a gate
     dk = decay.rows(d_k_decayed, decay.to_end).baddbmm_(d_qk.transpose(-1, -2), q)
     return dq, dk, db

@@ -170,22 +170,18 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
 BACKWARD_GROUP = 64
 
 
-def _input_grads(x, q, k, v, beta, do_dz, du, states, dh_next, scale):
-    """Steps 3-5 of README.md for one group, given its states h, dU' and state gradients dh_{c+1}.
-
-    ``do_dz [Bt, 2C, V]`` holds dO in its first C rows; dZ_U is written below it, so
-    that each product by U'ᵀ and by hᵀ is one ``bmm`` for both.
-    """
+def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
+    """Steps 3-5 of README.md for one group, given its states h, dU' and state gradients dh_{c+1}."""
     decay = x.decay
-    c = du.shape[-2]
     u_prime = x.u  # the forward's U' = U − W h
     # 3. Through [W | U] = (I + A)⁻¹ diag(β) [K_b | V]: dZ = (I + A)⁻ᵀ dY. Since dW = −dU hᵀ,
     #    dZ_W = −dZ_U hᵀ and dA = −tril(dZ_W Wᵀ + dZ_U Uᵀ, −1) = −tril(dZ_U U'ᵀ, −1).
-    dz_u = block_substitution(x.a, x.inverse_blocks, du, transpose=True, out=do_dz[:, c:])
-    by_u_prime = do_dz @ u_prime.transpose(-1, -2)  # [dP; −dA before the mask]
-    by_state = do_dz @ states.transpose(-1, -2)  # [dQ_b / scale; −dZ_W]
-    d_scores, minus_da = by_u_prime[:, :c], by_u_prime[:, c:].tril_(-1)
-    d_q_decayed, minus_dz_w = by_state[:, :c].mul_(scale), by_state[:, c:]
+    dz_u = block_substitution(x.a, x.inverse_blocks, du, transpose=True)
+    u_prime_t, states_t = u_prime.transpose(-1, -2), states.transpose(-1, -2)
+    d_scores = do @ u_prime_t  # dP
+    minus_da = (dz_u @ u_prime_t).tril_(-1)
+    d_q_decayed = torch.bmm(do, states_t).mul_(scale)
+    minus_dz_w = dz_u @ states_t
     d_k_decayed = u_prime @ dh_next.transpose(-1, -2)
     d_last = None if decay.b is None else (states * dh_next).sum((-1, -2))
 
@@ -255,9 +251,7 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, inverses, do, dh_final, s
     dh = dh_final
     for c0 in reversed(range(0, nc, per)):
         c1 = min(c0 + per, nc)
-        q_, beta_, g_ = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g))
-        do_dz = do.new_empty((c1 - c0) * nhh, 2 * chunk_size, dv)  # [dO; dZ_U] (_input_grads)
-        do_ = flat_chunks(do, chunk_size, c0, c1, out=do_dz[:, :chunk_size])
+        q_, beta_, g_, do_ = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g, do))
         x = _Chunks(q_, _flat_kv(k, v, chunk_size, c0, c1), beta_, g_, scale, backward=True, wu=wu[c0 * nhh : c1 * nhh],
                     inverse_blocks=inverses[:, c0 * nhh : c1 * nhh])
         du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU'
@@ -265,11 +259,11 @@ def chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, inverses, do, dh_final, s
         dh_next = states.new_empty(c1 - c0, nhh, dk, dv)
         dh = _state_grads(x, du, read_grad, dh, dh_next)
         del read_grad
-        group = _input_grads(x, q_, x.k, x.v, beta_, do_dz, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
+        group = _input_grads(x, q_, x.k, x.v, beta_, do_, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
         for buffer, grad in zip(grads, group):
             if buffer is not None:
                 put_chunks(buffer, grad, c0)
-        del x, du, dh_next, group, do_dz, do_
+        del x, du, dh_next, group
     return (*(None if b is None else from_chunk_buffer(b, t_len) for b in grads), dh)
 
 
