@@ -172,9 +172,16 @@ def flat_chunks(
     return x.reshape((-1,) + x.shape[3:]).contiguous()
 
 
-def chunk_buffer(like: torch.Tensor, n: int, nh: int, chunks: int, chunk_size: int) -> torch.Tensor:
-    """An empty ``[N, NC·C, H, ...]`` buffer (the front end's token-major layout) for :func:`put_chunks`; ``like`` is ``[N, H, T, ...]``."""
-    return like.new_empty((n, chunks * chunk_size, nh) + tuple(like.shape[3:]))
+def chunk_buffer(
+    like: torch.Tensor, n: int, nh: int, chunks: int, chunk_size: int, tail: Optional[Tuple[int, ...]] = None
+) -> torch.Tensor:
+    """An empty ``[N, NC·C, H, ...]`` buffer (the front end's token-major layout) for :func:`put_chunks`.
+
+    ``like`` is ``[N, H, T, ...]`` and gives the dtype, device and (unless ``tail``
+    is given) the trailing dims.
+    """
+    tail = tuple(like.shape[3:]) if tail is None else tuple(tail)
+    return like.new_empty((n, chunks * chunk_size, nh) + tail)
 
 
 def put_chunks(buffer: torch.Tensor, x: torch.Tensor, start: int) -> None:

@@ -59,8 +59,6 @@ class _Chunks:
     ``wu`` [W | U] = (I + A)⁻¹ diag(β) [K_b | V] (forward: solved into ``wu``;
     backward: the forward's saved [W | U'] and X_j are passed in); ``k_decayed``
     K̄ = K ⊙ e^{b_C − b}; ``q_decayed`` Q_b = Q ⊙ e^b.
-
-    The forward scales the K columns of ``kv`` into K_b in place (gated rule).
     """
 
     def __init__(self, q, kv, beta, g, scale, backward: bool, wu: torch.Tensor, inverse_blocks=None) -> None:
@@ -79,19 +77,21 @@ class _Chunks:
             self.a = beta.unsqueeze(-1) * self.s
             self.k_b = decay.rows(k, decay.read)
         else:  # [W | U] = (I + diag(β) S)⁻¹ diag(β) [K_b | V], by blocks with D_j = X_j diag(β_j)
-            if decay.read is not None:
-                k.mul_(decay.read.unsqueeze(-1))  # kv holds [K_b | V] from here on
+            rhs = kv
+            if decay.read is not None:  # [K_b | V]; kv itself stays as it is (the backward may reuse it)
+                rhs = kv.clone()
+                rhs[..., :dk].mul_(decay.read.unsqueeze(-1))
             nb, bs = self.inverse_blocks.shape[0], self.inverse_blocks.shape[-1]
             factors = self.inverse_blocks * beta.view(-1, nb, 1, bs).transpose(0, 1)
-            block_substitution(self.s, factors, kv, out=wu)
+            block_substitution(self.s, factors, rhs, out=wu)
         self.wu, self.w, self.u = wu, wu[..., :dk], wu[..., dk:]
 
 
-def _flat_kv(k, v, chunk_size, c0, c1):
-    """Chunks ``c0 .. c1 − 1`` of k and v copied side by side into one ``[Bt, C, K + V]`` buffer."""
+def _flat_kv(k, v, chunk_size, c0, c1, kv=None):
+    """Chunks ``c0 .. c1 − 1`` of k and v copied side by side into one ``[Bt, C, K + V]`` buffer ``kv``."""
     dk = k.shape[-1]
-    rows = (c1 - c0) * k.shape[0] * k.shape[1]
-    kv = k.new_empty(rows, chunk_size, dk + v.shape[-1])
+    if kv is None:
+        kv = k.new_empty((c1 - c0) * k.shape[0] * k.shape[1], chunk_size, dk + v.shape[-1])
     flat_chunks(k, chunk_size, c0, c1, out=kv[..., :dk])
     flat_chunks(v, chunk_size, c0, c1, out=kv[..., dk:])
     return kv
@@ -130,28 +130,33 @@ FORWARD_GROUP = 128
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
-    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], wu [NC·N·H, C, K + V],
-    inverses [nb, NC·N·H, C/nb, C/nb])``; ``states[c]`` is the state entering chunk c,
-    ``wu`` holds [W | U'] of every chunk and ``inverses`` the diagonal-block
-    inverses X_j (flattened, chunk-major), which the backward reuses; with
-    ``keep=False`` (no backward to come) both are None and only one group's [W | U]
-    exists at a time, so the transient memory is independent of T. Each group of
-    chunks is copied into the flattened layout only while it is worked on.
+    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], kept)``;
+    ``states[c]`` is the state entering chunk c. ``kept`` is what the backward
+    reuses, all flattened chunk-major (``[NC·N·H, C, ·]``): ``(q [.., K], kv [.., K + V],
+    wu, inverses)`` with ``wu`` = [W | U'] and ``inverses`` the diagonal-block
+    inverses X_j (``[nb, NC·N·H, C/nb, C/nb]``). With ``keep=False`` (no backward
+    to come) ``kept`` is None and each group's flattened chunks exist only while
+    it is worked on, so the transient memory is independent of T.
     """
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
     per = max(1, FORWARD_GROUP // (n * nh))
     states = v.new_empty(nc, n * nh, dk, dv)
-    wu = v.new_empty(nc * n * nh, chunk_size, dk + dv) if keep else None
-    inverses = None
+    rows = nc * n * nh
+    if keep:
+        q_flat, kv_flat = q.new_empty(rows, chunk_size, dk), k.new_empty(rows, chunk_size, dk + dv)
+        wu, inverses = v.new_empty(rows, chunk_size, dk + dv), None
     o = chunk_buffer(v, n, nh, nc, chunk_size)
     h = v.new_zeros(n * nh, dk, dv) if h0 is None else h0
     for c0 in range(0, nc, per):
         c1 = min(c0 + per, nc)
-        qg, bg, gg = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g))
-        wu_g = wu[c0 * n * nh : c1 * n * nh] if keep else v.new_empty((c1 - c0) * n * nh, chunk_size, dk + dv)
-        x = _Chunks(qg, _flat_kv(k, v, chunk_size, c0, c1), bg, gg, scale, backward=False, wu=wu_g)
+        r0, r1 = c0 * n * nh, c1 * n * nh
+        bg, gg = (flat_chunks(t, chunk_size, c0, c1) for t in (beta, g))
+        qg = flat_chunks(q, chunk_size, c0, c1, out=q_flat[r0:r1] if keep else None)
+        kv = _flat_kv(k, v, chunk_size, c0, c1, kv_flat[r0:r1] if keep else None)
+        wu_g = wu[r0:r1] if keep else v.new_empty(r1 - r0, chunk_size, dk + dv)
+        x = _Chunks(qg, kv, bg, gg, scale, backward=False, wu=wu_g)
         u_prime = v.new_empty(wu_g.shape[:-1] + (dv,))
         h = _delta_scan(x, h, states[c0:c1], u_prime)
         og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
@@ -159,9 +164,10 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
         if keep:  # [W | U'] and X_j for the backward
             wu_g[..., dk:] = u_prime
             if inverses is None:
-                inverses = v.new_empty((x.inverse_blocks.shape[0], wu.shape[0]) + x.inverse_blocks.shape[2:])
-            inverses[:, c0 * n * nh : c1 * n * nh] = x.inverse_blocks
-    return from_chunk_buffer(o, t_len), h, states, wu, inverses
+                inverses = v.new_empty((x.inverse_blocks.shape[0], rows) + x.inverse_blocks.shape[2:])
+            inverses[:, r0:r1] = x.inverse_blocks
+    kept = (q_flat, kv_flat, wu, inverses) if keep else None
+    return from_chunk_buffer(o, t_len), h, states, kept
 
 
 #: Chunk-heads per group in the backward: its transient tensors are O(group·C·(C + K + V)),
@@ -231,29 +237,31 @@ def _state_grads(x, du, read_grad, dh, dh_next):
     return dh
 
 
-def chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, inverses, do, dh_final, scale, chunk_size):
+def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size):
     """Backward on head-first ``[N, H, T, ·]`` tensors; ``README.md`` in this folder derives every line.
 
-    ``wu`` and ``inverses`` are the forward's [W | U'] and X_j. Works through the
-    chunks in groups of :data:`BACKWARD_GROUP` chunk-heads, last group first: each
-    group's inputs are copied into the flattened layout and its intra-chunk terms
-    (P and S) recomputed once, its part of the
-    state-gradient loop runs, and its input gradients are written before the next
-    group's. The transient tensors are those of one group, O(group·C·(C + K + V)),
-    independent of T.
+    ``kept`` is the forward's ``(q, kv, wu, inverses)``, flattened chunk-major: the
+    gathered inputs, [W | U'] and X_j. Works through the chunks in groups of
+    :data:`BACKWARD_GROUP` chunk-heads, last group first: each group's intra-chunk
+    terms (P and S) are recomputed once, its part of the state-gradient loop
+    runs, and its input gradients are written before the next group's. The
+    transient tensors are those of one group, O(group·C·(C + K + V)), independent of T.
 
     Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five ``[N, H, T, ·]``.
     """
+    q_flat, kv_flat, wu, inverses = kept
     nc, nhh, dk, dv = states.shape
-    n, nh, t_len = k.shape[:3]
+    n, nh, t_len = beta.shape
     per = max(1, BACKWARD_GROUP // nhh)
-    grads = [None if t is None else chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, g)]
+    grads = [chunk_buffer(do, n, nh, nc, chunk_size, tail=(d,)) for d in (dk, dk, dv)]
+    grads += [None if t is None else chunk_buffer(t, n, nh, nc, chunk_size) for t in (beta, g)]
     dh = dh_final
     for c0 in reversed(range(0, nc, per)):
         c1 = min(c0 + per, nc)
-        q_, beta_, g_, do_ = (flat_chunks(t, chunk_size, c0, c1) for t in (q, beta, g, do))
-        x = _Chunks(q_, _flat_kv(k, v, chunk_size, c0, c1), beta_, g_, scale, backward=True, wu=wu[c0 * nhh : c1 * nhh],
-                    inverse_blocks=inverses[:, c0 * nhh : c1 * nhh])
+        r0, r1 = c0 * nhh, c1 * nhh
+        q_ = q_flat[r0:r1]
+        beta_, g_, do_ = (flat_chunks(t, chunk_size, c0, c1) for t in (beta, g, do))
+        x = _Chunks(q_, kv_flat[r0:r1], beta_, g_, scale, backward=True, wu=wu[r0:r1], inverse_blocks=inverses[:, r0:r1])
         du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU'
         read_grad = (x.q_decayed.transpose(-1, -2) @ do_).mul_(scale)  # scale·Q_bᵀ dO
         dh_next = states.new_empty(c1 - c0, nhh, dk, dv)
@@ -275,7 +283,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     the plain rule). Gradients reach q, k, v, beta, g and h0, and the cotangent of
     h_T is honoured.
 
-    Memory kept for the backward: the inputs (O(T·(2K + V)) per head, not copied),
+    Memory kept for the backward: the inputs (O(T·(2K + V)) per head; q, k, v as the
+    forward gathered them, chunk-major),
     [W | U'] (T·(K + V)), the diagonal-block inverses (T·C/4) and the T/C states
     entering the chunks (O((T/C)·K·V)). The backward recomputes P and S group by
     group (transient O(group·C·(C + K + V))).
@@ -289,18 +298,18 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         dv = v.shape[-1]
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
         keep = any(ctx.needs_input_grad[:6])  # under no_grad (inference) nothing is kept
-        o, h_final, states, wu, inverses = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
-        ctx.save_for_backward(q, k, v, beta, g, states, wu, inverses)
+        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
+        ctx.save_for_backward(beta, g, states, *(kept or (None,) * 4))
         ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
         return o, h_final.reshape(n, nh, dk, dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dh_final):
-        q, k, v, beta, g, states, wu, inverses = ctx.saved_tensors
-        n, nh = k.shape[:2]
+        beta, g, states, *kept = ctx.saved_tensors
+        n, nh = beta.shape[:2]
         dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
-        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(q, k, v, beta, g, states, wu, inverses, do, dh_final, ctx.scale, ctx.chunk_size)
+        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, ctx.scale, ctx.chunk_size)
         dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
         return dq, dk, dv, dbeta, dg, dh0, None, None
 
