@@ -212,29 +212,28 @@ def _input_grads(x, q, k, v, beta, do, du, states, dh_next, scale):
     return dq, dk_, dv, dbeta, dg
 
 
-def _state_grads(x, du, read_grad, dh, dh_next):
+def _state_grads(x, du, grads):
     """The backward's loop over one group's chunks, last chunk first (README.md, step 2).
 
-    On entry ``du`` holds Pᵀ dO and ``read_grad`` scale·Q_bᵀ dO (``[NC·N·H, ·, ·]``
-    for the group's NC chunks); ``dh`` is the gradient of the state leaving the
-    group's last chunk. Writes dU'_c = Pᵀ dO_c + K̄_c dh_{c+1} into ``du`` and
-    dh_{c+1} into ``dh_next [NC, N·H, K, V]``; returns the gradient of the state
-    entering the group, dh_c = e^{b_C} dh_{c+1} + scale·Q_bᵀ dO_c − W_cᵀ dU'_c.
+    On entry ``du`` holds Pᵀ dO (``[NC·N·H, C, V]`` for the group's NC chunks) and
+    ``grads [NC + 1, N·H, K, V]`` holds scale·Q_bᵀ dO_c in slot c and, in slot NC,
+    the gradient of the state leaving the group's last chunk. In place, slot c
+    becomes dh_c = e^{b_C} dh_{c+1} + scale·Q_bᵀ dO_c − W_cᵀ dU'_c and ``du`` becomes
+    dU'_c = Pᵀ dO_c + K̄_c dh_{c+1}; so afterwards ``grads[1:]`` are the gradients
+    of the states leaving the chunks and ``grads[0]`` that of the state entering
+    the group.
     """
-    nc, nh, dk, dv = dh_next.shape
+    nc, nh, dk, dv = grads.shape
+    nc -= 1
     c = x.w.shape[-2]
     w_t = x.w.view(nc, nh, c, dk).transpose(-1, -2).unbind(0)
     k_decayed = x.k_decayed.view(nc, nh, c, dk).unbind(0)
     last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1).unbind(0)
-    du, read_grad = du.view(nc, nh, c, dv).unbind(0), read_grad.view(nc, nh, dk, dv).unbind(0)
-    targets = (None,) + dh_next.unbind(0)[:-1]
-    dh_next[-1] = dh
-    dh = dh_next[-1]
+    du, dh = du.view(nc, nh, c, dv).unbind(0), grads.unbind(0)
     for i in range(nc - 1, -1, -1):
-        du_i = du[i].baddbmm_(k_decayed[i], dh)
-        carried = read_grad[i].add_(dh) if last is None else read_grad[i].addcmul_(dh, last[i])
-        dh = torch.baddbmm(carried, w_t[i], du_i, alpha=-1.0, out=targets[i])
-    return dh
+        du_i = du[i].baddbmm_(k_decayed[i], dh[i + 1])
+        carried = dh[i].add_(dh[i + 1]) if last is None else dh[i].addcmul_(dh[i + 1], last[i])
+        carried.baddbmm_(w_t[i], du_i, alpha=-1.0)
 
 
 def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size):
@@ -263,10 +262,11 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
         beta_, g_, do_ = (flat_chunks(t, chunk_size, c0, c1) for t in (beta, g, do))
         x = _Chunks(q_, kv_flat[r0:r1], beta_, g_, scale, backward=True, wu=wu[r0:r1], inverse_blocks=inverses[:, r0:r1])
         du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU'
-        read_grad = (x.q_decayed.transpose(-1, -2) @ do_).mul_(scale)  # scale·Q_bᵀ dO
-        dh_next = states.new_empty(c1 - c0, nhh, dk, dv)
-        dh = _state_grads(x, du, read_grad, dh, dh_next)
-        del read_grad
+        state_grads = states.new_empty(c1 - c0 + 1, nhh, dk, dv)  # dh_c, c = c0 .. c1 (_state_grads)
+        torch.bmm(x.q_decayed.transpose(-1, -2), do_, out=state_grads[:-1].view(-1, dk, dv)).mul_(scale)
+        state_grads[-1] = dh
+        _state_grads(x, du, state_grads)
+        dh, dh_next = state_grads[0], state_grads[1:]
         group = _input_grads(x, q_, x.k, x.v, beta_, do_, du, states[c0:c1].view(-1, dk, dv), dh_next.view(-1, dk, dv), scale)
         for buffer, grad in zip(grads, group):
             if buffer is not None:
