@@ -107,7 +107,7 @@ def _delta_scan(x, h, states, u_prime):
     nc, nh, dk, dv = states.shape
     c = x.w.shape[-2]
     w = x.w.view(nc, nh, c, dk).unbind(0)
-    u = x.u.view(nc, nh, c, dv).unbind(0)
+    u_prime.copy_(x.u)  # U, made U' = U − W h in place chunk by chunk
     u_out = u_prime.view(nc, nh, c, dv).unbind(0)
     k_t = x.k_decayed.view(nc, nh, c, dk).transpose(-1, -2).unbind(0)
     last = None if x.decay.last is None else x.decay.last.view(nc, nh, 1, 1).unbind(0)
@@ -115,7 +115,7 @@ def _delta_scan(x, h, states, u_prime):
     states[0] = h
     h = states[0]
     for i in range(nc):
-        u_i = torch.baddbmm(u[i], w[i], h, alpha=-1.0, out=u_out[i])
+        u_i = u_out[i].baddbmm_(w[i], h, alpha=-1.0)
         carried = h if last is None else h * last[i]
         h = torch.baddbmm(carried, k_t[i], u_i, out=targets[i])
     return h
