@@ -217,7 +217,7 @@ def test_grouped_backward_equals_the_recurrence(rule_name, monkeypatch):
 @pytest.mark.parametrize("length", [1, 2, 17, 60, 63, 64, 100])
 def test_block_substitution_solves_the_ut_system_and_its_transpose(length):
     """``wy.block_substitution``: the UT solve (I + diag(β) S)⁻¹ diag(β) R and (I + A)⁻ᵀ R, float64."""
-    from fastweights.ops.delta_rule.wy import block_substitution, diagonal_block_inverses
+    from fastweights.ops.delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
 
     gen = torch.Generator().manual_seed(length)
     s = torch.randn(3, length, length, generator=gen, dtype=torch.float64).tril(-1) * 0.4
@@ -227,11 +227,10 @@ def test_block_substitution_solves_the_ut_system_and_its_transpose(length):
     x = diagonal_block_inverses(s, beta)
     nb, bs = x.shape[0], x.shape[-1]
     assert nb * bs == length and nb <= 4
-    factors = x * beta.view(3, nb, 1, bs).transpose(0, 1)
-    y = block_substitution(s, factors, rhs)
+    y = ut_solve(s, beta, x, rhs)
     assert_close("UT solve", y, torch.linalg.solve(lower, beta.unsqueeze(-1) * rhs), 1e-12)
     yt = block_substitution(beta.unsqueeze(-1) * s, x, rhs, transpose=True)
     assert_close("transposed solve", yt, torch.linalg.solve(lower.transpose(-1, -2), rhs), 1e-12)
     inplace = rhs.clone()
-    block_substitution(s, factors, inplace, out=inplace)
+    ut_solve(s, beta, x, inplace, out=inplace)
     assert_close("in place", inplace, y, 1e-15)

@@ -20,8 +20,8 @@ O = scale·Q_b h + P U' is batched again after it from the saved chunk-entry
 states. :class:`ChunkDeltaRuleFunction` carries a hand-derived backward
 (``README.md`` in this folder, step by step) that keeps the inputs, [W | U'], the
 diagonal-block inverses and the T/C states entering the chunks, not autograd's
-graph of the loop; its loop
-is the adjoint of the forward's (dU' and dh, two products per chunk).
+graph of the loop; its loop is the adjoint of the forward's (dU' and dh, two
+products per chunk).
 ``textbook.py`` holds the plain implementation (row-by-row forward substitution,
 a per-chunk loop, autograd) that ``benchmarks/chunk_speed.py`` measures this one
 against.
@@ -41,7 +41,7 @@ from .._chunk import (
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
-from .wy import block_substitution, diagonal_block_inverses
+from .wy import block_substitution, diagonal_block_inverses, ut_solve
 
 
 #: Row blocks of the UT solve (``wy.block_substitution``): C/UT_BLOCKS-row diagonal blocks.
@@ -81,9 +81,7 @@ class _Chunks:
             if decay.read is not None:  # [K_b | V]; kv itself stays as it is (the backward may reuse it)
                 rhs = kv.clone()
                 rhs[..., :dk].mul_(decay.read.unsqueeze(-1))
-            nb, bs = self.inverse_blocks.shape[0], self.inverse_blocks.shape[-1]
-            factors = self.inverse_blocks * beta.view(-1, nb, 1, bs).transpose(0, 1)
-            block_substitution(self.s, factors, rhs, out=wu)
+            ut_solve(self.s, beta, self.inverse_blocks, rhs, out=wu)
         self.wu, self.w, self.u = wu, wu[..., :dk], wu[..., dk:]
 
 

@@ -103,8 +103,27 @@ def diagonal_block_inverses(s: torch.Tensor, beta: torch.Tensor, blocks: int = 4
     nb = next(n for n in range(min(blocks, length), 0, -1) if length % n == 0)
     bs = length // nb
     diag = torch.diagonal(s.view(batch, nb, bs, nb, bs), dim1=1, dim2=3).permute(3, 0, 1, 2)  # [nb, B, bs, bs]
-    a = torch.mul(diag, beta.view(batch, nb, bs).transpose(0, 1).unsqueeze(-1), out=s.new_empty(nb, batch, bs, bs))
+    a = torch.mul(diag, _beta_blocks(beta, nb).unsqueeze(-1), out=s.new_empty(nb, batch, bs, bs))
     return unit_lower_inverse(a.view(nb * batch, bs, bs)).view(nb, batch, bs, bs)  # of diag(β) S's blocks
+
+
+def _beta_blocks(beta: torch.Tensor, nb: int) -> torch.Tensor:
+    """``beta [B, L]`` cut into the row blocks of :func:`diagonal_block_inverses`: ``[nb, B, L / nb]``."""
+    return beta.view(beta.shape[0], nb, -1).transpose(0, 1)
+
+
+def ut_solve(
+    s: torch.Tensor, beta: torch.Tensor, inverse_blocks: torch.Tensor, rhs: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The UT transform ``(I + diag(β) S)⁻¹ diag(β) R`` by :func:`block_substitution`.
+
+    ``s [B, L, L]`` strictly lower, ``beta [B, L]``, ``inverse_blocks`` from
+    :func:`diagonal_block_inverses` (of the same s and β), ``rhs`` R ``[B, L, D]``.
+    β goes into the small diagonal factors D_j = X_j diag(β_j), so R is used as it is.
+    """
+    factors = inverse_blocks * _beta_blocks(beta, inverse_blocks.shape[0]).unsqueeze(-2)
+    return block_substitution(s, factors, rhs, out=out)
 
 
 def block_substitution(
@@ -118,8 +137,8 @@ def block_substitution(
     ``transpose=True`` it runs the transposed system bottom block first,
     ``Y_j = D_jᵀ (R_j − L_{>j,j}ᵀ Y_{>j})``. Two uses (README.md):
 
-    - the UT transform, ``(I + diag(β) S)⁻¹ diag(β) R``: ``lower`` = S and
-      D_j = X_j diag(β_j), X_j the inverses of :func:`diagonal_block_inverses`;
+    - the UT transform, ``(I + diag(β) S)⁻¹ diag(β) R`` (:func:`ut_solve`): ``lower`` = S
+      and D_j = X_j diag(β_j), X_j the inverses of :func:`diagonal_block_inverses`;
     - its adjoint, ``(I + A)⁻ᵀ R`` with A = diag(β) S: ``lower`` = A, D_j = X_j.
 
     2·nb − 1 batched products on views: about 5/8 of the multiply-adds of forming
