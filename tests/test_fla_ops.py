@@ -207,7 +207,7 @@ def test_fused_recurrent_aliases_match_naive():
     o, h = ops.fused_recurrent_delta_rule(q, k, x["v"], beta, None, x["h0"], True)  # fla's positional order
     o_ref, h_ref = fla_delta_naive(*(t.float().transpose(1, 2) for t in (q, k, x["v"], beta)), initial_state=x["h0"].float())
     report("fused_recurrent_delta_rule", max(max_err(o, o_ref.transpose(1, 2)), max_err(h, h_ref)))
-    for bad in (dict(gk=torch.zeros(1)), dict(gv=torch.zeros(1)), dict(state_v_first=True)):
+    for bad in (dict(gk=torch.zeros(1)), dict(gv=torch.zeros(1))):
         with pytest.raises(ValueError, match=f"`{next(iter(bad))}`"):
             ops.fused_recurrent_gated_delta_rule(q, k, x["v"], g, beta=beta, **bad)
 
@@ -252,7 +252,7 @@ def test_kwargs_pass_through_silent_unknown_warns_once_refused_raise():
         for _ in range(3):
             ops.chunk_gated_delta_rule(*args, some_future_option=1)
     assert len(caught) == 1 and "`some_future_option`" in str(caught[0].message)
-    for name, value in (("gk", torch.zeros(1)), ("state_v_first", True), ("head_first", True), ("cp_context", object())):
+    for name, value in (("gk", torch.zeros(1)), ("head_first", True), ("cp_context", object())):
         with pytest.raises(ValueError, match=f"chunk_gated_delta_rule: `{name}`"):
             ops.chunk_gated_delta_rule(*args, **{name: value})
     with pytest.raises(ValueError, match="not a multiple"):
@@ -260,3 +260,19 @@ def test_kwargs_pass_through_silent_unknown_warns_once_refused_raise():
                                    torch.rand(1, 5, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="`A_log`"):
         ops.chunk_gated_delta_rule(*args, use_gate_in_kernel=True)
+
+
+@pytest.mark.parametrize("form", GATED_FORMS)
+def test_state_v_first_transposes_the_states(form):
+    """fla's GatedDeltaNet layer passes ``state_v_first=True``: states in and out are [N, HV, V, K]."""
+    x = inputs(seed=11, HV=2)
+    q, k = fla_l2norm(x["q"]), fla_l2norm(x["k"])
+    g, beta = -F.softplus(x["a"]), torch.sigmoid(x["b"])
+    o, h = form(q, k, x["v"], g, beta, initial_state=x["h0"].transpose(-1, -2).contiguous(),
+                output_final_state=True, state_v_first=True, chunk_size=16)
+    o_ref, h_ref = fla_gated_naive(*(t.float() for t in (q, k, x["v"], beta, g)), initial_state=x["h0"].float(),
+                                   output_final_state=True)
+    assert h.shape == x["h0"].transpose(-1, -2).shape
+    report(f"{form.__name__} state_v_first", max(max_err(o, o_ref), max_err(h.transpose(-1, -2), h_ref)))
+    with pytest.raises(ValueError, match="chunk_delta_rule: `state_v_first`"):
+        ops.chunk_delta_rule(q, k, x["v"], beta, state_v_first=True)

@@ -18,10 +18,14 @@ argument                        what we do
 ``A_log``, ``dt_bias``          (fp64 for fp64 inputs); ``A_log``/``dt_bias`` are ``[HV]``;
                                 without ``use_gate_in_kernel`` they are ignored, as in fla
 grouped value heads             ``v [B, T, HV, V]`` with HV a multiple of H: q/k head i
-                                serves value heads i·HV/H … (i+1)·HV/H − 1 (gated ops)
+                                serves value heads i·HV/H … (i+1)·HV/H − 1 (gated and
+                                delta ops; fla has it on the gated ones)
 ``beta=None``                   β = 1 (fla's ``fused_recurrent_*`` default)
 ``g=None`` (gated ops)          no decay, g = 0 (fla's ``fused_recurrent_*`` default)
 bf16/fp16 ``initial_state``     cast to the state dtype (fp32, fp64 for fp64 inputs)
+``state_v_first`` (gated ops)   the states in and out are ``[N, HV, V, K]`` (transposed at
+                                the boundary; fla's GatedDeltaNet layer passes True);
+                                ``transpose_state_layout``, its deprecated name, too
 ``cu_seqlens_cpu``              a host copy of ``cu_seqlens``; used when ``cu_seqlens`` is None
 ``chunk_indices``               ignored (fla's precomputed chunk table; we derive our own)
 ``**kwargs``                    names in :data:`PASS_THROUGH` are ignored silently; any other
@@ -30,7 +34,7 @@ bf16/fp16 ``initial_state``     cast to the state dtype (fp32, fp64 for fp64 inp
 
 Refused with a ``ValueError`` naming the argument (they would change the result
 and we have no equivalent): ``gk``/``gv`` (per-channel decays), ``state_v_first``
-/ ``transpose_state_layout`` = True (a V×K state), ``reverse=True``,
+/ ``transpose_state_layout`` = True on the (ungated) delta rule, ``reverse=True``,
 ``head_first=True``, ``cp_context`` (context parallelism).
 
 Aliases with fla's exact signatures (positional order included):
@@ -57,6 +61,8 @@ q/k feature map, ``qk_norm``           none                   ``feature_map``, `
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from typing import Optional, Tuple, Union
 
@@ -85,8 +91,8 @@ PASS_THROUGH = frozenset({
 _REFUSED = {
     "gk": "per-key-channel decays (gk) are not supported; pass a per-head log decay `g` [B, T, H]",
     "gv": "per-value-channel decays (gv) are not supported; pass a per-head log decay `g` [B, T, H]",
-    "state_v_first": "the state is always stored [N, H, K, V] (keys first)",
-    "transpose_state_layout": "the state is always stored [N, H, K, V] (keys first)",
+    "state_v_first": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
+    "transpose_state_layout": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
     "reverse": "reverse-time scans are not supported",
     "head_first": "inputs are always [B, T, H, D] (fla removed head_first too)",
     "cp_context": "context parallelism is not supported",
@@ -135,7 +141,7 @@ def fla_inputs(
     """Translate fla's options into plain op inputs; see the module docstring.
 
     Returns ``(q, k, beta, g, initial_state, cu_seqlens)``. q and k come back with
-    HV heads when v has more heads than q (grouped value heads, gated ops only);
+    HV heads when v has more heads than q (grouped value heads);
     β and g come back in the compute dtype when computed here. Shapes are checked
     by the op's own validation afterwards, except the ones only this step knows.
     """
@@ -149,16 +155,16 @@ def fla_inputs(
             raise TypeError(f"{op}: `cu_seqlens_cpu` must be a LongTensor [N+1], got {type(cu_seqlens_cpu).__name__}")
         cu_seqlens = cu_seqlens_cpu.to(q.device)
 
-    if gated:
-        h, hv = q.shape[2], v.shape[2]
-        if hv != h and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] == h:
-            if hv % h:
-                raise ValueError(
-                    f"{op}: `v` has {hv} heads, which is not a multiple of the {h} heads of `q`/`k` "
-                    f"(grouped value heads need HV = r·H); got v {list(v.shape)}, q {list(q.shape)}"
-                )
-            q, k = q.repeat_interleave(hv // h, dim=2), k.repeat_interleave(hv // h, dim=2)
+    h, hv = q.shape[2], v.shape[2]
+    if hv != h and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] == h:
+        if hv % h:
+            raise ValueError(
+                f"{op}: `v` has {hv} heads, which is not a multiple of the {h} heads of `q`/`k` "
+                f"(grouped value heads need HV = r·H); got v {list(v.shape)}, q {list(q.shape)}"
+            )
+        q, k = q.repeat_interleave(hv // h, dim=2), k.repeat_interleave(hv // h, dim=2)
 
+    if gated:
         if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
             raise ValueError(
                 f"{op}: `allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True` (as in fla): "
@@ -186,6 +192,26 @@ def fla_inputs(
             and dt != initial_state.dtype):
         initial_state = initial_state.to(dt)
     return q, k, beta, g, initial_state, cu_seqlens
+
+
+def accepts_state_v_first(op):
+    """Decorator for the gated ops: fla's ``state_v_first`` (or ``transpose_state_layout``)
+    = True means the caller's states are ``[N, HV, V, K]``; transpose the initial state in
+    and the final state out, so the op itself only sees our ``[N, HV, K, V]``."""
+
+    @functools.wraps(op)
+    def wrapper(*args, **kwargs):
+        v_first = bool(kwargs.pop("state_v_first", False)) | bool(kwargs.pop("transpose_state_layout", False))
+        if not v_first:
+            return op(*args, **kwargs)
+        bound = inspect.signature(op).bind_partial(*args, **kwargs)
+        h0 = bound.arguments.get("initial_state")
+        if isinstance(h0, torch.Tensor) and h0.dim() == 4:
+            bound.arguments["initial_state"] = h0.transpose(-1, -2)
+        o, h = op(*bound.args, **bound.kwargs)
+        return o, (None if h is None else h.transpose(-1, -2))
+
+    return wrapper
 
 
 # -- aliases with fla's signatures -----------------------------------------------------------

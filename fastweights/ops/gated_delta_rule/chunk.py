@@ -17,13 +17,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._fla_compat import fla_inputs
+from .._fla_compat import accepts_state_v_first, fla_inputs
 from .._frontend import run_op
 from ..delta_rule.chunk import delta_rule_chunk
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
 
 
+@accepts_state_v_first
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

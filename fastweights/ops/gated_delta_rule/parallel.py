@@ -11,12 +11,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._fla_compat import fla_inputs
+from .._fla_compat import accepts_state_v_first, fla_inputs
 from .._frontend import run_op
 from ..delta_rule.parallel import delta_rule_parallel
 from ..feature_maps import FeatureMapLike
 
 
+@accepts_state_v_first
 def parallel_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
