@@ -13,7 +13,8 @@ argument                        what we do
 ``use_qk_l2norm_in_kernel``     ``qk_norm="l2"``: ``x · rsqrt(Σx² + 1e-6)``, fla's formula
 ``use_beta_sigmoid_in_kernel``  β = sigmoid(beta) (gated ops)
 ``allow_neg_eigval``            with the sigmoid, β = 2·sigmoid(beta) ∈ (0, 2); without it
-                                a ``ValueError``, as in fla (gated ops)
+                                β is taken as given and may lie in [0, 2] (fla raises a
+                                ``ValueError`` there; ours is the wider contract)
 ``use_gate_in_kernel``,         g = −exp(A_log) · softplus(g + dt_bias), computed in fp32
 ``A_log``, ``dt_bias``          (fp64 for fp64 inputs); ``A_log``/``dt_bias`` are ``[HV]``;
                                 without ``use_gate_in_kernel`` they are ignored, as in fla
@@ -165,11 +166,6 @@ def fla_inputs(
         q, k = q.repeat_interleave(hv // h, dim=2), k.repeat_interleave(hv // h, dim=2)
 
     if gated:
-        if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-            raise ValueError(
-                f"{op}: `allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True` (as in fla): "
-                f"it doubles sigmoid(beta); pass β in (0, 2) directly otherwise"
-            )
         if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
             beta = torch.sigmoid(beta.to(dt)) * (2.0 if allow_neg_eigval else 1.0)
 

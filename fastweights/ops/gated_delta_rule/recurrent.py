@@ -35,9 +35,9 @@ def recurrent_gated_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     *,
     use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
     use_gate_in_kernel: bool = False,
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
@@ -74,4 +74,5 @@ def recurrent_gated_delta_rule(
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
+        allow_neg_eigval=allow_neg_eigval,
     )
