@@ -1,6 +1,6 @@
 """The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024; seed 001, ch. 7).
 
-For chunks of C tokens with incoming state h (DESIGN.md, "The chunk form"):
+For chunks of C tokens with incoming state h (docs/design.md, "The chunk form"):
 
     A = tril(diag(β) K Kᵀ, −1)       C×C, strictly lower          } one batched
     T = (I + A)⁻¹ diag(β)            forward substitution          } computation
@@ -331,6 +331,7 @@ def chunk_delta_rule(
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule, chunkwise parallel: the fast path for training.
 
@@ -359,7 +360,7 @@ def chunk_delta_rule(
     kwargs = dict(
         beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
-        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
     if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
         return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)
