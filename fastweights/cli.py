@@ -10,6 +10,7 @@ part of the library owns its command line::
     fastweights eval          score a checkpoint on a text file: loss, bits per byte, perplexity
     fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
     fastweights study NAME    reproduce a seed's experiment (capacity, costs, retrieval, mqar)
+    fastweights lab           the seeds' demos as a local web page (sliders; numbers from the ops)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ COMMANDS = {
     "generate": "fastweights.commands.generate",
     "eval": "fastweights.commands.eval",
     "demo": "fastweights.commands.demo",
+    "lab": "fastweights.commands.lab",
 }
 
 
