@@ -1,5 +1,5 @@
 """Token mixers as nn.Modules: thin shells of projections, convolution, norms and gates
-around :mod:`fastweights.ops` (DESIGN.md: layers never re-implement a recurrence).
+around :mod:`fastweights.ops` (docs/design.md: layers never re-implement a recurrence).
 
 Every mixer has one interface::
 

@@ -1,6 +1,6 @@
 """Functional memory solvers: ``(q, k, v, beta, g, state) -> (o, state)``.
 
-Layout and argument names follow flash-linear-attention (DESIGN.md, "Op
+Layout and argument names follow flash-linear-attention (docs/design.md, "Op
 conventions"): ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``,
 state ``[N, H, K, V]`` in fp32 (fp64 for fp64 inputs), ``cu_seqlens [N + 1]``.
 

@@ -1,6 +1,6 @@
 """The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024; seed 001, ch. 7).
 
-For chunks of C tokens with incoming state h (DESIGN.md, "The chunk form"):
+For chunks of C tokens with incoming state h (docs/design.md, "The chunk form"):
 
     A = tril(diag(β) K Kᵀ, −1)       C×C, strictly lower          } one batched
     T = (I + A)⁻¹ diag(β)            forward substitution          } computation
