@@ -20,7 +20,7 @@ Every form of a rule takes the same arguments and returns the same thing; the
 ``recurrent_*`` form is the reference that the others are tested against.
 """
 
-from ._checks import finite_checks
+from ._checks import finite_checks, value_checks
 from .delta_rule import chunk_delta_rule, parallel_delta_rule, recurrent_delta_rule
 from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReLU, Taylor, get_feature_map, normalize_qk
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
@@ -33,5 +33,5 @@ __all__ = [
     "recurrent_delta_rule", "parallel_delta_rule", "chunk_delta_rule",
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
-    "get_feature_map", "normalize_qk", "finite_checks",
+    "get_feature_map", "normalize_qk", "finite_checks", "value_checks",
 ]

@@ -335,6 +335,7 @@ def chunk_delta_rule(
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule, chunkwise parallel: the fast path for training.
 
@@ -363,7 +364,7 @@ def chunk_delta_rule(
     kwargs = dict(
         beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
-        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
     if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
         return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)

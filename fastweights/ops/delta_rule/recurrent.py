@@ -51,6 +51,7 @@ def recurrent_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule (DeltaNet), one token at a time: the reference form.
 
@@ -68,6 +69,8 @@ def recurrent_delta_rule(
         feature_map: optional φ applied to q and k first (as in Schlag et al. 2021,
             who pair the delta rule with DPFP and sum normalization).
         use_qk_l2norm_in_kernel: flash-linear-attention's spelling of ``qk_norm="l2"``.
+        allow_neg_eigval: accept β in [0, 2] instead of [0, 1], so that I − β k kᵀ may
+            have a negative eigenvalue (the layers' option of the same name).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in the input dtype; the final
@@ -87,4 +90,5 @@ def recurrent_delta_rule(
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
+        allow_neg_eigval=allow_neg_eigval,
     )

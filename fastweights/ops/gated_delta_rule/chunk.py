@@ -38,6 +38,7 @@ def chunk_gated_delta_rule(
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
 
@@ -49,6 +50,7 @@ def chunk_gated_delta_rule(
         beta=beta, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_g=True,
+        allow_neg_eigval=allow_neg_eigval,
     )
     op = "chunk_gated_delta_rule"
     if select_backend(op, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":

@@ -30,6 +30,7 @@ def parallel_gated_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule as one T×T triangular solve (O(T²) memory).
 
@@ -41,4 +42,5 @@ def parallel_gated_delta_rule(
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
+        allow_neg_eigval=allow_neg_eigval,
     )
