@@ -47,7 +47,7 @@ FORMAT = "fastweights-lm-1"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
-STRAY = re.compile(r"\.tmp-|^latest\..*\.tmp$")  # temp folders/files of writers that are gone
+STRAY = re.compile(r"\.tmp-|\.tmp$")  # temp folders/files of writers that are gone
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
