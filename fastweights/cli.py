@@ -79,6 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(args.func(args) or 0)
     except ValueError as e:  # bad input (a config, a file, a prompt): the message, not a traceback
         parser.exit(2, f"fastweights {args.command}: error: {e}\n")
+    except KeyboardInterrupt:  # Ctrl-C outside a loop that handles it: one line, the shell's code
+        parser.exit(130, f"fastweights {args.command}: interrupted\n")
 
 
 if __name__ == "__main__":
