@@ -124,9 +124,10 @@ def test_bad_config_names_the_argument(bad, match):
 
 @pytest.mark.slow
 def test_quick_default_meets_the_acceptance_lines():
-    """Issue 13: at the quick default's hardest cell (T = 128, 8 pairs, d_model 64, convolution off for every
-    mixer), DeltaNet, Gated DeltaNet and softmax attention reach >= 0.99; linear attention falls short."""
-    result = run_mqar(MQARConfig(short_conv=(False,)), progress=False)
+    """Issue 13: at the quick default's hardest cell (T = 128, 8 pairs, d_model 64, the fast-weight mixers'
+    convolution on, softmax with RoPE), DeltaNet, Gated DeltaNet and softmax attention reach >= 0.99;
+    linear attention falls short. (Not met in issue 13's session; see docs/studies.md.)"""
+    result = run_mqar(MQARConfig(short_conv=(True,)), progress=False)
     head = result["headline"]
     print(head)
     for mixer in ("deltanet", "gated_deltanet", "softmax"):
