@@ -51,6 +51,8 @@ def recurrent_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule (DeltaNet), one token at a time: the reference form.
 
@@ -68,6 +70,11 @@ def recurrent_delta_rule(
         feature_map: optional φ applied to q and k first (as in Schlag et al. 2021,
             who pair the delta rule with DPFP and sum normalization).
         use_qk_l2norm_in_kernel: flash-linear-attention's spelling of ``qk_norm="l2"``.
+        cu_seqlens_cpu: the same offsets as a CPU tensor, so the checks read them without a device sync.
+        max_seqlen: the longest of the packed sequences (FlashAttention's varlen hint). With it nothing
+            reads tensor values, so ``torch.compile(..., fullgraph=True)`` has no graph break; eager
+            mode refuses a ``max_seqlen`` below the longest sequence (under compile it is not checked:
+            a smaller value would drop tokens).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in the input dtype; the final
@@ -85,6 +92,7 @@ def recurrent_delta_rule(
     return run_op(
         "recurrent_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
     )

@@ -38,6 +38,8 @@ def chunk_gated_delta_rule(
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
 
@@ -53,4 +55,5 @@ def chunk_gated_delta_rule(
     op = "chunk_gated_delta_rule"
     if select_backend(op, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
         return chunk_op_triton(op, q, k, v, **kwargs)
-    return run_op(op, delta_rule_chunk, q, k, v, **kwargs, requires_beta=True)
+    return run_op(op, delta_rule_chunk, q, k, v, **kwargs, requires_beta=True,
+                  cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen)

@@ -33,6 +33,8 @@ def recurrent_gated_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule (Gated DeltaNet), one token at a time: the reference form.
 
@@ -41,7 +43,8 @@ def recurrent_gated_delta_rule(
         g: ``[B, T, H]`` log decays, α_t = exp(g_t) (g ≤ 0 keeps α ≤ 1).
         beta: ``[B, T, H]`` write strengths in (0, 1).
         scale, initial_state, output_final_state, cu_seqlens, chunk_size, qk_norm,
-        feature_map, use_qk_l2norm_in_kernel: as in :func:`~fastweights.ops.recurrent_delta_rule`.
+        feature_map, use_qk_l2norm_in_kernel, cu_seqlens_cpu, max_seqlen: as in
+        :func:`~fastweights.ops.recurrent_delta_rule`.
 
     Returns:
         ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
@@ -51,6 +54,7 @@ def recurrent_gated_delta_rule(
     return run_op(
         "recurrent_gated_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
     )
