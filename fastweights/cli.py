@@ -9,6 +9,7 @@ part of the library owns its command line::
     fastweights generate      continue a prompt with a trained checkpoint
     fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
     fastweights study NAME    reproduce a seed's experiment (capacity, costs, retrieval, mqar)
+    fastweights lab           the seeds' demos as a local web page (sliders; numbers from the ops)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ COMMANDS = {
     "train": "fastweights.commands.train",
     "generate": "fastweights.commands.generate",
     "demo": "fastweights.commands.demo",
+    "lab": "fastweights.commands.lab",
 }
 
 

@@ -295,7 +295,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
             f"train: the model's `vocab_size`={model_config.vocab_size} does not match the data's "
             f"vocabulary of {task.vocab_size} tokens ({config.data})"
         )
-    if model_config.max_seq_len < task.seq_len:
+    if "softmax" in model_config.mixers and model_config.max_seq_len < task.seq_len:
         raise ValueError(f"train: `max_seq_len`={model_config.max_seq_len} is shorter than the data's sequences ({task.seq_len} tokens)")
     dtype = DTYPES[config.dtype]
     torch.manual_seed(config.seed)

@@ -18,7 +18,8 @@ D_MODEL, HEADS = 60, 3  # head size 20: not a power of two
 TOL = 1e-10
 
 VARIANTS = {
-    "softmax": lambda: SoftmaxAttention(D_MODEL, HEADS),
+    "softmax": lambda: SoftmaxAttention(D_MODEL, HEADS),  # RoPE on (the default)
+    "softmax-nope": lambda: SoftmaxAttention(D_MODEL, HEADS, rope_theta=None),
     "linear-elu-norm": lambda: LinearAttention(D_MODEL, HEADS, feature_map="elu", normalize=True, chunk_size=8),
     "linear-dpfp-conv": lambda: LinearAttention(D_MODEL, HEADS, feature_map="dpfp", normalize=True, qk_norm="sum",
                                                 use_short_conv=True, chunk_size=8),

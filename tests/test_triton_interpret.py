@@ -7,7 +7,7 @@ when triton is not installed (``pip install 'fastweights[triton]'``).
 
 - fp32: outputs, final states and all gradients (dq, dk, dv, dβ, dg, dh0) within
   1e-5 relative of the float64 recurrence;
-- fp16: DESIGN.md's rule, error at most 2× (3× for gradients) the error of the
+- fp16: the rule of docs/design.md, error at most 2× (3× for gradients) the error of the
   plain recurrent form run in fp16; bf16 is left to the GPU (the interpreter's
   bf16 ``tl.dot`` is wrong);
 - awkward shapes: T = 70 and 130 (not multiples of 64), K = V = 32, K ≠ V (48/80),

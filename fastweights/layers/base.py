@@ -22,7 +22,9 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
-from .common import FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, get_activation
+from .common import (
+    FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, forward_with_mask, get_activation,
+)
 
 
 class FastWeightMixer(nn.Module):
@@ -88,17 +90,23 @@ class FastWeightMixer(nn.Module):
         x: torch.Tensor,
         state: Optional[FastWeightState] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, FastWeightState]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``.
 
         ``state`` is the :class:`FastWeightState` returned by the previous call (N = B,
         or the number of sequences in ``cu_seqlens``). A call with T = 1 and a state
         is one decoding step and uses the recurrent op; anything else uses the chunk op.
+        ``attention_mask [B, T]`` (0 = padding, e.g. a left-padded batch) runs the real
+        tokens only: a pad neither writes to nor decays the memory, nor enters the
+        convolution, and its output is 0.
         """
         name = type(self).__name__
-        check_layer_input(name, x, self.d_model, cu_seqlens)
+        mask = check_layer_input(name, x, self.d_model, cu_seqlens, attention_mask)
         if state is not None and not isinstance(state, FastWeightState):
             raise TypeError(f"{name}: `state` must be a FastWeightState (as returned by this layer), got {type(state).__name__}")
+        if mask is not None:
+            return forward_with_mask(self, x, state, mask)
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3·d_model]
         conv_state = None

@@ -1,6 +1,6 @@
 """The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024; seed 001, ch. 7).
 
-For chunks of C tokens with incoming state h (DESIGN.md, "The chunk form"):
+For chunks of C tokens with incoming state h (docs/design.md, "The chunk form"):
 
     A = tril(diag(β) K Kᵀ, −1)       C×C, strictly lower          } one batched
     T = (I + A)⁻¹ diag(β)            forward substitution          } computation
@@ -38,6 +38,7 @@ from .._chunk import (
     ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
+from .._fla_compat import fla_inputs
 from .._frontend import autocast_off, run_op
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
@@ -386,7 +387,7 @@ def chunk_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    beta: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
@@ -396,8 +397,11 @@ def chunk_delta_rule(
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    allow_neg_eigval: bool = False,
+    *,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     max_seqlen: Optional[int] = None,
+    **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule, chunkwise parallel: the fast path for training.
 
@@ -423,10 +427,13 @@ def chunk_delta_rule(
     ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the
     textbook chunk implementation and the recurrence.
     """
+    q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
+        "chunk_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
+    )
     kwargs = dict(
         beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
-        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
     if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
         return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)

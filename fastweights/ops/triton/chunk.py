@@ -248,6 +248,7 @@ def chunk_op_triton(
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     requires_g: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The Triton path of ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (same arguments and returns).
 
@@ -258,6 +259,7 @@ def chunk_op_triton(
     phi = check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         scale=scale, feature_map=feature_map, qk_norm=qk_norm, requires_beta=True, requires_g=requires_g,
+        allow_neg_eigval=allow_neg_eigval,
     )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not isinstance(phi, Identity) or qk_norm is not None:
