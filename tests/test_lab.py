@@ -379,3 +379,15 @@ def test_cli_bad_port_is_a_message(capsys):
     err = capsys.readouterr().err
     print(err)
     assert info.value.code == 2 and "`--port` must be in [0, 65535], got 70000" in err
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GARBAGE\r\n\r\n", 400),  # not an HTTP request line
+    (b'GET / HTTP/9"x\r\n\r\n', 400),  # a quote in the message must not break the JSON
+    (b"PUT /api/memory HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}", 501),
+], ids=["garbage", "bad-version", "PUT"])
+def test_http_malformed_requests_get_json_errors(lab_url, request_bytes, status):
+    reply = _raw_exchange(lab_url, [request_bytes], 0.2)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    print(head.split(b"\r\n")[0], body)
+    assert head.startswith(f"HTTP/1.0 {status}".encode()) and json.loads(body)["error"].startswith(str(status))

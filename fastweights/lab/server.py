@@ -70,8 +70,6 @@ def answer(panel: str, body) -> dict:
 class LabHandler(BaseHTTPRequestHandler):
     server_version = "fastweights-lab"
     protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive sockets to time out
-    error_content_type = "application/json"
-    error_message_format = '{"error": "%(code)d %(message)s"}'
     timeout = REQUEST_TIMEOUT + 1  # per-recv socket timeout; the watchdog below (sooner) answers 408
     compute_lock = threading.Lock()
     quiet = True
@@ -88,8 +86,15 @@ class LabHandler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
-        if self.command != "HEAD":
+        if getattr(self, "command", None) != "HEAD":
             self.wfile.write(body)
+
+    def send_error(self, code, message=None, explain=None):
+        """Errors the base class raises itself (a malformed request line, an unsupported method): JSON too."""
+        self.close_connection = True
+        self.request_version = "HTTP/1.0"  # a garbled line parses as HTTP/0.9, which has no status line
+        short = self.responses.get(code, ("error",))[0]
+        self._json(code, {"error": f"{code} {message or short}"})
 
     def _json(self, status: int, payload: dict) -> None:
         self._send(status, json.dumps(payload, allow_nan=False).encode(), "application/json")

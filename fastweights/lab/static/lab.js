@@ -346,15 +346,18 @@ function drawGeometryStep() {
   const t = Number($('[name="step"]', section).value);
   $('output[data-for="step"]', section).textContent = `${t} / ${r.frames.length - 1}`;
   const frames = r.frames.slice(1);
-  const all = [];
-  for (const f of frames) { all.push(f.key, f.value, ...f.reads.sum, ...f.reads.delta); }
-  const extent = Math.max(2, ...all.flat().map(Math.abs)) * 1.1;
   const cur = r.frames[t];
   for (const rule of ["sum", "delta"]) {
+    // each plane fits what it shows at this step (the tick labels give its scale)
+    const shown = frames.slice(0, t).map((f) => f.value).concat(cur.reads[rule]);
+    if (rule === "delta" && t > 0) shown.push(cur.delta_parts.old_read);
+    const extent = Math.max(1.5, ...shown.flat().map(Math.abs)) * 1.15;
     const P = planeFrame($("#plane-" + rule), extent);
     frames.slice(0, t).forEach((f, i) => {
       const c = PAIR_COLORS[i % PAIR_COLORS.length];
-      arrow(P.g, P.x(0), P.y(0), P.x(f.key[0]), P.y(f.key[1]), GRAY, { width: 1, label: `k${i + 1}` });
+      // keys live in key space: drawn as directions, at a fixed length so that they stay visible
+      const kn = Math.hypot(f.key[0], f.key[1]) || 1, kl = 0.3 * extent / kn;
+      arrow(P.g, P.x(0), P.y(0), P.x(kl * f.key[0]), P.y(kl * f.key[1]), i === t - 1 ? "#000" : GRAY, { width: 1, label: `k${i + 1}` });
       arrow(P.g, P.x(0), P.y(0), P.x(f.value[0]), P.y(f.value[1]), c, { dash: "5 3", width: 1.5 });
       const rd = cur.reads[rule][i];
       arrow(P.g, P.x(0), P.y(0), P.x(rd[0]), P.y(rd[1]), c, { label: `Wk${i + 1}` });

@@ -38,6 +38,7 @@ from .._chunk import (
     ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
+from .._backend import backward_can_follow
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off, run_op
 from ..feature_maps import FeatureMapLike
@@ -354,7 +355,9 @@ def _backward(ctx, do, dh_final, *unused):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
+def delta_rule_chunk(
+    q, k, v, beta, g, h0, scale, chunk_size, keep: Optional[bool] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The (gated) delta rule's chunk form with its hand-written backward; returns ``(o, h_T)``.
 
     On head-first compute-dtype tensors ``[N, H, T, D]`` (``g``/``h0`` may be None;
@@ -365,19 +368,20 @@ def delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Ten
     forward gathered them, chunk-major),
     [W | U'] (T·(K + V)), the diagonal-block inverses (T·C/4) and the T/C states
     entering the chunks (O((T/C)·K·V)). The backward recomputes P and S group by
-    group (transient O(group·C·(C + K + V))). Nothing is kept when no input
-    requires a gradient (inference).
+    group (transient O(group·C·(C + K + V))). ``keep`` (default
+    :func:`~fastweights.ops._backend.backward_can_follow`) says whether to keep
+    anything for a backward: nothing is kept for inference.
     Double backward is not supported: use the recurrent or parallel form, which
     keep plain autograd, for higher derivatives.
     """
-    inputs = (q, k, v, beta, g, h0)
-    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if keep is None:
+        keep = backward_can_follow(q, k, v, beta, g, h0)
     o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
 class ChunkDeltaRuleFunction:
-    """``ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size)``: :func:`delta_rule_chunk`
+    """``ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size, keep)``: :func:`delta_rule_chunk`
     under the name of the ``autograd.Function`` it replaced."""
 
     apply = staticmethod(delta_rule_chunk)
