@@ -78,12 +78,13 @@ def select_backend(op: str, backend: str, q: torch.Tensor, v: Optional[torch.Ten
     return "triton"
 
 
-def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", **kwargs):
+def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", torch_kwargs=None, **kwargs):
     """Run chunk delta op ``op`` on the backend :func:`select_backend` picks; returns ``(o, h_T)``.
 
     ``torch_solver`` is the PyTorch chunk form's solver (``run_op``'s core), passed in by
     the public op so that this module imports neither implementation at load time;
-    ``kwargs`` are the op's arguments as ``run_op`` takes them.
+    ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
+    only ``run_op`` takes (the Triton path packs varlen batches natively).
     """
     choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
                             feature_map=kwargs.get("feature_map"))
@@ -93,7 +94,7 @@ def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", **
         return chunk_op_triton(op, q, k, v, **kwargs)
     from ._frontend import run_op
 
-    return run_op(op, torch_solver, q, k, v, **kwargs, requires_beta=True)
+    return run_op(op, torch_solver, q, k, v, **kwargs, **(torch_kwargs or {}), requires_beta=True)
 
 
 def backward_can_follow(*inputs) -> bool:

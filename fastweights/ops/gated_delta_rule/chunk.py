@@ -46,6 +46,7 @@ def chunk_gated_delta_rule(
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
@@ -65,4 +66,5 @@ def chunk_gated_delta_rule(
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_g=True,
         allow_neg_eigval=allow_neg_eigval,
     )
-    return run_chunk_delta("chunk_gated_delta_rule", delta_rule_chunk, q, k, v, backend=backend, **kwargs)
+    return run_chunk_delta("chunk_gated_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen), **kwargs)
