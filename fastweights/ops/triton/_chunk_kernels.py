@@ -340,13 +340,14 @@ def _state_fwd_kernel(
         u_op = u_c.to(dt)
         scores = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * scale
         if GATED:
+            # The decays scale rows: (Q ⊙ e^b) h = diag(e^b) (Q h) and K̄ᵀ U' = Kᵀ (diag(e^{b_C − b}) U'),
+            # so they go on the [64, BV] side, never on a [64, BK] copy of q or k (registers).
             b, b_last = _load_decay(bcum + i_h, t0, eos, H, BT)
             scores = scores * _decay_mask(b, b, causal)
-            q_b = (q_c.to(tl.float32) * tl.exp(b)[:, None]).to(dt)
-            out = tl.dot(q_b, h_op, input_precision=PREC) * scale
+            out = tl.dot(q_c, h_op, input_precision=PREC) * (scale * tl.exp(b))[:, None]
             out += tl.dot(scores.to(dt), u_op, input_precision=PREC)
-            k_bar = (k_c.to(tl.float32) * tl.exp(b_last - b)[:, None]).to(dt)
-            h = h * tl.exp(b_last) + tl.dot(tl.trans(k_bar), u_op, input_precision=PREC)
+            u_bar = (u_c * tl.exp(b_last - b)[:, None]).to(dt)
+            h = h * tl.exp(b_last) + tl.dot(tl.trans(k_c), u_bar, input_precision=PREC)
         else:
             scores = tl.where(causal, scores, 0.0)
             out = tl.dot(q_c, h_op, input_precision=PREC) * scale
@@ -400,21 +401,19 @@ def _state_bwd_kernel(
         w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
         do_c = _load_tile(do + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
         scores = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * scale
-        if GATED:
+        du_c = tl.dot(k_c, dh.to(dt), input_precision=PREC)  # K̄ dh, K̄ = diag(e^{b_C − b}) K
+        if GATED:  # decays on the [64, BV] side, as in the forward
             b, b_last = _load_decay(bcum + i_h, t0, eos, H, BT)
             scores = scores * _decay_mask(b, b, causal)
-            k_bar = (k_c.to(tl.float32) * tl.exp(b_last - b)[:, None]).to(dt)
-            q_b = (q_c.to(tl.float32) * tl.exp(b)[:, None]).to(dt)
+            du_c = du_c * tl.exp(b_last - b)[:, None]
+            do_b = (do_c.to(tl.float32) * tl.exp(b)[:, None]).to(dt)  # Q_bᵀ dO = Qᵀ (diag(e^b) dO)
+            dh = dh * tl.exp(b_last)
         else:
             scores = tl.where(causal, scores, 0.0)
-            k_bar = k_c
-            q_b = q_c
-        du_c = tl.dot(tl.trans(scores.to(dt)), do_c, input_precision=PREC)
-        du_c += tl.dot(k_bar, dh.to(dt), input_precision=PREC)
+            do_b = do_c
+        du_c += tl.dot(tl.trans(scores.to(dt)), do_c, input_precision=PREC)
         _store_tile(du + i_h * V + v0, du_c, t0, eos, sv, V - v0, BT, BV)
-        if GATED:
-            dh = dh * tl.exp(b_last)
-        dh += tl.dot(tl.trans(q_b), do_c, input_precision=PREC) * scale
+        dh += tl.dot(tl.trans(q_c), do_b, input_precision=PREC) * scale
         dh -= tl.dot(tl.trans(w_c), du_c.to(dt), input_precision=PREC)
     if STORE_DH0:
         _store_state(dh0 + _state_offset(i_nh, K, V), dh, K, V, 0, v0, BK, BV)
@@ -450,7 +449,7 @@ def _grads_intra_kernel(
     d_scores = tl.zeros([BT, BT], dtype=tl.float32)  # dO U'ᵀ
     d_a = tl.zeros([BT, BT], dtype=tl.float32)  # −dZ_U U'ᵀ
     d_beta = tl.zeros([BT], dtype=tl.float32)
-    for i_v in tl.static_range(0, (V + BV - 1) // BV):
+    for i_v in range(0, (V + BV - 1) // BV):
         v0 = i_v * BV
         u_c = _load_tile(u + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
         do_c = _load_tile(do + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
@@ -527,13 +526,13 @@ def _grads_key_kernel(
         k_bar_scale = tl.exp(b_last - b)
         db = _load_vec(db_part + i_h, t0, eos, H, BT)
         db_last = tl.sum(b * 0.0, axis=0)  # scalar accumulator: e^{b_C}'s and K̄'s b_C terms
-    for i_k in tl.static_range(0, (K + BK - 1) // BK):
+    for i_k in range(0, (K + BK - 1) // BK):  # runtime loops: unrolled, they spilled 1.6 KB at K = 256
         k0 = i_k * BK
         d_qb = tl.zeros([BT, BK], dtype=tl.float32)  # dO hᵀ (times scale later)
         d_kbar = tl.zeros([BT, BK], dtype=tl.float32)  # U' dhᵀ
         dz_w = tl.zeros([BT, BK], dtype=tl.float32)  # −dZ_U hᵀ
         h_dh = tl.zeros([BK, BV], dtype=tl.float32)  # Σ h ⊙ dh for the chunk decay e^{b_C}
-        for i_v in tl.static_range(0, (V + BV - 1) // BV):
+        for i_v in range(0, (V + BV - 1) // BV):
             v0 = i_v * BV
             h = _load_state(state, K, V, k0, v0, BK, BV)
             dh = _load_state(dstate, K, V, k0, v0, BK, BV)
