@@ -109,6 +109,28 @@ def test_finite_check_can_be_switched_off():
         ops.chunk_delta_rule(**x)
 
 
+def test_finite_check_on_a_device_does_not_wait_for_the_values(monkeypatch):
+    """On CUDA the NaN/Inf check must not sync the host: it runs as ``torch._assert_async``.
+
+    No CUDA here: the device branch is taken for CPU tensors by patching the
+    host test, and any conversion of a tensor to a Python value (the host sync)
+    raises. On the CPU ``_assert_async`` fails at once, which shows the check ran.
+    """
+    from fastweights.ops import _checks
+
+    def host_sync(*args):
+        raise AssertionError("the finite check read a tensor value on the host")
+
+    monkeypatch.setattr(_checks, "_checked_on_host", lambda t: False, raising=False)
+    for method in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, method, host_sync)
+    x = make_inputs(RULES["delta"], 1, 6, 1, 4, 4)
+    _checks.check_inputs("op", x["q"], x["k"], x["v"], beta=x["beta"])
+    x["v"][0, 2] = float("nan")
+    with pytest.raises(RuntimeError, match="op: `v` contains non-finite values"):
+        _checks.check_inputs("op", x["q"], x["k"], x["v"], beta=x["beta"])
+
+
 def test_softmax_rejects_a_bad_cache():
     q = torch.randn(2, 3, 2, 4)
     _, cache = ops.softmax_attn(q, q, q, output_final_state=True)

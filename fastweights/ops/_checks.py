@@ -7,8 +7,15 @@ broadcast surprise deep inside a matmul.
 
 Non-finite inputs (NaN/Inf) are refused by default, because one NaN token
 poisons the recurrent state for every later token. The check costs one pass
-over the inputs (and a device sync on CUDA); switch it off with
-``fastweights.ops.finite_checks(False)`` (a context manager and a setter).
+over the inputs; switch it off with ``fastweights.ops.finite_checks(False)``
+(a context manager and a setter).
+
+- CPU tensors: checked on the spot; a bad input raises ``ValueError`` naming it.
+- CUDA (any non-CPU) tensors: checked asynchronously with ``torch._assert_async``,
+  so no call waits for the device (a host sync in every layer of every step would
+  stall the GPU pipeline). A bad input then fails as a device-side assertion at
+  the next synchronizing call, naming the op and the argument; such an error
+  leaves the CUDA context unusable, as any device assertion does.
 
 Values that are finite but outside the rule's domain are refused too: ``scale``
 must be finite and > 0; β in [0, 1] (the write strength of the delta rules;
@@ -97,10 +104,18 @@ def _check_tensor(op: str, name: str, t, rank: int, layout: str) -> None:
         raise ValueError(f"{op}: `{name}` must have rank {rank} with layout {layout}, got shape {_shape(t)}")
 
 
+def _checked_on_host(t: torch.Tensor) -> bool:
+    """Whether the NaN/Inf check of ``t`` may wait for its values: CPU tensors only."""
+    return t.device.type == "cpu"
+
+
 def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
     if not _CHECK_FINITE or t.numel() == 0:
         return
     if torch.compiler.is_compiling():  # a data-dependent branch would break the graph
+        return
+    if not _checked_on_host(t):  # no host sync: the device checks it in stream order (module docstring)
+        torch._assert_async(torch.isfinite(t).all(), f"{op}: `{name}` contains non-finite values (NaN or Inf)")
         return
     # One reduction, no temporaries: a sum is finite only if every entry is (NaN and ±Inf
     # propagate). A finite sum proves the tensor clean; otherwise (bad entries, or an
@@ -122,7 +137,7 @@ def _check_range(op: str, t: torch.Tensor, low: float, high: float, rule: str, h
     if not _CHECK_VALUES or t.numel() == 0 or torch.compiler.is_compiling():
         return
     lo, hi = torch.aminmax(t.detach())
-    if t.device.type != "cpu":  # no device->host sync on the hot path
+    if not _checked_on_host(t):  # no device->host sync on the hot path
         torch._assert_async((lo >= low) & (hi <= high), f"{op}: {rule}{hint}")
         return
     lo, hi = float(lo), float(hi)

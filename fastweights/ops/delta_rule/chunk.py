@@ -38,6 +38,7 @@ from .._chunk import (
     ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
+from .._backend import backward_can_follow
 from .._fla_compat import fla_inputs
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
@@ -277,9 +278,10 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     """The (gated) delta rule's chunk form with a hand-written backward.
 
-    ``apply(q, k, v, beta, g, h0, scale, chunk_size) -> (o, h_T)`` on head-first
+    ``apply(q, k, v, beta, g, h0, scale, chunk_size, keep) -> (o, h_T)`` on head-first
     compute-dtype tensors ``[N, H, T, D]`` (``g``/``h0`` may be None; ``g=None`` is
-    the plain rule). Gradients reach q, k, v, beta, g and h0, and the cotangent of
+    the plain rule; ``keep``: :func:`~fastweights.ops._backend.backward_can_follow`,
+    whether to keep anything for a backward). Gradients reach q, k, v, beta, g and h0, and the cotangent of
     h_T is honoured.
 
     Memory kept for the backward: the inputs (O(T·(2K + V)) per head; q, k, v as the
@@ -292,13 +294,14 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, h0, scale, chunk_size):
+    def forward(ctx, q, k, v, beta, g, h0, scale, chunk_size, keep):
         n, nh, t_len, dk = k.shape
         dv = v.shape[-1]
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
-        keep = any(ctx.needs_input_grad[:6])  # under no_grad (inference) nothing is kept
+        # keep = backward_can_follow(...) from the caller; under no_grad (inference) nothing is kept
         o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
-        ctx.save_for_backward(beta, g, states, *(kept or (None,) * 4))
+        if keep:
+            ctx.save_for_backward(beta, g, states, *kept)
         ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
         return o, h_final.reshape(n, nh, dk, dv)
 
@@ -310,12 +313,13 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
         dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, ctx.scale, ctx.chunk_size)
         dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
-        return dq, dk, dv, dbeta, dg, dh0, None, None
+        return dq, dk, dv, dbeta, dg, dh0, None, None, None
 
 
 def delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
-    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size)
+    keep = backward_can_follow(q, k, v, beta, g, h0)
+    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size, keep)
 
 
 def chunk_delta_rule(
