@@ -11,8 +11,12 @@ Per token, with ``x [B, T, d_model]``::
 
 A subclass only says which op to call and with which extra per-token inputs
 (β, g): :meth:`FastWeightMixer.memory`. Prefill and training use the chunk
-form; decoding one token from a carried state uses the recurrent form, both from
-:mod:`fastweights.ops` (a layer never re-implements a recurrence).
+form; decoding one token from a carried state is :meth:`FastWeightMixer.step`,
+the same computation fused into a few ops: one matmul for every input
+projection, the convolution's window as one product, and the op's one-token
+update (``fastweights.ops``' ``*_step`` functions, which the recurrent forms
+run token by token: a layer never re-implements a recurrence), given by
+:meth:`FastWeightMixer.memory_step`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops._checks import compute_dtype
 from .common import FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, get_activation
 
 
@@ -82,6 +89,23 @@ class FastWeightMixer(nn.Module):
         β or g) -> ``(o [B, T, H, V], final state [N, H, K, V])``."""
         raise NotImplementedError
 
+    def memory_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, memory: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One decoding token of the op: ``q, k [N, H, K]``, ``v [N, H, V]`` (activated), ``extra
+        [N, ·]`` (the outputs of :meth:`step_projections` beyond q, k, v and the gate) and the
+        state ``[N, H, K, V]`` -> ``(o [N, H, V] in the compute dtype, new state)``."""
+        raise NotImplementedError
+
+    def memory_shape(self, n: int) -> Tuple[int, ...]:
+        """The state's shape ``[N, H, K, V]`` for N sequences."""
+        return (n, self.n_heads, self.head_dim, self.head_dim)
+
+    def step_projections(self) -> list:
+        """The linear maps of x that one decoding step needs, in the order of the fused matmul:
+        q, k, v, the output gate (if any), then a subclass's own (β, the decay)."""
+        return [self.q_proj, self.k_proj, self.v_proj] + ([] if self.g_proj is None else [self.g_proj])
+
     # -- the shared skeleton ------------------------------------------------------------------
     def forward(
         self,
@@ -99,6 +123,8 @@ class FastWeightMixer(nn.Module):
         check_layer_input(name, x, self.d_model, cu_seqlens)
         if state is not None and not isinstance(state, FastWeightState):
             raise TypeError(f"{name}: `state` must be a FastWeightState (as returned by this layer), got {type(state).__name__}")
+        if state is not None and x.shape[1] == 1 and cu_seqlens is None:
+            return self.step(x, state)
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3·d_model]
         conv_state = None
@@ -113,6 +139,59 @@ class FastWeightMixer(nn.Module):
         gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, self.n_heads, self.head_dim)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(B, T, self.d_model)), FastWeightState(memory, conv_state)
+
+    def step(self, x: torch.Tensor, state: FastWeightState) -> Tuple[torch.Tensor, FastWeightState]:
+        """One decoding step: ``x [N, 1, d_model]`` and the state -> ``(y [N, 1, d_model], state)``.
+
+        The same function as :meth:`forward` with T = 1 (which calls it), in about 25
+        ops per layer: every projection of x is one matmul (the weights concatenated
+        once and cached until a parameter changes), the short convolution is its
+        window times the kernel, q and k are activated and normalized together, and
+        the state update is the op's one-token step (:meth:`memory_step`). The state
+        is checked here in Python (shape, dtype); the op's per-call checks (a NaN
+        scan per tensor) are left to the public ops.
+        """
+        name = type(self).__name__
+        N, D, H = x.shape[0], self.d_model, self.n_heads
+        if self.conv is not None:
+            self.conv.check_state(state.conv, N)
+        memory = state.memory
+        want = self.memory_shape(N)
+        if not isinstance(memory, torch.Tensor) or tuple(memory.shape) != want or memory.dtype != compute_dtype(x.dtype):
+            got = f"{list(memory.shape)} {memory.dtype}" if isinstance(memory, torch.Tensor) else type(memory).__name__
+            raise ValueError(
+                f"{name}: `state.memory` must have shape [N, H, K, V] = {list(want)} and dtype {compute_dtype(x.dtype)}, got {got}"
+            )
+        proj = F.linear(x[:, 0], self._step_weight())  # [N, 3D + gate + extra]
+        qkv = proj[:, : 3 * D]
+        conv_state = None
+        if self.conv is not None:
+            qkv, conv_state = self.conv.step(qkv, state.conv)
+        elif state.conv is not None:
+            raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
+        if self.activation is self.value_activation:
+            qkv = self.activation(qkv).view(N, 3, H, self.head_dim)
+        else:
+            qkv = torch.cat([self.activation(qkv[:, : 2 * D]), self.value_activation(qkv[:, 2 * D:])], dim=-1)
+            qkv = qkv.view(N, 3, H, self.head_dim)
+        gated = self.g_proj is not None
+        o, memory = self.memory_step(qkv[:, 0], qkv[:, 1], qkv[:, 2], proj[:, (4 if gated else 3) * D:], state.memory)
+        gate = proj[:, 3 * D: 4 * D].view(N, H, self.head_dim) if gated else None
+        o = self.o_norm(o.to(x.dtype), gate)
+        return F.linear(o.reshape(N, 1, D), self.o_proj.weight), FastWeightState(memory, conv_state)
+
+    def _step_weight(self) -> torch.Tensor:
+        """The weights of :meth:`step_projections` stacked ``[3D + ..., D]``; cached while no
+        parameter changes (an optimizer step or a load bumps its version) and no gradient is needed."""
+        weights = [lin.weight for lin in self.step_projections()]
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            return torch.cat(weights)
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+        cached = self.__dict__.get("_step_weight_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat(weights).detach())
+            self.__dict__["_step_weight_cache"] = cached
+        return cached[1]
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:

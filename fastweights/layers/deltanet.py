@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..ops import chunk_delta_rule, recurrent_delta_rule
+from ..ops.delta_rule.recurrent import delta_rule_step
+from ..ops.feature_maps import normalize_qk
 from .base import FastWeightMixer, write_strength
 
 
@@ -56,3 +58,16 @@ class DeltaNet(FastWeightMixer):
             q, k, v, beta, initial_state=initial_state, output_final_state=True,
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
         )
+
+    def step_projections(self) -> list:
+        return super().step_projections() + [self.b_proj]
+
+    def memory_step(self, q, k, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+        H = self.n_heads
+        beta = write_strength(extra[:, :H], self.allow_neg_eigval)
+        return delta_rule_step(*self.step_qkv(q, k, v, memory.dtype), beta.to(memory.dtype), None, memory, self.head_dim ** -0.5)
+
+    def step_qkv(self, q, k, v, dtype):
+        """q, k normalized together (``qk_norm``) and v, in the state's dtype, for :meth:`memory_step`."""
+        qk = normalize_qk(torch.stack([q, k]).to(dtype), self.qk_norm)
+        return qk[0], qk[1], v.to(dtype)

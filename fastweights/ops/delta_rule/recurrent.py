@@ -22,18 +22,31 @@ from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 
 
+def delta_rule_step(q, k, v, beta, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of the (gated) delta rule: ``q, k [..., K]``, ``v [..., V]``, ``beta [...]``,
+    ``g [...]`` or None, state ``h [..., K, V]`` -> ``(o [..., V], h')``.
+
+    :func:`delta_rule_recurrence` runs it token by token; a layer's decoding step
+    (``FastWeightMixer.step``) calls it directly on tensors it has already checked,
+    in the compute dtype (a batched matmul per product, no per-call checks).
+    """
+    if g is not None:
+        h = h * torch.exp(g)[..., None, None]
+    v_old = (k.unsqueeze(-2) @ h).squeeze(-2)  # hᵀ k: what the memory holds at k
+    h = torch.addcmul(h, k.unsqueeze(-1), (beta.unsqueeze(-1) * (v - v_old)).unsqueeze(-2))
+    return (q.unsqueeze(-2) @ h).squeeze(-2) * scale, h
+
+
 def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
     n, nh, t_len, dk = k.shape
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
     outputs = []
     for t in range(t_len):
-        k_t = k[:, :, t]
-        if g is not None:
-            h = h * torch.exp(g[:, :, t])[..., None, None]
-        v_old = torch.einsum("nhkv,nhk->nhv", h, k_t)  # what the memory holds at k_t
-        h = h + k_t[..., :, None] * (beta[:, :, t, None] * (v[:, :, t] - v_old))[..., None, :]
-        outputs.append(scale * torch.einsum("nhkv,nhk->nhv", h, q[:, :, t]))
+        o_t, h = delta_rule_step(
+            q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], None if g is None else g[:, :, t], h, scale
+        )
+        outputs.append(o_t)
     o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
     return o, h
 
