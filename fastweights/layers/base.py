@@ -90,21 +90,21 @@ class FastWeightMixer(nn.Module):
         raise NotImplementedError
 
     def memory_step(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, memory: torch.Tensor
+        self, qk: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, memory: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One decoding token of the op: ``q, k [N, H, K]``, ``v [N, H, V]`` (activated), ``extra
-        [N, ·]`` (the outputs of :meth:`step_projections` beyond q, k, v and the gate) and the
-        state ``[N, H, K, V]`` -> ``(o [N, H, V] in the compute dtype, new state)``."""
+        """One decoding token of the op: ``qk [N, 2, H, K]`` (q and k side by side), ``v [N, H, V]``
+        (activated), ``extra [N, ·]`` (the outputs of :meth:`step_projections` beyond q, k, v and
+        the gate) and the state ``[N, H, K, V]`` -> ``(o [N, H, V] in the compute dtype, new state)``."""
         raise NotImplementedError
 
     def memory_shape(self, n: int) -> Tuple[int, ...]:
         """The state's shape ``[N, H, K, V]`` for N sequences."""
         return (n, self.n_heads, self.head_dim, self.head_dim)
 
-    def step_projections(self) -> list:
-        """The linear maps of x that one decoding step needs, in the order of the fused matmul:
-        q, k, v, the output gate (if any), then a subclass's own (β, the decay)."""
-        return [self.q_proj, self.k_proj, self.v_proj] + ([] if self.g_proj is None else [self.g_proj])
+    def step_projections(self) -> Tuple[str, ...]:
+        """Names of the linear maps of x that one decoding step needs, in the order of the
+        fused matmul: q, k, v, the output gate (if any), then a subclass's own (β, the decay)."""
+        return ("q_proj", "k_proj", "v_proj") + (() if self.g_proj is None else ("g_proj",))
 
     # -- the shared skeleton ------------------------------------------------------------------
     def forward(
@@ -143,18 +143,23 @@ class FastWeightMixer(nn.Module):
     def step(self, x: torch.Tensor, state: FastWeightState) -> Tuple[torch.Tensor, FastWeightState]:
         """One decoding step: ``x [N, 1, d_model]`` and the state -> ``(y [N, 1, d_model], state)``.
 
-        The same function as :meth:`forward` with T = 1 (which calls it), in about 25
-        ops per layer: every projection of x is one matmul (the weights concatenated
-        once and cached until a parameter changes), the short convolution is its
-        window times the kernel, q and k are activated and normalized together, and
-        the state update is the op's one-token step (:meth:`memory_step`). The state
-        is checked here in Python (shape, dtype); the op's per-call checks (a NaN
-        scan per tensor) are left to the public ops.
+        The same function as :meth:`forward` with T = 1 (which calls it), in about 45
+        aten calls per layer (views included): every projection of x is one matmul
+        (weights concatenated and transposed once, cached until a parameter changes:
+        :meth:`_step_weights`), the short convolution is its window times the kernel,
+        q and k are activated and normalized together, and the state update is the
+        op's one-token step (:meth:`memory_step`). The state is checked here in Python
+        (shapes, dtype); the ops' per-call checks (a NaN scan per tensor) stay with the
+        public ops.
         """
         name = type(self).__name__
-        N, D, H = x.shape[0], self.d_model, self.n_heads
-        if self.conv is not None:
-            self.conv.check_state(state.conv, N)
+        N, D, H, K = x.shape[0], self.d_model, self.n_heads, self.head_dim
+        modules = self._modules  # (plain dict lookups: nn.Module.__getattr__ costs ~1 µs a call)
+        conv = modules.get("conv")
+        if conv is not None:
+            conv.check_state(state.conv, N)
+        elif state.conv is not None:
+            raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
         memory = state.memory
         want = self.memory_shape(N)
         if not isinstance(memory, torch.Tensor) or tuple(memory.shape) != want or memory.dtype != compute_dtype(x.dtype):
@@ -162,36 +167,52 @@ class FastWeightMixer(nn.Module):
             raise ValueError(
                 f"{name}: `state.memory` must have shape [N, H, K, V] = {list(want)} and dtype {compute_dtype(x.dtype)}, got {got}"
             )
-        proj = F.linear(x[:, 0], self._step_weight())  # [N, 3D + gate + extra]
-        qkv = proj[:, : 3 * D]
+        w_in, w_out, w_conv = self._step_weights()
+        proj = x.reshape(N, D) @ w_in  # [N, 3D + gate + extra]: q, k, v, then the rest
+        qkv, rest = proj[:, : 3 * D], proj[:, 3 * D:]
         conv_state = None
-        if self.conv is not None:
-            qkv, conv_state = self.conv.step(qkv, state.conv)
-        elif state.conv is not None:
-            raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
+        if conv is not None:
+            qkv, conv_state = conv.step(qkv, state.conv, w_conv)
         if self.activation is self.value_activation:
-            qkv = self.activation(qkv).view(N, 3, H, self.head_dim)
+            qkv = self.activation(qkv)
         else:
             qkv = torch.cat([self.activation(qkv[:, : 2 * D]), self.value_activation(qkv[:, 2 * D:])], dim=-1)
-            qkv = qkv.view(N, 3, H, self.head_dim)
-        gated = self.g_proj is not None
-        o, memory = self.memory_step(qkv[:, 0], qkv[:, 1], qkv[:, 2], proj[:, (4 if gated else 3) * D:], state.memory)
-        gate = proj[:, 3 * D: 4 * D].view(N, H, self.head_dim) if gated else None
-        o = self.o_norm(o.to(x.dtype), gate)
-        return F.linear(o.reshape(N, 1, D), self.o_proj.weight), FastWeightState(memory, conv_state)
+        qkv = qkv.view(N, 3, H, K)
+        gated = modules.get("g_proj") is not None
+        o, memory = self.memory_step(qkv[:, :2], qkv[:, 2], rest[:, D:] if gated else rest, memory)
+        o = modules["o_norm"].unit(o.to(x.dtype))  # the norm's weight is folded into w_out
+        if gated:
+            o = o * F.silu(rest[:, :D].view(N, H, K))
+        return (o.reshape(N, D).to(x.dtype) @ w_out).view(N, 1, D), FastWeightState(memory, conv_state)
 
-    def _step_weight(self) -> torch.Tensor:
-        """The weights of :meth:`step_projections` stacked ``[3D + ..., D]``; cached while no
-        parameter changes (an optimizer step or a load bumps its version) and no gradient is needed."""
-        weights = [lin.weight for lin in self.step_projections()]
-        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-            return torch.cat(weights)
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
-        cached = self.__dict__.get("_step_weight_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, torch.cat(weights).detach())
-            self.__dict__["_step_weight_cache"] = cached
+    def _step_weights(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(W_inᵀ [D, 3D + ...], (W_o diag(w))ᵀ [D, D], conv kernelᵀ [W, 3D] or None)`` for :meth:`step`.
+
+        W_in stacks the weights of :meth:`step_projections`; w is the output norm's weight
+        (per head, repeated over the H heads). Cached while the parameters are the same
+        tensors, unchanged (an optimizer step or a load bumps a tensor's version; ``.to()``
+        makes new ones) and no gradient is needed; with gradients they are built per call,
+        differentiably.
+        """
+        modules = self._modules
+        names = self.step_projections() + ("o_proj", "o_norm") + (() if modules.get("conv") is None else ("conv",))
+        params = [modules[n]._parameters["weight"] for n in names]
+        n_in = len(names) - (3 if modules.get("conv") is not None else 2)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return self._build_step_weights(params, n_in)
+        cached = self.__dict__.get("_step_weights_cache")
+        if cached is None or len(cached[0]) != len(params) or any(
+            p is not q or p._version != version or p.data_ptr() != ptr for p, (q, version, ptr) in zip(params, cached[0])
+        ):
+            weights = tuple(None if w is None else w.detach().contiguous() for w in self._build_step_weights(params, n_in))
+            cached = ([(p, p._version, p.data_ptr()) for p in params], weights)
+            self.__dict__["_step_weights_cache"] = cached
         return cached[1]
+
+    def _build_step_weights(self, params, n_in: int):
+        w_o, w_norm = params[n_in], params[n_in + 1]
+        w_conv = None if self._modules.get("conv") is None else params[-1].t()
+        return torch.cat(params[:n_in]).t(), (w_o * w_norm.repeat(self.n_heads)).t(), w_conv
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:

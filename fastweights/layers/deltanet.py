@@ -59,15 +59,14 @@ class DeltaNet(FastWeightMixer):
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
         )
 
-    def step_projections(self) -> list:
-        return super().step_projections() + [self.b_proj]
+    def step_projections(self):
+        return super().step_projections() + ("b_proj",)
 
-    def memory_step(self, q, k, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
-        H = self.n_heads
-        beta = write_strength(extra[:, :H], self.allow_neg_eigval)
-        return delta_rule_step(*self.step_qkv(q, k, v, memory.dtype), beta.to(memory.dtype), None, memory, self.head_dim ** -0.5)
+    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+        beta = write_strength(extra, self.allow_neg_eigval)  # extra is [N, H]: β's logits
+        return delta_rule_step(*self.step_qkv(qk, v, memory.dtype), beta.to(memory.dtype), None, memory, self.head_dim ** -0.5)
 
-    def step_qkv(self, q, k, v, dtype):
-        """q, k normalized together (``qk_norm``) and v, in the state's dtype, for :meth:`memory_step`."""
-        qk = normalize_qk(torch.stack([q, k]).to(dtype), self.qk_norm)
-        return qk[0], qk[1], v.to(dtype)
+    def step_qkv(self, qk, v, dtype):
+        """q, k (``qk [N, 2, H, K]``, normalized together by ``qk_norm``) and v in the state's dtype."""
+        qk = normalize_qk(qk.to(dtype), self.qk_norm)
+        return qk[:, 0], qk[:, 1], v.to(dtype)

@@ -61,11 +61,11 @@ class GatedDeltaNet(DeltaNet):
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
         )
 
-    def step_projections(self) -> list:
-        return super().step_projections() + [self.a_proj]
+    def step_projections(self):
+        return super().step_projections() + ("a_proj",)
 
-    def memory_step(self, q, k, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
         H, dt = self.n_heads, memory.dtype
         beta = write_strength(extra[:, :H], self.allow_neg_eigval).to(dt)
-        g = self.decay_from_projection(extra[:, H: 2 * H]).to(dt)
-        return delta_rule_step(*self.step_qkv(q, k, v, dt), beta, g, memory, self.head_dim ** -0.5)
+        g = self.decay_from_projection(extra[:, H:]).to(dt)
+        return delta_rule_step(*self.step_qkv(qk, v, dt), beta, g, memory, self.head_dim ** -0.5)

@@ -63,11 +63,11 @@ class LinearAttention(FastWeightMixer):
     def memory_shape(self, n: int):
         return (n, self.n_heads, self.feature_map.output_dim(self.head_dim), self.head_dim + int(self.normalize))
 
-    def memory_step(self, q, k, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
         dt = memory.dtype
-        qk = normalize_qk(self.feature_map(torch.stack([q, k]).to(dt)), self.qk_norm)
+        qk = normalize_qk(self.feature_map(qk.to(dt)), self.qk_norm)
         v = v.to(dt)
         if self.normalize:
             v = normalizer_column(v)
-        o, memory = linear_attn_step(qk[0], qk[1], v, None, memory, q.shape[-1] ** -0.5)
+        o, memory = linear_attn_step(qk[:, 0], qk[:, 1], v, None, memory, self.head_dim ** -0.5)
         return (divide_by_normalizer(o) if self.normalize else o), memory

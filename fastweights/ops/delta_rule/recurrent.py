@@ -30,11 +30,15 @@ def delta_rule_step(q, k, v, beta, g, h, scale) -> Tuple[torch.Tensor, torch.Ten
     (``FastWeightMixer.step``) calls it directly on tensors it has already checked,
     in the compute dtype (a batched matmul per product, no per-call checks).
     """
+    shape, (dk, dv) = h.shape, h.shape[-2:]
+    h = h.reshape(-1, dk, dv)
     if g is not None:
-        h = h * torch.exp(g)[..., None, None]
-    v_old = (k.unsqueeze(-2) @ h).squeeze(-2)  # hᵀ k: what the memory holds at k
-    h = torch.addcmul(h, k.unsqueeze(-1), (beta.unsqueeze(-1) * (v - v_old)).unsqueeze(-2))
-    return (q.unsqueeze(-2) @ h).squeeze(-2) * scale, h
+        h = h * torch.exp(g).reshape(-1, 1, 1)
+    k = k.reshape(-1, 1, dk)
+    u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − hᵀk)
+    h = torch.addcmul(h, k.transpose(1, 2), u)  # h + k uᵀ (broadcast: faster than a bmm of inner size 1)
+    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)
+    return o.view(shape[:-2] + (dv,)), h.view(shape)
 
 
 def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:

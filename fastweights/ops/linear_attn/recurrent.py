@@ -28,10 +28,13 @@ def linear_attn_step(q, k, v, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
     :func:`linear_attn_recurrence` runs it token by token; a layer's decoding step
     calls it directly on tensors it has already checked, in the compute dtype.
     """
+    shape, (dk, dv) = h.shape, h.shape[-2:]
+    h = h.reshape(-1, dk, dv)
     if g is not None:
-        h = h * torch.exp(g)[..., None, None]
-    h = torch.addcmul(h, k.unsqueeze(-1), v.unsqueeze(-2))  # write φ(k) vᵀ
-    return (q.unsqueeze(-2) @ h).squeeze(-2) * scale, h  # read hᵀ φ(q)
+        h = h * torch.exp(g).reshape(-1, 1, 1)
+    h = torch.addcmul(h, k.reshape(-1, dk, 1), v.reshape(-1, 1, dv))  # write φ(k) vᵀ
+    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)  # read hᵀ φ(q)
+    return o.view(shape[:-2] + (dv,)), h.view(shape)
 
 
 def linear_attn_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
