@@ -13,7 +13,7 @@ What it does, in one run so that the ratios are comparable:
 1. measures the device's ceilings: device-to-device copy (GB/s, bytes read +
    written) and a bf16 8192³ matmul (TFLOP/s);
 2. checks correctness on the GPU (``--check``, on by default): the Triton path
-   in bf16, fp16 and fp32 against the float64 recurrence, with DESIGN.md's rule
+   in bf16, fp16 and fp32 against the float64 recurrence, with the rule of docs/design.md
    (error at most 2× -- 3× for gradients -- that of the recurrent form run in
    the same precision; fp32 within 1e-4);
 3. times forward and forward+backward (``triton.testing.do_bench``, median ms)
@@ -242,7 +242,7 @@ def rel_err(a, b):
 
 
 def check(device, dtypes, shape):
-    """Triton vs the float64 recurrence; the low-precision rule of DESIGN.md."""
+    """Triton vs the float64 recurrence; the low-precision rule of docs/design.md."""
     B, T, H, D = shape
     rows = []
     for gated in (False, True):
@@ -332,7 +332,7 @@ def main(args):
             checks = check(device, [torch.float32, torch.float16], (1, 70, 1, 32))
         else:
             checks = check(device, [torch.bfloat16, torch.float16, torch.float32], (2, 256, 4, 128))
-        print("\ncorrectness against the float64 recurrence (DESIGN.md: 2x / 3x the recurrent form's error)")
+        print("\ncorrectness against the float64 recurrence (docs/design.md: 2x / 3x the recurrent form's error)")
         print(check_table(checks))
 
     dtype = torch.float32 if dry else torch.bfloat16

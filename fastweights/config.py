@@ -135,12 +135,20 @@ def _parse_value(raw: str, annotation: Any, name: str) -> Any:
     return raw
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: Type[Config], title: str) -> None:
-    """Add a ``--field-name VALUE`` flag for each field of ``cls`` (absent unless given)."""
+def add_config_arguments(
+    parser: argparse.ArgumentParser, cls: Type[Config], title: str, defaults: "Dict[str, Any] | None" = None
+) -> None:
+    """Add a ``--field-name VALUE`` flag for each field of ``cls`` (absent unless given).
+
+    The help shows each field's default; ``defaults`` names the ones a command sets
+    itself (a value, or a text such as ``"from the data"``), so the help tells the truth.
+    """
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
+    defaults = defaults or {}
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else "required"
+        default = defaults.get(f.name, default)
         hint = hints[f.name]
         kind = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
         about = f.metadata.get("help", "")

@@ -53,8 +53,21 @@ def _seq(rows: Sequence[Sequence[float]]) -> torch.Tensor:
     return t(rows)[None, :, None, :]
 
 
+# The seeds' little memories, shared by the examples below and by ``fastweights lab``.
+#: seed 002 §4.1: (key, value) of the two perpendicular writes and the overlapping third
+SEED_002_PAIRS = (((1, 0), (3, 1)), ((0, 1), (-2, 4)), ((0.8, 0.6), (0, -5)))
+#: seed 001 ch. 2-3: two orthogonal writes (W = [[5, 3], [2, 7]]) and the non-orthogonal third
+SEED_001_PAIRS = (((1, 0), (5, 2)), ((0, 1), (3, 7)), ((0.6, 0.8), (9, 1)))
+#: seed 001 ch. 4: the overwrite of k₁ with a new value at write strength β
+SEED_001_OVERWRITE = {"key": (1, 0), "value": (11, 4), "beta": 0.8}
+
+
 def write(rule: str, keys, values, beta=None, state=None, g=None) -> torch.Tensor:
-    """Write key-value pairs into a memory with the recurrent op; return the state ``[K, V]``."""
+    """Write key-value pairs into a memory with the recurrent op; return the state ``[K, V]``.
+
+    ``rule``: ``"sum"`` (with optional log-decays ``g``), ``"delta"`` (write strengths
+    ``beta``) or ``"gated_delta"`` (both).
+    """
     k, v = _seq(keys), _seq(values)
     h0 = None if state is None else state[None, None]
     if rule == "sum":
@@ -63,8 +76,11 @@ def write(rule: str, keys, values, beta=None, state=None, g=None) -> torch.Tenso
     elif rule == "delta":
         b = t(beta)[None, :, None]
         _, h = ops.recurrent_delta_rule(k, k, v, b, scale=1.0, initial_state=h0, output_final_state=True)
+    elif rule == "gated_delta":
+        b, gg = t(beta)[None, :, None], t(g)[None, :, None]
+        _, h = ops.recurrent_gated_delta_rule(k, k, v, gg, b, scale=1.0, initial_state=h0, output_final_state=True)
     else:
-        raise ValueError(rule)
+        raise ValueError(f"write: unknown `rule` {rule!r}; expected 'sum', 'delta' or 'gated_delta'")
     return h[0, 0]
 
 
@@ -79,7 +95,7 @@ def read(state: torch.Tensor, query) -> torch.Tensor:
 
 def seed_002() -> List[WorkedExample]:
     """Seed 002 §4.1, "Two writes and a read, with actual numbers" (here S is already keys × values)."""
-    k1, v1, k2, v2, k3, v3 = (1, 0), (3, 1), (0, 1), (-2, 4), (0.8, 0.6), (0, -5)
+    (k1, v1), (k2, v2), (k3, v3) = SEED_002_PAIRS
     s = write("sum", [k1, k2], [v1, v2])
     s3 = write("sum", [k3], [v3], state=s)
     return [
@@ -103,7 +119,7 @@ def seed_001() -> List[WorkedExample]:
         out.append(WorkedExample("001 ch. 1", f"o₃ = (4, 5) via {form.__name__}", o[0, 2, 0], t([4, 5])))
 
     # ch. 2: two orthogonal keys, exact recall and the 50/50 blend.
-    k1, v1, k2, v2 = (1, 0), (5, 2), (0, 1), (3, 7)
+    (k1, v1), (k2, v2), (k3, v3) = SEED_001_PAIRS
     w = write("sum", [k1, k2], [v1, v2])
     out += [
         WorkedExample("001 ch. 2", "W = [[5, 3], [2, 7]]", w.T, t([[5, 3], [2, 7]])),
@@ -114,7 +130,6 @@ def seed_001() -> List[WorkedExample]:
     ]
 
     # ch. 3: a third, non-orthogonal key: crosstalk.
-    k3, v3 = (0.6, 0.8), (9, 1)
     w3 = write("sum", [k3], [v3], state=w)
     out += [
         WorkedExample("001 ch. 3", "crosstalk: W k₃ = (14.4, 7.8), not (9, 1)", read(w3, k3), t([14.4, 7.8]), must_differ_from=t(v3)),
@@ -125,7 +140,8 @@ def seed_001() -> List[WorkedExample]:
     out.append(WorkedExample("001 ch. 3", "4th key in 3-D: k₁ read picks up 0.577·v₄", read(w4, (1, 0, 0)) - t([1, 0]), t([4, 4]) / math.sqrt(3)))
 
     # ch. 4: the delta rule overwrites k₁ cleanly; the sum rule adds.
-    wd = write("delta", [k1], [(11, 4)], beta=[0.8], state=w)
+    over = SEED_001_OVERWRITE
+    wd = write("delta", [over["key"]], [over["value"]], beta=[over["beta"]], state=w)
     out += [
         WorkedExample("001 ch. 4", "delta overwrite, β=0.8: W = [[9.8, 3], [3.6, 7]]", wd.T, t([[9.8, 3], [3.6, 7]])),
         WorkedExample("001 ch. 4", "after it, W k₂ = (3, 7) untouched", read(wd, k2), t(v2)),

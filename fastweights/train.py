@@ -17,6 +17,7 @@ on the whole batch (up to the order of float additions).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,9 +38,13 @@ from .config import Config
 from .models import LM, LMConfig
 from .tasks import IGNORE, AssociativeRecall, ByteText
 
-__all__ = ["TrainConfig", "train", "make_task", "evaluate", "TrainResult", "DTYPES"]
+__all__ = ["TrainConfig", "train", "make_task", "evaluate", "evaluate_tokens", "autocast", "TrainResult", "DTYPES",
+           "PRECISIONS"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# --precision: the autocast dtype of the forward pass (None: plain fp32). The weights, the
+# optimizer and the memories' states stay fp32; fp16 adds a gradient scaler.
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -58,11 +63,17 @@ class TrainConfig(Config):
             ``lr · min_lr_ratio`` at ``steps``.
         weight_decay: AdamW decay of the matrices (not of norms, biases, decay parameters).
         grad_clip: clip the global gradient norm (0: off).
-        eval_every, eval_batches: evaluate every N steps (and at the end) on this many batches.
+        eval_every: evaluate every N steps (and at the end); 0: only at the end.
+        eval_batches: (recall) how many batches each evaluation scores.
+        eval_tokens: (text) how many held-out tokens each evaluation scores, in consecutive
+            windows of ``seq_len`` from the start of the held-out text; 0: all of it.
+        val_data: a text file to evaluate on; ``None``: the last 10% of ``data`` is held out.
         save_every: write a checkpoint every N steps (and at the end); 0: only at the end.
         keep_checkpoints: how many of the newest checkpoints to keep.
         seed: seeds the initialization, the data order and the evaluation data.
-        dtype: ``"float32"`` or ``"float64"``.
+        dtype: ``"float32"`` or ``"float64"``: the weights' dtype.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: autocast of the forward pass (bf16 and
+            fp16 need ``dtype="float32"``; fp16 needs a CUDA device and uses a gradient scaler).
         threads: torch intra-op threads (0: leave torch's default).
     """
 
@@ -82,10 +93,13 @@ class TrainConfig(Config):
     grad_clip: float = 1.0
     eval_every: int = 100
     eval_batches: int = 4
+    eval_tokens: int = 32768
+    val_data: Optional[str] = None
     save_every: int = 200
     keep_checkpoints: int = 2
     seed: int = 0
     dtype: str = "float32"
+    precision: str = "fp32"
     threads: int = 0
 
     def __post_init__(self) -> None:
@@ -96,7 +110,7 @@ class TrainConfig(Config):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "save_every", "seed", "threads"):
+        for name in ("warmup_steps", "eval_every", "eval_tokens", "save_every", "seed", "threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig: `{name}` must be an int >= 0, got {value!r}")
@@ -106,6 +120,17 @@ class TrainConfig(Config):
                 raise ValueError(f"TrainConfig: `{name}` must be a finite number >= 0, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig: unknown `dtype` {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig: unknown `precision` {self.precision!r} (--precision); expected one of {', '.join(PRECISIONS)}")
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ValueError(
+                f"TrainConfig: `precision`={self.precision!r} (--precision {self.precision}) autocasts float32 weights; "
+                f"it cannot be combined with `dtype`={self.dtype!r} (autocast does not lower float64); use --dtype float32"
+            )
+        if self.val_data is not None and (not isinstance(self.val_data, str) or not self.val_data):
+            raise ValueError(f"TrainConfig: `val_data` must be a text file path or None, got {self.val_data!r}")
+        if self.val_data is not None and self.data == "recall":
+            raise ValueError("TrainConfig: `val_data` (--val-data) is a held-out text file; the recall task makes its own held-out data")
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -137,10 +162,11 @@ class TextData(ByteText):
 
 
 def make_task(config: TrainConfig):
-    """The data source of ``config.data``: recall, or a text file as bytes."""
+    """The data source of ``config.data``: recall, or a text file as bytes (held out: the
+    file ``config.val_data``, or the last 10% of ``config.data``)."""
     if config.data == "recall":
         return RecallData(config)
-    return TextData(config.data, config.seq_len)
+    return TextData(config.data, config.seq_len, val_source=config.val_data)
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
@@ -197,28 +223,91 @@ def make_optimizer(model: LM, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), foreach=False)
 
 
-def token_losses(model: LM, inputs: torch.Tensor, targets: torch.Tensor):
-    """(sum of token cross-entropies, logits) over targets that are not ``IGNORE``."""
-    logits, _ = model(inputs, return_cache=False)
+def check_precision(precision: str, device: torch.device) -> None:
+    """fp16 autocast is a CUDA feature here (on a CPU, bf16 is the low precision to use)."""
+    if precision == "fp16" and torch.device(device).type != "cuda":
+        raise ValueError(
+            f"`precision`='fp16' (--precision fp16) needs a CUDA device (fp16 autocast with a gradient scaler); "
+            f"this run is on {torch.device(device).type}: use --precision bf16 or fp32"
+        )
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward pass's context for ``precision``: nothing for fp32, else ``torch.autocast``."""
+    dtype = PRECISIONS[precision]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def token_losses(model: LM, inputs: torch.Tensor, targets: torch.Tensor, precision: str = "fp32"):
+    """(sum of token cross-entropies, logits) over targets that are not ``IGNORE``; the forward
+    pass runs under ``precision``'s autocast, the loss in fp32 (or the logits' wider dtype)."""
+    with autocast(precision, inputs.device):
+        logits, _ = model(inputs, return_cache=False)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
     return loss_sum, logits
 
 
+def _score(model, inputs, targets, precision, totals) -> None:
+    s, logits = token_losses(model, inputs, targets, precision)
+    keep = targets != IGNORE
+    totals[0] += float(s)
+    totals[1] += int(((logits.argmax(-1) == targets) & keep).sum())
+    totals[2] += int(keep.sum())
+
+
 @torch.no_grad()
-def evaluate(model: LM, task, config: TrainConfig, batches: Optional[int] = None) -> Dict[str, float]:
-    """Loss and next-token accuracy on held-out data (the same batches at every call)."""
+def evaluate_tokens(
+    model: LM, tokens: torch.Tensor, seq_len: int, batch_size: int, precision: str = "fp32", max_tokens: int = 0,
+) -> Dict[str, float]:
+    """Next-token loss over a token stream, every token scored once.
+
+    ``tokens [N]`` is cut into consecutive windows of ``seq_len + 1`` tokens that overlap by
+    one (window i reads tokens ``[i·L, (i+1)·L)`` and predicts ``[i·L + 1, (i+1)·L]``), so
+    each of the ``N − 1`` predicted tokens is scored exactly once, with the context of its
+    own window; the last window may be shorter. ``max_tokens`` > 0 scores only the first
+    that many predictions.
+
+    Returns ``{"loss": mean nats per token, "accuracy", "tokens": how many were scored}``.
+    """
+    n = len(tokens) - 1 if not max_tokens else min(len(tokens) - 1, max_tokens)
+    if n < 1:
+        raise ValueError(f"evaluate_tokens: the data has {len(tokens)} token(s); at least 2 are needed to score one prediction")
     was_training = model.training
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    device = next(model.parameters()).device
+    tokens = tokens.to(device=device, dtype=torch.long)
+    full = n // seq_len
+    totals = [0.0, 0, 0]
+    windows_in, windows_out = tokens[:full * seq_len].view(full, seq_len), tokens[1:full * seq_len + 1].view(full, seq_len)
+    for i in range(0, full, batch_size):
+        _score(model, windows_in[i:i + batch_size], windows_out[i:i + batch_size], precision, totals)
+    if n > full * seq_len:  # the last, shorter window
+        a = full * seq_len
+        _score(model, tokens[a:n][None], tokens[a + 1:n + 1][None], precision, totals)
+    model.train(was_training)
+    return {"loss": totals[0] / totals[2], "accuracy": totals[1] / totals[2], "tokens": totals[2]}
+
+
+@torch.no_grad()
+def evaluate(model: LM, task, config: TrainConfig, batches: Optional[int] = None) -> Dict[str, float]:
+    """Loss and next-token accuracy on held-out data (the same data at every call).
+
+    Text: the first ``eval_tokens`` tokens of the held-out text, every one scored once
+    (:func:`evaluate_tokens`), also as bits per byte. Recall: ``eval_batches`` batches.
+    """
+    if isinstance(task, ByteText):
+        r = evaluate_tokens(model, task.val, config.seq_len, config.batch_size, config.precision, config.eval_tokens)
+        return {"eval_loss": r["loss"], "eval_accuracy": r["accuracy"], "eval_bpb": r["loss"] / math.log(2),
+                "eval_tokens": r["tokens"]}
+    was_training = model.training
+    model.eval()
+    totals = [0.0, 0, 0]
     for i in range(batches or config.eval_batches):
         inputs, targets = task.sample(config.batch_size, step_generator(config.seed, i, stream=1), split="val")
-        s, logits = token_losses(model, inputs, targets)
-        keep = targets != IGNORE
-        loss_sum += float(s)
-        correct += int(((logits.argmax(-1) == targets) & keep).sum())
-        count += int(keep.sum())
+        _score(model, inputs, targets, config.precision, totals)
     model.train(was_training)
-    return {"eval_loss": loss_sum / max(count, 1), "eval_accuracy": correct / max(count, 1)}
+    return {"eval_loss": totals[0] / max(totals[2], 1), "eval_accuracy": totals[1] / max(totals[2], 1)}
 
 
 @dataclass
@@ -295,12 +384,16 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
             f"train: the model's `vocab_size`={model_config.vocab_size} does not match the data's "
             f"vocabulary of {task.vocab_size} tokens ({config.data})"
         )
-    if model_config.max_seq_len < task.seq_len:
+    if "softmax" in model_config.mixers and model_config.max_seq_len < task.seq_len:
         raise ValueError(f"train: `max_seq_len`={model_config.max_seq_len} is shorter than the data's sequences ({task.seq_len} tokens)")
     dtype = DTYPES[config.dtype]
     torch.manual_seed(config.seed)
     model = LM(model_config).to(dtype)
+    device = next(model.parameters()).device
+    check_precision(config.precision, device)
     optimizer = make_optimizer(model, config)
+    # fp16 gradients can underflow: scale the loss up, unscale before clipping (a no-op otherwise)
+    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
     start, history, evals = 0, [], []
 
     if resume:
@@ -327,40 +420,50 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     model.train()
     t0 = time.perf_counter()
     seconds_before = history[-1]["seconds"] if history else 0.0
+    step_seconds = 0.0  # time in training steps since this process started (evaluations excluded)
     for step in range(start, config.steps):
+        step_t0 = time.perf_counter()
         lr = learning_rate(config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = task.sample(config.batch_size, step_generator(config.seed, step))
         inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
-        loss_sum, _ = token_losses(model, inputs, targets)
+        loss_sum, _ = token_losses(model, inputs, targets, config.precision)
         counts = torch.tensor([float(loss_sum.detach()), float((targets != IGNORE).sum())], dtype=torch.float64)
         _all_reduce_([counts])
-        (loss_sum / counts[1].to(loss_sum.dtype)).backward()
+        scaler.scale(loss_sum / counts[1].to(loss_sum.dtype)).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         _all_reduce_(grads)
+        scaler.unscale_(optimizer)
         if config.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip, foreach=False)
-        optimizer.step()
+        scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        step_seconds += time.perf_counter() - step_t0
 
         loss = float(counts[0] / counts[1])
         if not math.isfinite(loss):
             raise FloatingPointError(f"train: the loss became {loss} at step {step + 1}; lower `lr`")
         elapsed = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss, "lr": lr, "seconds": seconds_before + elapsed}
+        tok_s = tokens_per_step * (step + 1 - start) / max(step_seconds, 1e-9)
+        # seconds: wall time since the run began (resumes included); tok_s: training tokens
+        # per second of step time since this process started
+        record = {"step": step + 1, "loss": loss, "lr": lr, "seconds": seconds_before + elapsed, "tok_s": round(tok_s, 1)}
         history.append(record)
         if rank == 0:
             _write_metrics(out_dir, record)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step * (step + 1 - start) / max(elapsed, 1e-9):,.0f}")
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
 
         last = step + 1 == config.steps
         if rank == 0 and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
             result = {"step": step + 1, **evaluate(model, task, config)}
             evals.append(result)
             _write_metrics(out_dir, result)
-            message = f"step {step + 1}: loss {loss:.4f}, eval loss {result['eval_loss']:.4f}, eval accuracy {result['eval_accuracy']:.3f}"
+            message = (f"step {step + 1}: loss {loss:.4f}, eval loss {result['eval_loss']:.4f}"
+                       + (f" ({result['eval_bpb']:.3f} bits/byte)" if "eval_bpb" in result else "")
+                       + f", eval accuracy {result['eval_accuracy']:.3f}, {tok_s:,.0f} tok/s, {record['seconds']:.1f} s")
             if bar.disable:
                 log(message)
             else:

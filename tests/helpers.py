@@ -102,3 +102,22 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
     return err
+
+
+def saved_by_function(monkeypatch, fn):
+    """Bytes every ``autograd.Function`` passes to ``ctx.save_for_backward`` while ``fn`` runs.
+
+    Counts what the Function asks to keep, whatever the grad mode (under
+    ``no_grad`` autograd's saved-tensor hooks never see it).
+    """
+    seen = []
+    original = torch.autograd.function.FunctionCtx.save_for_backward
+
+    def spy(ctx, *tensors):
+        seen.extend(t.untyped_storage().nbytes() for t in tensors if t is not None)
+        return original(ctx, *tensors)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.autograd.function.FunctionCtx, "save_for_backward", spy)
+        fn()
+    return sum(seen)

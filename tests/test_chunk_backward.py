@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from helpers import RULES, assert_close, call, make_inputs
+from helpers import RULES, assert_close, call, make_inputs, saved_by_function
 from fastweights import ops
 from fastweights.ops.delta_rule.chunk import ChunkDeltaRuleFunction
 from fastweights.ops.delta_rule.textbook import textbook_chunk_delta_rule
@@ -108,7 +108,7 @@ def test_gradcheck_delta_function(gated):
     g = x["g"] if gated else None
 
     def fn(q, k, v, beta, g, h0):
-        return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, 0.7, 3)  # T = 7: chunks of 3, 3, 1
+        return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, 0.7, 3, True)  # T = 7: chunks of 3, 3, 1
 
     args = (x["q"], x["k"], x["v"], x["beta"], g, x["initial_state"])
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-8, rtol=1e-6)
@@ -129,7 +129,7 @@ def test_gradcheck_linear_function(gated):
 def test_double_backward_is_refused():
     """Documented: the hand-written backward is once-differentiable."""
     x = _tiny("delta", seed=30)
-    o, _ = ChunkDeltaRuleFunction.apply(x["q"], x["k"], x["v"], x["beta"], None, None, 0.7, 3)
+    o, _ = ChunkDeltaRuleFunction.apply(x["q"], x["k"], x["v"], x["beta"], None, None, 0.7, 3, True)
     (gq,) = torch.autograd.grad(o.sum(), x["q"], create_graph=True)
     with pytest.raises(RuntimeError):
         gq.sum().backward()
@@ -165,6 +165,21 @@ def test_backward_saves_only_inputs_states_and_ut_terms(rule_name):
         textbook = saved_bytes(lambda: textbook_chunk_delta_rule(**x, output_final_state=True, chunk_size=C))
         print(f"textbook autograd path keeps {textbook / 2**20:.2f} MiB ({textbook / saved:.0f}x)")
         assert textbook > 8 * saved
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])
+def test_inference_keeps_nothing_for_a_backward(rule_name, mode, monkeypatch):
+    """Inputs that require grad, run under no_grad / inference_mode: the chunk Function keeps nothing."""
+    rule = RULES[rule_name]
+    x = make_inputs(rule, 1, 130, 2, 16, 8, dtype=torch.float32, initial_state=True)
+    x = {n: t.float().requires_grad_(True) for n, t in x.items()}
+    run = lambda: call(rule.forms[2], rule, x, output_final_state=True, backend="torch")  # noqa: E731
+    with getattr(torch, mode)():
+        kept = saved_by_function(monkeypatch, run)
+    trained = saved_by_function(monkeypatch, run)
+    print(f"{rule_name} {mode}: kept {kept} B (with grad: {trained} B)")
+    assert trained > 0 and kept == 0
 
 
 def test_textbook_baseline_equals_the_recurrence():

@@ -1,6 +1,6 @@
 """Every form of every rule equals its recurrent form in float64.
 
-Outputs and final states agree to ≤ 1e-10 relative (DESIGN.md: equal forms
+Outputs and final states agree to ≤ 1e-10 relative (docs/design.md: equal forms
 agree to ~1e-12), on awkward shapes: T ∈ {1, 63, 100, 257}, K ≠ V, K = 60,
 B > 1, chunk sizes 16/32/64, with and without an initial state; packed
 ``cu_seqlens`` equals running each sequence alone; a sequence split in two

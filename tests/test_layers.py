@@ -18,7 +18,8 @@ D_MODEL, HEADS = 60, 3  # head size 20: not a power of two
 TOL = 1e-10
 
 VARIANTS = {
-    "softmax": lambda: SoftmaxAttention(D_MODEL, HEADS),
+    "softmax": lambda: SoftmaxAttention(D_MODEL, HEADS),  # RoPE on (the default)
+    "softmax-nope": lambda: SoftmaxAttention(D_MODEL, HEADS, rope_theta=None),
     "linear-elu-norm": lambda: LinearAttention(D_MODEL, HEADS, feature_map="elu", normalize=True, chunk_size=8),
     "linear-dpfp-conv": lambda: LinearAttention(D_MODEL, HEADS, feature_map="dpfp", normalize=True, qk_norm="sum",
                                                 use_short_conv=True, chunk_size=8),
@@ -144,7 +145,7 @@ def test_decode_step_uses_the_recurrent_ops_step(monkeypatch):
     assert calls == ["chunk", "step"]
 
 
-@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "softmax"])
+@pytest.mark.parametrize("name", [n for n in VARIANTS if not n.startswith("softmax")])
 @pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
 def test_fused_step_equals_the_recurrent_op_path(name, batch):
     """The fused decoding step (``layer.step``) against the layer's general path with the

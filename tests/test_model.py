@@ -147,11 +147,21 @@ def test_unknown_config_keys(tmp_path):
 
 
 def test_prompt_longer_than_the_model_allows():
-    model = LM(LMConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=2, max_seq_len=16))
+    """``max_seq_len`` caps models with a softmax layer (a hybrid included)..."""
+    model = LM(LMConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, mixer=["deltanet", "softmax"]))
     with pytest.raises(ValueError, match=r"the prompt has 17 tokens, more than the model allows \(`max_seq_len`=16\)"):
         model.generate(torch.zeros(1, 17, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="more than `max_seq_len`=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("mixer", ["linear", "deltanet", "gated_deltanet"])
+def test_max_seq_len_does_not_cap_fast_weight_models(mixer):
+    """...but not a model whose every layer has a fixed-size state."""
+    model = LM(LMConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, mixer=mixer))
+    logits, cache = model(torch.zeros(1, 40, dtype=torch.long))
+    out = model.generate(torch.zeros(1, 40, dtype=torch.long), 3)
+    assert logits.shape == (1, 40, 10) and cache.length == 40 and out.shape == (1, 43)
 
 
 def test_token_ids_outside_the_vocabulary():

@@ -1,4 +1,4 @@
-"""bf16 / fp16 inputs: the chunk forms meet DESIGN.md's 2× / 3× rule.
+"""bf16 / fp16 inputs: the chunk forms meet docs/design.md's 2× / 3× rule.
 
 Inputs are drawn in float64 and rounded to the low precision once; the ground
 truth is the recurrent form run in float64 on those same rounded inputs. The

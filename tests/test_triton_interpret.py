@@ -7,7 +7,7 @@ when triton is not installed (``pip install 'fastweights[triton]'``).
 
 - fp32: outputs, final states and all gradients (dq, dk, dv, dβ, dg, dh0) within
   1e-5 relative of the float64 recurrence;
-- fp16: DESIGN.md's rule, error at most 2× (3× for gradients) the error of the
+- fp16: the rule of docs/design.md, error at most 2× (3× for gradients) the error of the
   plain recurrent form run in fp16; bf16 is left to the GPU (the interpreter's
   bf16 ``tl.dot`` is wrong);
 - awkward shapes: T = 70 and 130 (not multiples of 64), K = V = 32, K ≠ V (48/80),
@@ -212,3 +212,71 @@ def test_gpu_benchmark_dry_run(tmp_path):
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
     assert out.exists() and '"rows"' in out.read_text()
+
+
+# id: how the cotangents of o and h_T are laid out (all hold the same values' layout semantics)
+LAYOUTS = {
+    "stride0": lambda shape, gen: torch.randn((), generator=gen, dtype=torch.float64).expand(shape),
+    "transposed": lambda shape, gen: torch.randn(shape[:-2] + shape[-2:][::-1], generator=gen,
+                                                 dtype=torch.float64).transpose(-1, -2),
+    "sliced": lambda shape, gen: torch.randn(shape[:-1] + (2 * shape[-1],), generator=gen, dtype=torch.float64)[..., ::2],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_cotangents_in_any_layout(layout):
+    """``loss = o.sum() + h_T.sum()`` hands the backward stride-0 cotangents; transposed and
+    sliced ones come from other losses. The kernels index densely, so each must be made contiguous."""
+    rule = RULES["gated_delta"]
+    case = (2, 70, 2, 16, 16, None, True)
+    grads = {}
+    for form, dtype in ((rule.reference, torch.float64), (_triton(rule), torch.float32)):
+        x, _ = _inputs(rule, case, dtype)
+        o, h = call(form, rule, x, output_final_state=True)
+        gen = torch.Generator().manual_seed(7)
+        do, dh = (LAYOUTS[layout](tuple(t.shape), gen) for t in (o, h))
+        assert not (do.is_contiguous() or dh.is_contiguous())
+        grads[dtype] = torch.autograd.grad((o, h), list(x.values()), (do.to(o.dtype), dh.to(h.dtype)))
+    for name, got, want in zip(x, grads[torch.float32], grads[torch.float64]):
+        assert_close(f"d{name}", got, want, FP32_TOL)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_inference_keeps_nothing_for_a_backward(mode, monkeypatch):
+    """Inputs that require grad, under no_grad / inference_mode: the Triton Function keeps nothing
+    and the state kernel does not write the per-chunk states."""
+    from fastweights.ops.triton import chunk as triton_chunk
+    from helpers import saved_by_function
+
+    rule = RULES["gated_delta"]
+    x, _ = _inputs(rule, (1, 70, 1, 16, 16, None, True), torch.float32)
+    flags = []
+    forward = triton_chunk.chunk_fwd
+    monkeypatch.setattr(triton_chunk, "chunk_fwd", lambda *a: flags.append(a[-1]) or forward(*a))
+    run = lambda: call(_triton(rule), rule, x, output_final_state=True)  # noqa: E731
+    with getattr(torch, mode)():
+        kept = saved_by_function(monkeypatch, run)
+    trained = saved_by_function(monkeypatch, run)
+    print(f"{mode}: kept {kept} B, states saved: {flags[0]} (with grad: {trained} B, {flags[1]})")
+    assert (kept, flags[0]) == (0, False) and trained > 0 and flags[1] is True
+
+
+def test_large_batches_fit_the_grid_and_int64_offsets():
+    """N·H (and the decode step's B·H) goes on grid axis 0 (CUDA: 2³¹ − 1; axes 1, 2: 65,535), and
+    state offsets (index · K · V) are computed in int64: index 40,000 at K = V = 256 is 2.6e9 > 2³¹."""
+    import triton
+    import triton.language as tl
+
+    from fastweights.ops.triton.chunk import sequential_grid
+    from fastweights.ops.triton.decode import step_grid
+
+    for grid in (sequential_grid(8192, 16, 128, 64), step_grid(8192, 16, 128, 32)):
+        assert grid[0] == 8192 * 16 and all(n <= 65_535 for n in grid[1:]), grid
+
+    @triton.jit
+    def offsets(out, BASE: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+        tl.store(out + tl.program_id(0), _chunk_kernels._state_offset(tl.program_id(0) + BASE, K, V))
+
+    out = torch.zeros(2, dtype=torch.int64)
+    offsets[(2,)](out, BASE=40_000, K=256, V=256)
+    assert out.tolist() == [40_000 * 65_536, 40_001 * 65_536]

@@ -10,6 +10,8 @@ Examples::
 
     fastweights train --out runs/recall --mixer deltanet --steps 600
     fastweights train --out runs/text --data notes.txt --seq-len 128 --mixer gated_deltanet
+    fastweights train --out runs/text --data notes.txt --val-data held_out.txt --precision bf16
+    fastweights train --out runs/hybrid --data notes.txt --mixer '["deltanet", "softmax"]' --eval-tokens 20000
     fastweights train --out runs/recall --resume                  # after a crash or kill
     torchrun --nproc_per_node=2 -m fastweights.cli train --out runs/ddp --steps 100
 """
@@ -24,7 +26,9 @@ from ..config import add_config_arguments, overrides_from_args
 # Model defaults of the command line (LMConfig's own defaults are for a larger model).
 MODEL_DEFAULTS = {"d_model": 64, "n_layers": 2, "n_heads": 2, "mixer": "deltanet"}
 # Fields of TrainConfig that may change when a run is resumed.
-RESUMABLE = ("steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "threads")
+RESUMABLE = ("steps", "eval_every", "eval_batches", "eval_tokens", "save_every", "keep_checkpoints", "threads")
+# What the help shows for the model fields this command fills in itself.
+MODEL_HELP_DEFAULTS = {**MODEL_DEFAULTS, "vocab_size": "from the data (256 for text)", "max_seq_len": "max(seq_len, 64)"}
 
 
 def add_parser(sub) -> None:
@@ -38,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress bar (auto: on a terminal and not under CI)")
-    add_config_arguments(p, LMConfig, "model (LMConfig)")
+    add_config_arguments(p, LMConfig, "model (LMConfig)", MODEL_HELP_DEFAULTS)
     add_config_arguments(p, TrainConfig, "training (TrainConfig)")
     p.set_defaults(func=run)
 

@@ -1,12 +1,15 @@
 """Token mixers as nn.Modules: thin shells of projections, convolution, norms and gates
-around :mod:`fastweights.ops` (DESIGN.md: layers never re-implement a recurrence).
+around :mod:`fastweights.ops` (docs/design.md: layers never re-implement a recurrence).
 
 Every mixer has one interface::
 
-    y, state = layer(x, state=None, cu_seqlens=None)     x, y: [B, T, d_model]
+    y, state = layer(x, state=None, cu_seqlens=None, attention_mask=None)     x, y: [B, T, d_model]
 
 Prefill (T tokens, no state or a state) runs the chunk form of the op; a call with
-T = 1 and a state is one decoding step through the recurrent form.
+T = 1 and a state is one decoding step through the recurrent form. ``cu_seqlens``
+packs N sequences into one row (B = 1); ``attention_mask [B, T]`` (0 = padding)
+runs only the real tokens of each row, as packed sequences, so a pad never touches
+a memory, a convolution or a KV cache, and each row gives what it gives alone.
 
 =====================  ================================  =========================
 layer                  op                                 state

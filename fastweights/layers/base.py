@@ -29,7 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops._checks import compute_dtype
-from .common import FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, get_activation
+from .common import (
+    FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, forward_with_mask, get_activation,
+)
 
 
 class FastWeightMixer(nn.Module):
@@ -112,17 +114,23 @@ class FastWeightMixer(nn.Module):
         x: torch.Tensor,
         state: Optional[FastWeightState] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, FastWeightState]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``.
 
         ``state`` is the :class:`FastWeightState` returned by the previous call (N = B,
         or the number of sequences in ``cu_seqlens``). A call with T = 1 and a state
-        is one decoding step and uses the recurrent op; anything else uses the chunk op.
+        is one decoding step (:meth:`step`, the recurrent form's update fused); anything else uses the chunk op.
+        ``attention_mask [B, T]`` (0 = padding, e.g. a left-padded batch) runs the real
+        tokens only: a pad neither writes to nor decays the memory, nor enters the
+        convolution, and its output is 0.
         """
         name = type(self).__name__
-        check_layer_input(name, x, self.d_model, cu_seqlens)
+        mask = check_layer_input(name, x, self.d_model, cu_seqlens, attention_mask)
         if state is not None and not isinstance(state, FastWeightState):
             raise TypeError(f"{name}: `state` must be a FastWeightState (as returned by this layer), got {type(state).__name__}")
+        if mask is not None:
+            return forward_with_mask(self, x, state, mask)
         if state is not None and x.shape[1] == 1 and cu_seqlens is None:
             return self.step(x, state)
         B, T, _ = x.shape

@@ -22,7 +22,8 @@ from ..ops import EluPlusOne, Identity, ReLU
 
 __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
-    "get_activation", "check_layer_input", "sequence_positions",
+    "get_activation", "check_layer_input", "sequence_positions", "rotary_embedding",
+    "check_rope_theta", "check_attention_mask", "pack_rows", "unpack_rows", "forward_with_mask",
 ]
 
 
@@ -64,6 +65,93 @@ def sequence_positions(
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), cu[1:] - cu[:-1])
     pos = torch.arange(length, device=device) - cu[seq]
     return seq[None], pos[None]
+
+
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE (Su et al. 2021): rotate each pair ``(x[i], x[i + D/2])`` by ``positions · θ^(−2i/D)``.
+
+    ``x [B, T, H, D]`` (D even), ``positions [B, T]`` (token index within its sequence,
+    counted from its first real token) -> ``x`` rotated, in its dtype (the angles and
+    the rotation are computed in fp32, or fp64 for fp64 inputs). Since rotations
+    compose, ``q_t·k_τ`` after rotation depends on ``t − τ`` only: scores see relative
+    positions, and a cached key never needs rotating again.
+    """
+    half = x.shape[-1] // 2
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=dt) / half)  # θ^(−2i/D), [D/2]
+    angles = positions.to(dt)[..., None] * inv_freq                              # [B, T, D/2]
+    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]                 # [B, T, 1, D/2]
+    x1, x2 = x[..., :half].to(dt), x[..., half:].to(dt)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def check_rope_theta(owner: str, rope_theta, head_dim: int) -> Optional[float]:
+    """A positive RoPE base θ (as float), or ``None`` (NoPE); RoPE needs an even head size."""
+    if rope_theta is None:
+        return None
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0 or rope_theta == float("inf"):
+        raise ValueError(f"{owner}: `rope_theta` must be a positive number, or None for no positional encoding (NoPE); got {rope_theta!r}")
+    if head_dim % 2:
+        raise ValueError(f"{owner}: RoPE rotates pairs of channels, so the head size must be even; got head size {head_dim} "
+                         f"(set `rope_theta`=None for NoPE, or change `d_model`/`n_heads`)")
+    return float(rope_theta)
+
+
+# -- padding masks ----------------------------------------------------------------------------
+#
+# A padded batch is run as the packed batch of its real tokens: ``pack_rows`` gathers
+# them into ``[1, n, ...]`` with ``cu_seqlens`` marking the rows, the layer runs its
+# varlen path (each row is its own sequence: the fast-weight ops never see a pad, so a
+# pad writes nothing and decays nothing; the short convolution and softmax attention
+# never read one), and ``unpack_rows`` puts the outputs back with zeros at the pads.
+# Row b of the result is therefore what row b alone gives, whatever the other rows hold.
+
+
+def check_attention_mask(owner: str, attention_mask, batch: int, length: int) -> Optional[torch.Tensor]:
+    """``attention_mask [B, T]`` (1/True: a real token, 0/False: padding) -> a bool mask, or
+    ``None`` when every token is real (then the plain path runs, with no packing).
+
+    Raises a ValueError/TypeError naming ``attention_mask`` for a wrong type or shape, or
+    for a row with no real token.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"{owner}: `attention_mask` must be a tensor of shape [B, T] = [{batch}, {length}], got {type(attention_mask).__name__}")
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise TypeError(f"{owner}: `attention_mask` must be a bool or integer tensor of 0/1, got dtype {attention_mask.dtype}")
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"{owner}: `attention_mask` must have shape [B, T] = [{batch}, {length}], got {list(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    if bool(mask.all()):
+        return None
+    empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"{owner}: `attention_mask` row(s) {empty} hold no real token; every row needs at least one")
+    return mask
+
+
+def pack_rows(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, T, ...]``, ``mask [B, T]`` bool -> (the real tokens ``[1, n, ...]`` row after row,
+    ``cu_seqlens [B + 1]`` int64 with row b at ``[cu[b], cu[b+1])``)."""
+    lengths = mask.sum(dim=1)
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return x[mask].unsqueeze(0), cu_seqlens
+
+
+def unpack_rows(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_rows`: ``[1, n, ...]`` -> ``[B, T, ...]`` with zeros at the pads."""
+    out = y.new_zeros(mask.shape + y.shape[2:])
+    out[mask] = y[0]
+    return out
+
+
+def forward_with_mask(forward: Callable, x: torch.Tensor, state, mask: torch.Tensor):
+    """``forward(x, state, cu_seqlens) -> (y, state)`` run on the real tokens of ``x`` only
+    (see the note above :func:`check_attention_mask`); returns ``(y [B, T, ...], state)``."""
+    packed, cu_seqlens = pack_rows(x, mask)
+    y, state = forward(packed, state, cu_seqlens)
+    return unpack_rows(y, mask), state
 
 
 class ShortConvolution(nn.Module):
@@ -177,8 +265,11 @@ def get_activation(name: str, owner: str) -> Callable[[torch.Tensor], torch.Tens
     return ACTIVATIONS[name]
 
 
-def check_layer_input(owner: str, x, d_model: int, cu_seqlens: Optional[torch.Tensor]) -> None:
-    """``x`` must be a float ``[B, T, d_model]`` tensor; ``cu_seqlens`` requires B = 1."""
+def check_layer_input(
+    owner: str, x, d_model: int, cu_seqlens: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """``x`` must be a float ``[B, T, d_model]`` tensor; ``cu_seqlens`` requires B = 1 and
+    excludes ``attention_mask``. Returns the checked mask (see :func:`check_attention_mask`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{owner}: `x` must be a torch.Tensor of shape [B, T, d_model], got {type(x).__name__}")
     if not x.is_floating_point():
@@ -187,3 +278,6 @@ def check_layer_input(owner: str, x, d_model: int, cu_seqlens: Optional[torch.Te
         raise ValueError(f"{owner}: `x` must have shape [B, T, d_model={d_model}], got {list(x.shape)}")
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"{owner}: `cu_seqlens` requires batch size 1 (sequences packed along T), got {x.shape[0]}")
+    if cu_seqlens is not None and attention_mask is not None:
+        raise ValueError(f"{owner}: give `cu_seqlens` (packed rows) or `attention_mask` (padded rows), not both")
+    return check_attention_mask(owner, attention_mask, x.shape[0], x.shape[1])

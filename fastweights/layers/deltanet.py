@@ -57,6 +57,7 @@ class DeltaNet(FastWeightMixer):
         return op(
             q, k, v, beta, initial_state=initial_state, output_final_state=True,
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+            allow_neg_eigval=self.allow_neg_eigval,
         )
 
     def step_projections(self):

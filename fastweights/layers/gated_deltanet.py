@@ -59,6 +59,7 @@ class GatedDeltaNet(DeltaNet):
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+            allow_neg_eigval=self.allow_neg_eigval,
         )
 
     def step_projections(self):

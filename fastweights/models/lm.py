@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..layers import MIXERS, RMSNorm
+from ..layers.common import check_attention_mask, check_rope_theta, pack_rows, unpack_rows
+from ..ops._checks import check_cu_seqlens
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
 
@@ -47,7 +49,10 @@ class LMConfig(Config):
         vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
         mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, or
             a list with one of these per layer (a hybrid).
-        max_seq_len: the longest input (prompt) one call accepts.
+        max_seq_len: the longest input (prompt) one call accepts, for models with a softmax
+            layer (its KV cache grows with the context); models without one take any length.
+        rope_theta: RoPE base θ of the softmax layers (rotary position embeddings, on by
+            default); ``None`` means no positional encoding (NoPE).
         mlp_hidden: SwiGLU hidden size; ``None`` means 8/3·d_model rounded up to a multiple of 8.
         tie_embeddings: share the input embedding and the output projection.
         use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
@@ -58,6 +63,8 @@ class LMConfig(Config):
         feature_map, normalize: linear attention's φ and normalizer.
         chunk_size: C of the chunk ops used for training and prefill.
         norm_eps: RMSNorm epsilon; init_std: std of the normal weight init.
+        gradient_checkpointing: in training, keep only each block's input and recompute
+            the block in the backward pass (less activation memory, one more forward).
     """
 
     vocab_size: int
@@ -66,6 +73,7 @@ class LMConfig(Config):
     n_heads: int
     mixer: Union[str, List[str]] = "deltanet"
     max_seq_len: int = 1024
+    rope_theta: Optional[float] = 10000.0
     mlp_hidden: Optional[int] = None
     tie_embeddings: bool = True
     use_short_conv: bool = True
@@ -79,6 +87,7 @@ class LMConfig(Config):
     chunk_size: int = 64
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "chunk_size"):
@@ -100,7 +109,12 @@ class LMConfig(Config):
             raise ValueError(f"LMConfig: unknown `qk_activation` {self.qk_activation!r}; expected silu, elu, relu or identity")
         if self.qk_norm not in ("l2", "sum"):
             raise ValueError(f"LMConfig: unknown `qk_norm` {self.qk_norm!r}; expected 'l2' or 'sum'")
-        for name in ("tie_embeddings", "use_short_conv", "allow_neg_eigval", "use_output_gate", "normalize"):
+        if "softmax" in mixers:
+            check_rope_theta("LMConfig", self.rope_theta, self.d_model // self.n_heads)
+        elif self.rope_theta is not None:
+            check_rope_theta("LMConfig", self.rope_theta, 2)  # unused without softmax layers, but still a number
+        for name in ("tie_embeddings", "use_short_conv", "allow_neg_eigval", "use_output_gate", "normalize",
+                     "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LMConfig: `{name}` must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.mixer, tuple):
@@ -129,7 +143,7 @@ def build_mixer(name: str, config: LMConfig) -> nn.Module:
         norm_eps=config.norm_eps, chunk_size=config.chunk_size,
     )
     if name == "softmax":
-        return MIXERS[name](config.d_model, config.n_heads)
+        return MIXERS[name](config.d_model, config.n_heads, rope_theta=config.rope_theta)
     if name == "linear":
         return MIXERS[name](config.d_model, config.n_heads, feature_map=config.feature_map, normalize=config.normalize, **shared)
     return MIXERS[name](
@@ -162,8 +176,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, state=None):
-        h, state = self.mixer(self.mixer_norm(x), state)  # (B, T, D), the layer's new state
+    def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None):
+        h, state = self.mixer(self.mixer_norm(x), state, cu_seqlens)  # (B, T, D), the layer's new state
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state
 
@@ -189,7 +203,8 @@ class LMCache:
 
 
 class LM(nn.Module):
-    """The causal LM of :class:`LMConfig`. ``model(input_ids, cache=None) -> (logits, cache)``.
+    """The causal LM of :class:`LMConfig`.
+    ``model(input_ids, cache=None, *, attention_mask=None, cu_seqlens=None) -> (logits, cache)``.
 
     Example::
 
@@ -209,6 +224,7 @@ class LM(nn.Module):
         self.blocks = nn.ModuleList(Block(m, config) for m in config.mixers)
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.gradient_checkpointing = config.gradient_checkpointing  # may be switched on a built model
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -243,36 +259,92 @@ class LM(nn.Module):
                 f"outside the vocabulary [0, {self.config.vocab_size})"
             )
 
+    @property
+    def has_softmax(self) -> bool:
+        """Whether a layer keeps a growing KV cache (only then does ``max_seq_len`` cap an input)."""
+        return "softmax" in self.config.mixers
+
     def forward(
-        self, input_ids: torch.Tensor, cache: Optional[LMCache] = None, *, return_cache: bool = True
+        self,
+        input_ids: torch.Tensor,
+        cache: Optional[LMCache] = None,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        return_cache: bool = True,
     ) -> Tuple[torch.Tensor, Optional[LMCache]]:
         """``input_ids (B, T)`` -> ``(logits (B, T, V), cache)``.
 
-        With ``cache`` (from a previous call) the T tokens continue those sequences:
-        T = 1 is one decoding step through the recurrent ops. ``return_cache=False``
-        (training) skips building the cache.
+        Args:
+            input_ids: ``(B, T)`` token ids.
+            cache: the :class:`LMCache` of a previous call; the T tokens continue those
+                sequences (T = 1 is one decoding step through the recurrent ops).
+            attention_mask: ``(B, T)`` with 1 for a real token and 0 for padding (e.g.
+                left-padded prompts), or ``(B, L + T)`` with L = ``cache.length``, the mask
+                of every token so far as transformers passes it (only its last T columns
+                are read: the cache remembers the rest). Each row's logits are what that
+                row alone gives: pads are never read by any layer, fast-weight memories
+                included (they are run as packed sequences). Logits at pads are 0.
+            cu_seqlens: ``(N + 1)`` int64 offsets of N sequences packed along T (B = 1), as
+                in FlashAttention: packed training without padding. Each sequence starts
+                from an empty state (or from its row of ``cache``, which then holds N);
+                the returned cache holds the N sequences.
+            return_cache: ``False`` (training) skips building the cache.
         """
         self._check_ids(input_ids)
         B, T = input_ids.shape
-        if T > self.config.max_seq_len:
+        if self.has_softmax and T > self.config.max_seq_len:
             raise ValueError(f"LM: `input_ids` has {T} tokens, more than `max_seq_len`={self.config.max_seq_len} of this model")
+        n_seq = B
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("LM: give `cu_seqlens` (packed rows) or `attention_mask` (padded rows), not both")
+            n_seq = check_cu_seqlens("LM", cu_seqlens, B, T, input_ids.device)
         if cache is not None:
             if not isinstance(cache, LMCache):
                 raise TypeError(f"LM: `cache` must be an LMCache returned by this model, got {type(cache).__name__}")
             if len(cache.states) != len(self.blocks) or cache.mixers != self.config.mixers:
                 raise ValueError(f"LM: `cache` was made by a model with mixers {cache.mixers}, this one has {self.config.mixers}")
-            if cache.batch_size != B:
-                raise ValueError(f"LM: `cache` holds {cache.batch_size} sequences but `input_ids` has batch size {B}")
-        x = self.embed(input_ids)  # (B, T, D)
+            if cache.batch_size != n_seq:
+                what = f"{n_seq} packed sequences" if cu_seqlens is not None else f"batch size {B}"
+                raise ValueError(f"LM: `cache` holds {cache.batch_size} sequences but `input_ids` has {what}")
+        mask = self._mask(attention_mask, B, T, cache)
+        ids = input_ids
+        if mask is not None:  # run the real tokens only, each row as one packed sequence
+            ids, cu_seqlens = pack_rows(input_ids, mask)
+        x = self.embed(ids)  # (B, T, D)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         states = []
         for i, block in enumerate(self.blocks):
-            x, state = block(x, None if cache is None else cache.states[i])
+            state = None if cache is None else cache.states[i]
+            if recompute:  # keep x only; the block runs again in the backward pass
+                x, state = torch.utils.checkpoint.checkpoint(block, x, state, cu_seqlens, use_reentrant=False)
+            else:
+                x, state = block(x, state, cu_seqlens)
             states.append(state)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if mask is not None:
+            logits = unpack_rows(logits, mask)
         if not return_cache:
             return logits, None
         length = T + (0 if cache is None else cache.length)
-        return logits, LMCache(states, length=length, batch_size=B, mixers=list(self.config.mixers))
+        return logits, LMCache(states, length=length, batch_size=n_seq, mixers=list(self.config.mixers))
+
+    @staticmethod
+    def _mask(attention_mask, batch: int, length: int, cache: Optional[LMCache]) -> Optional[torch.Tensor]:
+        """The checked bool mask of this call's T tokens, or None when all are real."""
+        if attention_mask is None:
+            return None
+        past = 0 if cache is None else cache.length
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[0] == batch:
+            if past and attention_mask.shape[1] == past + length:
+                attention_mask = attention_mask[:, past:]
+            elif attention_mask.shape[1] != length:
+                also = f" or [B, L + T] = [{batch}, {past + length}]" if past else ""
+                raise ValueError(
+                    f"LM: `attention_mask` must have shape [B, T] = [{batch}, {length}]{also}, got {list(attention_mask.shape)}"
+                )
+        return check_attention_mask("LM", attention_mask, batch, length)
 
     @torch.no_grad()
     def generate(
@@ -284,6 +356,7 @@ class LM(nn.Module):
         top_k: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
         return_cache: bool = False,
+        attention_mask: Optional[torch.Tensor] = None,
     ):
         """Continue each prompt by ``max_new_tokens`` sampled tokens.
 
@@ -292,12 +365,15 @@ class LM(nn.Module):
         mixers.
 
         Args:
-            input_ids: ``(B, T)`` or ``(T,)`` prompt token ids, T <= ``max_seq_len``.
+            input_ids: ``(B, T)`` or ``(T,)`` prompt token ids (T <= ``max_seq_len`` when the
+                model has a softmax layer).
             max_new_tokens: how many tokens to add (>= 0).
             temperature: softmax temperature; 0 means greedy (argmax).
             top_k: sample only among the k most likely tokens.
             generator: a ``torch.Generator`` for reproducible sampling.
             return_cache: also return the :class:`LMCache` (it has read every token but the last).
+            attention_mask: ``(B, T)``, 0 at the pads of left-padded prompts: each row then
+                continues exactly as it would alone.
 
         Returns:
             ``(B, T + max_new_tokens)`` token ids (``(T + max_new_tokens,)`` for a 1-D
@@ -307,7 +383,7 @@ class LM(nn.Module):
         if squeeze:
             input_ids = input_ids[None]
         self._check_ids(input_ids, "prompt")
-        if input_ids.shape[1] > self.config.max_seq_len:
+        if self.has_softmax and input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(
                 f"LM.generate: the prompt has {input_ids.shape[1]} tokens, more than the model allows "
                 f"(`max_seq_len`={self.config.max_seq_len}); shorten it"
@@ -318,14 +394,17 @@ class LM(nn.Module):
             raise ValueError(f"LM.generate: `temperature` must be a number >= 0, got {temperature!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
             raise ValueError(f"LM.generate: `top_k` must be a positive int or None, got {top_k!r}")
-        logits, cache = self(input_ids)  # prefill: chunk form
-        out = [input_ids]
+        if attention_mask is not None and attention_mask.dim() == 1 and squeeze:
+            attention_mask = attention_mask[None]
+        logits, cache = self(input_ids, attention_mask=attention_mask)  # prefill: chunk form
+        t0 = input_ids.shape[1]
+        ids = input_ids.new_empty(input_ids.shape[0], t0 + max_new_tokens)  # written in place, one column a step
+        ids[:, :t0] = input_ids
         for i in range(max_new_tokens):
             token = self._sample(logits[:, -1], temperature, top_k, generator)  # (B, 1)
-            out.append(token)
+            ids[:, t0 + i: t0 + i + 1] = token
             if i + 1 < max_new_tokens:
-                logits, cache = self(token, cache)  # one step: recurrent form
-        ids = torch.cat(out, dim=1)
+                logits, cache = self(token, cache)  # one step: each layer's fused decoding step
         ids = ids[0] if squeeze else ids
         return (ids, cache) if return_cache else ids
 

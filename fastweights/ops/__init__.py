@@ -1,6 +1,6 @@
 """Functional memory solvers: ``(q, k, v, beta, g, state) -> (o, state)``.
 
-Layout and argument names follow flash-linear-attention (DESIGN.md, "Op
+Layout and argument names follow flash-linear-attention (docs/design.md, "Op
 conventions"): ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``,
 state ``[N, H, K, V]`` in fp32 (fp64 for fp64 inputs), ``cu_seqlens [N + 1]``.
 
@@ -18,9 +18,20 @@ gated delta rule           ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
 
 Every form of a rule takes the same arguments and returns the same thing; the
 ``recurrent_*`` form is the reference that the others are tested against.
+
+fla drop-in: the delta and gated ops also take fla's options (``use_qk_l2norm_in_kernel``,
+``use_beta_sigmoid_in_kernel``, ``use_gate_in_kernel`` with ``A_log``/``dt_bias``, grouped
+value heads, ...), and fla's names are aliases with fla's signatures:
+``fused_recurrent_delta_rule`` and ``fused_recurrent_gated_delta_rule`` (the recurrent
+forms), ``fused_recurrent_linear_attn`` (recurrent) and ``fused_chunk_linear_attn``
+(chunk). :mod:`fastweights.ops._fla_compat` lists every fla argument we accept, ignore
+or refuse, and where fla's defaults differ from ours.
 """
 
-from ._checks import finite_checks
+from ._checks import finite_checks, value_checks
+from ._fla_compat import (
+    fused_chunk_linear_attn, fused_recurrent_delta_rule, fused_recurrent_gated_delta_rule, fused_recurrent_linear_attn,
+)
 from .delta_rule import chunk_delta_rule, parallel_delta_rule, recurrent_delta_rule
 from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReLU, Taylor, get_feature_map, normalize_qk
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
@@ -33,5 +44,8 @@ __all__ = [
     "recurrent_delta_rule", "parallel_delta_rule", "chunk_delta_rule",
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
-    "get_feature_map", "normalize_qk", "finite_checks",
+    "get_feature_map", "normalize_qk", "finite_checks", "value_checks",
+    # flash-linear-attention's names, with fla's signatures (fastweights.ops._fla_compat)
+    "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
+    "fused_chunk_linear_attn",
 ]

@@ -7,40 +7,80 @@ broadcast surprise deep inside a matmul.
 
 Non-finite inputs (NaN/Inf) are refused by default, because one NaN token
 poisons the recurrent state for every later token. The check costs one pass
-over the inputs (and a device sync on CUDA); switch it off with
-``fastweights.ops.finite_checks(False)`` (a context manager and a setter).
+over the inputs; switch it off with ``fastweights.ops.finite_checks(False)``
+(a context manager and a setter).
+
+- CPU tensors: checked on the spot; a bad input raises ``ValueError`` naming it.
+- CUDA (any non-CPU) tensors: checked asynchronously with ``torch._assert_async``,
+  so no call waits for the device (a host sync in every layer of every step would
+  stall the GPU pipeline). A bad input then fails as a device-side assertion at
+  the next synchronizing call, naming the op and the argument; such an error
+  leaves the CUDA context unusable, as any device assertion does.
+
+Values that are finite but outside the rule's domain are refused too: ``scale``
+must be finite and > 0; β in [0, 1] (the write strength of the delta rules;
+[0, 2] with ``allow_neg_eigval=True``, where I − β k kᵀ may flip a direction);
+the log decay g <= 0 (a decay exp(g) above 1 makes the state grow without bound).
+These range checks cost one min/max reduction over β or g ([B, T, H], K times
+smaller than q); on CUDA they are queued with ``torch._assert_async`` instead of
+read back, so they never wait for the device. ``fastweights.ops.value_checks(False)``
+turns them off for users who mean to step outside those ranges.
+
+Sizes: B, H, K and V must be positive; T = 0 is a valid empty sequence (the ops
+return an empty output and a copy of the state). ``chunk_size`` must be a positive
+int for every form (the recurrent and parallel forms accept it so that all forms
+take the same arguments) and is capped at the next power of two of T
+(:func:`effective_chunk_size`), and a form whose score matrices would not fit in
+the device's memory is refused before it allocates them (:func:`check_score_memory`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 from typing import Optional
 
 import torch
 
-__all__ = ["check_inputs", "finite_checks", "state_dtype", "compute_dtype"]
+__all__ = [
+    "check_inputs", "finite_checks", "value_checks", "state_dtype", "compute_dtype",
+    "effective_chunk_size", "check_score_memory",
+]
 
 _CHECK_FINITE = True
+_CHECK_VALUES = True
+NO_CHUNKS = object()  # `chunk_size` of an op that has none (softmax attention)
 
 
-class finite_checks:
-    """Turn the NaN/Inf check on op inputs on or off.
+class _Switch:
+    """A setter that is also a context manager: ``switch(False)`` lasts until changed;
+    ``with switch(False): ...`` restores the old setting on exit."""
 
-    Use as a setter, ``finite_checks(False)``, which lasts until changed, or as a
-    context manager, ``with finite_checks(False): ...``, which restores the old
-    setting on exit.
-    """
+    flag = ""  # the module global this switch sets
 
     def __init__(self, enabled: bool) -> None:
-        global _CHECK_FINITE
-        self._previous = _CHECK_FINITE
-        _CHECK_FINITE = bool(enabled)
+        self._previous = globals()[self.flag]
+        globals()[self.flag] = bool(enabled)
 
-    def __enter__(self) -> "finite_checks":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        global _CHECK_FINITE
-        _CHECK_FINITE = self._previous
+        globals()[self.flag] = self._previous
+
+
+class finite_checks(_Switch):
+    """Turn the NaN/Inf check on op inputs on or off (a setter and a context manager)."""
+
+    flag = "_CHECK_FINITE"
+
+
+class value_checks(_Switch):
+    """Turn the range checks on β ([0, 1], or [0, 2]) and g (<= 0) on or off
+    (a setter and a context manager). ``scale`` and the sizes are always checked."""
+
+    flag = "_CHECK_VALUES"
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,10 +104,18 @@ def _check_tensor(op: str, name: str, t, rank: int, layout: str) -> None:
         raise ValueError(f"{op}: `{name}` must have rank {rank} with layout {layout}, got shape {_shape(t)}")
 
 
+def _checked_on_host(t: torch.Tensor) -> bool:
+    """Whether the NaN/Inf check of ``t`` may wait for its values: CPU tensors only."""
+    return t.device.type == "cpu"
+
+
 def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
     if not _CHECK_FINITE or t.numel() == 0:
         return
     if torch.compiler.is_compiling():  # a data-dependent branch would break the graph
+        return
+    if not _checked_on_host(t):  # no host sync: the device checks it in stream order (module docstring)
+        torch._assert_async(torch.isfinite(t).all(), f"{op}: `{name}` contains non-finite values (NaN or Inf)")
         return
     # One reduction, no temporaries: a sum is finite only if every entry is (NaN and ±Inf
     # propagate). A finite sum proves the tensor clean; otherwise (bad entries, or an
@@ -80,6 +128,78 @@ def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
             f"{op}: `{name}` contains {bad} non-finite value(s) (NaN or Inf); they would poison "
             f"the recurrent state. Clean the input, or disable this check with "
             f"fastweights.ops.finite_checks(False)."
+        )
+
+
+def _check_range(op: str, t: torch.Tensor, low: float, high: float, rule: str, hint: str = "") -> None:
+    """Refuse entries of ``t`` outside [low, high]; ``rule`` says so in words ("`beta` must lie
+    in [0, 1]"). On CUDA the comparison is queued (``torch._assert_async``), never read back."""
+    if not _CHECK_VALUES or t.numel() == 0 or torch.compiler.is_compiling():
+        return
+    lo, hi = torch.aminmax(t.detach())
+    if not _checked_on_host(t):  # no device->host sync on the hot path
+        torch._assert_async((lo >= low) & (hi <= high), f"{op}: {rule}{hint}")
+        return
+    lo, hi = float(lo), float(hi)
+    if hi > high:
+        found = f"values up to {hi:g}"
+    elif lo < low:
+        found = f"values down to {lo:g}"
+    else:
+        return
+    raise ValueError(f"{op}: {rule}, got {found}{hint}")
+
+
+def check_values(op: str, beta: Optional[torch.Tensor], g: Optional[torch.Tensor], allow_neg_eigval: bool) -> None:
+    """The range checks on β and g (see the module docstring)."""
+    if beta is not None:
+        if allow_neg_eigval:
+            _check_range(op, beta, 0.0, 2.0, "`beta` must lie in [0, 2] (allow_neg_eigval=True)")
+        else:
+            _check_range(op, beta, 0.0, 1.0, "`beta` must lie in [0, 1] ([0, 2] with allow_neg_eigval=True)")
+    if g is not None:
+        _check_range(op, g, -math.inf, 0.0, "`g` (the log decay) must be <= 0",
+                     "; a decay exp(g) above 1 makes the state grow. If that is intended, disable this "
+                     "check with fastweights.ops.value_checks(False)")
+
+
+def check_scale(op: str, scale) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{op}: `scale` must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{op}: `scale` must be a finite number > 0, got {scale!r} (None means K ** -0.5)")
+
+
+def effective_chunk_size(chunk_size: int, seq_len: int) -> int:
+    """The chunk length a chunk form uses: ``chunk_size``, but at most the next power of two
+    of T. A chunk longer than the sequence only pads it, and costs O(C²) per chunk."""
+    return max(1, min(chunk_size, 1 << max(seq_len - 1, 0).bit_length()))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_memory(kind: str, index: Optional[int]) -> int:
+    if kind == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no limit known
+        return 1 << 62
+
+
+def check_score_memory(op: str, n: int, heads: int, rows: int, width: int, dtype: torch.dtype,
+                       device: torch.device, what: str) -> None:
+    """Refuse a call whose ``[rows, width]`` score matrices per sequence and head (T x T for a
+    parallel form, T x C for a chunk form) would not fit in the device's memory, before
+    they are allocated (an allocator error for 1e12 bytes names nothing)."""
+    needed = n * heads * rows * width * (torch.finfo(dtype).bits // 8)
+    limit = _device_memory(device.type, device.index)
+    if needed > limit:
+        raise ValueError(
+            f"{op}: {what} need {needed:.3g} bytes ({n} x {heads} x {rows} x {width} "
+            f"{str(dtype).replace('torch.', '')}), more than the {limit:.3g} bytes of memory of {device}; "
+            f"use a chunk form with a smaller `chunk_size`, or split the sequence"
         )
 
 
@@ -110,6 +230,7 @@ def check_cu_seqlens(op: str, cu_seqlens, batch_size: int, seq_len: int, device:
 
 
 def check_chunk_size(op: str, chunk_size) -> None:
+    """``chunk_size`` must be a positive int in every form (``None`` included: a named error)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"{op}: `chunk_size` must be a positive int, got {chunk_size!r}")
     if chunk_size <= 0:
@@ -128,13 +249,16 @@ def check_inputs(
     state_key_dim: Optional[int] = None,
     state_value_dim: Optional[int] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: Optional[int] = None,
+    chunk_size=NO_CHUNKS,
     scale: Optional[float] = None,
+    allow_neg_eigval: bool = False,
 ) -> int:
     """Check the arguments of an op; return N, the number of sequences.
 
     ``state_key_dim``/``state_value_dim`` are the state's K and V after any
     feature map or normalizer column; they default to q's and v's last sizes.
+    ``chunk_size`` is checked unless it is left at ``NO_CHUNKS`` (an op without one);
+    ``allow_neg_eigval`` widens β's range to [0, 2].
     """
     _check_tensor(op, "q", q, 4, "[B, T, H, K]")
     _check_tensor(op, "k", k, 4, "[B, T, H, K]")
@@ -152,6 +276,10 @@ def check_inputs(
         if t.device != q.device:
             raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
     B, T, H, K = q.shape
+    if B == 0 or H == 0 or K == 0:
+        raise ValueError(f"{op}: `q` must have sizes B, H, K > 0 (only T may be 0), got shape {_shape(q)}")
+    if v.shape[-1] == 0:
+        raise ValueError(f"{op}: `v` must have size V > 0, got shape {_shape(v)}")
     for name, t in (("beta", beta), ("g", g)):
         if t is None:
             continue
@@ -160,10 +288,9 @@ def check_inputs(
             raise ValueError(f"{op}: `{name}` must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(t)}")
         if t.device != q.device:
             raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
-    if chunk_size is not None:
+    if chunk_size is not NO_CHUNKS:
         check_chunk_size(op, chunk_size)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"{op}: `scale` must be a float or None, got {type(scale).__name__}")
+    check_scale(op, scale)
     n = B
     if cu_seqlens is not None:
         n = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
@@ -186,4 +313,5 @@ def check_inputs(
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("initial_state", initial_state)):
         if t is not None:
             _check_finite(op, name, t)
+    check_values(op, beta, g, allow_neg_eigval)
     return n

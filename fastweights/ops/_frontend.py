@@ -12,6 +12,14 @@ A solver ("core") has the signature
 ``core(q, k, v, beta, g, h0, scale, chunk_size) -> (o, h_T)`` on head-first
 compute-dtype tensors, with ``beta``/``g``/``h0`` possibly ``None``. That keeps
 each form's file down to its algorithm.
+
+The form is read from the op's name (``recurrent_*``, ``parallel_*``, ``chunk_*``,
+the naming convention of every op): a chunk form gets ``chunk_size`` capped at the
+sequence (:func:`~._checks.effective_chunk_size`), and parallel and chunk forms are
+refused before they allocate score matrices that cannot fit (``check_score_memory``).
+An empty sequence (T = 0) never reaches a solver: the output is empty and the final
+state is a copy of ``initial_state`` (zeros without one), so the caller never gets
+its own tensor back.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ._checks import check_inputs, compute_dtype
+from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
 from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
 
 Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
@@ -72,6 +80,7 @@ def check_op_args(
     normalize: bool = False,
     requires_beta: bool = False,
     requires_g: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
 
@@ -90,6 +99,7 @@ def check_op_args(
     check_inputs(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
         state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
+        allow_neg_eigval=allow_neg_eigval,
     )
     return phi
 
@@ -114,14 +124,22 @@ def run_op(
     eps: float = 1e-6,
     requires_beta: bool = False,
     requires_g: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     phi = check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
-        requires_beta=requires_beta, requires_g=requires_g,
+        requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
     )
     out_dtype = q.dtype
     dt = compute_dtype(out_dtype)
+    if q.shape[1] == 0:  # T = 0: nothing to solve (and the solvers index the last token)
+        B, _, H, _ = q.shape
+        if initial_state is not None:
+            h_t = initial_state.clone()
+        else:
+            h_t = q.new_zeros(B, H, phi.output_dim(q.shape[-1]), v.shape[-1] + int(normalize), dtype=state_dtype(out_dtype))
+        return v.new_empty(v.shape, dtype=out_dtype), (h_t if output_final_state else None)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
     q = normalize_qk(phi(q.to(dt)), qk_norm, op)
@@ -141,6 +159,15 @@ def run_op(
         v, _ = pad_packed(v, cu_seqlens)
         beta = None if beta is None else pad_packed(beta, cu_seqlens)[0]
         g = None if g is None else pad_packed(g, cu_seqlens)[0]
+
+    form = op.split("_", 1)[0]
+    n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
+    if form == "chunk":
+        chunk_size = effective_chunk_size(chunk_size, t_len)
+        check_score_memory(op, n, heads, -(-t_len // chunk_size) * chunk_size, chunk_size, dt, q.device,
+                           f"the [C, C] chunk matrices at T={t_len}, C={chunk_size}")
+    elif form == "parallel":
+        check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
 
     def head_first(t):
         return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]

@@ -20,7 +20,7 @@ name                      φ(x)                                      D
 
 Normalizations (``qk_norm``), applied after φ:
 
-- ``"l2"``: divide by the Euclidean norm (what DeltaNet uses);
+- ``"l2"``: x·rsqrt(Σx² + 1e-6), the Euclidean norm as fla and transformers compute it (what DeltaNet uses);
 - ``"sum"``: divide by the sum of the entries (Schlag et al. 2021, section 4.2),
   meant for nonnegative maps. A vector whose entries sum to ~0 is left as is
   rather than divided by zero.
@@ -242,7 +242,10 @@ def normalize_qk(x: torch.Tensor, qk_norm: Optional[str], op: str = "normalize_q
     if qk_norm is None:
         return x
     if qk_norm == "l2":
-        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(_EPS)  # F.normalize, fewer calls
+        # x·rsqrt(Σx² + ε), the formula of fla's kernels and transformers' fallbacks, so that
+        # ``use_qk_l2norm_in_kernel`` gives their numbers (F.normalize's max(‖x‖, ε) differs
+        # from it by ~1e-3 relative at small norms).
+        return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + _EPS)
     if qk_norm == "sum":
         s = x.sum(dim=-1, keepdim=True)
         return x / torch.where(s.abs() < _EPS, torch.ones_like(s), s)

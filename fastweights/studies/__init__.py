@@ -15,7 +15,7 @@ study          what it reproduces                          entry point
 Every study is deterministic given its root seed, has a quick default and a
 ``full`` setting, prints a table (``report(result)``), and with an output folder
 writes ``<study>.json``, ``<study>.csv`` and PNG plots. The capacity, costs and
-retrieval studies call :mod:`fastweights.ops` directly (DESIGN.md: a study never
+retrieval studies call :mod:`fastweights.ops` directly (docs/design.md: a study never
 re-implements a layer; a raw memory is an op); MQAR trains full models.
 
 Run one from the shell with ``fastweights study <name> [--full] [--out DIR]``.

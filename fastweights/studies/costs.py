@@ -201,6 +201,28 @@ def crossover_context(head_dim_k: int, head_dim_v: int, kv_dtype: str, state_dty
     return head_dim_k * head_dim_v * DTYPE_BYTES[state_dtype] / ((head_dim_k + head_dim_v) * DTYPE_BYTES[kv_dtype])
 
 
+def calculator_row(config: "CostsConfig", context: int) -> Dict[str, int]:
+    """One row of the calculator: bytes per session and sessions that fit in ``budget_gib``, at ``context``."""
+    mem = memory_per_session(context, config.layers, config.heads, config.head_dim_k, config.head_dim_v,
+                             config.kv_dtype, config.state_dtype, config.softmax_layers)
+    budget = config.budget_gib * 2**30
+    return {"context": context, **{f"{k}_bytes": v for k, v in mem.items()},
+            **{f"{k}_sessions": int(budget // v) for k, v in mem.items()}}
+
+
+def calculator(config: "CostsConfig") -> Dict:
+    """The calculator part of the study (its ``result["calculator"]``): the model, crossover and one row per
+    context of ``calc_contexts``. ``fastweights lab`` serves the same function."""
+    return {
+        "model": {k: getattr(config, k) for k in ("layers", "heads", "head_dim_k", "head_dim_v", "kv_dtype",
+                                                  "state_dtype", "softmax_layers")},
+        "crossover_context": crossover_context(config.head_dim_k, config.head_dim_v, config.kv_dtype,
+                                               config.state_dtype),
+        "budget_gib": config.budget_gib,
+        "rows": [calculator_row(config, t) for t in config.calc_contexts],
+    }
+
+
 def predicted_lm_cache_bytes(config, batch: int, context: int) -> int:
     """Bytes of a :class:`~fastweights.models.LMCache` after ``context`` tokens (fp32 model)."""
     hd = config.d_model // config.n_heads
@@ -353,13 +375,6 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
         delta = next(r for r in table if r["solver"] == "delta" and r["context"] == row["context"])
         row["step_vs_delta"] = row["step_us"] / delta["step_us"]
 
-    calc = []
-    for t in config.calc_contexts:
-        mem = memory_per_session(t, config.layers, config.heads, config.head_dim_k, config.head_dim_v,
-                                 config.kv_dtype, config.state_dtype, config.softmax_layers)
-        budget = config.budget_gib * 2**30
-        calc.append({"context": t, **{f"{k}_bytes": v for k, v in mem.items()},
-                     **{f"{k}_sessions": int(budget // v) for k, v in mem.items()}})
     k, v = config.key_dim, config.value_dim
     result = {
         "study": "costs",
@@ -378,14 +393,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
         },
         "table": table,
         "state_bytes_exact": all(r["state_bytes_predicted"] == r["state_bytes_measured"] for r in table),
-        "calculator": {
-            "model": {k_: getattr(config, k_) for k_ in ("layers", "heads", "head_dim_k", "head_dim_v", "kv_dtype",
-                                                         "state_dtype", "softmax_layers")},
-            "crossover_context": crossover_context(config.head_dim_k, config.head_dim_v, config.kv_dtype,
-                                                   config.state_dtype),
-            "budget_gib": config.budget_gib,
-            "rows": calc,
-        },
+        "calculator": calculator(config),
         "files": [],
     }
     if config.check_lm:

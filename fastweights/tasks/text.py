@@ -14,6 +14,21 @@ import torch
 VOCAB_SIZE = 256
 
 
+def read_bytes(source, what: str = "data") -> Tuple[torch.Tensor, str]:
+    """(a file's bytes as int64 tokens ``[N]``, its name); ``source`` may be the bytes themselves."""
+    if isinstance(source, (bytes, bytearray)):
+        data, name = bytes(source), "<bytes>"
+    else:
+        name = os.fspath(source)
+        if not os.path.isfile(name):
+            raise ValueError(f"ByteText: {what} file {name!r} does not exist (or is not a file)")
+        with open(name, "rb") as f:
+            data = f.read()
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=torch.long), name
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), name
+
+
 class ByteText:
     """Windows of ``seq_len + 1`` bytes of a file, as (inputs, targets) ``[B, seq_len]`` pairs.
 
@@ -21,26 +36,27 @@ class ByteText:
         source: a file path, or the ``bytes`` themselves.
         seq_len: tokens per training window.
         val_fraction: share of the bytes (at the end) held out for evaluation.
+        val_source: a separate held-out file (or bytes); then all of ``source`` is for training.
     """
 
     vocab_size = VOCAB_SIZE
 
-    def __init__(self, source, seq_len: int, val_fraction: float = 0.1) -> None:
-        if isinstance(source, (bytes, bytearray)):
-            data, name = bytes(source), "<bytes>"
-        else:
-            name = os.fspath(source)
-            if not os.path.isfile(name):
-                raise ValueError(f"ByteText: data file {name!r} does not exist (or is not a file)")
-            with open(name, "rb") as f:
-                data = f.read()
-        if len(data) == 0:
-            raise ValueError(f"ByteText: data file {name!r} is empty; it needs at least {2 * (seq_len + 1)} bytes")
+    def __init__(self, source, seq_len: int, val_fraction: float = 0.1, val_source=None) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
             raise ValueError(f"ByteText: `seq_len` must be a positive int, got {seq_len!r}")
         if not 0 < val_fraction < 1:
             raise ValueError(f"ByteText: `val_fraction` must be in (0, 1), got {val_fraction!r}")
-        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        tokens, name = read_bytes(source, "data")
+        if val_source is not None:
+            val, val_name = read_bytes(val_source, "held-out data")
+            for what, t, n in (("data", tokens, name), ("held-out data", val, val_name)):
+                if len(t) < seq_len + 1:
+                    raise ValueError(f"ByteText: {what} file {n!r} has {len(t)} bytes, fewer than one window of "
+                                     f"seq_len + 1 = {seq_len + 1}; use a longer file or a smaller --seq-len")
+            self.name, self.seq_len, self.train, self.val = name, seq_len, tokens, val
+            return
+        if len(tokens) == 0:
+            raise ValueError(f"ByteText: data file {name!r} is empty; it needs at least {2 * (seq_len + 1)} bytes")
         n_val = max(seq_len + 1, int(len(tokens) * val_fraction))
         if len(tokens) - n_val < seq_len + 1:
             raise ValueError(

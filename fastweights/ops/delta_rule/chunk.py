@@ -1,6 +1,6 @@
 """The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024; seed 001, ch. 7).
 
-For chunks of C tokens with incoming state h (DESIGN.md, "The chunk form"):
+For chunks of C tokens with incoming state h (docs/design.md, "The chunk form"):
 
     A = tril(diag(β) K Kᵀ, −1)       C×C, strictly lower          } one batched
     T = (I + A)⁻¹ diag(β)            forward substitution          } computation
@@ -38,6 +38,8 @@ from .._chunk import (
     ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
+from .._backend import backward_can_follow
+from .._fla_compat import fla_inputs
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
@@ -276,9 +278,10 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     """The (gated) delta rule's chunk form with a hand-written backward.
 
-    ``apply(q, k, v, beta, g, h0, scale, chunk_size) -> (o, h_T)`` on head-first
+    ``apply(q, k, v, beta, g, h0, scale, chunk_size, keep) -> (o, h_T)`` on head-first
     compute-dtype tensors ``[N, H, T, D]`` (``g``/``h0`` may be None; ``g=None`` is
-    the plain rule). Gradients reach q, k, v, beta, g and h0, and the cotangent of
+    the plain rule; ``keep``: :func:`~fastweights.ops._backend.backward_can_follow`,
+    whether to keep anything for a backward). Gradients reach q, k, v, beta, g and h0, and the cotangent of
     h_T is honoured.
 
     Memory kept for the backward: the inputs (O(T·(2K + V)) per head; q, k, v as the
@@ -291,13 +294,14 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, h0, scale, chunk_size):
+    def forward(ctx, q, k, v, beta, g, h0, scale, chunk_size, keep):
         n, nh, t_len, dk = k.shape
         dv = v.shape[-1]
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
-        keep = any(ctx.needs_input_grad[:6])  # under no_grad (inference) nothing is kept
+        # keep = backward_can_follow(...) from the caller; under no_grad (inference) nothing is kept
         o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
-        ctx.save_for_backward(beta, g, states, *(kept or (None,) * 4))
+        if keep:
+            ctx.save_for_backward(beta, g, states, *kept)
         ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
         return o, h_final.reshape(n, nh, dk, dv)
 
@@ -309,19 +313,20 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
         dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, ctx.scale, ctx.chunk_size)
         dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
-        return dq, dk, dv, dbeta, dg, dh0, None, None
+        return dq, dk, dv, dbeta, dg, dh0, None, None, None
 
 
 def delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
-    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size)
+    keep = backward_can_follow(q, k, v, beta, g, h0)
+    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size, keep)
 
 
 def chunk_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    beta: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
@@ -331,6 +336,10 @@ def chunk_delta_rule(
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    allow_neg_eigval: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule, chunkwise parallel: the fast path for training.
 
@@ -356,10 +365,13 @@ def chunk_delta_rule(
     ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the
     textbook chunk implementation and the recurrence.
     """
+    q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
+        "chunk_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
+    )
     kwargs = dict(
         beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
-        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
+        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
     if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
         return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._chunk import block_terms
+from .._fla_compat import fla_inputs
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from .wy import ut_transform
@@ -41,7 +42,7 @@ def parallel_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    beta: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
@@ -50,6 +51,10 @@ def parallel_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule as one T×T triangular solve and mixing matrix.
 
@@ -57,9 +62,13 @@ def parallel_delta_rule(
     same returns; ``chunk_size`` is unused). O(T²) memory: for short sequences
     and for reading the maths; :func:`chunk_delta_rule` is the fast path.
     """
+    q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
+        "parallel_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
+    )
     return run_op(
         "parallel_delta_rule", delta_rule_parallel, q, k, v, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
+        allow_neg_eigval=allow_neg_eigval,
     )

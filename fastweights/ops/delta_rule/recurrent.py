@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._fla_compat import fla_inputs
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 
@@ -59,7 +60,7 @@ def recurrent_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    beta: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
@@ -68,6 +69,10 @@ def recurrent_delta_rule(
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule (DeltaNet), one token at a time: the reference form.
 
@@ -75,7 +80,8 @@ def recurrent_delta_rule(
         q, k: ``[B, T, H, K]`` queries and keys. The rule is stable for unit keys
             and β in (0, 1) (use ``qk_norm="l2"`` unless the keys are normalized).
         v: ``[B, T, H, V]`` values.
-        beta: ``[B, T, H]`` write strengths β_t, usually ``sigmoid(...)`` in (0, 1).
+        beta: ``[B, T, H]`` write strengths β_t, usually ``sigmoid(...)`` in (0, 1);
+            ``None`` means β = 1 (fla's default).
         scale: read scale; ``None`` means ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` fp32 (fp64 for fp64 inputs).
         output_final_state: also return the state after the last token.
@@ -85,6 +91,11 @@ def recurrent_delta_rule(
         feature_map: optional φ applied to q and k first (as in Schlag et al. 2021,
             who pair the delta rule with DPFP and sum normalization).
         use_qk_l2norm_in_kernel: flash-linear-attention's spelling of ``qk_norm="l2"``.
+        allow_neg_eigval: accept β in [0, 2] instead of [0, 1], so that I − β k kᵀ may
+            have a negative eigenvalue (the layers' option of the same name).
+        cu_seqlens_cpu, **extra: fla's host copy of ``cu_seqlens`` and pass-through
+            keywords (:mod:`fastweights.ops._fla_compat`); a bf16/fp16 ``initial_state``
+            is cast to fp32.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in the input dtype; the final
@@ -99,9 +110,13 @@ def recurrent_delta_rule(
         >>> o.shape, h.shape
         (torch.Size([2, 100, 4, 48]), torch.Size([2, 4, 32, 48]))
     """
+    q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
+        "recurrent_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
+    )
     return run_op(
         "recurrent_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
+        allow_neg_eigval=allow_neg_eigval,
     )

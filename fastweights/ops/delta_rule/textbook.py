@@ -1,6 +1,6 @@
 """The delta rule's chunk form as the textbook writes it: the benchmark's baseline.
 
-Same algorithm as ``chunk.py`` (DESIGN.md, "The chunk form"), written the way a
+Same algorithm as ``chunk.py`` (docs/design.md, "The chunk form"), written the way a
 first implementation reads off the paper (Yang et al. 2024, §3; seed 001, ch. 7):
 
 1. the UT transform by row-by-row forward substitution, one row of every chunk at

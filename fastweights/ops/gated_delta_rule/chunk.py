@@ -17,18 +17,20 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._fla_compat import accepts_state_v_first, fla_inputs
 from .._frontend import run_op
 from ..delta_rule.chunk import delta_rule_chunk
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
 
 
+@accepts_state_v_first
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
@@ -38,6 +40,14 @@ def chunk_gated_delta_rule(
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    allow_neg_eigval: bool = False,
+    *,
+    use_beta_sigmoid_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
 
@@ -45,10 +55,16 @@ def chunk_gated_delta_rule(
     arguments and returns), called as ``(q, k, v, g, beta, ...)`` like
     flash-linear-attention. ``chunk_size`` and ``backend`` as in :func:`chunk_delta_rule`.
     """
+    q, k, beta, g, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
+        "chunk_gated_delta_rule", q, k, v, beta, g, initial_state, cu_seqlens, gated=True,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
+    )
     kwargs = dict(
         beta=beta, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_g=True,
+        allow_neg_eigval=allow_neg_eigval,
     )
     op = "chunk_gated_delta_rule"
     if select_backend(op, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":

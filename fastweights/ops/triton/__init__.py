@@ -54,8 +54,8 @@ def select_backend(op: str, backend: str, q: torch.Tensor, v: Optional[torch.Ten
     """
     if backend not in BACKENDS:
         raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
-    if backend == "torch" or not isinstance(q, torch.Tensor):
-        return "torch"
+    if backend == "torch" or not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] == 0:
+        return "torch"  # malformed inputs get the shared checks' errors; T = 0 needs no kernel
     from ..feature_maps import get_feature_map
 
     key_dim = get_feature_map(feature_map, op).output_dim(q.shape[-1])

@@ -19,11 +19,11 @@ Kernels (grids in brackets; NT = chunks over all sequences, N = sequences):
 forward
   ``_wy_fwd_kernel``     [NT, H]      b, K Kᵀ, the 64×64 inverse (16×16 diagonal
                                       blocks by substitution, merged blockwise), W, U.
-  ``_state_fwd_kernel``  [V/BV, N·H]  the sequential part: U', O and h per chunk,
+  ``_state_fwd_kernel``  [N·H, V/BV]  the sequential part: U', O and h per chunk,
                                       state kept in registers; optionally saves the
                                       state entering every chunk for the backward.
 backward
-  ``_state_bwd_kernel``  [V/BV, N·H]  dU' = Pᵀ dO + K̄ dh and, chunks in reverse,
+  ``_state_bwd_kernel``  [N·H, V/BV]  dU' = Pᵀ dO + K̄ dh and, chunks in reverse,
                                       dh ← e^{b_C} dh + scale·Q_bᵀ dO − Wᵀ dU'.
   ``_grads_kernel``      [NT, H]      every input gradient from chunk-local terms
                                       (the UT-transform adjoint, P, K̄, the decays).
@@ -97,6 +97,14 @@ def _store_state(ptr, x, K, V, i_v, BK: tl.constexpr, BV: tl.constexpr):
     c = i_v * BV + tl.arange(0, BV)
     mask = (r < K)[:, None] & (c < V)[None, :]
     tl.store(ptr + r[:, None] * V + c[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _state_offset(index, K: tl.constexpr, V: tl.constexpr):
+    """Element offset of state ``index`` in a ``[·, K, V]`` array, in int64: (chunk·H + head)·K·V
+    passes 2³¹ at 512k tokens (H = 16, K = V = 128), and (sequence·H + head)·K·V at N·H = 32,768
+    (K = V = 256)."""
+    return index.to(tl.int64) * (K * V)
 
 
 @triton.jit
@@ -280,8 +288,8 @@ def _state_fwd_kernel(
     Per chunk: U' = U − W h; O = scale·(Q ⊙ e^b) h + P U'; h ← e^{b_C} h + K̄ᵀ U'.
     The V columns of the recurrence are independent, so V-blocks run in parallel.
     """
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N·H on axis 0: CUDA caps axes 1 and 2 at 65,535
+    i_v = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -295,12 +303,12 @@ def _state_fwd_kernel(
     causal = r[:, None] >= r[None, :]
 
     if HAS_H0:
-        h = _load_state(h0 + i_nh * K * V, K, V, i_v, BK, BV)
+        h = _load_state(h0 + _state_offset(i_nh, K, V), K, V, i_v, BK, BV)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_c in range(0, n_chunks):
         if SAVE_STATES:
-            _store_state(states + ((first + i_c) * H + i_h) * K * V, h, K, V, i_v, BK, BV)
+            _store_state(states + _state_offset((first + i_c) * H + i_h, K, V), h, K, V, i_v, BK, BV)
         t0 = bos + i_c * BT
         q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
         k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
@@ -322,7 +330,7 @@ def _state_fwd_kernel(
             h = h + tl.dot(tl.trans(k_c), u_c, input_precision=PREC)
         _store_tile(o + i_h * V + v0, out, t0, eos, sv, V - v0, BT, BV)
     if STORE_FINAL:
-        _store_state(h_final + i_nh * K * V, h, K, V, i_v, BK, BV)
+        _store_state(h_final + _state_offset(i_nh, K, V), h, K, V, i_v, BK, BV)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -340,8 +348,8 @@ def _state_bwd_kernel(
         dU' = Pᵀ dO + K̄ dh                              (stored)
         dh ← e^{b_C} dh + scale·(Q ⊙ e^b)ᵀ dO − Wᵀ dU'   (the gradient entering chunk c)
     """
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -355,12 +363,12 @@ def _state_bwd_kernel(
     causal = r[:, None] >= r[None, :]
 
     if HAS_DHT:
-        dh = _load_state(dh_final + i_nh * K * V, K, V, i_v, BK, BV)
+        dh = _load_state(dh_final + _state_offset(i_nh, K, V), K, V, i_v, BK, BV)
     else:
         dh = tl.zeros([BK, BV], dtype=tl.float32)
     for j in range(0, n_chunks):
         i_c = n_chunks - 1 - j
-        _store_state(dstates + ((first + i_c) * H + i_h) * K * V, dh, K, V, i_v, BK, BV)
+        _store_state(dstates + _state_offset((first + i_c) * H + i_h, K, V), dh, K, V, i_v, BK, BV)
         t0 = bos + i_c * BT
         q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
         k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
@@ -382,7 +390,7 @@ def _state_bwd_kernel(
         dh += tl.dot(tl.trans(q_c), do_c, input_precision=PREC) * scale
         dh -= tl.dot(tl.trans(w_c), du_c, input_precision=PREC)
     if STORE_DH0:
-        _store_state(dh0 + i_nh * K * V, dh, K, V, i_v, BK, BV)
+        _store_state(dh0 + _state_offset(i_nh, K, V), dh, K, V, i_v, BK, BV)
 
 
 @triton.jit
@@ -416,8 +424,8 @@ def _grads_kernel(
     w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
     be = _load_vec(beta + i_h, t0, eos, H, BT)
     a_inv = _load_tile(ainv + i_h * BT, t0, eos, H * BT, BT, BT, BT)
-    state = states + (i_t * H + i_h) * K * V
-    dstate = dstates + (i_t * H + i_h) * K * V
+    state = states + _state_offset(i_t * H + i_h, K, V)
+    dstate = dstates + _state_offset(i_t * H + i_h, K, V)
 
     d_qb = tl.zeros([BT, BK], dtype=tl.float32)  # dO hᵀ (times scale later)
     d_kbar = tl.zeros([BT, BK], dtype=tl.float32)  # U' dhᵀ

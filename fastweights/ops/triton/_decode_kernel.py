@@ -17,13 +17,13 @@ def _delta_step_kernel(
 
         h ← α h;  u = β (v − hᵀ k);  h ← h + k uᵀ;  o = scale · hᵀ q
     """
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_bh = tl.program_id(0).to(tl.int64)  # B·H on axis 0 (axes 1 and 2 stop at 65,535); int64 offsets
+    i_v = tl.program_id(1)
     r = tl.arange(0, BK)
     c = i_v * BV + tl.arange(0, BV)
     mr = r < K
     mc = c < V
-    h_ptr = state + i_bh.to(tl.int64) * K * V + r[:, None] * V + c[None, :]
+    h_ptr = state + i_bh * K * V + r[:, None] * V + c[None, :]
     h = tl.load(h_ptr, mask=mr[:, None] & mc[None, :], other=0.0).to(tl.float32)
     k_t = tl.load(k + i_bh * K + r, mask=mr, other=0.0).to(tl.float32)
     q_t = tl.load(q + i_bh * K + r, mask=mr, other=0.0).to(tl.float32)
@@ -38,10 +38,14 @@ def _delta_step_kernel(
     tl.store(o + i_bh * V + c, o_t.to(o.dtype.element_ty), mask=mc)
 
 
+#: (num_warps, num_stages) the autotuner may pick (``benchmarks/triton_resources.py`` checks them).
+CONFIGS = [(1, 1), (2, 1), (4, 1)]
+
+
 def _autotuned(kernel):
     if interpreting():
         return kernel
-    configs = [triton.Config({}, num_warps=w) for w in (1, 2, 4)]
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in CONFIGS]
     # The kernel updates the state in place: restore it between autotuning trials.
     return triton.autotune(configs=configs, key=["K", "V", "BV", "GATED"], restore_value=["state"])(kernel)
 

@@ -7,11 +7,11 @@ the recurrent reference ``recurrent_delta_rule`` / ``recurrent_gated_delta_rule`
 Forward (two launches)::
 
     _wy_fwd_kernel     [chunks, H]          b, A⁻ = (I + A)⁻¹, W, U      (fully parallel)
-    _state_fwd_kernel  [V/BV, N·H]          U', O, h per chunk           (sequential in chunks)
+    _state_fwd_kernel  [N·H, V/BV]          U', O, h per chunk           (sequential in chunks)
 
 Backward (two launches)::
 
-    _state_bwd_kernel  [V/BV, N·H]          dU', dh per chunk, dh0       (sequential, reversed)
+    _state_bwd_kernel  [N·H, V/BV]          dU', dh per chunk, dh0       (sequential, reversed)
     _grads_kernel      [chunks, H]          dq, dk, dv, dβ, dg           (fully parallel)
 
 Memory kept for the backward: the inputs, b, A⁻ (C per token), W and U (K + V
@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from .._backend import backward_can_follow
 from .._frontend import check_op_args
 from ..feature_maps import FeatureMapLike, Identity, normalize_qk
 from . import CHUNK_SIZE, interpreting
@@ -38,19 +39,29 @@ from . import _chunk_kernels as kernels
 BT = CHUNK_SIZE
 
 
-def _autotuned(kernel, key, stages):
-    """Autotune warps (and pipeline stages of the chunk loop) on a GPU; the kernel as is under the interpreter."""
+#: (num_warps, num_stages) the autotuner may pick, per kernel; ``benchmarks/triton_resources.py``
+#: compiles every one of them for sm_90 and checks that it fits.
+CONFIGS = {
+    "wy_fwd": [(4, 1), (8, 1)],  # no loop to pipeline
+    "state_fwd": [(4, 2), (4, 3), (8, 2), (8, 3)],
+    "state_bwd": [(4, 2), (4, 3), (8, 2), (8, 3)],
+    "grads": [(4, 1), (8, 1)],
+}
+
+
+def _autotuned(kernel, name, key):
+    """Autotune over ``CONFIGS[name]`` on a GPU; the kernel as is under the interpreter."""
     if interpreting():
         return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in stages]
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in CONFIGS[name]]
     return triton.autotune(configs=configs, key=key)(kernel)
 
 
 _KEY = ["K", "V", "BV", "GATED", "PREC"]
-_wy_fwd = _autotuned(kernels._wy_fwd_kernel, _KEY, stages=(1,))  # no loop to pipeline
-_state_fwd = _autotuned(kernels._state_fwd_kernel, _KEY + ["HAS_H0", "SAVE_STATES"], stages=(2, 3))
-_state_bwd = _autotuned(kernels._state_bwd_kernel, _KEY + ["HAS_DHT", "STORE_DH0"], stages=(2, 3))
-_grads = _autotuned(kernels._grads_kernel, _KEY, stages=(1,))
+_wy_fwd = _autotuned(kernels._wy_fwd_kernel, "wy_fwd", _KEY)
+_state_fwd = _autotuned(kernels._state_fwd_kernel, "state_fwd", _KEY + ["HAS_H0", "SAVE_STATES"])
+_state_bwd = _autotuned(kernels._state_bwd_kernel, "state_bwd", _KEY + ["HAS_DHT", "STORE_DH0"])
+_grads = _autotuned(kernels._grads_kernel, "grads", _KEY)
 
 
 def _block(dim: int, cap: int) -> int:
@@ -79,7 +90,7 @@ def chunk_tables(cu_seqlens: Optional[torch.Tensor], batch: int, length: int, de
         cu = torch.arange(0, batch + 1, device=device, dtype=torch.int64) * length
         counts = torch.full((batch,), n_chunks, device=device, dtype=torch.int64)
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
         counts = (cu[1:] - cu[:-1] + BT - 1) // BT
     offsets = torch.zeros(counts.numel() + 1, device=device, dtype=torch.int64)
     offsets[1:] = counts.cumsum(0)
@@ -103,8 +114,18 @@ def _precision(v: torch.Tensor) -> str:
 MAX_KERNEL_BACKWARD_KEY_BLOCK = 128
 
 
+def use_torch_backward_block(key_block: int) -> bool:
+    return key_block > MAX_KERNEL_BACKWARD_KEY_BLOCK
+
+
 def use_torch_backward(key_dim: int) -> bool:
-    return not interpreting() and _block(key_dim, 256) > MAX_KERNEL_BACKWARD_KEY_BLOCK
+    return not interpreting() and use_torch_backward_block(_block(key_dim, 256))
+
+
+def sequential_grid(n_seqs: int, heads: int, value_dim: int, bv: int) -> Tuple[int, int]:
+    """Grid of the two sequential kernels: (sequence, head) on axis 0, which CUDA allows up to
+    2³¹ − 1 (axes 1 and 2 stop at 65,535, which N·H passes at 4,096 sequences of 16 heads)."""
+    return n_seqs * heads, triton.cdiv(value_dim, bv)
 
 
 def _launch_geometry(q, v, g, chunk_indices, chunk_offsets):
@@ -136,7 +157,7 @@ def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
     o = torch.empty_like(v)
     h_final = torch.empty(n_seqs, heads, dk, dv, device=dev, dtype=torch.float32)
     states = torch.empty(n_chunks if save_for_backward else 1, heads, dk, dv, device=dev, dtype=torch.float32)
-    _state_fwd[(triton.cdiv(dv, bv), n_seqs * heads)](
+    _state_fwd[sequential_grid(n_seqs, heads, dv, bv)](
         q, k, w, u, bcum, o, h0 if h0 is not None else h_final, h_final, states, cu, chunk_offsets, scale,
         heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, HAS_H0=h0 is not None, STORE_FINAL=True,
         SAVE_STATES=save_for_backward, PREC=prec,
@@ -150,11 +171,14 @@ def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
     batch, length, heads, dk, dv, n_seqs, n_chunks, dev, gated, bk, bv, prec = _launch_geometry(
         q, v, g, chunk_indices, chunk_offsets)
 
+    # Cotangents arrive in any layout (``o.sum()`` gives a stride-0 one); the kernels
+    # index every tensor as dense, so each one they read is made contiguous here.
     do = do.contiguous()
+    dh_final = None if dh_final is None else dh_final.contiguous()
     dstates = torch.empty_like(states)
     du = torch.empty_like(u)
     dh0 = torch.empty_like(h0) if h0 is not None else None
-    _state_bwd[(triton.cdiv(dv, bv), n_seqs * heads)](
+    _state_bwd[sequential_grid(n_seqs, heads, dv, bv)](
         q, k, w, bcum, do, dh_final if dh_final is not None else du, dh0 if dh0 is not None else du,
         dstates, du, cu, chunk_offsets, scale,
         heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, HAS_DHT=dh_final is not None,
@@ -172,20 +196,21 @@ def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
 
 
 class ChunkDeltaRuleTriton(torch.autograd.Function):
-    """``apply(q, k, v, beta, g, h0, scale, cu_seqlens) -> (o, h_T)`` on ``[B, T, H, D]`` tensors.
+    """``apply(q, k, v, beta, g, h0, scale, cu_seqlens, train) -> (o, h_T)`` on ``[B, T, H, D]`` tensors.
 
     ``g=None`` is the plain delta rule; ``h0`` may be None. ``cu_seqlens`` (B = 1)
-    packs sequences along T. Gradients reach q, k, v, beta, g and h0, and the
+    packs sequences along T. ``train`` (:func:`backward_can_follow`, decided by the
+    caller: inside ``forward`` grad mode is always off and ``ctx.needs_input_grad``
+    ignores ``no_grad``) says whether to keep the per-chunk states and the rest. Gradients reach q, k, v, beta, g and h0, and the
     cotangent of h_T is honoured. Double backward is not supported.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, h0, scale, cu_seqlens):
+    def forward(ctx, q, k, v, beta, g, h0, scale, cu_seqlens, train):
         q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
         g = None if g is None else g.contiguous()
         h0 = None if h0 is None else h0.contiguous()
         cu, chunk_indices, chunk_offsets = chunk_tables(cu_seqlens, q.shape[0], q.shape[1], q.device)
-        train = any(ctx.needs_input_grad[:6])
         keep_states = train and not use_torch_backward(q.shape[-1])
         o, h_final, saved = chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, keep_states)
         if train:
@@ -201,11 +226,11 @@ class ChunkDeltaRuleTriton(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(v)
         if use_torch_backward(q.shape[-1]):
-            return (*_torch_backward(q, k, v, beta, g, h0, ctx.scale, ctx.cu_seqlens, do, dh_final), None, None)
+            return (*_torch_backward(q, k, v, beta, g, h0, ctx.scale, ctx.cu_seqlens, do, dh_final), None, None, None)
         dq, dk, dv, dbeta, dg, dh0 = chunk_bwd(
             q, k, v, beta, g, h0, ctx.scale, cu, chunk_indices, chunk_offsets, saved, do, dh_final,
         )
-        return dq, dk, dv, dbeta, dg, dh0, None, None
+        return dq, dk, dv, dbeta, dg, dh0, None, None, None
 
 
 def _torch_backward(q, k, v, beta, g, h0, scale, cu_seqlens, do, dh_final):
@@ -248,6 +273,7 @@ def chunk_op_triton(
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     requires_g: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The Triton path of ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (same arguments and returns).
 
@@ -258,10 +284,51 @@ def chunk_op_triton(
     phi = check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         scale=scale, feature_map=feature_map, qk_norm=qk_norm, requires_beta=True, requires_g=requires_g,
+        allow_neg_eigval=allow_neg_eigval,
     )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not isinstance(phi, Identity) or qk_norm is not None:
         q = normalize_qk(phi(q.float()), qk_norm, op)
         k = normalize_qk(phi(k.float()), qk_norm, op)
-    o, h_final = ChunkDeltaRuleTriton.apply(q, k, v, beta, g, initial_state, scale, cu_seqlens)
+    o, h_final = ChunkDeltaRuleTriton.apply(q, k, v, beta, g, initial_state, scale, cu_seqlens,
+                                            backward_can_follow(q, k, v, beta, g, initial_state))
     return o, (h_final if output_final_state else None)
+
+
+# Argument types of the kernels for ahead-of-time compilation (benchmarks/triton_resources.py):
+# "*in" is the input dtype; the rest as the launchers above allocate them.
+_ARG_TYPES = {
+    **dict.fromkeys(["q", "k", "v", "beta", "g", "o", "do", "dq", "dk", "dv", "dbeta", "dg"], "*in"),
+    **dict.fromkeys(["ainv", "w", "u", "states", "dstates", "du", "h0", "h_final", "dh_final", "dh0"], "*fp32"),
+    "cu_seqlens": "*i64", "chunk_indices": "*i32", "chunk_offsets": "*i32", "scale": "fp32", "H": "i32",
+}
+
+
+def kernel_specs(dtypes, dims, gated_modes):
+    """``(name, jit fn, dtype, K, types, constexprs, configs)`` rows: every kernel as the launchers call it.
+
+    Sizes are K = V = each of ``dims``; block sizes are the largest the launchers pick
+    (the worst case for shared memory and registers); flags that add work are on.
+    """
+    from . import _decode_kernel
+
+    prec = {"fp32": _precision(torch.empty(0)), "bf16": _precision(torch.empty(0, dtype=torch.bfloat16)),
+            "fp16": _precision(torch.empty(0, dtype=torch.float16))}
+    for dtype in dtypes:
+        for dim in dims:
+            bk = _block(dim, 256)
+            bv = _block(dim, 64 if bk <= 128 else 32)
+            for gated in gated_modes:
+                types = dict(_ARG_TYPES, bcum="*fp32" if gated else "*in")
+                common = dict(K=dim, V=dim, BT=BT, BK=bk, BV=bv, GATED=gated, PREC=prec[dtype])
+                yield ("wy_fwd", kernels._wy_fwd_kernel, dtype, dim, gated, types, common, CONFIGS["wy_fwd"])
+                yield ("state_fwd", kernels._state_fwd_kernel, dtype, dim, gated, types,
+                       dict(common, HAS_H0=True, STORE_FINAL=True, SAVE_STATES=True), CONFIGS["state_fwd"])
+                yield ("state_bwd", kernels._state_bwd_kernel, dtype, dim, gated, types,
+                       dict(common, HAS_DHT=True, STORE_DH0=True), CONFIGS["state_bwd"])
+                if not use_torch_backward_block(bk):
+                    yield ("grads", kernels._grads_kernel, dtype, dim, gated, types,
+                           dict(common, BV=_block(dim, 32)), CONFIGS["grads"])
+                yield ("decode_step", _decode_kernel._delta_step_kernel, dtype, dim, gated,
+                       dict(_ARG_TYPES, state="*fp32", K="i32", V="i32"),
+                       dict(BK=bk, BV=min(32, bk), GATED=gated), _decode_kernel.CONFIGS)

@@ -66,6 +66,12 @@ def delta_rule_step_ref(
     return o.to(v.dtype), state
 
 
+def step_grid(batch: int, heads: int, value_dim: int, bv: int) -> Tuple[int, int]:
+    """Grid of the step kernel: (batch, head) on axis 0, which CUDA allows up to 2³¹ − 1
+    (axes 1 and 2 stop at 65,535, which B·H passes at batch 4,096 with 16 heads)."""
+    return batch * heads, -(-value_dim // bv)
+
+
 def delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     g: Optional[torch.Tensor] = None, scale: Optional[float] = None, backend: str = "auto",
@@ -106,7 +112,7 @@ def delta_rule_step(
     bk = max(16, triton.next_power_of_2(dk))
     bv = min(32, max(16, triton.next_power_of_2(dv)))
     batch, heads = q.shape[:2]
-    delta_step[(triton.cdiv(dv, bv), batch * heads)](
+    delta_step[step_grid(batch, heads, dv, bv)](
         q, k, v, beta, g if g is not None else beta, state, o, scale, dk, dv, BK=bk, BV=bv, GATED=g is not None,
     )
     return o, state

@@ -1,0 +1,340 @@
+"""flash-linear-attention (fla 0.6.0) call forms: every fla argument we accept, alias or refuse.
+
+Code written for fla, and ``transformers`` models that call fla's gated ops, should
+run on :mod:`fastweights.ops` unchanged. This module is the one place that turns
+fla's options into our plain ``(q, k, v, beta, g, initial_state)`` arguments; the
+public ops call :func:`fla_inputs` first and then run as usual.
+
+Accepted (same meaning as in fla):
+
+==============================  ============================================================
+argument                        what we do
+==============================  ============================================================
+``use_qk_l2norm_in_kernel``     ``qk_norm="l2"``: ``x · rsqrt(Σx² + 1e-6)``, fla's formula
+``use_beta_sigmoid_in_kernel``  β = sigmoid(beta) (gated ops)
+``allow_neg_eigval``            with the sigmoid, β = 2·sigmoid(beta) ∈ (0, 2); without it
+                                β is taken as given and may lie in [0, 2] (fla raises a
+                                ``ValueError`` there; ours is the wider contract)
+``use_gate_in_kernel``,         g = −exp(A_log) · softplus(g + dt_bias), computed in fp32
+``A_log``, ``dt_bias``          (fp64 for fp64 inputs); ``A_log``/``dt_bias`` are ``[HV]``;
+                                without ``use_gate_in_kernel`` they are ignored, as in fla
+grouped value heads             ``v [B, T, HV, V]`` with HV a multiple of H: q/k head i
+                                serves value heads i·HV/H … (i+1)·HV/H − 1 (gated and
+                                delta ops; fla has it on the gated ones)
+``beta=None``                   β = 1 (fla's ``fused_recurrent_*`` default)
+``g=None`` (gated ops)          no decay, g = 0 (fla's ``fused_recurrent_*`` default)
+bf16/fp16 ``initial_state``     cast to the state dtype (fp32, fp64 for fp64 inputs)
+``state_v_first`` (gated ops)   the states in and out are ``[N, HV, V, K]`` (transposed at
+                                the boundary; fla's GatedDeltaNet layer passes True);
+                                ``transpose_state_layout``, its deprecated name, too
+``cu_seqlens_cpu``              a host copy of ``cu_seqlens``; used when ``cu_seqlens`` is None
+``chunk_indices``               ignored (fla's precomputed chunk table; we derive our own)
+``**kwargs``                    names in :data:`PASS_THROUGH` are ignored silently; any other
+                                name is ignored with one ``UserWarning`` per name
+==============================  ============================================================
+
+Refused with a ``ValueError`` naming the argument (they would change the result
+and we have no equivalent): ``gk``/``gv`` (per-channel decays), ``state_v_first``
+/ ``transpose_state_layout`` = True on the (ungated) delta rule, ``reverse=True``,
+``head_first=True``, ``cp_context`` (context parallelism).
+
+Aliases with fla's exact signatures (positional order included):
+:func:`fused_recurrent_delta_rule`, :func:`fused_recurrent_gated_delta_rule`
+(aliases of the recurrent forms), :func:`fused_recurrent_linear_attn` (recurrent
+form) and :func:`fused_chunk_linear_attn` (chunk form).
+
+Where fla's defaults differ from ours (docs: README, "fla compatibility"):
+
+=====================================  =====================  ======================
+what                                   fla 0.6.0              fastweights
+=====================================  =====================  ======================
+``normalize`` of ``chunk_linear_attn``  True                   False (the alias
+                                                               ``fused_chunk_linear_attn``
+                                                               keeps fla's True)
+normalizer ε of linear attention       1e-10                  1e-6 (``eps``; the aliases
+                                                               pass 1e-10)
+normalized linear-attention state      tuple ``(S, z)``,      one ``[N, H, K, V + 1]``
+                                       z ``[N, 1, H, K]``     tensor (aliases: fla's tuple)
+``chunk_size`` of the gated chunk op    16, 32 or 64           any positive int
+q/k feature map, ``qk_norm``           none                   ``feature_map``, ``qk_norm``
+=====================================  =====================  ======================
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import state_dtype
+
+__all__ = [
+    "PASS_THROUGH", "fla_inputs", "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_linear_attn", "fused_chunk_linear_attn",
+]
+
+# Keyword arguments that callers (transformers' models, fla's layers) pass through the
+# ops and that cannot change an op's result: ignored without a word.
+PASS_THROUGH = frozenset({
+    # transformers' per-call model kwargs (TransformersKwargs and friends)
+    "use_cache", "output_attentions", "output_hidden_states", "output_router_logits", "return_dict",
+    "position_ids", "cache_position", "past_key_values", "position_embeddings", "logits_to_keep",
+    "num_items_in_batch", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    # fla's hints about how to run, not what to compute
+    "chunk_indices",
+})
+
+# fla arguments that select a computation we do not have: refused while "on".
+_REFUSED = {
+    "gk": "per-key-channel decays (gk) are not supported; pass a per-head log decay `g` [B, T, H]",
+    "gv": "per-value-channel decays (gv) are not supported; pass a per-head log decay `g` [B, T, H]",
+    "state_v_first": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
+    "transpose_state_layout": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
+    "reverse": "reverse-time scans are not supported",
+    "head_first": "inputs are always [B, T, H, D] (fla removed head_first too)",
+    "cp_context": "context parallelism is not supported",
+}
+
+_warned: set = set()
+
+
+def _refuse_or_ignore(op: str, kwargs: dict) -> None:
+    """Refuse the fla options we cannot honour; ignore pass-through names; warn once for the rest."""
+    for name, value in kwargs.items():
+        if name in _REFUSED:
+            if value is not None and value is not False:
+                raise ValueError(f"{op}: `{name}`={value!r} is not supported: {_REFUSED[name]}")
+        elif name not in PASS_THROUGH and (op, name) not in _warned:
+            _warned.add((op, name))
+            warnings.warn(
+                f"{op}: ignoring unknown keyword argument `{name}` (not an option of this op; "
+                f"see fastweights.ops._fla_compat for the arguments taken from fla)",
+                UserWarning, stacklevel=4,
+            )
+
+
+def _head_param(op: str, name: str, t, heads: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{op}: `{name}` must be a floating-point tensor of shape [HV]=[{heads}], got {what}")
+    if tuple(t.shape) != (heads,):
+        raise ValueError(f"{op}: `{name}` must have shape [HV] = [{heads}], got {list(t.shape)}")
+    return t
+
+
+def fla_inputs(
+    op: str,
+    q, k, v, beta, g, initial_state, cu_seqlens,
+    *,
+    gated: bool,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    kwargs: Optional[dict] = None,
+):
+    """Translate fla's options into plain op inputs; see the module docstring.
+
+    Returns ``(q, k, beta, g, initial_state, cu_seqlens)``. q and k come back with
+    HV heads when v has more heads than q (grouped value heads);
+    β and g come back in the compute dtype when computed here. Shapes are checked
+    by the op's own validation afterwards, except the ones only this step knows.
+    """
+    _refuse_or_ignore(op, kwargs or {})
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4 and v.dim() == 4):
+        return q, k, beta, g, initial_state, cu_seqlens  # the op's validation names the problem
+    dt = state_dtype(q.dtype)
+
+    if cu_seqlens is None and cu_seqlens_cpu is not None:
+        if not isinstance(cu_seqlens_cpu, torch.Tensor):
+            raise TypeError(f"{op}: `cu_seqlens_cpu` must be a LongTensor [N+1], got {type(cu_seqlens_cpu).__name__}")
+        cu_seqlens = cu_seqlens_cpu.to(q.device)
+
+    h, hv = q.shape[2], v.shape[2]
+    if hv != h and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] == h:
+        if hv % h:
+            raise ValueError(
+                f"{op}: `v` has {hv} heads, which is not a multiple of the {h} heads of `q`/`k` "
+                f"(grouped value heads need HV = r·H); got v {list(v.shape)}, q {list(q.shape)}"
+            )
+        q, k = q.repeat_interleave(hv // h, dim=2), k.repeat_interleave(hv // h, dim=2)
+
+    if gated:
+        if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
+            beta = torch.sigmoid(beta.to(dt)) * (2.0 if allow_neg_eigval else 1.0)
+
+        if use_gate_in_kernel:
+            if g is None:
+                raise ValueError(f"{op}: `use_gate_in_kernel=True` needs `g`, the raw gate input [B, T, HV]")
+            if A_log is None:
+                raise ValueError(f"{op}: `use_gate_in_kernel=True` needs `A_log` [HV]=[{v.shape[2]}]")
+            a = _head_param(op, "A_log", A_log, v.shape[2]).to(dt)
+            x = g.to(dt)
+            if dt_bias is not None:
+                x = x + _head_param(op, "dt_bias", dt_bias, v.shape[2]).to(dt)
+            g = -torch.exp(a) * F.softplus(x)
+        elif g is None:
+            g = torch.zeros(v.shape[:3], dtype=dt, device=v.device)  # no decay
+    if beta is None:
+        beta = torch.ones(v.shape[:3], dtype=dt, device=v.device)
+
+    if (isinstance(initial_state, torch.Tensor) and initial_state.dtype in (torch.float16, torch.bfloat16)
+            and dt != initial_state.dtype):
+        initial_state = initial_state.to(dt)
+    return q, k, beta, g, initial_state, cu_seqlens
+
+
+def accepts_state_v_first(op):
+    """Decorator for the gated ops: fla's ``state_v_first`` (or ``transpose_state_layout``)
+    = True means the caller's states are ``[N, HV, V, K]``; transpose the initial state in
+    and the final state out, so the op itself only sees our ``[N, HV, K, V]``."""
+
+    @functools.wraps(op)
+    def wrapper(*args, **kwargs):
+        v_first = bool(kwargs.pop("state_v_first", False)) | bool(kwargs.pop("transpose_state_layout", False))
+        if not v_first:
+            return op(*args, **kwargs)
+        bound = inspect.signature(op).bind_partial(*args, **kwargs)
+        h0 = bound.arguments.get("initial_state")
+        if isinstance(h0, torch.Tensor) and h0.dim() == 4:
+            bound.arguments["initial_state"] = h0.transpose(-1, -2)
+        o, h = op(*bound.args, **bound.kwargs)
+        return o, (None if h is None else h.transpose(-1, -2))
+
+    return wrapper
+
+
+# -- aliases with fla's signatures -----------------------------------------------------------
+
+
+def fused_recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Alias of :func:`~fastweights.ops.recurrent_delta_rule` with fla's signature
+    (``beta=None`` means β = 1)."""
+    from .delta_rule import recurrent_delta_rule
+
+    return recurrent_delta_rule(
+        q, k, v, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Alias of :func:`~fastweights.ops.recurrent_gated_delta_rule` with fla's signature.
+
+    Note fla's positional order ``(q, k, v, g, gk, gv, beta, ...)``: pass ``beta`` by
+    name. ``gk``/``gv`` and ``state_v_first=True`` are refused (module docstring).
+    """
+    from .gated_delta_rule import recurrent_gated_delta_rule
+
+    return recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        gk=gk, gv=gv, state_v_first=state_v_first, **kwargs,
+    )
+
+
+FlaLinearState = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None]
+
+
+def _linear_attn_alias(op: str, form, q, k, v, scale, initial_state: FlaLinearState, output_final_state,
+                       normalize, cu_seqlens, reverse=False):
+    """Run our linear attention with fla's state convention: with ``normalize`` the state
+    is the tuple ``(S [N, H, K, V], z [N, 1, H, K])``; a bare S means z = 0."""
+    _refuse_or_ignore(op, {"reverse": reverse})
+    h0 = initial_state
+    if normalize and initial_state is not None:
+        if isinstance(initial_state, (tuple, list)):
+            if len(initial_state) != 2:
+                raise ValueError(f"{op}: `initial_state` must be S or the tuple (S, z), got {len(initial_state)} items")
+            s0, z0 = initial_state
+        else:
+            s0, z0 = initial_state, None
+        if not isinstance(s0, torch.Tensor) or s0.dim() != 4:
+            raise ValueError(f"{op}: `initial_state` S must be a [N, H, K, V] tensor, got {getattr(s0, 'shape', s0)!r}")
+        z_col = s0.new_zeros(s0.shape[:3] + (1,)) if z0 is None else z0.reshape(s0.shape[0], s0.shape[1], s0.shape[2], 1)
+        h0 = torch.cat([s0, z_col.to(s0.dtype)], dim=-1)
+    if isinstance(h0, torch.Tensor) and h0.dtype in (torch.float16, torch.bfloat16) and h0.dtype != state_dtype(q.dtype):
+        h0 = h0.to(state_dtype(q.dtype))
+    o, h = form(q, k, v, scale=scale, initial_state=h0, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, normalize=normalize, eps=1e-10)
+    if h is not None and normalize:
+        n, nh, dk = h.shape[:3]
+        h = (h[..., :-1], h[..., -1].reshape(n, 1, nh, dk))
+    return o, h
+
+
+def fused_recurrent_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: FlaLinearState = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    normalize: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+):
+    """Alias of :func:`~fastweights.ops.recurrent_linear_attn` with fla's signature and
+    state convention (``normalize`` default False, ε = 1e-10, state ``(S, z)`` when
+    normalized). ``reverse=True`` is refused."""
+    from .linear_attn import recurrent_linear_attn
+
+    return _linear_attn_alias("fused_recurrent_linear_attn", recurrent_linear_attn, q, k, v, scale,
+                              initial_state, output_final_state, normalize, cu_seqlens, reverse)
+
+
+def fused_chunk_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: FlaLinearState = None,
+    output_final_state: bool = False,
+    normalize: bool = True,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+):
+    """Alias of :func:`~fastweights.ops.chunk_linear_attn` with fla's signature and state
+    convention (``normalize`` default **True**, as in fla; ε = 1e-10; state ``(S, z)``
+    when normalized)."""
+    from .linear_attn import chunk_linear_attn
+
+    return _linear_attn_alias("fused_chunk_linear_attn", chunk_linear_attn, q, k, v, scale,
+                              initial_state, output_final_state, normalize, cu_seqlens)
