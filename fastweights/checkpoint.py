@@ -5,26 +5,38 @@ A checkpoint is a folder::
     ckpt-000200/
         config.json             the LMConfig (plain JSON)
         model.safetensors       the weights; its metadata repeats the config and the format
-        train.json              (training only) step, configs, loss history, optimizer hyperparameters
+        train.json              (training only) run id, step, configs, loss history, optimizer hyperparameters
         train_state.safetensors (training only) optimizer moments and RNG state
+        manifest.json           the SHA-256 and size of every other file, written last
 
 A run folder holds several of them and a ``latest`` file naming the newest.
 Writing goes to ``ckpt-000200.tmp-<pid>/`` first and is then renamed into place
 (``os.replace``), and ``latest`` is replaced the same way afterwards: a run killed
 at any instant leaves either the old checkpoint or the new one, never half of one.
+A write that fails (a full disk) removes its temp folder and raises
+:class:`CheckpointWriteError` in one line; what was there before is untouched.
+Every folder that is on its way out (a replaced or pruned checkpoint) is first
+renamed to a ``*.tmp-*`` name, so a kill in the middle of deleting it never
+leaves a half checkpoint under a checkpoint's name; :func:`clean_stray` removes
+such leftovers when the next run takes the folder.
 
-Loading reads only JSON and safetensors (no pickle, no ``torch.load``), and checks
-that the weights match the config exactly; anything else raises
-:class:`CheckpointError` (a ``ValueError``) saying what is wrong.
+Loading reads only JSON and safetensors (no pickle, no ``torch.load``), checks every
+file against the manifest's SHA-256 (a flipped bit in the weights is refused, not
+trained on), checks that the weights match the config exactly, and checks
+``train.json`` against its schema (:func:`check_train_state`); anything else raises
+:class:`CheckpointError` (a ``ValueError``) in one line saying what is wrong.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,15 +45,23 @@ from .models import LM, LMConfig
 
 FORMAT = "fastweights-lm-1"
 LATEST = "latest"
+MANIFEST = "manifest.json"
+CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
+STRAY = re.compile(r"\.tmp-|\.tmp$")  # temp folders/files of writers that are gone
 
 __all__ = [
-    "CheckpointError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
-    "resolve_checkpoint", "optimizer_to_flat", "optimizer_from_flat", "FORMAT",
+    "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
+    "resolve_checkpoint", "optimizer_to_flat", "optimizer_from_flat", "check_train_state",
+    "load_training_checkpoint", "FORMAT",
 ]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or does not match its config."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a read-only folder); nothing was replaced."""
 
 
 @dataclass
@@ -107,35 +127,88 @@ def save_checkpoint(
     """
     from safetensors.torch import save_file
 
+    from safetensors import SafetensorError
+
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    config_text = model.config.to_json()
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    save_file(_weights_of(model), os.path.join(tmp, "model.safetensors"),
-              metadata={"format": FORMAT, "config": config_text, "dtype": dtype})
-    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config_text)
-    if train is not None:
-        with open(os.path.join(tmp, "train.json"), "w", encoding="utf-8") as f:
-            json.dump(train, f, indent=1)
-    if train_tensors:
-        save_file({k: v.contiguous().cpu() for k, v in train_tensors.items()},
-                  os.path.join(tmp, "train_state.safetensors"), metadata={"format": FORMAT})
-    for name in os.listdir(tmp):  # make the bytes durable before the rename publishes them
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
+    try:
+        os.makedirs(tmp)
+        config_text = model.config.to_json()
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        save_file(_weights_of(model), os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": FORMAT, "config": config_text, "dtype": dtype})
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            f.write(config_text)
+        if train is not None:
+            with open(os.path.join(tmp, "train.json"), "w", encoding="utf-8") as f:
+                json.dump(train, f, indent=1)
+        if train_tensors:
+            save_file({k: v.contiguous().cpu() for k, v in train_tensors.items()},
+                      os.path.join(tmp, "train_state.safetensors"), metadata={"format": FORMAT})
+        files = {name: _file_digest(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "files": files}, f, indent=1)
+        for name in os.listdir(tmp):  # make the bytes durable before the rename publishes them
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+    except (OSError, SafetensorError) as e:  # a full disk, a read-only folder: undo, then say so
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {_reason(e)}") from None
+    except BaseException:  # an interrupt mid-write: leave nothing half-written behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if os.path.isdir(path):
-        old = f"{path}.old-{os.getpid()}"
+        old = f"{path}.tmp-old-{os.getpid()}"
         os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
     return path
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f" ({e.filename})" if e.filename else "")
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _file_digest(file: str) -> Dict[str, Any]:
+    """``{"sha256": hex, "bytes": size}`` of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"sha256": digest.hexdigest(), "bytes": os.path.getsize(file)}
+
+
+def verify_manifest(path: str) -> None:
+    """Check every file of a checkpoint against its ``manifest.json`` (SHA-256 and size).
+
+    Checkpoints written before manifests existed have none and are only structurally checked.
+    """
+    manifest_file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_file):
+        return
+    try:
+        with open(manifest_file, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        entries = [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from None
+    for name, sha256, size in entries:
+        file = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(file):
+            raise CheckpointError(f"{path}: checkpoint file {name} listed in {MANIFEST} is missing")
+        found = _file_digest(file)
+        if found["bytes"] != size or found["sha256"] != sha256:
+            raise CheckpointError(
+                f"{path}: checkpoint file {name} fails its SHA-256 check ({found['bytes']} bytes, sha256 "
+                f"{found['sha256'][:16]}..., expected {size} bytes, {sha256[:16]}...): the file is corrupt"
+            )
 
 
 def mark_latest(run_dir: "str | os.PathLike", checkpoint: "str | os.PathLike") -> None:
@@ -178,6 +251,7 @@ def _read_safetensors(file: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str
 def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
     """Read and check a checkpoint (or a run folder's latest); no code is executed."""
     path = resolve_checkpoint(path)
+    verify_manifest(path)
     weights, metadata = _read_safetensors(os.path.join(path, "model.safetensors"))
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: model.safetensors has format {metadata.get('format')!r}, expected {FORMAT!r}")
@@ -202,12 +276,126 @@ def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
         try:
             with open(os.path.join(path, "train.json"), encoding="utf-8") as f:
                 train = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: train.json is corrupt: {e}") from None
         state_file = os.path.join(path, "train_state.safetensors")
         if os.path.exists(state_file):  # absent for a finished model saved without its optimizer
             train_tensors, _ = _read_safetensors(state_file)
     return Checkpoint(path, config, weights, train, train_tensors)
+
+
+def load_training_checkpoint(path: "str | os.PathLike") -> Checkpoint:
+    """:func:`load_checkpoint` for resuming: the training state must be there and pass
+    :func:`check_train_state`."""
+    ckpt = load_checkpoint(path)
+    if ckpt.train is None or "rng.torch" not in ckpt.train_tensors:
+        raise CheckpointError(f"{ckpt.path} holds a model but no training state (train.json, train_state.safetensors); it cannot be resumed")
+    check_train_state(ckpt.train, ckpt.train_tensors, f"{ckpt.path}/train.json")
+    return ckpt
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def check_train_state(train, tensors: Dict[str, torch.Tensor], where: str = "train.json") -> None:
+    """Check ``train.json`` against its schema and against itself; one-line :class:`CheckpointError`.
+
+    Schema: an object with ``step`` (int >= 0), ``history`` (one record per step,
+    ``{"step": 1..step, "loss": number, ...}``), ``evals`` (a list of records with
+    ``step`` <= step), ``train_config`` (an object), ``optimizer`` (an object) and,
+    since run ids exist, ``run_id`` (a string). The step must be the one the history
+    and the optimizer's own step counters reached: a ``step`` edited to 999 in a
+    20-step checkpoint is refused rather than resumed from the wrong place.
+    """
+    def fail(message: str):
+        raise CheckpointError(f"{where}: {message}")
+
+    if not isinstance(train, dict):
+        fail(f"expected a JSON object, got {type(train).__name__} {json.dumps(train)[:40]}")
+    for key, kind, check in (("step", "an int >= 0", lambda x: _is_int(x) and x >= 0),
+                             ("history", "a list", lambda x: isinstance(x, list)),
+                             ("evals", "a list", lambda x: isinstance(x, list)),
+                             ("train_config", "an object", lambda x: isinstance(x, dict)),
+                             ("optimizer", "an object", lambda x: isinstance(x, dict)),
+                             ("run_id", "a string", lambda x: isinstance(x, str) and x)):
+        if key not in train:
+            if key != "run_id":  # checkpoints from before run ids have none
+                fail(f"`{key}` is missing (expected {kind})")
+            continue
+        if not check(train[key]):
+            fail(f"`{key}` must be {kind}, got {json.dumps(train[key])[:40]}")
+    step, history = train["step"], train["history"]
+    for i, record in enumerate(history):
+        if not isinstance(record, dict) or record.get("step") != i + 1 or not _is_number(record.get("loss")):
+            fail(f"`history[{i}]` must be {{\"step\": {i + 1}, \"loss\": <number>, ...}}, got {json.dumps(record)[:60]}")
+    if len(history) != step:
+        fail(f"`step`={step} does not match the history, which ends at step {len(history)}")
+    for i, record in enumerate(train.get("evals", [])):
+        if not isinstance(record, dict) or not _is_int(record.get("step")) or not 0 < record["step"] <= step:
+            fail(f"`evals[{i}]` must be an object with a `step` in 1..{step}, got {json.dumps(record)[:60]}")
+    for key, value in tensors.items():  # AdamW counts its own steps: they must agree
+        if key.startswith("optimizer.") and key.endswith(".step") and value.numel() == 1 and float(value) != step:
+            fail(f"`step`={step} does not match the optimizer state ({key} = {float(value):g})")
+
+
+def checkpoint_step(name: str) -> Optional[int]:
+    """The step of a checkpoint folder name ``ckpt-<step>``; ``None`` for any other name."""
+    match = CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def run_id_of(path: str) -> Optional[str]:
+    """The run id in a checkpoint's train.json (``None`` if it has none or cannot be read)."""
+    try:
+        with open(os.path.join(path, "train.json"), encoding="utf-8") as f:
+            run_id = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def run_checkpoints(run_dir: str, run_id: Optional[str] = None) -> List[Tuple[int, str]]:
+    """``(step, folder)`` of the checkpoints in ``run_dir`` sorted by step (not by name:
+    ``ckpt-1000000`` comes after ``ckpt-999999``); only run ``run_id``'s if given."""
+    found = []
+    for name in os.listdir(run_dir):
+        step = checkpoint_step(name)
+        folder = os.path.join(run_dir, name)
+        if step is not None and os.path.isdir(folder) and (run_id is None or run_id_of(folder) == run_id):
+            found.append((step, folder))
+    return sorted(found)
+
+
+def remove_folder(folder: str) -> None:
+    """Delete a folder so that no kill leaves half of it under its name: rename it to a
+    ``*.tmp-*`` name first (atomic), then delete that (:func:`clean_stray` finishes the job
+    if this process dies in between)."""
+    doomed = f"{folder}.tmp-del-{os.getpid()}"
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_stray(run_dir: str) -> List[str]:
+    """Remove the temp folders and files (``*.tmp-*``) that killed writers left in ``run_dir``;
+    call it only while holding the run folder's lock. Returns their names."""
+    removed = []
+    for name in sorted(os.listdir(run_dir)):
+        if STRAY.search(name):
+            target = os.path.join(run_dir, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                try:
+                    os.remove(target)
+                except OSError:
+                    pass
+            removed.append(name)
+    return removed
 
 
 def _diff(a, b) -> str:

@@ -11,6 +11,7 @@ part of the library owns its command line::
     fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
     fastweights study NAME    reproduce a seed's experiment (capacity, costs, retrieval, mqar)
     fastweights lab           the seeds' demos as a local web page (sliders; numbers from the ops)
+    fastweights hf            convert a checkpoint to a transformers folder and back (needs transformers)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ COMMANDS = {
     "eval": "fastweights.commands.eval",
     "demo": "fastweights.commands.demo",
     "lab": "fastweights.commands.lab",
+    "hf": "fastweights.commands.hf",
 }
 
 
@@ -77,6 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(args.func(args) or 0)
     except ValueError as e:  # bad input (a config, a file, a prompt): the message, not a traceback
         parser.exit(2, f"fastweights {args.command}: error: {e}\n")
+    except KeyboardInterrupt:  # Ctrl-C outside a loop that handles it: one line, the shell's code
+        parser.exit(130, f"fastweights {args.command}: interrupted\n")
 
 
 if __name__ == "__main__":

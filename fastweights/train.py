@@ -12,16 +12,24 @@ Data parallelism (``torchrun --nproc_per_node=P``, gloo on the CPU): every proce
 draws the same global batch of step s and keeps its 1/P slice; the loss is the sum
 of token losses divided by the global number of target tokens, and gradients are
 summed across processes, so P processes take exactly the step one process takes
-on the whole batch (up to the order of float additions).
+on the whole batch (up to the order of float additions). Every collective has a
+deadline (``ddp_timeout``): a rank that stops answering (stopped, swapped out,
+deadlocked) ends the job on every other rank with a message naming it, from the
+per-step heartbeats the ranks leave in the process group's store; rank 0 also logs
+a heartbeat line while the job runs.
+
+The run folder belongs to one run at a time (``run_folder.py``: lock, run id,
+pruning within the run, SIGINT/SIGTERM saving a checkpoint before exiting).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
-import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -32,10 +40,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import (
-    load_checkpoint, load_weights, mark_latest, optimizer_from_flat, optimizer_to_flat, save_checkpoint,
+    CheckpointWriteError, load_training_checkpoint, load_weights, mark_latest, optimizer_from_flat,
+    optimizer_to_flat, save_checkpoint,
 )
 from .config import Config
 from .models import LM, LMConfig
+from .run_folder import (
+    RunFolderError, RunLock, StopSignals, TrainingInterrupted, claim_run_folder, describe_latest, new_run_id,
+    prune_checkpoints,
+)
 from .tasks import IGNORE, AssociativeRecall, ByteText
 
 __all__ = ["TrainConfig", "train", "make_task", "evaluate", "evaluate_tokens", "autocast", "TrainResult", "DTYPES",
@@ -75,6 +88,8 @@ class TrainConfig(Config):
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: autocast of the forward pass (bf16 and
             fp16 need ``dtype="float32"``; fp16 needs a CUDA device and uses a gradient scaler).
         threads: torch intra-op threads (0: leave torch's default).
+        ddp_timeout: seconds a data-parallel collective may wait for the other ranks
+            before every rank gives up, naming the silent one.
     """
 
     data: str = "recall"
@@ -101,6 +116,7 @@ class TrainConfig(Config):
     dtype: str = "float32"
     precision: str = "fp32"
     threads: int = 0
+    ddp_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, str) or not self.data:
@@ -114,6 +130,9 @@ class TrainConfig(Config):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig: `{name}` must be an int >= 0, got {value!r}")
+        if isinstance(self.ddp_timeout, bool) or not isinstance(self.ddp_timeout, (int, float)) \
+                or not math.isfinite(self.ddp_timeout) or self.ddp_timeout <= 0:
+            raise ValueError(f"TrainConfig: `ddp_timeout` must be a finite number of seconds > 0, got {self.ddp_timeout!r}")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
@@ -183,12 +202,99 @@ def _dist_info():
     return 0, 1
 
 
-def _maybe_init_distributed() -> bool:
-    """Join the process group torchrun set up (WORLD_SIZE > 1); True if this call created it."""
+def _maybe_init_distributed(timeout: float = 300.0) -> bool:
+    """Join the process group torchrun set up (WORLD_SIZE > 1); True if this call created it.
+    ``timeout``: seconds any collective may wait before it fails."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
         return True
     return False
+
+
+class DistributedTimeout(RuntimeError):
+    """A collective failed or timed out: a rank is silent or gone."""
+
+
+class Heartbeat:
+    """Per-rank liveness in the process group's store: ``beat(step)`` after every step.
+
+    When a collective fails, :meth:`silent_ranks` says which ranks stopped beating
+    (the oldest beats); rank 0 logs a heartbeat line every ``interval`` seconds.
+    The store is the one ``init_process_group`` made; without it (one process,
+    or a store that cannot be reached) the messages just say less.
+    """
+
+    KEY = "fastweights/heartbeat/{}"
+
+    def __init__(self, rank: int, world: int, interval: float, log: Callable[[str], None]) -> None:
+        self.rank, self.world, self.interval, self.log = rank, world, interval, log
+        self.store = None
+        if world > 1:
+            try:
+                self.store = dist.distributed_c10d._get_default_store()
+            except Exception:  # a private hook; the timeout still works without it
+                self.store = None
+        self.last_log = time.time()
+
+    def beat(self, step: int) -> None:
+        if self.store is None:
+            return
+        now = time.time()
+        self.store.set(self.KEY.format(self.rank), f"{step} {now}")
+        if self.rank == 0 and now - self.last_log >= self.interval:
+            self.last_log = now
+            beats = self.beats()
+            slowest = min(beats, key=lambda r: beats[r]) if beats else None
+            self.log(f"heartbeat: step {step}; {len(beats)} of {self.world} ranks reported"
+                     + (f", the last one rank {slowest} at step {beats[slowest][0]}, {now - beats[slowest][1]:.1f} s ago"
+                        if slowest is not None else ""))
+
+    def beats(self):
+        """``{rank: (step, unix time)}`` of the ranks that have beaten."""
+        found = {}
+        for r in range(self.world):
+            key = self.KEY.format(r)
+            try:
+                if self.store.check([key]):
+                    step, when = self.store.get(key).decode().split()
+                    found[r] = (int(step), float(when))
+            except Exception:  # the store itself may be gone with a dead rank
+                break
+        return found
+
+    def failure(self, what: str, error: BaseException) -> DistributedTimeout:
+        """The error to raise when a collective failed: which ranks went silent, and since when."""
+        beats = self.beats() if self.store is not None else {}
+        now = time.time()
+        others = [r for r in range(self.world) if r != self.rank]
+        mine = beats.get(self.rank, (None, now))[0]
+        behind = [r for r in others if r not in beats or (mine is not None and beats[r][0] < mine)]
+        if not behind and beats:
+            behind = [min(others, key=lambda r: beats.get(r, (0, 0.0))[1])]
+        if behind:
+            described = ", ".join(
+                f"rank {r} (silent for {now - beats[r][1]:.1f} s, last heartbeat at step {beats[r][0]})" if r in beats
+                else f"rank {r} (no heartbeat)" for r in behind)
+        else:
+            described = "a rank that could not be identified (the store is unreachable)"
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        return DistributedTimeout(
+            f"train: rank {self.rank} gave up on {what}: waiting for {described}; "
+            f"the job stops on every rank (--ddp-timeout; {reason})"
+        )
+
+
+_HEARTBEAT: Optional[Heartbeat] = None  # the running loop's, for the collectives below
+
+
+def _collective(what: str, fn, *args) -> None:
+    """Run one collective; a failure (timeout, a rank gone) becomes :class:`DistributedTimeout`."""
+    try:
+        fn(*args)
+    except RuntimeError as e:
+        if _HEARTBEAT is None or isinstance(e, DistributedTimeout):
+            raise
+        raise _HEARTBEAT.failure(what, e) from None
 
 
 def _all_reduce_(tensors: List[torch.Tensor]) -> None:
@@ -196,7 +302,7 @@ def _all_reduce_(tensors: List[torch.Tensor]) -> None:
     if _dist_info()[1] == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
+    _collective("an all-reduce", dist.all_reduce, flat)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -334,8 +440,11 @@ def _metrics_path(out_dir: str) -> str:
 
 def _write_metrics(out_dir: Optional[str], record: Dict[str, Any]) -> None:
     if out_dir is not None:
-        with open(_metrics_path(out_dir), "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(_metrics_path(out_dir), "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: one line, not a traceback
+            raise RunFolderError(f"train: could not append to {_metrics_path(out_dir)}: {e.strerror or e}") from None
 
 
 def train(
@@ -344,6 +453,7 @@ def train(
     out_dir: Optional[str] = None,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: Optional[bool] = None,
     log: Callable[[str], None] = print,
     desc: str = "train",
@@ -356,26 +466,60 @@ def train(
         out_dir: run folder for checkpoints and ``metrics.jsonl`` (``None``: write nothing).
         resume: continue from ``out_dir``'s latest checkpoint; the stored configs are
             used (only ``steps`` and the eval/save cadence may differ).
+        overwrite: replace the run ``out_dir`` holds (without it, or ``resume``, a
+            folder with another run's checkpoints is refused).
         progress: show a progress bar (``None``: only on a terminal and not under CI).
         log: where evaluation lines go.
+
+    Raises:
+        RunFolderError: ``out_dir`` is locked by another trainer, or holds another run.
+        TrainingInterrupted: SIGINT/SIGTERM stopped the run after a step (and a
+            checkpoint); its ``exit_code`` is 130 or 143.
+        DistributedTimeout: a data-parallel rank went silent for ``ddp_timeout`` s.
 
     Returns:
         :class:`TrainResult` with the model, the per-step losses and the evaluations.
     """
-    created = _maybe_init_distributed()
+    global _HEARTBEAT
+    if resume and out_dir is None:
+        raise ValueError("train: `resume` needs the run folder `out_dir`")
+    created = _maybe_init_distributed(config.ddp_timeout)
     rank, world = _dist_info()
     threads = torch.get_num_threads()
+    lock = RunLock(out_dir) if out_dir is not None and rank == 0 else None
     try:
+        if lock is not None:
+            error = None
+            try:
+                lock.acquire(log)
+                claim_run_folder(out_dir, resume=resume, overwrite=overwrite, log=log)
+            except ValueError as e:
+                error = e
+            if world > 1:  # every rank learns whether rank 0 may use the folder
+                flag = torch.tensor([float(error is not None)])
+                dist.broadcast(flag, 0)
+            if error is not None:
+                raise error
+        elif world > 1 and out_dir is not None:
+            flag = torch.tensor([0.0])
+            dist.broadcast(flag, 0)
+            if flag.item():
+                raise RunFolderError(f"train: rank 0 could not take the run folder {out_dir}; see its message")
+        _HEARTBEAT = Heartbeat(rank, world, min(60.0, config.ddp_timeout / 2), log)
         if config.threads:
             torch.set_num_threads(config.threads)
-        return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world)
+        with StopSignals(on_force=lock.release if lock is not None else lambda: None) as stop:
+            return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop)
     finally:
+        _HEARTBEAT = None
         torch.set_num_threads(threads)  # a setting of this run, not of the caller's process
+        if lock is not None:
+            lock.release()
         if created:
             dist.destroy_process_group()
 
 
-def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world) -> TrainResult:
+def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None) -> TrainResult:
     if config.batch_size % world:
         raise ValueError(f"train: `batch_size`={config.batch_size} must be divisible by the number of processes ({world})")
     task = make_task(config)
@@ -394,14 +538,11 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     optimizer = make_optimizer(model, config)
     # fp16 gradients can underflow: scale the loss up, unscale before clipping (a no-op otherwise)
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
-    start, history, evals = 0, [], []
+    start, history, evals, run_id = 0, [], [], new_run_id()
 
     if resume:
-        if out_dir is None:
-            raise ValueError("train: `resume` needs the run folder `out_dir`")
-        ckpt = load_checkpoint(out_dir)
-        if ckpt.train is None or not ckpt.train.get("optimizer") or "rng.torch" not in ckpt.train_tensors:
-            raise ValueError(f"train: {ckpt.path} holds a model but no optimizer state; it cannot be resumed")
+        ckpt = load_training_checkpoint(out_dir)
+        run_id = ckpt.train.get("run_id") or run_id  # checkpoints from before run ids get one now
         load_weights(model, ckpt.weights, ckpt.path)
         optimizer.load_state_dict(optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
         torch.set_rng_state(ckpt.train_tensors["rng.torch"])
@@ -409,10 +550,6 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         if rank == 0:  # drop what the killed run logged after its last checkpoint
             _rewrite_metrics(out_dir, history, evals)
         log(f"resumed {ckpt.path} at step {start}")
-    elif out_dir is not None and rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        if os.path.exists(_metrics_path(out_dir)):
-            os.remove(_metrics_path(out_dir))
 
     per_rank = config.batch_size // world
     tokens_per_step = config.batch_size * task.seq_len
@@ -429,7 +566,9 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         inputs, targets = task.sample(config.batch_size, step_generator(config.seed, step))
         inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
         loss_sum, _ = token_losses(model, inputs, targets, config.precision)
-        counts = torch.tensor([float(loss_sum.detach()), float((targets != IGNORE).sum())], dtype=torch.float64)
+        # The third entry counts the ranks that got SIGINT/SIGTERM: all stop after the same step.
+        stopping = stop is not None and stop.requested is not None
+        counts = torch.tensor([float(loss_sum.detach()), float((targets != IGNORE).sum()), float(stopping)], dtype=torch.float64)
         _all_reduce_([counts])
         scaler.scale(loss_sum / counts[1].to(loss_sum.dtype)).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -455,6 +594,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
             _write_metrics(out_dir, record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        if _HEARTBEAT is not None:
+            _HEARTBEAT.beat(step + 1)
 
         last = step + 1 == config.steps
         if rank == 0 and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
@@ -468,11 +609,17 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
                 log(message)
             else:
                 bar.write(message)
-        if out_dir is not None and ((config.save_every and (step + 1) % config.save_every == 0) or last):
+        interrupted = counts[2] > 0
+        saved = None
+        if out_dir is not None and ((config.save_every and (step + 1) % config.save_every == 0) or last or interrupted):
             if rank == 0:
-                _save(out_dir, model, optimizer, model_config, config, task, step + 1, history, evals)
+                saved = _save(out_dir, model, optimizer, model_config, config, task, step + 1, history, evals, run_id)
             if world > 1:
-                dist.barrier()
+                _collective("the barrier after a checkpoint", dist.barrier)
+        if interrupted and not last:
+            bar.close()
+            raise TrainingInterrupted(stop.requested if stop is not None and stop.requested else signal.SIGTERM,
+                                      step + 1, saved if rank == 0 else None)
     bar.close()
     return TrainResult(model, history, evals, time.perf_counter() - t0, task)
 
@@ -485,15 +632,18 @@ def _rewrite_metrics(out_dir: str, history, evals) -> None:
     os.replace(tmp, _metrics_path(out_dir))
 
 
-def _save(out_dir, model, optimizer, model_config, config, task, step, history, evals) -> None:
+def _save(out_dir, model, optimizer, model_config, config, task, step, history, evals, run_id) -> str:
+    """Write ``ckpt-<step>`` (with ``run_id``), point ``latest`` at it, prune this run's older ones."""
     tensors, optimizer_info = optimizer_to_flat(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
     train_state = {
-        "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
+        "run_id": run_id, "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
         "optimizer": optimizer_info, "history": history, "evals": evals,
     }
-    path = save_checkpoint(os.path.join(out_dir, f"ckpt-{step:06d}"), model, train=train_state, train_tensors=tensors)
+    try:
+        path = save_checkpoint(os.path.join(out_dir, f"ckpt-{step:06d}"), model, train=train_state, train_tensors=tensors)
+    except CheckpointWriteError as e:  # a full disk: say so in one line; nothing was replaced
+        raise CheckpointWriteError(f"train: {e}; {describe_latest(out_dir)}") from None
     mark_latest(out_dir, path)
-    checkpoints = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and ".tmp" not in d and ".old" not in d)
-    for stale in checkpoints[:-config.keep_checkpoints]:
-        shutil.rmtree(os.path.join(out_dir, stale), ignore_errors=True)
+    prune_checkpoints(out_dir, run_id, config.keep_checkpoints, latest=path)
+    return path

@@ -35,7 +35,7 @@ def test_round_trip_gives_identical_logits(tmp_path, tie, dtype):
     assert next(loaded.parameters()).dtype == dtype
     assert torch.equal(loaded(ids)[0], model(ids)[0])
     assert (loaded.lm_head.weight is loaded.embed.weight) == tie
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "manifest.json", "model.safetensors"]
 
 
 def test_run_folder_follows_latest(tmp_path):
@@ -75,10 +75,11 @@ def test_overwrite_is_atomic_when_a_write_fails(tmp_path, monkeypatch):
         return real(tensors, filename, metadata=metadata)
 
     monkeypatch.setattr(safetensors.torch, "save_file", fail_on_train_state)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt_module.CheckpointWriteError, match=r"could not write checkpoint .*/c: disk full \(simulated\)"):
         save_checkpoint(tmp_path / "c", make_model(), train={"step": 2}, train_tensors={"x": torch.zeros(2)})
     loaded, ckpt = load_model(tmp_path / "c")  # the old checkpoint, whole
     assert ckpt.train is None and torch.equal(loaded.embed.weight, good.embed.weight)
+    assert sorted(os.listdir(tmp_path)) == ["c"], "the failed write left its temp folder behind"
 
 
 def test_loading_executes_no_code(tmp_path, monkeypatch):
@@ -92,18 +93,53 @@ def test_loading_executes_no_code(tmp_path, monkeypatch):
     load_model(tmp_path / "c")
 
 
+def without_manifest(folder):
+    """A checkpoint as written before manifests existed: only the structural checks apply."""
+    os.remove(folder / "manifest.json")
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
-def test_corrupt_weights_file(tmp_path, damage):
+def test_corrupt_weights_file(tmp_path, damage, manifest):
     save_checkpoint(tmp_path / "c", make_model())
+    if not manifest:
+        without_manifest(tmp_path / "c")
     path = tmp_path / "c" / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes({"truncated": data[: len(data) // 2], "garbage": os.urandom(300), "empty": b""}[damage])
-    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file"):
+    message = "model.safetensors fails its SHA-256 check" if manifest else "corrupt or not a safetensors file"
+    with pytest.raises(CheckpointError, match=message):
         load_model(tmp_path / "c")
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "train_state.safetensors", "train.json", "config.json"])
+def test_a_flipped_bit_is_refused_naming_the_file(tmp_path, file):
+    """Issue 15, failure 5: a flipped exponent bit in the weights used to load and train silently."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 23, (2, 5)))[0].sum().backward()
+    opt.step()
+    tensors, info = ckpt_module.optimizer_to_flat(opt)
+    save_checkpoint(tmp_path / "c", model, train={"step": 1, "optimizer": info}, train_tensors=tensors)
+    path = tmp_path / "c" / file
+    data = bytearray(path.read_bytes())
+    if file.endswith(".safetensors"):  # the high exponent bit of the last float32: 1e-2 becomes ~3e36
+        data[-1] ^= 0x40
+    else:
+        data[data.index(b"1")] = ord("7")
+    path.write_bytes(bytes(data))
+    if file == "model.safetensors":  # without the check it loads (and would train) silently
+        os.rename(tmp_path / "c" / "manifest.json", tmp_path / "manifest.json")
+        weights = load_checkpoint(tmp_path / "c").weights
+        print(f"flipped bit loads without a manifest: max |weight| {max(float(w.abs().max()) for w in weights.values()):.3g}")
+        os.rename(tmp_path / "manifest.json", tmp_path / "c" / "manifest.json")
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {file} fails its SHA-256 check .*the file is corrupt"):
+        load_checkpoint(tmp_path / "c")
 
 
 def test_config_that_does_not_match_the_weights(tmp_path):
     save_checkpoint(tmp_path / "c", make_model())
+    without_manifest(tmp_path / "c")
     config_file = tmp_path / "c" / "config.json"
     config = json.loads(config_file.read_text())
     config["d_model"] = 64
@@ -115,6 +151,7 @@ def test_config_that_does_not_match_the_weights(tmp_path):
 def test_weights_swapped_from_another_model(tmp_path):
     save_checkpoint(tmp_path / "a", make_model())
     save_checkpoint(tmp_path / "b", make_model(d_model=48))
+    without_manifest(tmp_path / "a")
     os.replace(tmp_path / "b" / "model.safetensors", tmp_path / "a" / "model.safetensors")
     with pytest.raises(CheckpointError, match="does not match"):
         load_model(tmp_path / "a")
@@ -134,6 +171,7 @@ def test_weights_that_do_not_fit_the_model():
 
 def test_unknown_key_in_config_json(tmp_path):
     save_checkpoint(tmp_path / "c", make_model())
+    without_manifest(tmp_path / "c")
     config_file = tmp_path / "c" / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "flash": True}))
     with pytest.raises(CheckpointError, match="unknown config key.*'flash'"):

@@ -26,7 +26,7 @@ from ..config import add_config_arguments, overrides_from_args
 # Model defaults of the command line (LMConfig's own defaults are for a larger model).
 MODEL_DEFAULTS = {"d_model": 64, "n_layers": 2, "n_heads": 2, "mixer": "deltanet"}
 # Fields of TrainConfig that may change when a run is resumed.
-RESUMABLE = ("steps", "eval_every", "eval_batches", "eval_tokens", "save_every", "keep_checkpoints", "threads")
+RESUMABLE = ("steps", "eval_every", "eval_batches", "eval_tokens", "save_every", "keep_checkpoints", "threads", "ddp_timeout")
 # What the help shows for the model fields this command fills in itself.
 MODEL_HELP_DEFAULTS = {**MODEL_DEFAULTS, "vocab_size": "from the data (256 for text)", "max_seq_len": "max(seq_len, 64)"}
 
@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--config", metavar="FILE", help='JSON file {"model": {...}, "train": {...}}')
     p.add_argument("--out", metavar="DIR", help="run folder for checkpoints and metrics.jsonl")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run that --out holds (without it, or --resume, a used --out is refused)")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress bar (auto: on a terminal and not under CI)")
     add_config_arguments(p, LMConfig, "model (LMConfig)", MODEL_HELP_DEFAULTS)
@@ -64,7 +66,7 @@ def load_config_file(path: str):
 
 def build_configs(args):
     """(LMConfig, TrainConfig) from defaults, ``--config`` and the flags; resumes read the run's own."""
-    from ..checkpoint import load_checkpoint
+    from ..checkpoint import load_training_checkpoint
     from ..models import LMConfig
     from ..train import TrainConfig, make_task
 
@@ -73,9 +75,7 @@ def build_configs(args):
     if args.resume:
         if not args.out:
             raise ValueError("train: --resume needs --out, the folder of the run to continue")
-        ckpt = load_checkpoint(args.out)
-        if ckpt.train is None:
-            raise ValueError(f"train: {ckpt.path} has no training state to resume")
+        ckpt = load_training_checkpoint(args.out)  # train.json checked against its schema
         stored_model, stored_train = ckpt.config.to_dict(), ckpt.train["train_config"]
         # Repeating the original command with --resume is fine; changing the run is not.
         changed = sorted(k for k, v in model_flags.items() if stored_model[k] != v)
@@ -95,11 +95,22 @@ def build_configs(args):
 
 
 def run(args) -> int:
-    from ..train import train
+    import sys
+
+    from ..run_folder import TrainingInterrupted
+    from ..train import DistributedTimeout, train
 
     model_config, train_config = build_configs(args)
     progress = {"auto": None, "on": True, "off": False}[args.progress]
-    result = train(model_config, train_config, args.out, resume=args.resume, progress=progress)
+    try:
+        result = train(model_config, train_config, args.out, resume=args.resume, overwrite=args.overwrite,
+                       progress=progress)
+    except TrainingInterrupted as e:  # SIGINT/SIGTERM: saved, then 130/143 as a shell expects
+        print(e, file=sys.stderr)
+        return e.exit_code
+    except DistributedTimeout as e:
+        print(e, file=sys.stderr)
+        return 1
     if result.history:
         last = result.evals[-1] if result.evals else {}
         print(f"done: step {result.history[-1]['step']}, loss {result.history[-1]['loss']:.4f}"

@@ -326,7 +326,8 @@ def spotlight(p: Dict) -> Dict:
         "favor+": ops.FavorPlus(d, p["features"], seed=p["seed"], input_scale=math.sqrt(p["sharpness"])),
     }
     labels = {"identity": "linear, φ = identity (signed scores)", "elu": "linear, φ = elu + 1",
-              "dpfp": f"linear, φ = DPFP ν={p['nu']}", "favor+": f"linear, φ = FAVOR+ m={p['features']}"}
+              "dpfp": f"linear, φ = DPFP ν={p['nu']}",
+              "favor+": f"linear, φ = FAVOR+ m={p['features']} (estimates the softmax kernel at this sharpness)"}
     for name, fmap in maps.items():
         # identity scores are signed, so no positive normalizer exists: show φ(q)ᵀφ(k_τ) as they are
         normalize = name != "identity"

@@ -24,6 +24,7 @@ layer                  op                                 state
 from .base import FastWeightMixer
 from .common import FastWeightState, GatedRMSNorm, RMSNorm, ShortConvolution
 from .deltanet import DeltaNet
+from .fla_weights import load_fla_state_dict
 from .gated_deltanet import GatedDeltaNet
 from .linear_attention import LinearAttention
 from .softmax_attention import SoftmaxAttention
@@ -37,5 +38,5 @@ MIXERS = {
 
 __all__ = [
     "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "FastWeightMixer",
-    "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "MIXERS",
+    "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
 ]

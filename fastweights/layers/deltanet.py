@@ -14,7 +14,7 @@ Projections, short convolution and output norm are in :mod:`fastweights.layers.b
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,9 @@ class DeltaNet(FastWeightMixer):
         qk_norm: ``"l2"`` (default) or ``"sum"``, applied to the activated q and k.
         allow_neg_eigval: β in (0, 2) instead of (0, 1), so I − β k kᵀ may have a
             negative eigenvalue (it can then flip a direction, as state tracking needs).
+        head_dim, expand_v, num_v_heads and fla's constructor names (``hidden_size``,
+        ``num_heads``, ``use_gate``, ...): see :class:`~fastweights.layers.base.FastWeightMixer`;
+        :func:`~fastweights.layers.load_fla_state_dict` loads an fla layer's weights.
 
     Example::
 
@@ -43,13 +46,16 @@ class DeltaNet(FastWeightMixer):
         torch.Size([2, 4, 16, 16])
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, qk_norm: str = "l2", allow_neg_eigval: bool = False, **kwargs) -> None:
+    def __init__(
+        self, d_model: Optional[int] = None, n_heads: Optional[int] = None, *, qk_norm: str = "l2",
+        allow_neg_eigval: bool = False, **kwargs,
+    ) -> None:
         super().__init__(d_model, n_heads, **kwargs)
         if qk_norm not in ("l2", "sum"):
             raise ValueError(f"{type(self).__name__}: unknown `qk_norm` {qk_norm!r}; expected 'l2' or 'sum'")
         self.qk_norm = qk_norm
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.b_proj = nn.Linear(self.d_model, self.num_v_heads, bias=False)  # one β per value head
 
     def memory(self, q, k, v, x, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
         beta = write_strength(self.b_proj(x), self.allow_neg_eigval)  # [B, T, H]

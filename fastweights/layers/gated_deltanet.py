@@ -13,7 +13,7 @@ Per head and token, on top of :mod:`fastweights.layers.deltanet`::
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -32,17 +32,18 @@ class GatedDeltaNet(DeltaNet):
     and the shared ones); the output gate is on by default.
     """
 
-    def __init__(self, d_model: int, n_heads: int, **kwargs) -> None:
+    def __init__(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, **kwargs) -> None:
         super().__init__(d_model, n_heads, **kwargs)  # DeltaNet's projections, β, qk_norm
-        self.a_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(n_heads))
-        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+        hv = self.num_v_heads  # one decay per value head
+        self.a_proj = nn.Linear(self.d_model, hv, bias=False)
+        self.A_log = nn.Parameter(torch.empty(hv))
+        self.dt_bias = nn.Parameter(torch.empty(hv))
         self.reset_decay()
 
     @torch.no_grad()
     def reset_decay(self) -> None:
-        self.A_log.copy_(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
-        self.dt_bias.copy_(inverse_softplus(log_uniform(self.n_heads, 1e-3, 1e-1)))
+        self.A_log.copy_(torch.log(torch.empty(self.num_v_heads).uniform_(1, 16)))
+        self.dt_bias.copy_(inverse_softplus(log_uniform(self.num_v_heads, 1e-3, 1e-1)))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """g = −exp(A_log)·softplus(w_a·x + dt_bias): ``[B, T, H]``, ≤ 0."""

@@ -1,0 +1,257 @@
+"""A training run owns its ``--out`` folder: the lock, the run id, pruning, stop signals.
+
+What can go wrong in a run folder, and what this module does about it:
+
+- **Two trainers on one folder** (their metrics interleave, one prunes the other's
+  checkpoints): :class:`RunLock` holds an exclusive ``flock`` on ``out/lock`` for the
+  life of the run. The file names the holder (pid, host, start time); the kernel
+  drops the lock when the holder dies, so a lock left by a killed run is taken over
+  (and reported as stale, by its pid) rather than blocking the folder forever.
+  The file is removed on a clean exit.
+- **A new run in a used folder** (it used to prune its own checkpoints in favour of
+  the old run's, which sort later by name): :func:`claim_run_folder` refuses a
+  folder that holds another run unless ``resume`` (continue it) or ``overwrite``
+  (delete it first) says what to do. Every checkpoint carries its run's id, and
+  :func:`prune_checkpoints` removes only the current run's older checkpoints, by
+  step number, never by name and never the one ``latest`` names.
+- **A kill while a checkpoint is deleted or written**: deletions rename the folder
+  to a ``*.tmp-*`` name first; writes go to ``*.tmp-*`` folders; whatever a killed
+  run left under such names is removed when the next run takes the lock.
+- **SIGINT / SIGTERM** (Ctrl-C, a scheduler's preemption): :class:`StopSignals`
+  lets the current step finish; the trainer saves a checkpoint and exits with
+  128 + the signal's number (130, 143). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+from .checkpoint import (
+    LATEST, CheckpointError, clean_stray, remove_folder, resolve_checkpoint, run_checkpoints, run_id_of,
+)
+
+LOCK = "lock"
+METRICS = "metrics.jsonl"
+
+__all__ = [
+    "RunFolderError", "RunLock", "claim_run_folder", "prune_checkpoints", "new_run_id",
+    "StopSignals", "TrainingInterrupted",
+]
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used as asked (held by another trainer, holds another run)."""
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+        saved = f"checkpoint {checkpoint} saved; continue with --resume" if checkpoint else "nothing saved (no --out)"
+        super().__init__(f"train: stopped by {signal.Signals(signum).name} after step {step}; {saved}")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """A process's start time (clock ticks since boot, from /proc): with the pid it names one
+    process, even after the pid is reused. ``None`` where /proc is not available."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the process a lock file names is still running (same host only)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return holder.get("start") is None or _start_time(pid) in (None, holder.get("start"))
+
+
+class RunLock:
+    """An exclusive lock on a run folder (``run_dir/lock``); see the module docstring."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, LOCK)
+        self._fd: Optional[int] = None
+
+    def _holder(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                holder = json.load(f)
+            return holder if isinstance(holder, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self, log: Callable[[str], None] = print) -> None:
+        """Take the lock or raise :class:`RunFolderError` naming the trainer that holds it."""
+        import fcntl
+
+        os.makedirs(self.run_dir, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = self._holder()
+                who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"
+                raise RunFolderError(
+                    f"train: {self.run_dir} is in use by another trainer ({who}); wait for it to end or use another --out"
+                ) from None
+            try:  # the file we locked may have been unlinked by its previous holder meanwhile
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = self._holder()
+        if previous.get("pid") is not None and previous.get("pid") != os.getpid():
+            state = "still running but not holding it" if _alive(previous) else "no longer running"
+            log(f"train: took over the stale lock of pid {previous.get('pid')} on {previous.get('host')} ({state})")
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent; safe in a signal handler)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.remove(self.path)  # while still locked, so no one else's lock file is removed
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def claim_run_folder(run_dir: str, *, resume: bool, overwrite: bool, log: Callable[[str], None] = print) -> None:
+    """Make ``run_dir`` ready for this run; call it holding the lock.
+
+    Removes what killed runs left (``*.tmp-*``). A fresh run refuses a folder that holds
+    checkpoints or metrics of another run unless ``overwrite``, which deletes them. A
+    resumed run removes its own checkpoints newer than ``latest`` (written by a run
+    killed before it could mark them; they are recomputed exactly).
+    """
+    if resume and overwrite:
+        raise RunFolderError("train: --resume continues the run in --out and --overwrite replaces it; pass one of them")
+    stray = clean_stray(run_dir)
+    if stray:
+        log(f"train: removed {len(stray)} temp file(s) that an interrupted run left in {run_dir}: {', '.join(stray[:4])}"
+            + (" ..." if len(stray) > 4 else ""))
+    checkpoints = run_checkpoints(run_dir)
+    has_latest = os.path.exists(os.path.join(run_dir, LATEST))
+    if resume:
+        latest = resolve_checkpoint(run_dir)
+        run_id = run_id_of(latest)
+        step = next((s for s, folder in checkpoints if os.path.samefile(folder, latest)), None)
+        for s, folder in checkpoints:
+            if step is not None and s > step and run_id is not None and run_id_of(folder) == run_id:
+                remove_folder(folder)
+        return
+    if not (checkpoints or has_latest or os.path.exists(os.path.join(run_dir, METRICS))):
+        return
+    if not overwrite:
+        ids = sorted({run_id_of(folder) or "without id" for _, folder in checkpoints})
+        what = (f"{len(checkpoints)} checkpoint(s) of run {', '.join(ids)} (up to {os.path.basename(checkpoints[-1][1])})"
+                if checkpoints else "the files of another run")
+        raise RunFolderError(
+            f"train: {run_dir} already holds {what}; pass --resume to continue that run or --overwrite to replace it"
+        )
+    for _, folder in checkpoints:
+        remove_folder(folder)
+    for name in (LATEST, METRICS):
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.remove(os.path.join(run_dir, name))
+    log(f"train: --overwrite: removed the previous run's {len(checkpoints)} checkpoint(s) from {run_dir}")
+
+
+def prune_checkpoints(run_dir: str, run_id: str, keep: int, latest: str) -> None:
+    """Delete run ``run_id``'s checkpoints but its ``keep`` newest (by step) and ``latest``."""
+    mine = run_checkpoints(run_dir, run_id)
+    for _, folder in mine[:-keep] if keep else mine:
+        if os.path.abspath(folder) != os.path.abspath(latest):
+            remove_folder(folder)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop after the current step; a second one exits now.
+
+    ``requested`` is the first signal's number (or ``None``). The second signal calls
+    ``on_force`` (the trainer releases its lock) and ends the process with 128 + its
+    number, without unwinding; an interrupted checkpoint write leaves only a ``*.tmp-*``
+    folder, which the next run removes. Handlers can only be installed from the main
+    thread; elsewhere this does nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, on_force: Callable[[], None] = lambda: None) -> None:
+        self.requested: Optional[int] = None
+        self.on_force = on_force
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested = signum
+            sys.stderr.write(f"train: {name} received: finishing this step and saving a checkpoint "
+                             f"(send it again to stop at once)\n")
+            sys.stderr.flush()
+            return
+        sys.stderr.write(f"train: second {name}: stopping at once, without saving\n")
+        sys.stderr.flush()
+        try:
+            self.on_force()
+        finally:
+            os._exit(128 + signum)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+def describe_latest(run_dir: str) -> str:
+    """``"ckpt-000010 (latest) is intact"``, or that there is none yet: for error messages."""
+    try:
+        return f"the previous checkpoint {os.path.basename(resolve_checkpoint(run_dir))} (latest) is intact"
+    except CheckpointError:
+        return "no earlier checkpoint exists"
