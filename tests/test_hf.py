@@ -106,6 +106,12 @@ def test_trainer_runs_steps_with_decreasing_loss(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print("Trainer losses:", [round(x, 3) for x in losses])
     assert len(losses) >= 6 and losses[-1] < 0.5 * losses[0]
+    trainer.save_model(str(tmp_path / "saved"))  # tied embeddings: saved once, tied again on load
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    ids = data[0]["input_ids"][None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+    assert loaded.model.lm_head.weight is loaded.model.embed.weight
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

@@ -2,8 +2,9 @@
 
 Every study takes ``--full`` (the whole sweep instead of the quick default),
 ``--root-seed`` (everything random derives from it), ``--out DIR`` (where the
-JSON, CSV and PNG files go) and ``--quiet`` (no progress bars), plus its own
-options (``fastweights study capacity --help``).
+JSON, CSV and PNG files go), ``--quiet`` (no progress bars) and ``--resume``
+(continue from the cells a killed or interrupted run saved in
+``DIR/<study>.partial.json``), plus its own options (``fastweights study capacity --help``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def add_parser(sub) -> None:
         sp.add_argument("--root-seed", type=int, default=0, help="root seed of every random draw (default 0)")
         sp.add_argument("--out", default=f"study_{name}", help=f"output folder (default ./study_{name})")
         sp.add_argument("--quiet", action="store_true", help="no progress bars")
+        sp.add_argument("--resume", action="store_true",
+                        help="reuse the finished cells an interrupted run saved in OUT/<study>.partial.json")
         module.add_arguments(sp)
         sp.set_defaults(func=run, study_name=name)
 
@@ -39,7 +42,7 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"fastweights study {args.study_name}: {e}")
     start = time.perf_counter()
-    result = module.run(config, out_dir=args.out, progress=not args.quiet)
+    result = module.run(config, out_dir=args.out, progress=not args.quiet, resume=args.resume)
     print(module.report(result))
     print(f"\nwrote {', '.join(result['files'])}  ({time.perf_counter() - start:.1f} s)")
     return int(result.get("exit_code", 0))

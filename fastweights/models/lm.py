@@ -253,6 +253,8 @@ class LM(nn.Module):
             raise TypeError(f"LM: `{name}` must be an int64 tensor of shape [B, T], got {what}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"LM: `{name}` must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
+        if torch.compiler.is_compiling():  # reading the ids' values would break the graph (a device sync too)
+            return
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(
                 f"LM: `{name}` holds token ids in [{int(input_ids.min())}, {int(input_ids.max())}], "

@@ -4,6 +4,12 @@ A study returns a plain ``dict`` (JSON-ready) and writes, under its output folde
 ``<study>.json``, ``<study>.csv`` (its main table) and PNG plots. Figures are drawn
 with matplotlib's Agg backend, so no display is needed; matplotlib is the ``plots``
 extra and is imported only when a figure is drawn.
+
+Nothing computed is lost when something goes wrong late: :func:`save_result` writes
+the JSON and CSV before it draws any plot (a missing matplotlib skips the plots with
+one line), and :class:`CellCache` saves each finished cell of a sweep to
+``<study>.partial.json`` at once, so Ctrl-C or a kill leaves the finished cells on
+disk and ``--resume`` continues from them.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -124,17 +130,85 @@ def write_csv(path: Path, rows: Iterable[Dict], columns: Sequence[str]) -> None:
 
 
 def save_result(result: Dict, out_dir, name: str, rows: Iterable[Dict], columns: Sequence[str],
-                plot: Optional[Callable[[Dict, Path], List[str]]] = None) -> None:
-    """Write a study's ``<name>.csv`` (its main table), its plots and ``<name>.json``
-    under ``out_dir``, listing every file in ``result["files"]``; nothing without ``out_dir``."""
+                plot: Optional[Callable[[Dict, Path], List[str]]] = None,
+                log: Callable[[str], None] = print) -> None:
+    """Write a study's ``<name>.csv`` (its main table) and ``<name>.json``, then its plots,
+    under ``out_dir``, listing every file in ``result["files"]``; nothing without ``out_dir``.
+
+    The numbers are on disk before any figure is drawn: a missing matplotlib skips the
+    plots with one line, and an interrupt while plotting leaves the JSON and CSV whole.
+    ``<name>.json`` is written again with the plots' files once they exist.
+    """
     if out_dir is None:
         return
     out = Path(out_dir)
-    if plot is not None:
-        result["files"] += plot(result, out)
     write_csv(out / f"{name}.csv", rows, columns)
     result["files"] += [str(out / f"{name}.csv"), str(out / f"{name}.json")]
     write_json(out / f"{name}.json", result)
+    if plot is None:
+        return
+    try:
+        figures = plot(result, out)
+    except ImportError as e:  # matplotlib is an extra: the numbers are what matter
+        log(f"{name}: plots skipped ({e}); {name}.json and {name}.csv are written")
+        return
+    result["files"] += figures
+    write_json(out / f"{name}.json", result)
+
+
+class CellCache:
+    """Per-cell results of a sweep, saved as they finish, so that a crash or Ctrl-C loses at most one cell.
+
+    ``cache.get(key, compute)`` returns cell ``key``'s value (``key``: a tuple of JSON
+    scalars): the stored one, or ``compute()``, which is then written at once to
+    ``<out_dir>/<name>.partial.json`` (atomically). Values are kept in their JSON form
+    (tuples become lists, NumPy values Python ones), and returned in that form whether
+    fresh or resumed, so a resumed study computes exactly what an uninterrupted one does;
+    ``decode`` turns the JSON form back into what the study uses (say, arrays).
+
+    ``resume=True`` reuses a partial file made with the same ``config`` and refuses one
+    made with another. :meth:`finish` removes the file once the study's own files are
+    written. Without ``out_dir`` this only computes.
+    """
+
+    def __init__(self, out_dir, name: str, config: Dict[str, Any], resume: bool = False,
+                 log: Callable[[str], None] = print) -> None:
+        self.path = None if out_dir is None else Path(out_dir) / f"{name}.partial.json"
+        self.config = _json_form(config)
+        self.cells: Dict[str, Any] = {}
+        if self.path is None or not resume:
+            return
+        if not self.path.exists():
+            log(f"{name}: no partial results to resume in {self.path}; starting from the first cell")
+            return
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            stored_config, cells = data["config"], dict(data["cells"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.path} is not a partial result file ({e}); remove it or run without --resume") from None
+        if stored_config != self.config:
+            changed = sorted(k for k in set(stored_config) | set(self.config) if stored_config.get(k) != self.config.get(k))
+            raise ValueError(f"{self.path} holds cells computed with another config (differs in {', '.join(changed)}); "
+                             f"run with the same options, or without --resume to start over")
+        self.cells = cells
+        log(f"{name}: resuming {len(cells)} finished cell(s) from {self.path}")
+
+    def get(self, key: Tuple[Hashable, ...], compute: Callable[[], Any], decode: Callable[[Any], Any] = lambda v: v):
+        name = json.dumps(list(key))
+        if name not in self.cells:
+            self.cells[name] = _json_form(compute())
+            if self.path is not None:
+                write_json(self.path, {"config": self.config, "cells": self.cells})
+        return decode(self.cells[name])
+
+    def finish(self) -> None:
+        """Drop the partial file: the study's final files hold everything now."""
+        if self.path is not None and self.path.exists():
+            self.path.unlink()
+
+
+def _json_form(value):
+    return json.loads(json.dumps(value, default=_json_default))
 
 
 def pyplot():

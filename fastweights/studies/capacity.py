@@ -98,7 +98,7 @@ import numpy as np
 import torch
 
 from ..ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_linear_attn, softmax_attn
-from ._report import BRANCHES, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, save_result, torch_generator, torch_threads
+from ._report import BRANCHES, CellCache, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, save_result, torch_generator, torch_threads
 
 ARMS = ("softmax", "delta", "selective", "sum", "fading", "rls")
 PROTOCOL_ARMS = ("softmax", "delta", "selective")
@@ -361,14 +361,15 @@ def score_cell(config: CapacityConfig, d: int, load: float, arms: Sequence[str])
 
 
 def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str] = None, progress: bool = True,
-                 plots: bool = True) -> Dict:
+                 plots: bool = True, resume: bool = False) -> Dict:
     """Run the capacity study; return its result and, with ``out_dir``, write its files.
 
     Files: ``capacity.json`` (config, headline beside seed 000's numbers, the full
     table, the width sweep), ``capacity.csv`` (the table), ``capacity_recall.png``
     (recall against N/d per protocol width, with the priority/ordinary split) and
     ``capacity_widths.png`` (the delta arm's recall against N and against N/d for
-    every width).
+    every width). Each scored cell goes to ``capacity.partial.json`` first; ``resume``
+    continues from it.
     """
     from tqdm.auto import tqdm
 
@@ -376,9 +377,11 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
     start = time.perf_counter()
     cells = [(d, load) for d in config.widths for load in config.loads]
     scores: Dict[Tuple[int, float], Dict] = {}
+    cache = CellCache(out_dir, "capacity", asdict(config), resume)
+    as_arrays = lambda by_arm: {arm: {k: np.asarray(x) for k, x in s.items()} for arm, s in by_arm.items()}  # noqa: E731
     with torch_threads(config.threads):
         for d, load in tqdm(cells, desc="capacity", disable=not progress, leave=False):
-            scores[(d, load)] = score_cell(config, d, load, config.arms)
+            scores[(d, load)] = cache.get((d, load), lambda: score_cell(config, d, load, config.arms), as_arrays)
 
     table: List[Dict] = []
     for (d, load), by_arm in scores.items():
@@ -404,6 +407,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
     }
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     save_result(result, out_dir, "capacity", table, TABLE_COLUMNS, plot_capacity if plots else None)
+    cache.finish()
     return result
 
 

@@ -60,7 +60,7 @@ from ..ops import (
     recurrent_linear_attn,
     softmax_attn,
 )
-from ._report import branch_seed_sequence, format_table, pyplot, save_figure, save_result, torch_generator, torch_threads
+from ._report import CellCache, branch_seed_sequence, format_table, pyplot, save_figure, save_result, torch_generator, torch_threads
 from .capacity import recursive_least_squares
 
 SOLVERS = ("softmax", "linear", "delta", "gated_delta", "rls")
@@ -343,7 +343,7 @@ def check_lm_calculator(contexts: Sequence[int] = (16, 64)) -> List[Dict]:
 
 
 def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = None, progress: bool = True,
-              plots: bool = True) -> Dict:
+              plots: bool = True, resume: bool = False) -> Dict:
     """Run the audit and the calculator; with ``out_dir`` write ``costs.json``, ``costs.csv`` and the plots
     ``costs_solver_map.png`` (state and step time against context, per solver) and
     ``costs_calculator.png`` (memory per session against context)."""
@@ -355,11 +355,12 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
     table: List[Dict] = []
     jobs = [(s, t) for t in config.contexts for s in SOLVERS]
     measured = {}
+    cache = CellCache(out_dir, "costs", asdict(config), resume)  # each measurement saved as it finishes
     with torch_threads(config.threads):
         threads_used = torch.get_num_threads()
         for solver, t in tqdm(jobs, desc="costs", disable=not progress, leave=False):
-            measured[(solver, t)] = measure_solver(solver, t, config.key_dim, config.value_dim, config.repeats,
-                                                   config.gamma, gen)
+            measured[(solver, t)] = cache.get((solver, t), lambda: measure_solver(
+                solver, t, config.key_dim, config.value_dim, config.repeats, config.gamma, gen))
     for solver, t in jobs:
         m = measured[(solver, t)]
         update, query = predicted_flops(solver, t, config.key_dim, config.value_dim)
@@ -401,6 +402,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
         result["lm_check"] = {"rows": rows, "exact": all(r["predicted"] == r["measured"] for r in rows)}
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     save_result(result, out_dir, "costs", table, TABLE_COLUMNS, plot_costs if plots else None)
+    cache.finish()
     return result
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..tasks.mqar import MQAR
 from ..tasks.recall import IGNORE
-from ._report import format_table, keyed_seed, pyplot, save_figure, save_result, torch_threads
+from ._report import CellCache, format_table, keyed_seed, pyplot, save_figure, save_result, torch_threads
 
 MIXERS = ("deltanet", "linear", "gated_deltanet", "softmax")
 TABLE_COLUMNS = ("mixer", "d_model", "num_kv_pairs", "seq_len", "vocab_size", "accuracy", "loss", "steps",
@@ -132,20 +132,22 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, s
 
 
 def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None, progress: bool = True,
-             plots: bool = True) -> Dict:
-    """Train every cell; with ``out_dir`` write ``mqar.json``, ``mqar.csv`` and ``mqar.png``."""
+             plots: bool = True, resume: bool = False) -> Dict:
+    """Train every cell; with ``out_dir`` write ``mqar.json``, ``mqar.csv`` and ``mqar.png``
+    (each finished cell goes to ``mqar.partial.json`` first; ``resume`` continues from it)."""
     from tqdm.auto import tqdm
 
     config = MQARConfig() if config is None else config
     start = time.perf_counter()
     rows: List[Dict] = []
     curves: Dict[str, List[float]] = {}
+    cache = CellCache(out_dir, "mqar", asdict(config), resume)
     with torch_threads(config.threads):
         cells = [(d, kv, m) for d in config.d_models for kv in config.num_kv_pairs for m in config.mixers]
         for d_model, kv, mixer in tqdm(cells, desc="mqar", disable=not progress, leave=False):
             task = MQAR(config.vocab_size, config.seq_len, kv, config.power_a)
             seed = keyed_seed(config.root_seed, 4, d_model, kv)  # shared by the mixers of a cell
-            r = train_mqar_model(mixer, d_model, task, config, seed)
+            r = cache.get((d_model, kv, mixer), lambda: train_mqar_model(mixer, d_model, task, config, seed))
             rows.append({"mixer": mixer, "d_model": d_model, "num_kv_pairs": kv, "seq_len": config.seq_len,
                          "vocab_size": config.vocab_size, **{k: r[k] for k in ("accuracy", "loss", "steps",
                                                                                  "parameters", "seconds")}})
@@ -160,6 +162,7 @@ def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None,
     }
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     save_result(result, out_dir, "mqar", rows, TABLE_COLUMNS, plot_mqar if plots else None)
+    cache.finish()
     return result
 
 

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..tasks.retrieval import RetrievalTask
-from ._report import format_table, keyed_seed, pyplot, save_figure, save_result, torch_threads
+from ._report import CellCache, format_table, keyed_seed, pyplot, save_figure, save_result, torch_threads
 
 FEATURE_MAPS = ("linear", "dpfp1", "dpfp2", "dpfp3", "favor")
 RULES = ("sum", "delta")
@@ -251,13 +251,15 @@ def _memory_name(rule: str, fmap: str) -> str:
 
 
 def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[str] = None, progress: bool = True,
-                  plots: bool = True) -> Dict:
+                  plots: bool = True, resume: bool = False) -> Dict:
     """Run both settings; with ``out_dir`` write ``retrieval.json``, ``retrieval.csv`` and
-    ``retrieval_loss_vs_S.png`` (setting 1) / ``retrieval_setting2.png`` (learning curves)."""
+    ``retrieval_loss_vs_S.png`` (setting 1) / ``retrieval_setting2.png`` (learning curves).
+    Each trained memory goes to ``retrieval.partial.json`` first; ``resume`` continues from it."""
     from tqdm.auto import tqdm
 
     config = RetrievalConfig() if config is None else config
     start = time.perf_counter()
+    cache = CellCache(out_dir, "retrieval", asdict(config), resume)
     with torch_threads(config.threads):
         rows: List[Dict] = []
         thresholds: Dict[str, Dict] = {}
@@ -269,7 +271,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
                 queries = s if config.queries is None else min(config.queries, s)
                 task = RetrievalTask(1, s, num_queries=queries)
                 seed = keyed_seed(config.root_seed, 1, RULES.index(rule), FEATURE_MAPS.index(fmap), s)
-                r = train_memory(task, rule, fmap, config.train, seed)
+                r = cache.get((1, rule, fmap, s), lambda: train_memory(task, rule, fmap, config.train, seed))
                 d_dot = r["d_dot"]
                 rows.append({"setting": 1, "rule": rule, "feature_map": fmap, "S": s,
                              **{k: r[k] for k in ("d_dot", "reached", "loss", "accuracy", "steps", "seconds")}})
@@ -297,7 +299,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
             task = RetrievalTask(2, config.setting2_keys, num_pairs=config.setting2_pairs,
                                  num_queries=config.setting2_queries)
             seed = keyed_seed(config.root_seed, 2, RULES.index(rule), FEATURE_MAPS.index(config.setting2_feature_map))
-            r = train_memory(task, rule, config.setting2_feature_map, config.train, seed)
+            r = cache.get((2, rule), lambda: train_memory(task, rule, config.setting2_feature_map, config.train, seed))
             setting2[rule] = r
             rows.append({"setting": 2, "rule": rule, "feature_map": config.setting2_feature_map,
                          "S": config.setting2_keys,
@@ -314,6 +316,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
     }
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     save_result(result, out_dir, "retrieval", rows, TABLE_COLUMNS, plot_retrieval if plots else None)
+    cache.finish()
     return result
 
 

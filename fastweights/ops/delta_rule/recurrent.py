@@ -72,6 +72,7 @@ def recurrent_delta_rule(
     allow_neg_eigval: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule (DeltaNet), one token at a time: the reference form.
@@ -93,9 +94,14 @@ def recurrent_delta_rule(
         use_qk_l2norm_in_kernel: flash-linear-attention's spelling of ``qk_norm="l2"``.
         allow_neg_eigval: accept β in [0, 2] instead of [0, 1], so that I − β k kᵀ may
             have a negative eigenvalue (the layers' option of the same name).
-        cu_seqlens_cpu, **extra: fla's host copy of ``cu_seqlens`` and pass-through
-            keywords (:mod:`fastweights.ops._fla_compat`); a bf16/fp16 ``initial_state``
-            is cast to fp32.
+        cu_seqlens_cpu: a host copy of ``cu_seqlens`` (fla's argument): the checks read the offsets
+            from it without a device sync; used as ``cu_seqlens`` when that is None.
+        max_seqlen: the longest of the packed sequences (FlashAttention's varlen hint). With it nothing
+            reads tensor values, so ``torch.compile(..., fullgraph=True)`` has no graph break; eager
+            mode refuses a ``max_seqlen`` below the longest sequence (under compile it is not checked:
+            a smaller value would drop tokens).
+        **extra: pass-through keywords (:mod:`fastweights.ops._fla_compat`); a bf16/fp16
+            ``initial_state`` is cast to fp32.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in the input dtype; the final
@@ -116,6 +122,7 @@ def recurrent_delta_rule(
     return run_op(
         "recurrent_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
         allow_neg_eigval=allow_neg_eigval,

@@ -63,6 +63,8 @@ def recurrent_linear_attn(
     qk_norm: Optional[str] = None,
     normalize: bool = False,
     eps: float = 1e-6,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Causal linear attention (the sum rule), one token at a time.
 
@@ -87,6 +89,11 @@ def recurrent_linear_attn(
         qk_norm: ``None``, ``"l2"`` or ``"sum"``, applied to φ(q) and φ(k).
         normalize: divide each read by ``φ(q_t)ᵀ z_t + eps`` (seed 000's sufficient pair (S, z)).
         eps: added to the normalizer's denominator.
+        cu_seqlens_cpu: the same offsets as a CPU tensor, so the checks read them without a device sync.
+        max_seqlen: the longest of the packed sequences (FlashAttention's varlen hint). With it nothing
+            reads tensor values, so ``torch.compile(..., fullgraph=True)`` has no graph break; eager
+            mode refuses a ``max_seqlen`` below the longest sequence (under compile it is not checked:
+            a smaller value would drop tokens).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in the input dtype; the final state
@@ -103,5 +110,6 @@ def recurrent_linear_attn(
     return run_op(
         "recurrent_linear_attn", linear_attn_recurrence, q, k, v, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,
     )

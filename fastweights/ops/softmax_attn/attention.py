@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_inputs, compute_dtype
-from .._frontend import pad_packed, unpad_packed
+from .._frontend import Packing, autocast_off, check_autocast
 
 
 class _KVFields(NamedTuple):
@@ -143,6 +143,8 @@ def softmax_attn(
     initial_state: Optional[KVCache] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[KVCache]]:
     """Causal softmax attention with an optional KV cache.
 
@@ -164,22 +166,37 @@ def softmax_attn(
         output_final_state: also return the cache extended by these T tokens.
         cu_seqlens: ``[N + 1]`` offsets of N sequences packed along T (B must be 1);
             each sequence attends only to itself (and to its own cache rows).
+        cu_seqlens_cpu: the same offsets on the CPU (checks without a device sync).
+        max_seqlen: the longest sequence in ``cu_seqlens`` (as FlashAttention's varlen
+            API); with it nothing reads tensor values, so ``torch.compile`` has no graph break.
+
+    Under ``torch.autocast`` the scores and the softmax are computed in fp32 and ``o``
+    comes back in q's dtype (autocast would run them in bf16/fp16).
 
     Returns:
         ``(o [B, T, H, V] in the input dtype, KVCache or None)``.
     """
     op = "softmax_attn"
-    n = check_inputs(op, q, k, v, cu_seqlens=cu_seqlens, scale=scale)
+    n = check_inputs(op, q, k, v, cu_seqlens=cu_seqlens, scale=scale, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen)
+    check_autocast(op, q.device, q=q, k=k, v=v)
     if initial_state is not None:
         _check_cache(op, initial_state, n, q, v)
+    with autocast_off(q.device):  # fp32 scores and softmax (fastweights.ops._frontend)
+        return _attend(q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, max_seqlen)
+
+
+def _attend(q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, max_seqlen):
+    """:func:`softmax_attn` after its checks."""
     out_dtype = q.dtype
     dt = compute_dtype(out_dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     device = q.device
 
-    valid = None
+    valid = packing = None
     if cu_seqlens is not None:
-        (q, valid), (k, _), (v, _) = (pad_packed(x, cu_seqlens) for x in (q, k, v))
+        packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
+        q, k, v = (packing.pad(x) for x in (q, k, v))
+        valid = packing.valid
         new_len = valid.sum(1)
     else:
         new_len = torch.full((q.shape[0],), q.shape[1], dtype=torch.long, device=device)
@@ -229,11 +246,13 @@ def softmax_attn(
         o = F.scaled_dot_product_attention(q.to(dt), keys.to(dt), values.to(dt), attn_mask=mask, scale=scale)
 
     o = o.transpose(1, 2)
-    if valid is not None:
-        o = unpad_packed(o, valid)
+    if packing is not None:
+        o = packing.unpad(o)
     o = o.to(out_dtype)
     if not output_final_state:
         return o, None
+    if initial_state is None:  # the (padded) new rows are the whole cache: no compaction
+        return o, KVCache(keys, values, new_len)
     return o, _extend_cache(keys, values, cache_len, new_len, keys.shape[2] - t_new)
 
 
