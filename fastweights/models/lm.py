@@ -413,13 +413,14 @@ class LM(nn.Module):
         if attention_mask is not None and attention_mask.dim() == 1 and squeeze:
             attention_mask = attention_mask[None]
         logits, cache = self(input_ids, attention_mask=attention_mask)  # prefill: chunk form
-        out = [input_ids]
+        t0 = input_ids.shape[1]
+        ids = input_ids.new_empty(input_ids.shape[0], t0 + max_new_tokens)  # written in place, one column a step
+        ids[:, :t0] = input_ids
         for i in range(max_new_tokens):
             token = self._sample(logits[:, -1], temperature, top_k, generator)  # (B, 1)
-            out.append(token)
+            ids[:, t0 + i: t0 + i + 1] = token
             if i + 1 < max_new_tokens:
-                logits, cache = self(token, cache)  # one step: recurrent form
-        ids = torch.cat(out, dim=1)
+                logits, cache = self(token, cache)  # one step: each layer's fused decoding step
         ids = ids[0] if squeeze else ids
         return (ids, cache) if return_cache else ids
 
