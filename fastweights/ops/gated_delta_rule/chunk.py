@@ -47,6 +47,7 @@ def chunk_gated_delta_rule(
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
@@ -69,4 +70,5 @@ def chunk_gated_delta_rule(
     op = "chunk_gated_delta_rule"
     if select_backend(op, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
         return chunk_op_triton(op, q, k, v, **kwargs)
-    return run_op(op, delta_rule_chunk, q, k, v, **kwargs, requires_beta=True)
+    return run_op(op, delta_rule_chunk, q, k, v, **kwargs, requires_beta=True,
+                  cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen)
