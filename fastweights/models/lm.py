@@ -121,6 +121,15 @@ class LMConfig(Config):
         if isinstance(self.mixer, tuple):
             self.mixer = list(self.mixer)
 
+    @staticmethod
+    def fill_legacy(data: dict) -> dict:
+        """A saved config with the fields it predates filled in as the model it was saved from
+        had them: no RoPE (``rope_theta=None``; RoPE became the default later) and no
+        gradient checkpointing. For checkpoints; a new config gets the dataclass defaults."""
+        if not isinstance(data, dict):
+            return data
+        return {**{k: v for k, v in LEGACY_FIELDS.items() if k not in data}, **data}
+
     @property
     def mixers(self) -> List[str]:
         """The mixer of each layer (a single name is repeated ``n_layers`` times)."""
@@ -135,6 +144,11 @@ class LMConfig(Config):
         if self.mlp_hidden is not None:
             return self.mlp_hidden
         return 8 * math.ceil(8 * self.d_model / 3 / 8)
+
+
+# LMConfig fields added after checkpoints were first written, with the value a checkpoint
+# saved before them was trained with.
+LEGACY_FIELDS = {"rope_theta": None, "gradient_checkpointing": False}
 
 
 def build_mixer(name: str, config: LMConfig) -> nn.Module:
@@ -256,6 +270,8 @@ class LM(nn.Module):
             raise TypeError(f"LM: `{name}` must be an int64 tensor of shape [B, T], got {what}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"LM: `{name}` must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
+        if torch.compiler.is_compiling():  # reading the ids' values would break the graph (a device sync too)
+            return
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(
                 f"LM: `{name}` holds token ids in [{int(input_ids.min())}, {int(input_ids.max())}], "
@@ -400,13 +416,14 @@ class LM(nn.Module):
         if attention_mask is not None and attention_mask.dim() == 1 and squeeze:
             attention_mask = attention_mask[None]
         logits, cache = self(input_ids, attention_mask=attention_mask)  # prefill: chunk form
-        out = [input_ids]
+        t0 = input_ids.shape[1]
+        ids = input_ids.new_empty(input_ids.shape[0], t0 + max_new_tokens)  # written in place, one column a step
+        ids[:, :t0] = input_ids
         for i in range(max_new_tokens):
             token = self._sample(logits[:, -1], temperature, top_k, generator)  # (B, 1)
-            out.append(token)
+            ids[:, t0 + i: t0 + i + 1] = token
             if i + 1 < max_new_tokens:
-                logits, cache = self(token, cache)  # one step: recurrent form
-        ids = torch.cat(out, dim=1)
+                logits, cache = self(token, cache)  # one step: each layer's fused decoding step
         ids = ids[0] if squeeze else ids
         return (ids, cache) if return_cache else ids
 

@@ -203,8 +203,17 @@ def check_score_memory(op: str, n: int, heads: int, rows: int, width: int, dtype
         )
 
 
-def check_cu_seqlens(op: str, cu_seqlens, batch_size: int, seq_len: int, device: torch.device) -> int:
-    """Validate FlashAttention-style packed sequence offsets; return the number of sequences."""
+def check_cu_seqlens(
+    op: str, cu_seqlens, batch_size: int, seq_len: int, device: torch.device,
+    cu_seqlens_cpu=None, max_seqlen=None,
+) -> int:
+    """Validate FlashAttention-style packed sequence offsets; return the number of sequences.
+
+    ``cu_seqlens_cpu`` (the same offsets on the CPU) lets the value checks run without
+    a device sync; ``max_seqlen`` (an int >= the longest sequence) is the padded length.
+    Under ``torch.compile`` the checks that read the offsets' values are skipped (a
+    data-dependent branch would break the graph): there the caller vouches for them.
+    """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{op}: `cu_seqlens` must be a LongTensor of shape [N+1], got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int64, torch.int32):
@@ -215,18 +224,39 @@ def check_cu_seqlens(op: str, cu_seqlens, batch_size: int, seq_len: int, device:
         raise ValueError(f"{op}: `cu_seqlens` is on {cu_seqlens.device}, expected the inputs' device {device}")
     if batch_size != 1:
         raise ValueError(f"{op}: `cu_seqlens` requires batch size 1 (sequences packed along T), got batch size {batch_size}")
-    offsets = cu_seqlens.tolist()
+    if cu_seqlens_cpu is not None:
+        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.dtype not in (torch.int64, torch.int32):
+            what = cu_seqlens_cpu.dtype if isinstance(cu_seqlens_cpu, torch.Tensor) else type(cu_seqlens_cpu).__name__
+            raise TypeError(f"{op}: `cu_seqlens_cpu` must be an int64 or int32 tensor (a CPU copy of `cu_seqlens`), got {what}")
+        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(
+                f"{op}: `cu_seqlens_cpu` must be a CPU tensor of the shape of `cu_seqlens` {_shape(cu_seqlens)}, "
+                f"got {_shape(cu_seqlens_cpu)} on {cu_seqlens_cpu.device}"
+            )
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen <= 0):
+        raise TypeError(f"{op}: `max_seqlen` must be a positive int (the longest sequence in `cu_seqlens`), got {max_seqlen!r}")
+    n = cu_seqlens.numel() - 1
+    if torch.compiler.is_compiling():
+        return n
+    name = "cu_seqlens" if cu_seqlens_cpu is None else "cu_seqlens_cpu"
+    offsets = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
     if offsets[0] != 0:
-        raise ValueError(f"{op}: `cu_seqlens` must start at 0, got {offsets[0]}")
+        raise ValueError(f"{op}: `{name}` must start at 0, got {offsets[0]}")
     steps = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if any(s <= 0 for s in steps):
         i = next(i for i, s in enumerate(steps) if s <= 0)
         raise ValueError(
-            f"{op}: `cu_seqlens` must be strictly increasing, got {offsets[i]} followed by {offsets[i + 1]} at index {i}"
+            f"{op}: `{name}` must be strictly increasing, got {offsets[i]} followed by {offsets[i + 1]} at index {i}"
         )
     if offsets[-1] != seq_len:
-        raise ValueError(f"{op}: `cu_seqlens` must end at the sequence length T={seq_len}, got {offsets[-1]}")
-    return len(offsets) - 1
+        raise ValueError(f"{op}: `{name}` must end at the sequence length T={seq_len}, got {offsets[-1]}")
+    if max_seqlen is not None and max(steps) > max_seqlen:
+        i = steps.index(max(steps))
+        raise ValueError(
+            f"{op}: `max_seqlen`={max_seqlen} is smaller than sequence {i} of `{name}` ({steps[i]} tokens); "
+            f"pass at least the longest length, {max(steps)}"
+        )
+    return n
 
 
 def check_chunk_size(op: str, chunk_size) -> None:
@@ -252,6 +282,8 @@ def check_inputs(
     chunk_size=NO_CHUNKS,
     scale: Optional[float] = None,
     allow_neg_eigval: bool = False,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> int:
     """Check the arguments of an op; return N, the number of sequences.
 
@@ -293,7 +325,10 @@ def check_inputs(
     check_scale(op, scale)
     n = B
     if cu_seqlens is not None:
-        n = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+        n = check_cu_seqlens(op, cu_seqlens, B, T, q.device, cu_seqlens_cpu, max_seqlen)
+    elif cu_seqlens_cpu is not None or max_seqlen is not None:
+        which = "cu_seqlens_cpu" if cu_seqlens_cpu is not None else "max_seqlen"
+        raise ValueError(f"{op}: `{which}` describes packed sequences and needs `cu_seqlens`, which is None")
     if initial_state is not None:
         sk = K if state_key_dim is None else state_key_dim
         sv = v.shape[-1] if state_value_dim is None else state_value_dim

@@ -20,11 +20,24 @@ refused before they allocate score matrices that cannot fit (``check_score_memor
 An empty sequence (T = 0) never reaches a solver: the output is empty and the final
 state is a copy of ``initial_state`` (zeros without one), so the caller never gets
 its own tensor back.
+
+Mixed precision (``torch.autocast``). Autocast would run every matmul of a
+solver in bf16/fp16, including the products with the fp32 state. The ops follow
+their own rule instead (low precision in, fp32 compute and state, input dtype
+out): the solver runs with autocast switched off (:func:`autocast_off`), on
+inputs cast to fp32 explicitly, and the output comes back in the dtype autocast
+gave the inputs. float64 inputs inside an autocast region are refused
+(:func:`check_autocast`): autocast never lowers float64, so fp64 there means a
+reference computation has leaked into a mixed-precision region.
+
+torch.compile. Nothing here reads tensor values when ``max_seqlen`` is given
+with ``cu_seqlens`` (:class:`Packing`), so a compiled op has no graph break.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import contextlib
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -34,22 +47,88 @@ from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize
 Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
 
-def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[1, T, ...]`` packed -> (``[N, T_max, ...]`` right-padded with zeros, valid mask ``[N, T_max]``)."""
-    starts = cu_seqlens[:-1].long()
-    lengths = cu_seqlens[1:].long() - starts
-    t_max = int(lengths.max())
-    pos = torch.arange(t_max, device=x.device)
-    valid = pos[None, :] < lengths[:, None]
-    index = (starts[:, None] + pos[None, :]).clamp(max=x.shape[1] - 1)
-    padded = x[0][index]
-    mask = valid.reshape(valid.shape + (1,) * (padded.dim() - 2))
-    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device)), valid
+def autocast_off(device: torch.device):
+    """A context in which ``torch.autocast`` does not apply on ``device`` (a no-op where it never does).
+
+    The equivalent of ``torch.amp.custom_fwd(cast_inputs=...)`` for any device type,
+    usable inside ``torch.compile`` and inside custom ops' implementations (which a
+    compiled graph may call while the user's autocast region is active).
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
-def unpad_packed(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pad_packed`: ``[N, T_max, ...]`` -> ``[1, T, ...]``."""
-    return x[valid].unsqueeze(0)
+def check_autocast(op: str, device: torch.device, **tensors: Optional[torch.Tensor]) -> None:
+    """Refuse float64 tensors inside an active ``torch.autocast`` region on ``device``."""
+    if not torch.amp.is_autocast_available(device.type) or not torch.is_autocast_enabled(device.type):
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            raise TypeError(
+                f"{op}: `{name}` is float64 inside torch.autocast(device_type={device.type!r}, "
+                f"dtype={torch.get_autocast_dtype(device.type)}); expected float32, bfloat16 or float16 there. "
+                f"Autocast never lowers float64, so this is a float64 computation inside a mixed-precision "
+                f"region: run it outside autocast, or cast `{name}` to float32."
+            )
+
+
+class Packing(NamedTuple):
+    """How N sequences packed along T (``cu_seqlens``) map to a right-padded ``[N, T_max]`` batch.
+
+    Fields: ``index [N, T_max]`` the packed position of each padded slot (clamped
+    inside T for the padding), ``valid [N, T_max]`` which slots are real tokens,
+    ``seq [T]``/``pos [T]`` each packed token's sequence and position in it.
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
+
+    @staticmethod
+    def build(cu_seqlens: torch.Tensor, total: int, max_seqlen: Optional[int] = None,
+              cu_seqlens_cpu: Optional[torch.Tensor] = None) -> "Packing":
+        """Index tables for ``total`` packed tokens; ``T_max`` = ``max_seqlen`` when given.
+
+        Without ``max_seqlen`` the longest length is read from ``cu_seqlens_cpu`` (no
+        device sync) or ``cu_seqlens``; under ``torch.compile`` that read is a graph
+        break, which passing ``max_seqlen`` avoids.
+        """
+        cu = cu_seqlens.long()
+        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+        if max_seqlen is None:
+            host = cu if cu_seqlens_cpu is None else cu_seqlens_cpu.long()
+            max_seqlen = int((host[1:] - host[:-1]).max())
+        pos = torch.arange(max_seqlen, device=cu.device)
+        valid = pos[None, :] < lengths[:, None]
+        index = (starts[:, None] + pos[None, :]).clamp(max=total - 1)
+        tokens = torch.arange(total, device=cu.device)
+        seq = torch.searchsorted(cu[1:], tokens, right=True)
+        return Packing(index, valid, seq, tokens - starts[seq])
+
+    def pad(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``[1, T, ...]`` packed -> ``[N, T_max, ...]``, zeros in the padding."""
+        if x is None:
+            return None
+        padded = x[0][self.index]
+        mask = self.valid.reshape(self.valid.shape + (1,) * (padded.dim() - 2))
+        return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`pad`: ``[N, T_max, ...]`` -> ``[1, T, ...]`` (a gather: static shapes)."""
+        return x[self.seq, self.pos].unsqueeze(0)
+
+
+def normalizer_column(v: torch.Tensor) -> torch.Tensor:
+    """``v [..., V]`` -> ``[..., V + 1]`` with a last column of ones: the normalizer
+    z_t = α_t z_{t−1} + φ(k_t) is the state written with value 1, carried as h's last column."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def divide_by_normalizer(o: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``o [..., V + 1]`` (a read of [S | z]) -> ``o / (scale·φ(q)ᵀ z + eps)``, ``[..., V]``."""
+    return o[..., :-1] / (o[..., -1:] + eps)
 
 
 def check_op_args(
@@ -70,6 +149,8 @@ def check_op_args(
     requires_beta: bool = False,
     requires_g: bool = False,
     allow_neg_eigval: bool = False,
+    cu_seqlens_cpu=None,
+    max_seqlen=None,
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
 
@@ -88,8 +169,9 @@ def check_op_args(
     check_inputs(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
         state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
-        allow_neg_eigval=allow_neg_eigval,
+        allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
     )
+    check_autocast(op, q.device, q=q, k=k, v=v, beta=beta, g=g)
     return phi
 
 
@@ -114,11 +196,14 @@ def run_op(
     requires_beta: bool = False,
     requires_g: bool = False,
     allow_neg_eigval: bool = False,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     phi = check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
         requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
     )
     out_dtype = q.dtype
     dt = compute_dtype(out_dtype)
@@ -130,44 +215,44 @@ def run_op(
             h_t = q.new_zeros(B, H, phi.output_dim(q.shape[-1]), v.shape[-1] + int(normalize), dtype=state_dtype(out_dtype))
         return v.new_empty(v.shape, dtype=out_dtype), (h_t if output_final_state else None)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with autocast_off(q.device):  # fp32 compute and state, whatever autocast would do (module docstring)
+        q = normalize_qk(phi(q.to(dt)), qk_norm, op)
+        k = normalize_qk(phi(k.to(dt)), qk_norm, op)
+        v = v.to(dt)
+        if normalize:
+            # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:
+            # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.
+            v = normalizer_column(v)
+        beta = None if beta is None else beta.to(dt)
+        g = None if g is None else g.to(dt)
 
-    q = normalize_qk(phi(q.to(dt)), qk_norm, op)
-    k = normalize_qk(phi(k.to(dt)), qk_norm, op)
-    v = v.to(dt)
-    if normalize:
-        # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:
-        # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    beta = None if beta is None else beta.to(dt)
-    g = None if g is None else g.to(dt)
+        packing = None
+        if cu_seqlens is not None:
+            packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
+            q, k, v, beta, g = (packing.pad(t) for t in (q, k, v, beta, g))
 
-    valid = None
-    if cu_seqlens is not None:
-        q, valid = pad_packed(q, cu_seqlens)
-        k, _ = pad_packed(k, cu_seqlens)
-        v, _ = pad_packed(v, cu_seqlens)
-        beta = None if beta is None else pad_packed(beta, cu_seqlens)[0]
-        g = None if g is None else pad_packed(g, cu_seqlens)[0]
+        form = op.split("_", 1)[0]
+        n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
+        # The memory check asks the OS (os.sysconf), which torch.compile cannot trace: it runs in eager mode.
+        check_memory = not torch.compiler.is_compiling()
+        if form == "chunk":
+            chunk_size = effective_chunk_size(chunk_size, t_len)
+            if check_memory:
+                check_score_memory(op, n, heads, -(-t_len // chunk_size) * chunk_size, chunk_size, dt, q.device,
+                                   f"the [C, C] chunk matrices at T={t_len}, C={chunk_size}")
+        elif form == "parallel" and check_memory:
+            check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
 
-    form = op.split("_", 1)[0]
-    n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
-    if form == "chunk":
-        chunk_size = effective_chunk_size(chunk_size, t_len)
-        check_score_memory(op, n, heads, -(-t_len // chunk_size) * chunk_size, chunk_size, dt, q.device,
-                           f"the [C, C] chunk matrices at T={t_len}, C={chunk_size}")
-    elif form == "parallel":
-        check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
+        def head_first(t):
+            return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
 
-    def head_first(t):
-        return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
-
-    o, h_t = core(
-        head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g),
-        initial_state, scale, chunk_size,
-    )
-    o = o.transpose(1, 2)  # [N, T, H, V]
-    if valid is not None:
-        o = unpad_packed(o, valid)
-    if normalize:
-        o = o[..., :-1] / (o[..., -1:] + eps)
-    return o.to(out_dtype), (h_t if output_final_state else None)
+        o, h_t = core(
+            head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g),
+            initial_state, scale, chunk_size,
+        )
+        o = o.transpose(1, 2)  # [N, T, H, V]
+        if packing is not None:
+            o = packing.unpad(o)
+        if normalize:
+            o = divide_by_normalizer(o, eps)
+        return o.to(out_dtype), (h_t if output_final_state else None)

@@ -32,18 +32,17 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
 from .._chunk import (
     ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
-from .._backend import backward_can_follow
+from .._backend import backward_can_follow, run_chunk_delta
 from .._fla_compat import fla_inputs
-from .._frontend import run_op
+from .._frontend import autocast_off
 from ..feature_maps import FeatureMapLike
-from ..triton import chunk_op_triton, select_backend
-from .wy import block_substitution, diagonal_block_inverses, ut_solve
+from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
 
 #: Row blocks of the UT solve (``wy.block_substitution``): C/UT_BLOCKS-row diagonal blocks.
@@ -275,51 +274,116 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
     return (*(None if b is None else from_chunk_buffer(b, t_len) for b in grads), dh)
 
 
-class ChunkDeltaRuleFunction(torch.autograd.Function):
-    """The (gated) delta rule's chunk form with a hand-written backward.
+# --------------------------------------------------------------------------------------
+# The chunk form as a differentiable custom op (torch.library). torch.compile treats
+# the forward and the backward as two opaque calls: the loops, the in-place updates
+# of preallocated buffers and the group sizes above stay plain eager PyTorch, and a
+# compiled graph has no break (and no unrolled loop) here. The fake implementations
+# give the outputs' shapes and strides without computing.
+# --------------------------------------------------------------------------------------
 
-    ``apply(q, k, v, beta, g, h0, scale, chunk_size, keep) -> (o, h_T)`` on head-first
-    compute-dtype tensors ``[N, H, T, D]`` (``g``/``h0`` may be None; ``g=None`` is
-    the plain rule; ``keep``: :func:`~fastweights.ops._backend.backward_can_follow`,
-    whether to keep anything for a backward). Gradients reach q, k, v, beta, g and h0, and the cotangent of
-    h_T is honoured.
+
+@torch.library.custom_op("fastweights::chunk_delta_rule_fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor],
+    scale: float, chunk_size: int, keep: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`chunk_delta_rule_fwd` with ``h0 [N, H, K, V]``; the kept tensors are empty when ``keep`` is False."""
+    n, nh, _, dk = k.shape
+    h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+    with autocast_off(q.device):
+        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
+    return (o, h_final, states) + (kept if keep else tuple(q.new_empty(0) for _ in range(4)))
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep):
+    n, nh, t_len, dk = k.shape
+    dv = v.shape[-1]
+    nc = -(-t_len // chunk_size)
+    rows = nc * n * nh
+    o = from_chunk_buffer(chunk_buffer(v, n, nh, nc, chunk_size), t_len)
+    out = (o, v.new_empty(n * nh, dk, dv), v.new_empty(nc, n * nh, dk, dv))
+    if not keep:
+        return out + tuple(q.new_empty(0) for _ in range(4))
+    nb = row_blocks(chunk_size, UT_BLOCKS)
+    kv = k.new_empty(rows, chunk_size, dk + dv)
+    return out + (q.new_empty(rows, chunk_size, dk), kv, torch.empty_like(kv),
+                  v.new_empty(nb, rows, chunk_size // nb, chunk_size // nb))
+
+
+@torch.library.custom_op("fastweights::chunk_delta_rule_bwd", mutates_args=())
+def _bwd_op(
+    beta: Tensor, g: Optional[Tensor], states: Tensor, q_flat: Tensor, kv_flat: Tensor, wu: Tensor,
+    inverses: Tensor, do: Tensor, dh_final: Tensor, scale: float, chunk_size: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`chunk_delta_rule_bwd`; ``dg`` is empty when ``g`` is None."""
+    with autocast_off(do.device):
+        grads = chunk_delta_rule_bwd(beta, g, states, (q_flat, kv_flat, wu, inverses), do, dh_final, scale, chunk_size)
+    return tuple(beta.new_empty(0) if t is None else t for t in grads)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(beta, g, states, q_flat, kv_flat, wu, inverses, do, dh_final, scale, chunk_size):
+    nc, _, dk, dv = states.shape
+    n, nh, t_len = beta.shape
+    grads = [from_chunk_buffer(chunk_buffer(do, n, nh, nc, chunk_size, tail=(d,)), t_len) for d in (dk, dk, dv)]
+    grads += [from_chunk_buffer(chunk_buffer(beta, n, nh, nc, chunk_size), t_len) for t in (beta, g) if t is not None]
+    if g is None:
+        grads.append(beta.new_empty(0))
+    return (*grads, torch.empty_like(dh_final))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, beta, g, h0, scale, chunk_size, keep = inputs
+    _, _, states, *kept = output
+    ctx.save_for_backward(beta, g, states, *kept)
+    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+
+
+def _backward(ctx, do, dh_final, *unused):
+    beta, g, states, *kept = ctx.saved_tensors
+    if dh_final is None:
+        dh_final = states.new_zeros(states.shape[1:])
+    dq, dk, dv, dbeta, dg, dh0 = _bwd_op(beta, g, states, *kept, do, dh_final, ctx.scale, ctx.chunk_size)
+    dg = None if g is None else dg
+    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
+    return dq, dk, dv, dbeta, dg, dh0, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def delta_rule_chunk(
+    q, k, v, beta, g, h0, scale, chunk_size, keep: Optional[bool] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (gated) delta rule's chunk form with its hand-written backward; returns ``(o, h_T)``.
+
+    On head-first compute-dtype tensors ``[N, H, T, D]`` (``g``/``h0`` may be None;
+    ``g=None`` is the plain rule). Gradients reach q, k, v, beta, g and h0, and the
+    cotangent of h_T is honoured.
 
     Memory kept for the backward: the inputs (O(T·(2K + V)) per head; q, k, v as the
     forward gathered them, chunk-major),
     [W | U'] (T·(K + V)), the diagonal-block inverses (T·C/4) and the T/C states
     entering the chunks (O((T/C)·K·V)). The backward recomputes P and S group by
-    group (transient O(group·C·(C + K + V))).
-    Double backward is not supported (``once_differentiable``): use the
-    recurrent or parallel form, which keep plain autograd, for higher derivatives.
+    group (transient O(group·C·(C + K + V))). ``keep`` (default
+    :func:`~fastweights.ops._backend.backward_can_follow`) says whether to keep
+    anything for a backward: nothing is kept for inference.
+    Double backward is not supported: use the recurrent or parallel form, which
+    keep plain autograd, for higher derivatives.
     """
-
-    @staticmethod
-    def forward(ctx, q, k, v, beta, g, h0, scale, chunk_size, keep):
-        n, nh, t_len, dk = k.shape
-        dv = v.shape[-1]
-        h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
-        # keep = backward_can_follow(...) from the caller; under no_grad (inference) nothing is kept
-        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
-        if keep:
-            ctx.save_for_backward(beta, g, states, *kept)
-        ctx.scale, ctx.chunk_size, ctx.has_h0 = scale, chunk_size, h0 is not None
-        return o, h_final.reshape(n, nh, dk, dv)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do, dh_final):
-        beta, g, states, *kept = ctx.saved_tensors
-        n, nh = beta.shape[:2]
-        dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
-        dq, dk, dv, dbeta, dg, dh0 = chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, ctx.scale, ctx.chunk_size)
-        dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
-        return dq, dk, dv, dbeta, dg, dh0, None, None, None
+    if keep is None:
+        keep = backward_can_follow(q, k, v, beta, g, h0)
+    o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep)
+    return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
-def delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Chunkwise (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
-    keep = backward_can_follow(q, k, v, beta, g, h0)
-    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size, keep)
+class ChunkDeltaRuleFunction:
+    """``ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size, keep)``: :func:`delta_rule_chunk`
+    under the name of the ``autograd.Function`` it replaced."""
+
+    apply = staticmethod(delta_rule_chunk)
 
 
 def chunk_delta_rule(
@@ -339,6 +403,7 @@ def chunk_delta_rule(
     allow_neg_eigval: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule, chunkwise parallel: the fast path for training.
@@ -373,6 +438,5 @@ def chunk_delta_rule(
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
-    if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
-        return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)
-    return run_op("chunk_delta_rule", delta_rule_chunk, q, k, v, **kwargs, requires_beta=True)
+    return run_chunk_delta("chunk_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen), **kwargs)

@@ -54,6 +54,7 @@ def parallel_delta_rule(
     allow_neg_eigval: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule as one T×T triangular solve and mixing matrix.
@@ -68,6 +69,7 @@ def parallel_delta_rule(
     return run_op(
         "parallel_delta_rule", delta_rule_parallel, q, k, v, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True,
         allow_neg_eigval=allow_neg_eigval,

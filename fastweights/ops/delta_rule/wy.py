@@ -100,11 +100,16 @@ def diagonal_block_inverses(s: torch.Tensor, beta: torch.Tensor, blocks: int = 4
     inverses are one contiguous batch.
     """
     batch, length = s.shape[0], s.shape[-1]
-    nb = next(n for n in range(min(blocks, length), 0, -1) if length % n == 0)
+    nb = row_blocks(length, blocks)
     bs = length // nb
     diag = torch.diagonal(s.view(batch, nb, bs, nb, bs), dim1=1, dim2=3).permute(3, 0, 1, 2)  # [nb, B, bs, bs]
     a = torch.mul(diag, _beta_blocks(beta, nb).unsqueeze(-1), out=s.new_empty(nb, batch, bs, bs))
     return unit_lower_inverse(a.view(nb * batch, bs, bs)).view(nb, batch, bs, bs)  # of diag(β) S's blocks
+
+
+def row_blocks(length: int, blocks: int) -> int:
+    """The number of row blocks of an L-row UT system: the largest of ``blocks, ..., 1`` that divides L."""
+    return next(n for n in range(min(blocks, length), 0, -1) if length % n == 0)
 
 
 def _beta_blocks(beta: torch.Tensor, nb: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ def parallel_gated_delta_rule(
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule as one T×T triangular solve (O(T²) memory).
@@ -54,6 +55,7 @@ def parallel_gated_delta_rule(
     return run_op(
         "parallel_gated_delta_rule", delta_rule_parallel, q, k, v, beta=beta, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
         allow_neg_eigval=allow_neg_eigval,

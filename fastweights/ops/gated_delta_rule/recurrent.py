@@ -42,6 +42,7 @@ def recurrent_gated_delta_rule(
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule (Gated DeltaNet), one token at a time: the reference form.
@@ -51,7 +52,8 @@ def recurrent_gated_delta_rule(
         g: ``[B, T, H]`` log decays, α_t = exp(g_t) (g ≤ 0 keeps α ≤ 1); ``None``: no decay.
         beta: ``[B, T, H]`` write strengths in (0, 1); ``None``: β = 1.
         scale, initial_state, output_final_state, cu_seqlens, chunk_size, qk_norm,
-        feature_map, use_qk_l2norm_in_kernel: as in :func:`~fastweights.ops.recurrent_delta_rule`.
+        feature_map, use_qk_l2norm_in_kernel, cu_seqlens_cpu, max_seqlen: as in
+        :func:`~fastweights.ops.recurrent_delta_rule`.
         use_beta_sigmoid_in_kernel, allow_neg_eigval, use_gate_in_kernel, A_log, dt_bias,
         cu_seqlens_cpu, **extra: flash-linear-attention's options, with fla's meaning
             (β = sigmoid(beta), ×2 with ``allow_neg_eigval``; g = −exp(A_log)·softplus(g + dt_bias));
@@ -72,6 +74,7 @@ def recurrent_gated_delta_rule(
     return run_op(
         "recurrent_gated_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_beta=True, requires_g=True,
         allow_neg_eigval=allow_neg_eigval,

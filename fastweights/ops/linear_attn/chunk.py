@@ -20,10 +20,13 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
-from .._chunk import ChunkDecay, flat_chunks, read_write_backward, reverse_cumsum, state_scan, state_scan_backward, unflat_chunks
-from .._frontend import run_op
+from .._chunk import (
+    ChunkDecay, chunk_buffer, flat_chunks, from_chunk_buffer, read_write_backward, reverse_cumsum, state_scan,
+    state_scan_backward, unflat_chunks,
+)
+from .._frontend import autocast_off, run_op
 from ..feature_maps import FeatureMapLike
 
 
@@ -67,43 +70,104 @@ def chunk_linear_attn_bwd(q, k, v, g, states, do, dh_final, scale):
     return dq, dk_, dv_, None if db is None else reverse_cumsum(db), dh0
 
 
-class ChunkLinearAttnFunction(torch.autograd.Function):
-    """Chunkwise linear attention with a hand-written backward.
+# The chunk form as a differentiable custom op, opaque to torch.compile (as the delta
+# rule's, ``delta_rule/chunk.py``): forward and backward are one call each.
 
-    ``apply(q, k, v, g, h0, scale, chunk_size) -> (o, h_T)`` on head-first
-    compute-dtype tensors ``[N, H, T, D]`` (``g``/``h0`` may be None). Keeps the
-    inputs and the T/C chunk-entry states (O(T·(2K + V) + (T/C)·K·V) per head).
-    Double backward is not supported (``once_differentiable``).
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, chunk_size):
-        n, nh, t_len, dk = k.shape
-        dv = v.shape[-1]
-        qc, kc, vc, gc = (flat_chunks(x, chunk_size) for x in (q, k, v, g))
+def _not_aliasing(x: Tensor, source: Tensor) -> Tensor:
+    """``x``, or a copy of it if it shares memory with ``source``."""
+    return x.clone() if x.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else x
+
+
+@torch.library.custom_op("fastweights::chunk_linear_attn_fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float, chunk_size: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(o [N, H, T, V], h_T [N·H, K, V], states, qc, kc, vc, gc)``: the output and what the backward keeps
+    (the flattened chunks of the inputs; ``gc`` empty without g)."""
+    n, nh, t_len, dk = k.shape
+    dv = v.shape[-1]
+    with autocast_off(q.device):
+        # flat_chunks returns the input itself when it is already laid out chunk-major (N = H = 1,
+        # C dividing T); a custom op's outputs must not alias its inputs, so copy it then.
+        qc, kc, vc, gc = (None if x is None else _not_aliasing(flat_chunks(x, chunk_size), x) for x in (q, k, v, g))
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, dv)
         o, h_final, states = chunk_linear_attn_fwd(qc, kc, vc, gc, h0_, scale, n, nh)
-        ctx.save_for_backward(qc, kc, vc, gc, states)
-        ctx.scale, ctx.chunk_size, ctx.has_h0, ctx.shape = scale, chunk_size, h0 is not None, (n, nh, t_len)
-        return unflat_chunks(o, n, nh, t_len), h_final.reshape(n, nh, dk, dv)
+        return unflat_chunks(o, n, nh, t_len), h_final, states, qc, kc, vc, q.new_empty(0) if gc is None else gc
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do, dh_final):
-        qc, kc, vc, gc, states = ctx.saved_tensors
-        n, nh, t_len = ctx.shape
-        doc = flat_chunks(do, ctx.chunk_size)
-        dh_final = dh_final.reshape(states.shape[1], *dh_final.shape[-2:])
-        dq, dk, dv, dg, dh0 = chunk_linear_attn_bwd(qc, kc, vc, gc, states, doc, dh_final, ctx.scale)
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, g, h0, scale, chunk_size):
+    n, nh, t_len, dk = k.shape
+    dv = v.shape[-1]
+    nc = -(-t_len // chunk_size)
+    qc, kc, vc = (x.new_empty(nc * n * nh, chunk_size, x.shape[-1]) for x in (q, k, v))
+    gc = q.new_empty(0) if g is None else g.new_empty(nc * n * nh, chunk_size)
+    o = from_chunk_buffer(chunk_buffer(v, n, nh, nc, chunk_size), t_len)
+    return o, v.new_empty(n * nh, dk, dv), v.new_empty(nc, n * nh, dk, dv), qc, kc, vc, gc
+
+
+@torch.library.custom_op("fastweights::chunk_linear_attn_bwd", mutates_args=())
+def _bwd_op(
+    qc: Tensor, kc: Tensor, vc: Tensor, gc: Optional[Tensor], states: Tensor, do: Tensor, dh_final: Tensor,
+    scale: float, chunk_size: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dg, dh0)`` for ``do [N, H, T, V]``, head-first; ``dg`` empty without g."""
+    n, nh, t_len = do.shape[:3]
+    with autocast_off(do.device):
+        doc = flat_chunks(do, chunk_size)
+        dq, dk, dv, dg, dh0 = chunk_linear_attn_bwd(qc, kc, vc, gc, states, doc, dh_final, scale)
         grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv)]
-        grads.append(None if dg is None else unflat_chunks(dg, n, nh, t_len))
-        dh0 = dh0.reshape(n, nh, *dh0.shape[-2:]) if ctx.has_h0 else None
-        return (*grads, dh0, None, None)
+        grads.append(do.new_empty(0) if dg is None else unflat_chunks(dg, n, nh, t_len))
+        return (*grads, dh0)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size):
+    n, nh, t_len = do.shape[:3]
+    nc = states.shape[0]
+    grads = [from_chunk_buffer(chunk_buffer(do, n, nh, nc, chunk_size, tail=(x.shape[-1],)), t_len) for x in (qc, kc, vc)]
+    grads.append(do.new_empty(0) if gc is None else from_chunk_buffer(chunk_buffer(do, n, nh, nc, chunk_size, tail=()), t_len))
+    return (*grads, torch.empty_like(dh_final))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, h0, scale, chunk_size = inputs
+    _, _, states, qc, kc, vc, gc = output
+    ctx.save_for_backward(qc, kc, vc, None if g is None else gc, states)
+    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+
+
+def _backward(ctx, do, dh_final, *unused):
+    qc, kc, vc, gc, states = ctx.saved_tensors
+    if dh_final is None:
+        dh_final = states.new_zeros(states.shape[1:])
+    dq, dk, dv, dg, dh0 = _bwd_op(qc, kc, vc, gc, states, do, dh_final, ctx.scale, ctx.chunk_size)
+    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
+    return dq, dk, dv, None if gc is None else dg, dh0, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Chunkwise sum rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
-    return ChunkLinearAttnFunction.apply(q, k, v, g, h0, scale, chunk_size)
+    """Chunkwise sum rule on head-first compute-dtype tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
+
+    ``beta`` is unused (the solver signature of ``_frontend``); ``g``/``h0`` may be
+    None. The hand-written backward keeps the inputs and the T/C chunk-entry states
+    (O(T·(2K + V) + (T/C)·K·V) per head). Double backward is not supported.
+    """
+    o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size))
+    return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
+
+
+class ChunkLinearAttnFunction:
+    """``ChunkLinearAttnFunction.apply(q, k, v, g, h0, scale, chunk_size)``: :func:`linear_attn_chunk`
+    under the name of the ``autograd.Function`` it replaced."""
+
+    @staticmethod
+    def apply(q, k, v, g, h0, scale, chunk_size):
+        return linear_attn_chunk(q, k, v, None, g, h0, scale, chunk_size)
 
 
 def chunk_linear_attn(
@@ -120,6 +184,8 @@ def chunk_linear_attn(
     qk_norm: Optional[str] = None,
     normalize: bool = False,
     eps: float = 1e-6,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Causal linear attention, chunkwise parallel: the fast path for training.
 
@@ -135,5 +201,6 @@ def chunk_linear_attn(
     return run_op(
         "chunk_linear_attn", linear_attn_chunk, q, k, v, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,
     )

@@ -44,6 +44,8 @@ def parallel_linear_attn(
     qk_norm: Optional[str] = None,
     normalize: bool = False,
     eps: float = 1e-6,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Causal linear attention as one masked T×T matrix product.
 
@@ -61,5 +63,6 @@ def parallel_linear_attn(
     return run_op(
         "parallel_linear_attn", linear_attn_parallel, q, k, v, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,
     )
