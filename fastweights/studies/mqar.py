@@ -311,6 +311,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mixers", nargs="+", default=None, choices=MIXERS, help="which models to train")
     parser.add_argument("--short-conv", choices=("off", "on", "both"), default=None,
                         help="short convolution of the fast-weight mixers (default both; on is the headline)")
+    parser.add_argument("--cells", nargs="+", default=None, metavar="T:D",
+                        help="sequence length and key-value pairs of each cell (default 64:4 128:8)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default 128; --full: 8192)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="learning rates to sweep")
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the kept learning rate (default 3)")
     parser.add_argument("--max-steps", type=int, default=None, help="step budget per model")
     parser.add_argument("--threads", type=int, default=None, help="torch threads while training (default 1)")
@@ -324,7 +328,17 @@ def config_from_args(args) -> MQARConfig:
         overrides["mixers"] = tuple(args.mixers)
     if args.short_conv is not None:
         overrides["short_conv"] = {"off": (False,), "on": (True,), "both": (False, True)}[args.short_conv]
-    for name, value in (("seeds", args.seeds), ("max_steps", args.max_steps), ("threads", args.threads)):
+    if args.cells is not None:
+        try:
+            overrides["cells"] = tuple(tuple(int(x) for x in c.split(":")) for c in args.cells)
+        except ValueError:
+            raise ValueError(f"`--cells` entries must be T:D (two ints), got {args.cells!r}") from None
+        if any(len(c) != 2 for c in overrides["cells"]):
+            raise ValueError(f"`--cells` entries must be T:D (two ints), got {args.cells!r}")
+    if args.lrs is not None:
+        overrides["lrs"] = tuple(args.lrs)
+    for name, value in (("seeds", args.seeds), ("max_steps", args.max_steps), ("threads", args.threads),
+                        ("vocab_size", args.vocab_size)):
         if value is not None:
             overrides[name] = value
     return MQARConfig.full(**overrides) if args.full else MQARConfig(**overrides)
