@@ -359,13 +359,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (reported)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--repeats", type=int, default=8, help="interleaved repeats per contender")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats per contender (default 8; --lm: 3)")
     p.add_argument("--recurrent-max-t", type=int, default=2048, help="longest T for the recurrence's forward+backward")
     p.add_argument("--no-memory", action="store_true", help="skip the child-process memory measurements")
     p.add_argument("--long", dest="long_tokens", type=int, nargs="?", const=1_000_000, default=None,
                    help="also stream this many tokens (default 1,000,000) through the fast forward in pieces")
     p.add_argument("--piece", type=int, default=16384, help="piece length for --long")
-    p.add_argument("--json", default="benchmarks/results/chunk_speed.json", help="where to write the results")
+    p.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/chunk_speed.json; "
+                   "--lm: benchmarks/results/lm_speed.json)")
     p.add_argument("--default-allocator", action="store_true",
                    help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/allocator.py)")
 
@@ -376,6 +377,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.threads)
     tuned = False if args.default_allocator else tune_cpu_allocator()
+    if args.repeats is None:
+        args.repeats = 8
+    if args.json is None:
+        args.json = "benchmarks/results/chunk_speed.json"
     B, H, K, C = args.batch, args.heads, args.head_dim, args.chunk_size
     V = K
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else _cpu_name()

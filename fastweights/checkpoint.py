@@ -258,12 +258,13 @@ def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise CheckpointError(f"{path}: config.json is missing")
-    try:
-        config = LMConfig.from_json(config_file)
+    try:  # fields newer than the checkpoint get the values it was trained with (LMConfig.fill_legacy)
+        with open(config_file, encoding="utf-8") as f:
+            config = LMConfig.from_dict(LMConfig.fill_legacy(json.load(f)), source=f"file {config_file}")
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: config.json is invalid: {e}") from None
     try:
-        saved = json.loads(metadata.get("config", "null"))
+        saved = LMConfig.fill_legacy(json.loads(metadata.get("config", "null")))
     except json.JSONDecodeError:
         saved = None
     if saved != config.to_dict():

@@ -61,7 +61,7 @@ def unknown_flag_message(parser: argparse.ArgumentParser, command: Optional[str]
     for arg in extras:
         flag = arg.split("=", 1)[0]
         if flag.startswith("-"):
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
             if close:
                 hints.append(f"{flag} (did you mean {close[0]}?)")
     message = f"unrecognized arguments: {' '.join(extras)}"

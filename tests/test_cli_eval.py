@@ -38,10 +38,10 @@ def texts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained_run(texts, tmp_path_factory):
-    """A bf16 run of a softmax model, with a held-out file and two evaluations."""
+    """A bf16 run of a hybrid (DeltaNet + softmax), with a held-out file and two evaluations."""
     out = tmp_path_factory.mktemp("run") / "run"
     train_file, val_file = texts
-    cli_main(["train", *TINY, "--mixer", "softmax", "--data", str(train_file), "--val-data", str(val_file),
+    cli_main(["train", *TINY, "--n-layers", "2", "--mixer", '["deltanet", "softmax"]', "--data", str(train_file), "--val-data", str(val_file),
               "--seq-len", "32", "--steps", "6", "--batch-size", "4", "--eval-every", "3", "--eval-tokens", "0",
               "--precision", "bf16", "--max-seq-len", "1024", "--out", str(out)])
     return out
@@ -65,6 +65,22 @@ def test_bf16_run_logs_throughput_and_held_out_bits_per_byte(trained_run, texts,
     result = json.loads(capsys.readouterr().out)
     print(f"train's last eval loss {evals[-1]['eval_loss']:.6f}, fastweights eval {result['loss_nats']:.6f}")
     assert result["loss_nats"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "linear", "deltanet", "gated_deltanet"])
+def test_bf16_training_follows_fp32(texts, mixer):
+    """--precision bf16 autocasts the forward pass: the losses of a few steps stay within
+    bf16's reach of the fp32 run's, and differ from them (autocast really ran)."""
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        config = TrainConfig(data=str(texts[0]), seq_len=32, steps=3, batch_size=4, precision=precision, threads=1,
+                             eval_every=0, eval_tokens=64)
+        result = train(LMConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, mixer=mixer), config,
+                       progress=False, log=lambda _: None)
+        losses[precision] = [r["loss"] for r in result.history]
+    gap = max(abs(a - b) / a for a, b in zip(losses["fp32"], losses["bf16"]))
+    print(f"{mixer}: fp32 losses {losses['fp32']}, bf16 {losses['bf16']}, max relative gap {gap:.2e}")
+    assert 0 < gap < 1e-2
 
 
 def test_log_lines_carry_tok_s_and_elapsed(texts, tmp_path):

@@ -126,7 +126,9 @@ def test_short_convolution_equals_causal_conv1d():
     assert _err(y2, reference[:, 5:]) <= 1e-14
 
 
-def test_decode_step_uses_the_recurrent_op(monkeypatch):
+def test_decode_step_uses_the_recurrent_ops_step(monkeypatch):
+    """Prefill runs the chunk op; a decoding step runs the op's one-token update
+    (``delta_rule_step``, the body of the recurrent form), never the chunk op."""
     calls = []
 
     def spy(name, fn):
@@ -135,12 +137,34 @@ def test_decode_step_uses_the_recurrent_op(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(deltanet_module, "recurrent_delta_rule", spy("recurrent", ops.recurrent_delta_rule))
+    monkeypatch.setattr(deltanet_module, "delta_rule_step", spy("step", deltanet_module.delta_rule_step))
     monkeypatch.setattr(deltanet_module, "chunk_delta_rule", spy("chunk", ops.chunk_delta_rule))
     layer = DeltaNet(32, 2)
     _, state = layer(torch.randn(1, 5, 32))
     layer(torch.randn(1, 1, 32), state)
-    assert calls == ["chunk", "recurrent"]
+    assert calls == ["chunk", "step"]
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if not n.startswith("softmax")])
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+def test_fused_step_equals_the_recurrent_op_path(name, batch):
+    """The fused decoding step (``layer.step``) against the layer's general path with the
+    public recurrent op (taken for a one-token call with ``cu_seqlens``), three steps, float64."""
+    torch.manual_seed(0)
+    layer = _layer(name)
+    x = torch.randn(batch, 7, D_MODEL, dtype=torch.float64)
+    _, fast = layer(x[:, :4])
+    slow = [FastWeightState(fast.memory[b:b + 1], None if fast.conv is None else fast.conv[b:b + 1]) for b in range(batch)]
+    one = torch.tensor([0, 1])
+    for t in range(4, 7):
+        y_fast, fast = layer(x[:, t:t + 1], fast)
+        for b in range(batch):  # the general path takes B = 1 with cu_seqlens
+            y_slow, slow[b] = layer(x[b:b + 1, t:t + 1], slow[b], cu_seqlens=one)
+            err, err_h = _err(y_fast[b:b + 1], y_slow), _err(fast.memory[b:b + 1], slow[b].memory)
+            print(f"{name} B={batch} t={t} b={b}: output error {err:.2e}, state error {err_h:.2e}")
+            assert err <= 1e-12 and err_h <= 1e-12
+            if fast.conv is not None:  # the projections, by one fused matmul vs three
+                assert _err(fast.conv[b:b + 1], slow[b].conv) <= 1e-12
 
 
 def test_deltanet_layer_is_the_op_on_its_projections():

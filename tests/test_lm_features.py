@@ -257,11 +257,13 @@ def test_bad_packed_input():
 def test_gradient_checkpointing_gives_the_same_gradients(case):
     model = _model(MODELS[case])
     ids = torch.randint(0, VOCAB, (2, 21))
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, :6] = 0  # a padded row too: checkpointing recomputes the packed path
     results = {}
     for flag in (False, True):
         model.gradient_checkpointing = flag
         model.zero_grad()
-        logits, _ = model(ids, return_cache=False)
+        logits, _ = model(ids, attention_mask=mask, return_cache=False)
         logits.square().mean().backward()
         results[flag] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
     err = _err(results[False][0], results[True][0])
@@ -289,3 +291,19 @@ def test_gradient_checkpointing_is_a_config_field_and_skipped_in_eval():
     finally:
         cp.checkpoint = original
     assert n_train == 2 and len(calls) == 2  # once per block in training; never in eval or no_grad
+
+
+def test_checkpoints_saved_before_rope_load_as_nope(tmp_path, monkeypatch):
+    """A config saved without ``rope_theta`` came from a NoPE model: it must load as one."""
+    from fastweights.checkpoint import load_model, save_checkpoint
+
+    model = LM(LMConfig(vocab_size=VOCAB, d_model=D_MODEL, n_layers=1, n_heads=HEADS, mixer="softmax", rope_theta=None))
+    as_dict = LMConfig.to_dict
+    monkeypatch.setattr(LMConfig, "to_dict", lambda self: {k: v for k, v in as_dict(self).items()
+                                                          if k not in ("rope_theta", "gradient_checkpointing")})
+    save_checkpoint(tmp_path / "old", model)
+    monkeypatch.undo()
+    assert "rope_theta" not in (tmp_path / "old" / "config.json").read_text()
+    loaded, _ = load_model(tmp_path / "old")
+    ids = torch.randint(0, VOCAB, (1, 9))
+    assert loaded.config.rope_theta is None and torch.equal(loaded(ids)[0], model.eval()(ids)[0])

@@ -1,14 +1,30 @@
-"""``fastweights bench``: training speed of the delta rule's chunk path (``fastweights/bench.py``)."""
+"""``fastweights bench``: training speed of the delta rule's chunk path (``fastweights/bench.py``);
+``fastweights bench --lm``: the whole LM per mixer, training step and decoding step (``fastweights/lm_bench.py``)."""
 
 from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from ..bench import add_arguments, run
+    from ..bench import add_arguments
+    from ..lm_bench import add_arguments as add_lm_arguments
 
     p = sub.add_parser(
         "bench",
-        help="time recurrent vs textbook chunk vs fast chunk delta rule (forward, forward+backward, memory); write JSON",
+        help="time recurrent vs textbook chunk vs fast chunk delta rule (forward, forward+backward, memory); "
+        "with --lm, the LM of each mixer (training step, decoding step); write JSON",
     )
     add_arguments(p)
+    p.add_argument("--lm", action="store_true",
+                   help="time the LM per mixer instead (fastweights/lm_bench.py; JSON to benchmarks/results/lm_speed.json)")
+    add_lm_arguments(p, standalone=False)
     p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.lm:
+        from ..lm_bench import run as run_lm
+
+        return run_lm(args)
+    from ..bench import run as run_chunk
+
+    return run_chunk(args)

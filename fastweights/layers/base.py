@@ -11,8 +11,12 @@ Per token, with ``x [B, T, d_model]``::
 
 A subclass only says which op to call and with which extra per-token inputs
 (β, g): :meth:`FastWeightMixer.memory`. Prefill and training use the chunk
-form; decoding one token from a carried state uses the recurrent form, both from
-:mod:`fastweights.ops` (a layer never re-implements a recurrence).
+form; decoding one token from a carried state is :meth:`FastWeightMixer.step`,
+the same computation fused into a few ops: one matmul for every input
+projection, the convolution's window as one product, and the op's one-token
+update (``fastweights.ops``' ``*_step`` functions, which the recurrent forms
+run token by token: a layer never re-implements a recurrence), given by
+:meth:`FastWeightMixer.memory_step`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops._checks import compute_dtype
 from .common import (
     FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, forward_with_mask, get_activation,
 )
@@ -112,6 +119,23 @@ class FastWeightMixer(nn.Module):
         β or g) -> ``(o [B, T, H, V], final state [N, H, K, V])``."""
         raise NotImplementedError
 
+    def memory_step(
+        self, qk: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, memory: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One decoding token of the op: ``qk [N, 2, H, K]`` (q and k side by side), ``v [N, H, V]``
+        (activated), ``extra [N, ·]`` (the outputs of :meth:`step_projections` beyond q, k, v and
+        the gate) and the state ``[N, H, K, V]`` -> ``(o [N, H, V] in the compute dtype, new state)``."""
+        raise NotImplementedError
+
+    def memory_shape(self, n: int) -> Tuple[int, ...]:
+        """The state's shape ``[N, H, K, V]`` for N sequences."""
+        return (n, self.n_heads, self.head_dim, self.head_dim)
+
+    def step_projections(self) -> Tuple[str, ...]:
+        """Names of the linear maps of x that one decoding step needs, in the order of the
+        fused matmul: q, k, v, the output gate (if any), then a subclass's own (β, the decay)."""
+        return ("q_proj", "k_proj", "v_proj") + (() if self.g_proj is None else ("g_proj",))
+
     # -- the shared skeleton ------------------------------------------------------------------
     def forward(
         self,
@@ -124,7 +148,7 @@ class FastWeightMixer(nn.Module):
 
         ``state`` is the :class:`FastWeightState` returned by the previous call (N = B,
         or the number of sequences in ``cu_seqlens``). A call with T = 1 and a state
-        is one decoding step and uses the recurrent op; anything else uses the chunk op.
+        is one decoding step (:meth:`step`, the recurrent form's update fused); anything else uses the chunk op.
         ``attention_mask [B, T]`` (0 = padding, e.g. a left-padded batch) runs the real
         tokens only: a pad neither writes to nor decays the memory, nor enters the
         convolution, and its output is 0.
@@ -135,6 +159,8 @@ class FastWeightMixer(nn.Module):
             raise TypeError(f"{name}: `state` must be a FastWeightState (as returned by this layer), got {type(state).__name__}")
         if mask is not None:
             return forward_with_mask(self, x, state, mask)
+        if state is not None and x.shape[1] == 1 and cu_seqlens is None:
+            return self.step(x, state)
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3·d_model]
         conv_state = None
@@ -151,6 +177,80 @@ class FastWeightMixer(nn.Module):
         gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, self.num_v_heads, self.value_head_dim)
         o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(B, T, self.value_width)), FastWeightState(memory, conv_state)
+
+    def step(self, x: torch.Tensor, state: FastWeightState) -> Tuple[torch.Tensor, FastWeightState]:
+        """One decoding step: ``x [N, 1, d_model]`` and the state -> ``(y [N, 1, d_model], state)``.
+
+        The same function as :meth:`forward` with T = 1 (which calls it), in about 45
+        aten calls per layer (views included): every projection of x is one matmul
+        (weights concatenated and transposed once, cached until a parameter changes:
+        :meth:`_step_weights`), the short convolution is its window times the kernel,
+        q and k are activated and normalized together, and the state update is the
+        op's one-token step (:meth:`memory_step`). The state is checked here in Python
+        (shapes, dtype); the ops' per-call checks (a NaN scan per tensor) stay with the
+        public ops.
+        """
+        name = type(self).__name__
+        N, D, H, K = x.shape[0], self.d_model, self.n_heads, self.head_dim
+        modules = self._modules  # (plain dict lookups: nn.Module.__getattr__ costs ~1 µs a call)
+        conv = modules.get("conv")
+        if conv is not None:
+            conv.check_state(state.conv, N)
+        elif state.conv is not None:
+            raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
+        memory = state.memory
+        want = self.memory_shape(N)
+        if not isinstance(memory, torch.Tensor) or tuple(memory.shape) != want or memory.dtype != compute_dtype(x.dtype):
+            got = f"{list(memory.shape)} {memory.dtype}" if isinstance(memory, torch.Tensor) else type(memory).__name__
+            raise ValueError(
+                f"{name}: `state.memory` must have shape [N, H, K, V] = {list(want)} and dtype {compute_dtype(x.dtype)}, got {got}"
+            )
+        w_in, w_out, w_conv = self._step_weights()
+        proj = x.reshape(N, D) @ w_in  # [N, 3D + gate + extra]: q, k, v, then the rest
+        qkv, rest = proj[:, : 3 * D], proj[:, 3 * D:]
+        conv_state = None
+        if conv is not None:
+            qkv, conv_state = conv.step(qkv, state.conv, w_conv)
+        if self.activation is self.value_activation:
+            qkv = self.activation(qkv)
+        else:
+            qkv = torch.cat([self.activation(qkv[:, : 2 * D]), self.value_activation(qkv[:, 2 * D:])], dim=-1)
+        qkv = qkv.view(N, 3, H, K)
+        gated = modules.get("g_proj") is not None
+        o, memory = self.memory_step(qkv[:, :2], qkv[:, 2], rest[:, D:] if gated else rest, memory)
+        o = modules["o_norm"].unit(o.to(x.dtype))  # the norm's weight is folded into w_out
+        if gated:
+            o = o * F.silu(rest[:, :D].view(N, H, K))
+        return (o.reshape(N, D).to(x.dtype) @ w_out).view(N, 1, D), FastWeightState(memory, conv_state)
+
+    def _step_weights(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(W_inᵀ [D, 3D + ...], (W_o diag(w))ᵀ [D, D], conv kernelᵀ [W, 3D] or None)`` for :meth:`step`.
+
+        W_in stacks the weights of :meth:`step_projections`; w is the output norm's weight
+        (per head, repeated over the H heads). Cached while the parameters are the same
+        tensors, unchanged (an optimizer step or a load bumps a tensor's version; ``.to()``
+        makes new ones) and no gradient is needed; with gradients they are built per call,
+        differentiably.
+        """
+        modules = self._modules
+        names = self.step_projections() + ("o_proj", "o_norm") + (() if modules.get("conv") is None else ("conv",))
+        params = [modules[n]._parameters["weight"] for n in names]
+        n_in = len(names) - (3 if modules.get("conv") is not None else 2)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return self._build_step_weights(params, n_in)
+        cached = self.__dict__.get("_step_weights_cache")
+        if cached is None or len(cached[0]) != len(params) or any(
+            p is not q or p._version != version or p.data_ptr() != ptr for p, (q, version, ptr) in zip(params, cached[0])
+        ):
+            weights = tuple(None if w is None else w.detach().contiguous() for w in self._build_step_weights(params, n_in))
+            cached = ([(p, p._version, p.data_ptr()) for p in params], weights)
+            self.__dict__["_step_weights_cache"] = cached
+        return cached[1]
+
+    def _build_step_weights(self, params, n_in: int):
+        w_o, w_norm = params[n_in], params[n_in + 1]
+        w_conv = None if self._modules.get("conv") is None else params[-1].t()
+        return torch.cat(params[:n_in]).t(), (w_o * w_norm.repeat(self.n_heads)).t(), w_conv
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:

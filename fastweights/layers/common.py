@@ -185,8 +185,8 @@ class ShortConvolution(nn.Module):
         n = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if state is None:
             state = x.new_zeros(n, W - 1, C)
-        elif tuple(state.shape) != (n, W - 1, C):
-            raise ValueError(f"ShortConvolution: `state` must have shape [N, W-1, C] = [{n}, {W - 1}, {C}], got {list(state.shape)}")
+        else:
+            self.check_state(state, n)
         y = x * self.weight[:, W - 1]
         for j in range(1, W):
             shifted = F.pad(x, (0, 0, j, 0))[:, :T]  # x_{t−j}, wrong across sequence starts...
@@ -203,6 +203,24 @@ class ShortConvolution(nn.Module):
             ])
         return y, new_state
 
+    def check_state(self, state, n: int) -> None:
+        W, C = self.kernel_size, self.channels
+        if not isinstance(state, torch.Tensor) or tuple(state.shape) != (n, W - 1, C):
+            got = list(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(f"ShortConvolution: `state` must have shape [N, W-1, C] = [{n}, {W - 1}, {C}], got {got}")
+
+    def step(
+        self, x: torch.Tensor, state: torch.Tensor, weight_t: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One token: ``x [N, C]``, ``state [N, W−1, C]`` -> ``(y [N, C], new state [N, W−1, C])``;
+        :meth:`forward` with T = 1, as one window times the kernel (``state`` checked by the
+        caller; ``weight_t`` is ``weight.t()``, given when the caller keeps it contiguous)."""
+        window = torch.cat([state, x.unsqueeze(1)], dim=1)  # [N, W, C]: x_{t−W+1}, ..., x_t
+        y = (window * (self.weight.t() if weight_t is None else weight_t)).sum(1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y, window[:, 1:]
+
 
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x²) + eps) · weight`` over the last dimension (fp32 or wider inside)."""
@@ -213,9 +231,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.unit(x) * self.weight).to(x.dtype)
+
+    def unit(self, x: torch.Tensor) -> torch.Tensor:
+        """``x / sqrt(mean(x²) + eps)`` without the weight (fp32 for half inputs)."""
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight).to(x.dtype)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class GatedRMSNorm(RMSNorm):

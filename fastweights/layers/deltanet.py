@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..ops import chunk_delta_rule, recurrent_delta_rule
+from ..ops.delta_rule.recurrent import delta_rule_step
+from ..ops.feature_maps import normalize_qk
 from .base import FastWeightMixer, write_strength
 
 
@@ -63,3 +65,15 @@ class DeltaNet(FastWeightMixer):
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
+
+    def step_projections(self):
+        return super().step_projections() + ("b_proj",)
+
+    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+        beta = write_strength(extra, self.allow_neg_eigval)  # extra is [N, H]: β's logits
+        return delta_rule_step(*self.step_qkv(qk, v, memory.dtype), beta.to(memory.dtype), None, memory, self.head_dim ** -0.5)
+
+    def step_qkv(self, qk, v, dtype):
+        """q, k (``qk [N, 2, H, K]``, normalized together by ``qk_norm``) and v in the state's dtype."""
+        qk = normalize_qk(qk.to(dtype), self.qk_norm)
+        return qk[:, 0], qk[:, 1], v.to(dtype)

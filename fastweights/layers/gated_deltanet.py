@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ..ops.delta_rule.recurrent import delta_rule_step
 from .base import inverse_softplus, log_uniform, write_strength
 from .deltanet import DeltaNet
 
@@ -46,7 +47,11 @@ class GatedDeltaNet(DeltaNet):
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """g = −exp(A_log)·softplus(w_a·x + dt_bias): ``[B, T, H]``, ≤ 0."""
-        return -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
+        return self.decay_from_projection(self.a_proj(x))
+
+    def decay_from_projection(self, a: torch.Tensor) -> torch.Tensor:
+        """g from ``a = w_a·x``: −exp(A_log)·softplus(a + dt_bias)."""
+        return -torch.exp(self.A_log) * F.softplus(a + self.dt_bias)
 
     def memory(self, q, k, v, x, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
         beta = write_strength(self.b_proj(x), self.allow_neg_eigval)  # [B, T, H]
@@ -57,3 +62,12 @@ class GatedDeltaNet(DeltaNet):
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
+
+    def step_projections(self):
+        return super().step_projections() + ("a_proj",)
+
+    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+        H, dt = self.n_heads, memory.dtype
+        beta = write_strength(extra[:, :H], self.allow_neg_eigval).to(dt)
+        g = self.decay_from_projection(extra[:, H:]).to(dt)
+        return delta_rule_step(*self.step_qkv(qk, v, dt), beta, g, memory, self.head_dim ** -0.5)

@@ -18,7 +18,9 @@ from typing import Optional, Tuple
 import torch
 
 from ..ops import chunk_linear_attn, get_feature_map, recurrent_linear_attn
-from ..ops.feature_maps import QK_NORMS
+from ..ops.feature_maps import QK_NORMS, normalize_qk
+from ..ops._frontend import divide_by_normalizer, normalizer_column
+from ..ops.linear_attn.recurrent import linear_attn_step
 from .base import FastWeightMixer
 
 
@@ -57,3 +59,15 @@ class LinearAttention(FastWeightMixer):
             q, k, v, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
             chunk_size=self.chunk_size, feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
         )
+
+    def memory_shape(self, n: int):
+        return (n, self.n_heads, self.feature_map.output_dim(self.head_dim), self.head_dim + int(self.normalize))
+
+    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+        dt = memory.dtype
+        qk = normalize_qk(self.feature_map(qk.to(dt)), self.qk_norm)
+        v = v.to(dt)
+        if self.normalize:
+            v = normalizer_column(v)
+        o, memory = linear_attn_step(qk[:, 0], qk[:, 1], v, None, memory, self.head_dim ** -0.5)
+        return (divide_by_normalizer(o) if self.normalize else o), memory

@@ -120,6 +120,15 @@ class LMConfig(Config):
         if isinstance(self.mixer, tuple):
             self.mixer = list(self.mixer)
 
+    @staticmethod
+    def fill_legacy(data: dict) -> dict:
+        """A saved config with the fields it predates filled in as the model it was saved from
+        had them: no RoPE (``rope_theta=None``; RoPE became the default later) and no
+        gradient checkpointing. For checkpoints; a new config gets the dataclass defaults."""
+        if not isinstance(data, dict):
+            return data
+        return {**{k: v for k, v in LEGACY_FIELDS.items() if k not in data}, **data}
+
     @property
     def mixers(self) -> List[str]:
         """The mixer of each layer (a single name is repeated ``n_layers`` times)."""
@@ -134,6 +143,11 @@ class LMConfig(Config):
         if self.mlp_hidden is not None:
             return self.mlp_hidden
         return 8 * math.ceil(8 * self.d_model / 3 / 8)
+
+
+# LMConfig fields added after checkpoints were first written, with the value a checkpoint
+# saved before them was trained with.
+LEGACY_FIELDS = {"rope_theta": None, "gradient_checkpointing": False}
 
 
 def build_mixer(name: str, config: LMConfig) -> nn.Module:
@@ -399,13 +413,14 @@ class LM(nn.Module):
         if attention_mask is not None and attention_mask.dim() == 1 and squeeze:
             attention_mask = attention_mask[None]
         logits, cache = self(input_ids, attention_mask=attention_mask)  # prefill: chunk form
-        out = [input_ids]
+        t0 = input_ids.shape[1]
+        ids = input_ids.new_empty(input_ids.shape[0], t0 + max_new_tokens)  # written in place, one column a step
+        ids[:, :t0] = input_ids
         for i in range(max_new_tokens):
             token = self._sample(logits[:, -1], temperature, top_k, generator)  # (B, 1)
-            out.append(token)
+            ids[:, t0 + i: t0 + i + 1] = token
             if i + 1 < max_new_tokens:
-                logits, cache = self(token, cache)  # one step: recurrent form
-        ids = torch.cat(out, dim=1)
+                logits, cache = self(token, cache)  # one step: each layer's fused decoding step
         ids = ids[0] if squeeze else ids
         return (ids, cache) if return_cache else ids
 

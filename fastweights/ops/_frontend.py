@@ -120,6 +120,17 @@ class Packing(NamedTuple):
         return x[self.seq, self.pos].unsqueeze(0)
 
 
+def normalizer_column(v: torch.Tensor) -> torch.Tensor:
+    """``v [..., V]`` -> ``[..., V + 1]`` with a last column of ones: the normalizer
+    z_t = α_t z_{t−1} + φ(k_t) is the state written with value 1, carried as h's last column."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def divide_by_normalizer(o: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``o [..., V + 1]`` (a read of [S | z]) -> ``o / (scale·φ(q)ᵀ z + eps)``, ``[..., V]``."""
+    return o[..., :-1] / (o[..., -1:] + eps)
+
+
 def check_op_args(
     op: str,
     q,
@@ -211,7 +222,7 @@ def run_op(
         if normalize:
             # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:
             # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.
-            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+            v = normalizer_column(v)
         beta = None if beta is None else beta.to(dt)
         g = None if g is None else g.to(dt)
 
@@ -243,5 +254,5 @@ def run_op(
         if packing is not None:
             o = packing.unpad(o)
         if normalize:
-            o = o[..., :-1] / (o[..., -1:] + eps)
+            o = divide_by_normalizer(o, eps)
         return o.to(out_dtype), (h_t if output_final_state else None)

@@ -23,7 +23,13 @@ from .._checks import check_inputs, compute_dtype
 from .._frontend import Packing, autocast_off, check_autocast
 
 
-class KVCache(NamedTuple):
+class _KVFields(NamedTuple):
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+
+class KVCache(_KVFields):
     """The retained dataset of softmax attention.
 
     Fields:
@@ -31,16 +37,83 @@ class KVCache(NamedTuple):
         lengths: ``[N]`` int64, how many of the L rows of each sequence are real
             (sequences of a batch may have cached different numbers of tokens;
             rows past ``lengths[n]`` are padding and never attended to).
+
+    A cache returned by a decoding call is a view of the first L rows of a larger
+    preallocated buffer (:class:`_GrowingRows`, shared by the successive caches of
+    one decoding chain): the next call writes its rows in place after them, so a
+    step reads the L cached rows instead of copying them. The buffer grows by
+    about 1.5× when full (amortised O(1) copies per token). Every earlier cache
+    of the chain stays valid (its rows are never overwritten); continuing from an
+    earlier one again copies into a fresh buffer.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    lengths: torch.Tensor
+    # No __slots__: an instance may carry ``_rows``, the buffer it is a view of.
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache; grows linearly with the context length."""
+        """Bytes of the L cached rows; grows linearly with the context length (a decoding
+        buffer reserves up to about 1.5× as many: :attr:`reserved_nbytes`)."""
         return sum(t.numel() * t.element_size() for t in self)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes held, including a decoding buffer's spare rows."""
+        rows = getattr(self, "_rows", None)
+        if rows is None:
+            return self.nbytes
+        return sum(t.numel() * t.element_size() for t in (rows.keys, rows.values, self.lengths))
+
+
+class _GrowingRows:
+    """Preallocated key/value rows ``[N, H, capacity, ·]`` of one decoding chain; the first
+    ``filled`` rows are written (the same count for every sequence)."""
+
+    __slots__ = ("keys", "values", "filled")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
+        self.keys, self.values, self.filled = keys, values, filled
+
+    @staticmethod
+    def capacity(rows: int) -> int:
+        """Rows to reserve for ``rows`` filled ones: about 1.5×, rounded up to a multiple of 64."""
+        return -(-(rows + rows // 2 + 1) // 64) * 64
+
+    @classmethod
+    def copy_of(cls, keys: torch.Tensor, values: torch.Tensor, extra: int) -> "_GrowingRows":
+        """A new buffer holding ``keys``/``values`` ``[N, H, L, ·]`` with room for at least ``extra`` more rows."""
+        n, h, length = keys.shape[:3]
+        cap = cls.capacity(length + extra)
+        new_k = keys.new_empty(n, h, cap, keys.shape[-1])
+        new_v = values.new_empty(n, h, cap, values.shape[-1])
+        new_k[:, :, :length] = keys
+        new_v[:, :, :length] = values
+        return cls(new_k, new_v, length)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` ``[N, H, T, ·]`` after the filled rows; return the views of all rows."""
+        start, stop = self.filled, self.filled + k.shape[2]
+        self.keys[:, :, start:stop] = k
+        self.values[:, :, start:stop] = v
+        self.filled = stop
+        return self.keys[:, :, :stop], self.values[:, :, :stop]
+
+
+def _decode_rows(cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, "_GrowingRows"]:
+    """The rows ``[cache | k, v]`` (head-first) for a cache whose sequences all hold L rows, written in place.
+
+    Reuses the cache's buffer when this cache is the newest of its chain and the buffer
+    has room; otherwise copies the cache into a new buffer (the first step after a
+    prefill, a full buffer, or a second continuation of an older cache).
+    """
+    rows = getattr(cache, "_rows", None)
+    length, t_new = cache.keys.shape[2], k.shape[2]
+    if (
+        rows is None or rows.filled != length or rows.keys.data_ptr() != cache.keys.data_ptr()
+        or rows.keys.shape[2] < length + t_new
+    ):
+        rows = _GrowingRows.copy_of(cache.keys, cache.values, t_new)
+    keys, values = rows.append(k, v)
+    return keys, values, rows
 
 
 def _check_cache(op: str, cache, n: int, q: torch.Tensor, v: torch.Tensor) -> None:
@@ -137,16 +210,32 @@ def _attend(q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_se
             o = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), is_causal=True, scale=scale)
     else:
         cache_len = initial_state.lengths.to(device=device, dtype=torch.long)
-        keys = torch.cat([initial_state.keys, k], dim=2)
-        values = torch.cat([initial_state.values, v], dim=2)
         l_cache = initial_state.keys.shape[2]
-        if valid is None and bool((cache_len == l_cache).all()):
+        rows = getattr(initial_state, "_rows", None)
+        uniform = rows is not None and rows.filled == l_cache  # a chain's newest cache: all lengths are L
+        if valid is None and (uniform or bool((cache_len == l_cache).all())):
             # The common decode case: every sequence has cached all L rows, so the new rows
-            # simply follow them and no per-sequence mask or compaction is needed.
+            # simply follow them and no per-sequence mask or compaction is needed. Without
+            # autograd they are written in place into a preallocated buffer (no copy of the
+            # cache per step); with it, concatenated (an in-place write would invalidate
+            # the rows an earlier step saved for its backward).
+            rows = None
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, initial_state.keys, initial_state.values)):
+                keys = torch.cat([initial_state.keys, k], dim=2)
+                values = torch.cat([initial_state.values, v], dim=2)
+            else:
+                keys, values, rows = _decode_rows(initial_state, k, v)
             mask = None if t_new == 1 else torch.ones(t_new, l_cache + t_new, dtype=torch.bool, device=device).tril(l_cache)
             o = F.scaled_dot_product_attention(q.to(dt), keys.to(dt), values.to(dt), attn_mask=mask, scale=scale)
             o = o.transpose(1, 2).to(out_dtype)
-            return o, (KVCache(keys, values, cache_len + new_len) if output_final_state else None)
+            if not output_final_state:
+                return o, None
+            cache = KVCache(keys, values, cache_len + new_len)
+            if rows is not None:
+                cache._rows = rows
+            return o, cache
+        keys = torch.cat([initial_state.keys, k], dim=2)
+        values = torch.cat([initial_state.values, v], dim=2)
     if initial_state is not None or valid is not None:
         l_cache = keys.shape[2] - t_new
         j = torch.arange(keys.shape[2], device=device)
