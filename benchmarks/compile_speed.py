@@ -2,7 +2,7 @@
 
 Usage (repository root)::
 
-    python benchmarks/compile_speed.py                    # DeltaNet LM, d_model 128, 4 layers, B=8, T=256, 2 threads
+    python benchmarks/compile_speed.py                    # DeltaNet LM, d_model 128, 4 layers, B=8, T=256, 1 thread
     python benchmarks/compile_speed.py --mixer hybrid     # deltanet / gated_deltanet / linear / softmax layers
     python benchmarks/compile_speed.py --breaks-only      # only the graph-break table (no timing)
 
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=64, help="default 64")
     p.add_argument("--batch", type=int, default=8, help="B, default 8")
     p.add_argument("--seq-len", type=int, default=256, help="T, default 256")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads, default 2")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, default 1 (on a shared, loaded machine more threads spin)")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per contender, default 10")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender after the first, default 2")
     p.add_argument("--breaks-only", action="store_true", help="only the graph-break table")

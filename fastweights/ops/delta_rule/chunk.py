@@ -440,6 +440,7 @@ def chunk_delta_rule(
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
     if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
-        return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)
+        with autocast_off(q.device):  # the kernels' PyTorch glue in fp32 too (ops._frontend)
+            return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)
     return run_op("chunk_delta_rule", delta_rule_chunk, q, k, v, **kwargs, requires_beta=True,
                   cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen)

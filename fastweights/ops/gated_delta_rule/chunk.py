@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._fla_compat import accepts_state_v_first, fla_inputs
-from .._frontend import run_op
+from .._frontend import autocast_off, run_op
 from ..delta_rule.chunk import delta_rule_chunk
 from ..feature_maps import FeatureMapLike
 from ..triton import chunk_op_triton, select_backend
@@ -69,6 +69,7 @@ def chunk_gated_delta_rule(
     )
     op = "chunk_gated_delta_rule"
     if select_backend(op, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
-        return chunk_op_triton(op, q, k, v, **kwargs)
+        with autocast_off(q.device):  # the kernels' PyTorch glue in fp32 too (ops._frontend)
+            return chunk_op_triton(op, q, k, v, **kwargs)
     return run_op(op, delta_rule_chunk, q, k, v, **kwargs, requires_beta=True,
                   cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen)
