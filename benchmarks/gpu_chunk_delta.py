@@ -4,7 +4,7 @@ Usage (on a CUDA machine, repository root; no network needed)::
 
     python benchmarks/gpu_chunk_delta.py --json out/gpu_bench.json --append-md BENCHMARKS.md
 
-With fla's wheels carried along (``../shared/GPU-NOTES.md``; ``BENCHMARKS.md``
+With fla's wheels carried along (``BENCHMARKS.md``
 says how), prefix the command with
 ``pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site``.
 
@@ -20,7 +20,7 @@ What it does, in one run so that the ratios are comparable:
    of the delta rule and the gated delta rule: fastweights Triton, fastweights
    PyTorch (``backend="torch"``, fp32 compute), fla when importable, and SDPA
    (causal, flash) as the attention baseline; H=16, K=V=128, bf16, 32k tokens
-   per batch, T ∈ {2048, 4096, 8192, 16384};
+   per batch, T = 2048 (``--seqlens 2048,4096,8192,16384`` for more);
 4. times the one-token decode step at B=64, H=16, K=V=128: the fused Triton
    step against the batched PyTorch step;
 5. prints a table, writes JSON (``--json``) and appends a dated markdown section
@@ -31,6 +31,12 @@ Q Kᵀ, P U' = 2C²(3K + 2V) per chunk, plus W h, Q h, K̄ᵀ U' = 6CKV; backwar
 counted as 2× forward) and SDPA's causal attention (2·B·H·T²·D forward, 2.5×
 that backward). GB/s is the minimum traffic (inputs read, outputs written,
 once) over the time, to compare with the copy ceiling.
+
+The Triton kernels run one pinned config each (``ops/triton/_tuning.py``) unless
+``--autotune`` is given: full autotuning compiles every config of every kernel
+for every shape and dtype and can take longer than the whole run. Timing rows
+still to come after ``--budget-s`` seconds (default 270) are skipped and say so,
+so that a run ends within about five minutes.
 
 ``--dry-run`` runs every part on the CPU on tiny shapes with Triton's
 interpreter (fp32), so the script is exercised without a GPU (the test suite
@@ -54,7 +60,11 @@ def _parse(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--append-md", type=Path, default=None, help="append a dated markdown section to this file")
-    p.add_argument("--seqlens", type=str, default="2048,4096,8192,16384", help="T values (32k tokens per batch)")
+    p.add_argument("--seqlens", type=str, default="2048", help="T values, comma list (32k tokens per batch)")
+    p.add_argument("--autotune", action="store_true",
+                   help="autotune every kernel over all its configs (compiles each; minutes) instead of the pinned ones")
+    p.add_argument("--budget-s", type=float, default=270.0,
+                   help="skip the timing rows still to come once this many seconds have passed")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per batch (B = tokens / T)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128, help="K = V")
@@ -67,6 +77,8 @@ def _parse(argv=None):
 ARGS = _parse()
 if ARGS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is defined
+if not ARGS.autotune:  # one config per kernel (ops/triton/_tuning.py): the run fits in minutes
+    os.environ["FASTWEIGHTS_TRITON_AUTOTUNE"] = "0"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -80,7 +92,7 @@ if not HAS_TRITON:
     sys.exit("gpu_chunk_delta.py needs triton: pip install 'fastweights[triton]'")
 import triton  # noqa: E402
 
-try:  # fla, when its wheels are carried (GPU-NOTES.md)
+try:  # fla, when its wheels are carried (BENCHMARKS.md)
     import fla  # noqa: F401
     from fla.ops.delta_rule import chunk_delta_rule as fla_chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
@@ -319,7 +331,7 @@ def main(args):
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'cpu'}), dry run",
         torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
         cuda=torch.version.cuda, python=platform.python_version(), dry_run=dry,
-        interpreter=os.environ.get("TRITON_INTERPRET", "0"),
+        interpreter=os.environ.get("TRITON_INTERPRET", "0"), autotune=bool(args.autotune),
     )
     cap = ceilings(device, dry)
     meta.update(cap)
@@ -345,6 +357,10 @@ def main(args):
     for gated in [r == "gated" for r in args.rules.split(",")]:
         for B, T, H, D in shapes:
             for path in paths:
+                if time.time() - started > args.budget_s:
+                    rows.append(dict(path=path, rule="gated_delta" if gated else "delta", mode="fwd, fwd+bwd", B=B,
+                                     T=T, H=H, K=D, V=D, ms=None, note=f"skipped: past --budget-s {args.budget_s:g}"))
+                    continue
                 rows += time_chunk(path, gated, B, T, H, D, dtype, device, cap)
                 torch.cuda.empty_cache() if device.type == "cuda" else None
     decode_shape = (2, 2, 32) if dry else (64, args.heads, args.head_dim)

@@ -147,7 +147,8 @@ class RunLock:
             os.remove(self.path)  # while still locked, so no one else's lock file is removed
         except OSError:
             pass
-        os.close(fd)
+        finally:  # whatever happens, the lock goes with the descriptor
+            os.close(fd)
 
     def __enter__(self) -> "RunLock":
         return self

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.ops import _fla_compat
 
+pytest.importorskip("transformers", reason="transformers not installed (its l2norm is one of the oracles)")
 fla_gdr_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive", reason="flash-linear-attention not installed (test-only oracle)")
 from fla.ops.delta_rule.naive import delta_rule_recurrence as fla_delta_naive  # noqa: E402
 from fla.ops.gated_delta_rule.gate import naive_gdn_gate  # noqa: E402

@@ -133,19 +133,6 @@ def test_no_final_state_cotangent_and_qk_l2_norm(rule_name):
         assert_close(name, got[name], want[name], FP32_TOL)
 
 
-@pytest.mark.parametrize("rule_name", RULE_NAMES)
-def test_pytorch_backward_fallback(rule_name, monkeypatch):
-    """On a GPU, K > 128 takes its gradients from the PyTorch chunk form (shared memory): check that route here."""
-    from fastweights.ops.triton import chunk as triton_chunk
-
-    monkeypatch.setattr(triton_chunk, "use_torch_backward", lambda key_dim: True)
-    rule = RULES[rule_name]
-    want = _run(rule.reference, rule, CASES["varlen-30,100,70-h0"], torch.float64)
-    got = _run(_triton(rule), rule, CASES["varlen-30,100,70-h0"], torch.float32)
-    for name in want:
-        assert_close(name, got[name], want[name], FP32_TOL)
-
-
 def test_auto_backend_keeps_cpu_tensors_on_pytorch():
     rule = RULES["gated_delta"]
     x = make_inputs(rule, 1, 20, 1, 8, 8, dtype=torch.float32)
@@ -280,3 +267,18 @@ def test_large_batches_fit_the_grid_and_int64_offsets():
     out = torch.zeros(2, dtype=torch.int64)
     offsets[(2,)](out, BASE=40_000, K=256, V=256)
     assert out.tolist() == [40_000 * 65_536, 40_001 * 65_536]
+
+
+def test_chunk_tables_are_cached_and_right():
+    """The kernels' chunk tables: built once per (B, T, device) or per packed offsets, then reused."""
+    from fastweights.ops.triton.chunk import chunk_tables
+
+    first, again = chunk_tables(None, 2, 130, "cpu"), chunk_tables(None, 2, 130, torch.device("cpu"))
+    assert all(a is b for a, b in zip(first, again))
+    cu, indices, offsets = first
+    assert cu.tolist() == [0, 130, 260] and offsets.tolist() == [0, 3, 6]
+    assert indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    cu, indices, offsets = chunk_tables(torch.tensor([0, 30, 130, 200]), 1, 200, "cpu")
+    assert cu.tolist() == [0, 30, 130, 200] and offsets.tolist() == [0, 1, 3, 5]
+    assert indices.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [2, 1]]
+    assert chunk_tables(torch.tensor([0, 100, 200]), 1, 200, "cpu")[2].tolist() == [0, 2, 4]

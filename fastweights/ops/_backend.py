@@ -1,14 +1,102 @@
-"""Which implementation runs a chunk op, and what it keeps for a backward.
+"""Which implementation runs a chunk delta op: the one place that decides.
 
-Shared by the PyTorch and the Triton chunk paths, which are peers: neither
-imports the other's module to decide.
+The PyTorch chunk form (``delta_rule/chunk.py``, any device and dtype) and the
+Triton kernels (``triton/``, CUDA, fp32/bf16/fp16) are peers: neither imports
+the other. The public ops ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` hand
+their PyTorch solver and their arguments to :func:`run_chunk_delta`, which asks
+:func:`select_backend` and calls one of the two. The Triton package is looked
+up, not imported, until it is chosen (importing it costs every user time, and
+Triton decides at kernel-definition time whether ``@triton.jit`` compiles for
+the GPU or runs on numpy, ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from typing import Optional
+
 import torch
 
-__all__ = ["backward_can_follow"]
+__all__ = [
+    "HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "CHUNK_SIZE", "TRITON_DTYPES", "interpreting", "select_backend",
+    "run_chunk_delta", "backward_can_follow",
+]
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+BACKENDS = ("auto", "torch", "triton")
+MAX_HEAD_DIM = 256  # K and V the kernels accept (64 and 128 are the fast sizes)
+CHUNK_SIZE = 64  # the kernels' chunk length
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def select_backend(op: str, backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None, *,
+                   chunk_size: int = CHUNK_SIZE, feature_map=None) -> str:
+    """``"torch"`` or ``"triton"`` for one call of a chunk op.
+
+    ``auto`` takes Triton for CUDA tensors in fp32/bf16/fp16 with K, V <= 256 and
+    chunk size 64 when Triton is installed, and PyTorch otherwise (CPU tensors,
+    fp64, other sizes). ``triton`` insists, and says why when it cannot. K is the
+    state's key size, after any ``feature_map``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+    if backend == "torch" or not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] == 0:
+        return "torch"  # malformed inputs get the shared checks' errors; T = 0 needs no kernel
+    from .feature_maps import get_feature_map
+
+    key_dim = get_feature_map(feature_map, op).output_dim(q.shape[-1])
+    value_dim = v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() > 0 else key_dim
+    if backend == "auto":
+        ok = (
+            HAS_TRITON and q.is_cuda and q.dtype in TRITON_DTYPES and chunk_size == CHUNK_SIZE
+            and key_dim <= MAX_HEAD_DIM and value_dim <= MAX_HEAD_DIM
+        )
+        return "triton" if ok else "torch"
+    if not HAS_TRITON:
+        raise ImportError(f"{op}: backend='triton' needs the triton package: pip install 'fastweights[triton]'")
+    if not q.is_cuda and not interpreting():
+        raise ValueError(
+            f"{op}: backend='triton' needs CUDA tensors, got `q` on {q.device}; use backend='torch' (or "
+            f"'auto'), or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU"
+        )
+    if q.dtype not in TRITON_DTYPES:
+        raise TypeError(f"{op}: backend='triton' supports float32, bfloat16 and float16 inputs, got `q` of dtype {q.dtype}")
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"{op}: backend='triton' supports `chunk_size`={CHUNK_SIZE} only, got {chunk_size}")
+    for name, dim in (("key (q, k)", key_dim), ("value (v)", value_dim)):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{op}: backend='triton' supports head sizes up to {MAX_HEAD_DIM}, got {name} size {dim}; "
+                f"use backend='torch'"
+            )
+    return "triton"
+
+
+def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", torch_kwargs=None, **kwargs):
+    """Run chunk delta op ``op`` on the backend :func:`select_backend` picks; returns ``(o, h_T)``.
+
+    ``torch_solver`` is the PyTorch chunk form's solver (``run_op``'s core), passed in by
+    the public op so that this module imports neither implementation at load time;
+    ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
+    only ``run_op`` takes (the Triton path packs varlen batches natively).
+    """
+    choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
+                            feature_map=kwargs.get("feature_map"))
+    if choice == "triton":
+        from ._frontend import autocast_off
+        from .triton.chunk import chunk_op_triton
+
+        with autocast_off(q.device):  # under torch.autocast the kernels' PyTorch glue stays fp32 too
+            return chunk_op_triton(op, q, k, v, **kwargs)
+    from ._frontend import run_op
+
+    return run_op(op, torch_solver, q, k, v, **kwargs, **(torch_kwargs or {}), requires_beta=True)
 
 
 def backward_can_follow(*inputs) -> bool:

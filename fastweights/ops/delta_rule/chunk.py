@@ -38,11 +38,10 @@ from .._chunk import (
     ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
-from .._backend import backward_can_follow
+from .._backend import backward_can_follow, run_chunk_delta
 from .._fla_compat import fla_inputs
-from .._frontend import autocast_off, run_op
+from .._frontend import autocast_off
 from ..feature_maps import FeatureMapLike
-from ..triton import chunk_op_triton, select_backend
 from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
 
@@ -439,8 +438,5 @@ def chunk_delta_rule(
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
-    if select_backend("chunk_delta_rule", backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
-        with autocast_off(q.device):  # the kernels' PyTorch glue in fp32 too (ops._frontend)
-            return chunk_op_triton("chunk_delta_rule", q, k, v, **kwargs)
-    return run_op("chunk_delta_rule", delta_rule_chunk, q, k, v, **kwargs, requires_beta=True,
-                  cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen)
+    return run_chunk_delta("chunk_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen), **kwargs)

@@ -17,11 +17,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._backend import run_chunk_delta
 from .._fla_compat import accepts_state_v_first, fla_inputs
-from .._frontend import autocast_off, run_op
 from ..delta_rule.chunk import delta_rule_chunk
 from ..feature_maps import FeatureMapLike
-from ..triton import chunk_op_triton, select_backend
 
 
 @accepts_state_v_first
@@ -67,9 +66,5 @@ def chunk_gated_delta_rule(
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_g=True,
         allow_neg_eigval=allow_neg_eigval,
     )
-    op = "chunk_gated_delta_rule"
-    if select_backend(op, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
-        with autocast_off(q.device):  # the kernels' PyTorch glue in fp32 too (ops._frontend)
-            return chunk_op_triton(op, q, k, v, **kwargs)
-    return run_op(op, delta_rule_chunk, q, k, v, **kwargs, requires_beta=True,
-                  cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen)
+    return run_chunk_delta("chunk_gated_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen), **kwargs)

@@ -17,24 +17,33 @@ kernels; symbols, per head and chunk of C = 64 tokens:
 Kernels (grids in brackets; NT = chunks over all sequences, N = sequences):
 
 forward
-  ``_wy_fwd_kernel``     [NT, H]      b, K Kᵀ, the 64×64 inverse (16×16 diagonal
-                                      blocks by substitution, merged blockwise), W, U.
-  ``_state_fwd_kernel``  [N·H, V/BV]  the sequential part: U', O and h per chunk,
-                                      state kept in registers; optionally saves the
-                                      state entering every chunk for the backward.
+  ``_wy_fwd_kernel``       [NT, H]      b, K Kᵀ, the 64×64 inverse (16×16 diagonal
+                                        blocks by substitution, merged blockwise), W, U.
+  ``_state_fwd_kernel``    [N·H, V/BV]  the sequential part: U', O and h per chunk,
+                                        state kept in registers; for a backward it
+                                        also saves the state entering every chunk
+                                        and writes U' over U.
 backward
-  ``_state_bwd_kernel``  [N·H, V/BV]  dU' = Pᵀ dO + K̄ dh and, chunks in reverse,
-                                      dh ← e^{b_C} dh + scale·Q_bᵀ dO − Wᵀ dU'.
-  ``_grads_kernel``      [NT, H]      every input gradient from chunk-local terms
-                                      (the UT-transform adjoint, P, K̄, the decays).
+  ``_state_bwd_kernel``    [N·H, V/BV]  dU' = Pᵀ dO + K̄ dh and, chunks in reverse,
+                                        dh ← e^{b_C} dh + scale·Q_bᵀ dO − Wᵀ dU'.
+  ``_grads_intra_kernel``  [NT, H]      the chunk's C×C terms: dZ_U = A⁻ᵀ dU' (written
+                                        over dU'), dv, dP and dA, and the parts of dβ
+                                        and db that need all of K at once.
+  ``_grads_key_kernel``    [NT, H]      dq, dk, the rest of dβ and db, and dg, one
+                                        64-column block of K at a time (registers).
 
 Layout: q, k ``[TT, H, K]``, v ``[TT, H, V]``, beta, g ``[TT, H]`` with TT the
 tokens of all sequences packed (``B·T`` for a plain batch); sequences are given
 by ``cu_seqlens`` and every chunk by ``chunk_indices`` (sequence, chunk-in-sequence),
-so varlen costs nothing extra. Per-chunk states are ``[NT, H, K, V]`` fp32,
-indexed through ``chunk_offsets`` (first chunk of each sequence). Every load is
-cast to fp32 and every ``tl.dot`` accumulates in fp32 with ``PREC`` input
-precision ("ieee" for fp32 inputs, "tf32" for bf16/fp16).
+so varlen costs nothing extra. Per-chunk states are ``[NT, H, K, V]``, indexed
+through ``chunk_offsets`` (first chunk of each sequence).
+
+Precision: ``tl.dot`` takes its operands in the input dtype and accumulates in
+fp32 (bf16/fp16 operands run at the tensor cores' full rate; fp32 operands use
+``PREC``, see ``chunk.py``). Fp32 intermediates that feed a product (h, U', P,
+the decayed keys) are rounded to the input dtype first, and W, U', A⁻ and the
+saved chunk states are stored in it; decays, b, the running state and every
+accumulator stay fp32. With fp32 inputs nothing is rounded.
 """
 
 from __future__ import annotations
@@ -48,11 +57,11 @@ import triton.language as tl
 
 @triton.jit
 def _load_tile(ptr, row0, row_end, stride, cols, BR: tl.constexpr, BC: tl.constexpr):
-    """Rows ``row0 .. row0+BR`` (those < row_end) and the first ``cols`` columns, as fp32, zero elsewhere."""
+    """Rows ``row0 .. row0+BR`` (those < row_end) and the first ``cols`` columns, in the stored dtype, zero elsewhere."""
     rows = row0 + tl.arange(0, BR)
     c = tl.arange(0, BC)
     mask = (rows < row_end)[:, None] & (c < cols)[None, :]
-    return tl.load(ptr + rows[:, None] * stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + rows[:, None] * stride + c[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -70,6 +79,12 @@ def _load_vec(ptr, row0, row_end, stride, BR: tl.constexpr):
 
 
 @triton.jit
+def _store_vec(ptr, x, row0, row_end, stride, BR: tl.constexpr):
+    rows = row0 + tl.arange(0, BR)
+    tl.store(ptr + rows * stride, x.to(ptr.dtype.element_ty), mask=rows < row_end)
+
+
+@triton.jit
 def _load_decay(ptr, row0, row_end, stride, BR: tl.constexpr):
     """(b, b_C) of a chunk: b past the sequence end continues as b_C (padding has g = 0).
 
@@ -83,28 +98,28 @@ def _load_decay(ptr, row0, row_end, stride, BR: tl.constexpr):
 
 
 @triton.jit
-def _load_state(ptr, K, V, i_v, BK: tl.constexpr, BV: tl.constexpr):
-    """Block ``[:, i_v·BV : (i_v+1)·BV]`` of a ``[K, V]`` fp32 state at ``ptr``."""
-    r = tl.arange(0, BK)
-    c = i_v * BV + tl.arange(0, BV)
-    mask = (r < K)[:, None] & (c < V)[None, :]
-    return tl.load(ptr + r[:, None] * V + c[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_state(ptr, x, K, V, i_v, BK: tl.constexpr, BV: tl.constexpr):
-    r = tl.arange(0, BK)
-    c = i_v * BV + tl.arange(0, BV)
-    mask = (r < K)[:, None] & (c < V)[None, :]
-    tl.store(ptr + r[:, None] * V + c[None, :], x.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _state_offset(index, K: tl.constexpr, V: tl.constexpr):
     """Element offset of state ``index`` in a ``[·, K, V]`` array, in int64: (chunk·H + head)·K·V
     passes 2³¹ at 512k tokens (H = 16, K = V = 128), and (sequence·H + head)·K·V at N·H = 32,768
     (K = V = 256)."""
     return index.to(tl.int64) * (K * V)
+
+
+@triton.jit
+def _load_state(ptr, K, V, k0, v0, BR: tl.constexpr, BC: tl.constexpr):
+    """Block ``[k0 : k0+BR, v0 : v0+BC]`` of a ``[K, V]`` state at ``ptr``, as fp32."""
+    r = k0 + tl.arange(0, BR)
+    c = v0 + tl.arange(0, BC)
+    mask = (r < K)[:, None] & (c < V)[None, :]
+    return tl.load(ptr + r[:, None] * V + c[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_state(ptr, x, K, V, k0, v0, BR: tl.constexpr, BC: tl.constexpr):
+    r = k0 + tl.arange(0, BR)
+    c = v0 + tl.arange(0, BC)
+    mask = (r < K)[:, None] & (c < V)[None, :]
+    tl.store(ptr + r[:, None] * V + c[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -169,16 +184,18 @@ def _wy_fwd_kernel(
     The 64×64 unit lower-triangular I + A is handled as 4×4 blocks of 16: the four
     diagonal blocks are inverted by substitution in registers, then the blocks
     below the diagonal follow from X_ij = −X_ii Σ_{j≤m<i} A_im X_mj (blocked
-    forward substitution, as stable as the row-by-row one). A⁻ goes to memory
-    (the backward needs it) and comes back as one 64×64 tile for W and U.
+    forward substitution, as stable as the row-by-row one), all in fp32. A⁻ goes
+    to memory in the input dtype (the backward needs it) and comes back as one
+    64×64 tile, the left operand of W and U.
     """
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, BT)
     k_h = k + i_h * K
     sk = H * K
+    dt = k.dtype.element_ty
 
-    # 16-row blocks of K, β and b.
+    # 16-row blocks of K (input dtype: the Gram blocks are tensor-core products), β and b.
     k0 = _load_tile(k_h, t0, eos, sk, K, 16, BK)
     k1 = _load_tile(k_h, t0 + 16, eos, sk, K, 16, BK)
     k2 = _load_tile(k_h, t0 + 32, eos, sk, K, 16, BK)
@@ -196,11 +213,10 @@ def _wy_fwd_kernel(
         b1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
         b2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
         b3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
-        r16 = tl.arange(0, 16)
-        tl.store(bcum + (t0 + r16) * H + i_h, b0, mask=t0 + r16 < eos)
-        tl.store(bcum + (t0 + 16 + r16) * H + i_h, b1, mask=t0 + 16 + r16 < eos)
-        tl.store(bcum + (t0 + 32 + r16) * H + i_h, b2, mask=t0 + 32 + r16 < eos)
-        tl.store(bcum + (t0 + 48 + r16) * H + i_h, b3, mask=t0 + 48 + r16 < eos)
+        _store_vec(bcum + i_h, b0, t0, eos, H, 16)
+        _store_vec(bcum + i_h, b1, t0 + 16, eos, H, 16)
+        _store_vec(bcum + i_h, b2, t0 + 32, eos, H, 16)
+        _store_vec(bcum + i_h, b3, t0 + 48, eos, H, 16)
     else:
         b0 = be0 * 0.0
         b1 = b0
@@ -219,7 +235,7 @@ def _wy_fwd_kernel(
     a31 = _gram_block(k3, k1, b3, b1, be3, False, GATED, PREC)
     a32 = _gram_block(k3, k2, b3, b2, be3, False, GATED, PREC)
 
-    # Diagonal inverses, then the blocks below them, one block-diagonal at a time.
+    # Diagonal inverses, then the blocks below them, one block-diagonal at a time (fp32).
     x00 = _unit_lower_inverse16(a00)
     x11 = _unit_lower_inverse16(a11)
     x22 = _unit_lower_inverse16(a22)
@@ -263,16 +279,16 @@ def _wy_fwd_kernel(
     a_full = _load_tile(a_h, t0, eos, sa, BT, BT, BT)
 
     be = _load_vec(beta + i_h, t0, eos, H, BT)
-    kb = _load_tile(k_h, t0, eos, sk, K, BT, BK)
+    kb = _load_tile(k_h, t0, eos, sk, K, BT, BK).to(tl.float32)
     if GATED:
         b = tl.cumsum(_load_vec(g + i_h, t0, eos, H, BT), axis=0)
         kb = kb * (be * tl.exp(b))[:, None]
     else:
         kb = kb * be[:, None]
-    _store_tile(w + i_h * K, tl.dot(a_full, kb, input_precision=PREC), t0, eos, sk, K, BT, BK)
+    _store_tile(w + i_h * K, tl.dot(a_full, kb.to(dt), input_precision=PREC), t0, eos, sk, K, BT, BK)
     for i_v in tl.static_range(0, (V + BV - 1) // BV):
-        vb = _load_tile(v + i_h * V + i_v * BV, t0, eos, H * V, V - i_v * BV, BT, BV) * be[:, None]
-        _store_tile(u + i_h * V + i_v * BV, tl.dot(a_full, vb, input_precision=PREC), t0, eos, H * V,
+        vb = _load_tile(v + i_h * V + i_v * BV, t0, eos, H * V, V - i_v * BV, BT, BV).to(tl.float32) * be[:, None]
+        _store_tile(u + i_h * V + i_v * BV, tl.dot(a_full, vb.to(dt), input_precision=PREC), t0, eos, H * V,
                     V - i_v * BV, BT, BV)
 
 
@@ -283,10 +299,12 @@ def _state_fwd_kernel(
     GATED: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, SAVE_STATES: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """One (sequence, head, V-block): the chunks in order, the state in registers.
+    """One (sequence, head, V-block): the chunks in order, the state in registers (fp32).
 
     Per chunk: U' = U − W h; O = scale·(Q ⊙ e^b) h + P U'; h ← e^{b_C} h + K̄ᵀ U'.
     The V columns of the recurrence are independent, so V-blocks run in parallel.
+    With ``SAVE_STATES`` (a backward follows) the state entering each chunk is saved
+    and U' is written over U (the backward needs U', never U).
     """
     i_nh = tl.program_id(0)  # N·H on axis 0: CUDA caps axes 1 and 2 at 65,535
     i_v = tl.program_id(1)
@@ -301,36 +319,43 @@ def _state_fwd_kernel(
     v0 = i_v * BV
     r = tl.arange(0, BT)
     causal = r[:, None] >= r[None, :]
+    dt = q.dtype.element_ty
 
     if HAS_H0:
-        h = _load_state(h0 + _state_offset(i_nh, K, V), K, V, i_v, BK, BV)
+        h = _load_state(h0 + _state_offset(i_nh, K, V), K, V, 0, v0, BK, BV)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_c in range(0, n_chunks):
         if SAVE_STATES:
-            _store_state(states + _state_offset((first + i_c) * H + i_h, K, V), h, K, V, i_v, BK, BV)
+            _store_state(states + _state_offset((first + i_c) * H + i_h, K, V), h, K, V, 0, v0, BK, BV)
         t0 = bos + i_c * BT
         q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
         k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
         w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
-        u_c = _load_tile(u + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
-        u_c = u_c - tl.dot(w_c, h, input_precision=PREC)  # U'
+        u_c = _load_tile(u + i_h * V + v0, t0, eos, sv, V - v0, BT, BV).to(tl.float32)
+        h_op = h.to(dt)
+        u_c = u_c - tl.dot(w_c, h_op, input_precision=PREC)  # U'
+        if SAVE_STATES:
+            _store_tile(u + i_h * V + v0, u_c, t0, eos, sv, V - v0, BT, BV)
+        u_op = u_c.to(dt)
         scores = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * scale
         if GATED:
+            # The decays scale rows: (Q ⊙ e^b) h = diag(e^b) (Q h) and K̄ᵀ U' = Kᵀ (diag(e^{b_C − b}) U'),
+            # so they go on the [64, BV] side, never on a [64, BK] copy of q or k (registers).
             b, b_last = _load_decay(bcum + i_h, t0, eos, H, BT)
             scores = scores * _decay_mask(b, b, causal)
-            out = tl.dot(q_c * tl.exp(b)[:, None], h, input_precision=PREC) * scale
-            out += tl.dot(scores, u_c, input_precision=PREC)
-            k_bar = k_c * tl.exp(b_last - b)[:, None]
-            h = h * tl.exp(b_last) + tl.dot(tl.trans(k_bar), u_c, input_precision=PREC)
+            out = tl.dot(q_c, h_op, input_precision=PREC) * (scale * tl.exp(b))[:, None]
+            out += tl.dot(scores.to(dt), u_op, input_precision=PREC)
+            u_bar = (u_c * tl.exp(b_last - b)[:, None]).to(dt)
+            h = h * tl.exp(b_last) + tl.dot(tl.trans(k_c), u_bar, input_precision=PREC)
         else:
             scores = tl.where(causal, scores, 0.0)
-            out = tl.dot(q_c, h, input_precision=PREC) * scale
-            out += tl.dot(scores, u_c, input_precision=PREC)
-            h = h + tl.dot(tl.trans(k_c), u_c, input_precision=PREC)
+            out = tl.dot(q_c, h_op, input_precision=PREC) * scale
+            out += tl.dot(scores.to(dt), u_op, input_precision=PREC)
+            h = h + tl.dot(tl.trans(k_c), u_op, input_precision=PREC)
         _store_tile(o + i_h * V + v0, out, t0, eos, sv, V - v0, BT, BV)
     if STORE_FINAL:
-        _store_state(h_final + _state_offset(i_nh, K, V), h, K, V, i_v, BK, BV)
+        _store_state(h_final + _state_offset(i_nh, K, V), h, K, V, 0, v0, BK, BV)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -344,8 +369,8 @@ def _state_bwd_kernel(
 ):
     """The adjoint of the state recurrence, chunks in reverse, per (sequence, head, V-block).
 
-    With dh the gradient of the state leaving chunk c (saved per chunk):
-        dU' = Pᵀ dO + K̄ dh                              (stored)
+    With dh the gradient of the state leaving chunk c (saved per chunk, fp32):
+        dU' = Pᵀ dO + K̄ dh                              (stored, fp32)
         dh ← e^{b_C} dh + scale·(Q ⊙ e^b)ᵀ dO − Wᵀ dU'   (the gradient entering chunk c)
     """
     i_nh = tl.program_id(0)
@@ -361,54 +386,53 @@ def _state_bwd_kernel(
     v0 = i_v * BV
     r = tl.arange(0, BT)
     causal = r[:, None] >= r[None, :]
+    dt = q.dtype.element_ty
 
     if HAS_DHT:
-        dh = _load_state(dh_final + _state_offset(i_nh, K, V), K, V, i_v, BK, BV)
+        dh = _load_state(dh_final + _state_offset(i_nh, K, V), K, V, 0, v0, BK, BV)
     else:
         dh = tl.zeros([BK, BV], dtype=tl.float32)
     for j in range(0, n_chunks):
         i_c = n_chunks - 1 - j
-        _store_state(dstates + _state_offset((first + i_c) * H + i_h, K, V), dh, K, V, i_v, BK, BV)
+        _store_state(dstates + _state_offset((first + i_c) * H + i_h, K, V), dh, K, V, 0, v0, BK, BV)
         t0 = bos + i_c * BT
         q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
         k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
         w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
         do_c = _load_tile(do + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
         scores = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * scale
-        if GATED:
+        du_c = tl.dot(k_c, dh.to(dt), input_precision=PREC)  # K̄ dh, K̄ = diag(e^{b_C − b}) K
+        if GATED:  # decays on the [64, BV] side, as in the forward
             b, b_last = _load_decay(bcum + i_h, t0, eos, H, BT)
             scores = scores * _decay_mask(b, b, causal)
-            k_bar = k_c * tl.exp(b_last - b)[:, None]
-            q_c = q_c * tl.exp(b)[:, None]
+            du_c = du_c * tl.exp(b_last - b)[:, None]
+            do_b = (do_c.to(tl.float32) * tl.exp(b)[:, None]).to(dt)  # Q_bᵀ dO = Qᵀ (diag(e^b) dO)
+            dh = dh * tl.exp(b_last)
         else:
             scores = tl.where(causal, scores, 0.0)
-            k_bar = k_c
-        du_c = tl.dot(tl.trans(scores), do_c, input_precision=PREC) + tl.dot(k_bar, dh, input_precision=PREC)
+            do_b = do_c
+        du_c += tl.dot(tl.trans(scores.to(dt)), do_c, input_precision=PREC)
         _store_tile(du + i_h * V + v0, du_c, t0, eos, sv, V - v0, BT, BV)
-        if GATED:
-            dh = dh * tl.exp(b_last)
-        dh += tl.dot(tl.trans(q_c), do_c, input_precision=PREC) * scale
-        dh -= tl.dot(tl.trans(w_c), du_c, input_precision=PREC)
+        dh += tl.dot(tl.trans(q_c), do_b, input_precision=PREC) * scale
+        dh -= tl.dot(tl.trans(w_c), du_c.to(dt), input_precision=PREC)
     if STORE_DH0:
-        _store_state(dh0 + _state_offset(i_nh, K, V), dh, K, V, i_v, BK, BV)
+        _store_state(dh0 + _state_offset(i_nh, K, V), dh, K, V, 0, v0, BK, BV)
 
 
 @triton.jit
-def _grads_kernel(
-    q, k, v, beta, bcum, ainv, w, u, states, dstates, do, du,
-    dq, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, scale,
-    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _grads_intra_kernel(
+    q, k, v, beta, bcum, ainv, u, do, du, dv, d_qk, d_gram, dbeta_part, db_part, cu_seqlens, chunk_indices,
+    scale, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATED: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Every input gradient of one chunk from chunk-local terms (no sequential dependency).
+    """A chunk's C×C gradient terms (no sequential dependency). With ``u`` holding U':
 
-    Given h (entering), dh (leaving) and dU' from the state kernels:
-        dQ_b = scale·dO hᵀ,  dP = dO U'ᵀ,  dK̄ = U' dhᵀ,  dW = −dU' hᵀ,  dU = dU'
-    then the UT transform Y = [W | U] = A⁻ diag(β) [K_b | V]:
-        dZ = A⁻ᵀ dY,  dA = −tril(dZ Yᵀ, −1),  dv = β dZ_U,  dK_b = β dZ_W,
-        dβ = rowsum(dZ ⊙ [K_b | V]) + rowsum(dA ⊙ S),  dS = diag(β) dA,
-    and the decays: each of Q_b, K̄, K_b, e^{b_C}, P's Γ and S's Γ adds to db
-    (a pair-wise Γ adds rowsum − colsum of dM ⊙ M); dg = reverse cumsum of db.
+        dZ_U = A⁻ᵀ dU'  (written over dU'),  dv = β dZ_U,  dP = dO U'ᵀ,  dA = −tril(dZ_U U'ᵀ, −1)
+
+    (dZ_W Wᵀ folds into dA: dZ_W = −dZ_U hᵀ, so dZ_U Uᵀ + dZ_W Wᵀ = dZ_U U'ᵀ). Stores
+    dQK = scale·dP ⊙ Γ (causal) and dS' = diag(β) dA ⊙ Γ (strict) for ``_grads_key_kernel``,
+    and the parts of dβ (rowsum(dZ_U ⊙ V) + rowsum(dA ⊙ S)) and of db (the pair-wise Γ
+    of P and S: rowsum − colsum of dM ⊙ M) that need all of K for S and P.
     """
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -418,87 +442,133 @@ def _grads_kernel(
     r = tl.arange(0, BT)
     causal = r[:, None] >= r[None, :]
     strict = r[:, None] > r[None, :]
+    dt = q.dtype.element_ty
+
+    be = _load_vec(beta + i_h, t0, eos, H, BT)
+    a_inv_t = tl.trans(_load_tile(ainv + i_h * BT, t0, eos, H * BT, BT, BT, BT))
+    d_scores = tl.zeros([BT, BT], dtype=tl.float32)  # dO U'ᵀ
+    d_a = tl.zeros([BT, BT], dtype=tl.float32)  # −dZ_U U'ᵀ
+    d_beta = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, (V + BV - 1) // BV):
+        v0 = i_v * BV
+        u_c = _load_tile(u + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
+        do_c = _load_tile(do + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
+        du_c = _load_tile(du + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
+        d_scores += tl.dot(do_c, tl.trans(u_c), input_precision=PREC)
+        dz_u = tl.dot(a_inv_t, du_c.to(dt), input_precision=PREC)
+        _store_tile(du + i_h * V + v0, dz_u, t0, eos, sv, V - v0, BT, BV)
+        _store_tile(dv + i_h * V + v0, dz_u * be[:, None], t0, eos, sv, V - v0, BT, BV)
+        v_c = _load_tile(v + i_h * V + v0, t0, eos, sv, V - v0, BT, BV).to(tl.float32)
+        d_beta += tl.sum(dz_u * v_c, axis=1)
+        d_a -= tl.dot(dz_u.to(dt), tl.trans(u_c), input_precision=PREC)
 
     q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
     k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
-    w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
-    be = _load_vec(beta + i_h, t0, eos, H, BT)
-    a_inv = _load_tile(ainv + i_h * BT, t0, eos, H * BT, BT, BT, BT)
-    state = states + _state_offset(i_t * H + i_h, K, V)
-    dstate = dstates + _state_offset(i_t * H + i_h, K, V)
-
-    d_qb = tl.zeros([BT, BK], dtype=tl.float32)  # dO hᵀ (times scale later)
-    d_kbar = tl.zeros([BT, BK], dtype=tl.float32)  # U' dhᵀ
-    d_w = tl.zeros([BT, BK], dtype=tl.float32)  # −dU' hᵀ
-    d_scores = tl.zeros([BT, BT], dtype=tl.float32)  # dO U'ᵀ
-    d_a = tl.zeros([BT, BT], dtype=tl.float32)  # −dZ Yᵀ, accumulated over V-blocks and W
-    d_beta = tl.zeros([BT], dtype=tl.float32)
-    h_dh = tl.zeros([BK, BV], dtype=tl.float32)  # Σ h ⊙ dh for the chunk decay e^{b_C}
-    for i_v in tl.static_range(0, (V + BV - 1) // BV):
-        v0 = i_v * BV
-        h = _load_state(state, K, V, i_v, BK, BV)
-        dh = _load_state(dstate, K, V, i_v, BK, BV)
-        u_c = _load_tile(u + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
-        v_c = _load_tile(v + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
-        do_c = _load_tile(do + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
-        du_c = _load_tile(du + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
-        u_prime = u_c - tl.dot(w_c, h, input_precision=PREC)
-        d_qb += tl.dot(do_c, tl.trans(h), input_precision=PREC)
-        d_kbar += tl.dot(u_prime, tl.trans(dh), input_precision=PREC)
-        d_w -= tl.dot(du_c, tl.trans(h), input_precision=PREC)
-        d_scores += tl.dot(do_c, tl.trans(u_prime), input_precision=PREC)
-        dz_u = tl.dot(tl.trans(a_inv), du_c, input_precision=PREC)
-        _store_tile(dv + i_h * V + v0, dz_u * be[:, None], t0, eos, sv, V - v0, BT, BV)
-        d_beta += tl.sum(dz_u * v_c, axis=1)
-        d_a -= tl.dot(dz_u, tl.trans(u_c), input_precision=PREC)
-        if GATED:
-            h_dh += h * dh
-
-    dz_w = tl.dot(tl.trans(a_inv), d_w, input_precision=PREC)
-    d_a -= tl.dot(dz_w, tl.trans(w_c), input_precision=PREC)
+    s = tl.dot(k_c, tl.trans(k_c), input_precision=PREC)
     d_a = tl.where(strict, d_a, 0.0)
-    gram = tl.dot(k_c, tl.trans(k_c), input_precision=PREC)
-    scores = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * scale
     d_scores = tl.where(causal, d_scores, 0.0)
     if GATED:
         b, b_last = _load_decay(bcum + i_h, t0, eos, H, BT)
-        e_b = tl.exp(b)
-        k_b = k_c * e_b[:, None]
-        s = gram * _decay_mask(b, b, strict)
-        scores = scores * _decay_mask(b, b, causal)
-    else:
-        k_b = k_c
-        s = tl.where(strict, gram, 0.0)
-        scores = tl.where(causal, scores, 0.0)
-    d_beta += tl.sum(dz_w * k_b, axis=1) + tl.sum(d_a * s, axis=1)
-    d_kb = dz_w * be[:, None]
-    d_s = d_a * be[:, None]
-
-    if GATED:
-        d_gram = d_s * _decay_mask(b, b, strict)
-        d_qk = d_scores * scale * _decay_mask(b, b, causal)
-        d_q = d_qb * (scale * e_b)[:, None] + tl.dot(d_qk, k_c, input_precision=PREC)
-        k_bar_scale = tl.exp(b_last - b)
-        d_k = d_kbar * k_bar_scale[:, None] + d_kb * e_b[:, None]
-        # db: Q_b, K̄ (rows), K_b, then P's and S's pairwise decays; e^{b_C} and K̄'s b_C part last.
+        gamma_strict = _decay_mask(b, b, strict)
+        gamma_causal = _decay_mask(b, b, causal)
+        s = s * gamma_strict
+        scores = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * scale * gamma_causal
+        d_s = d_a * be[:, None]
         e_p = d_scores * scores
         e_s = d_s * s
-        k_bar_term = tl.sum(d_kbar * k_c * k_bar_scale[:, None], axis=1)
-        db = tl.sum(d_qb * q_c, axis=1) * scale * e_b - k_bar_term + tl.sum(d_kb * k_b, axis=1)
-        db += tl.sum(e_p, axis=1) - tl.sum(e_p, axis=0) + tl.sum(e_s, axis=1) - tl.sum(e_s, axis=0)
-        db_last = tl.sum(k_bar_term, axis=0) + tl.exp(b_last) * tl.sum(tl.sum(h_dh, axis=1), axis=0)
+        db = tl.sum(e_p, axis=1) - tl.sum(e_p, axis=0) + tl.sum(e_s, axis=1) - tl.sum(e_s, axis=0)
+        _store_vec(db_part + i_h, db, t0, eos, H, BT)
+        d_gram_c = d_s * gamma_strict
+        d_qk_c = d_scores * scale * gamma_causal
+    else:
+        s = tl.where(strict, s, 0.0)
+        d_gram_c = d_a * be[:, None]
+        d_qk_c = d_scores * scale
+    d_beta += tl.sum(d_a * s, axis=1)
+    _store_vec(dbeta_part + i_h, d_beta, t0, eos, H, BT)
+    _store_tile(d_qk + i_h * BT, d_qk_c, t0, eos, H * BT, BT, BT, BT)
+    _store_tile(d_gram + i_h * BT, d_gram_c, t0, eos, H * BT, BT, BT, BT)
+
+
+@triton.jit
+def _grads_key_kernel(
+    q, k, beta, bcum, states, dstates, do, u, du, d_qk, d_gram, dbeta_part, db_part,
+    dq, dk, dbeta, dg, cu_seqlens, chunk_indices, scale,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATED: tl.constexpr, PREC: tl.constexpr,
+):
+    """dq, dk, the rest of dβ and db, and dg of one chunk, BK columns of K at a time.
+
+    Given h (entering), dh (leaving), U', dZ_U (in ``du``) and dQK, dS' from
+    ``_grads_intra_kernel``, per column block of K:
+        dQ_b = scale·dO hᵀ,  dK̄ = U' dhᵀ,  dZ_W = −dZ_U hᵀ,  dK_b = β dZ_W
+        dq = dQ_b ⊙ e^b + dQK K,  dk = dK̄ ⊙ e^{b_C − b} + dK_b ⊙ e^b + dQKᵀ Q + (dS' + dS'ᵀ) K
+    dβ adds rowsum(dZ_W ⊙ K_b); db adds the row terms of Q_b, K̄, K_b and (to the last
+    row) e^{b_C}'s and K̄'s b_C part; dg = reverse cumsum of db in the chunk.
+    """
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, BT)
+    sk = H * K
+    sv = H * V
+    r = tl.arange(0, BT)
+    dt = q.dtype.element_ty
+
+    be = _load_vec(beta + i_h, t0, eos, H, BT)
+    d_beta = _load_vec(dbeta_part + i_h, t0, eos, H, BT)
+    d_qk_c = _load_tile(d_qk + i_h * BT, t0, eos, H * BT, BT, BT, BT).to(dt)
+    d_gram_c = _load_tile(d_gram + i_h * BT, t0, eos, H * BT, BT, BT, BT).to(dt)
+    state = states + _state_offset(i_t * H + i_h, K, V)
+    dstate = dstates + _state_offset(i_t * H + i_h, K, V)
+    if GATED:
+        b, b_last = _load_decay(bcum + i_h, t0, eos, H, BT)
+        e_b = tl.exp(b)
+        k_bar_scale = tl.exp(b_last - b)
+        db = _load_vec(db_part + i_h, t0, eos, H, BT)
+        db_last = tl.sum(b * 0.0, axis=0)  # scalar accumulator: e^{b_C}'s and K̄'s b_C terms
+    for i_k in range(0, (K + BK - 1) // BK):  # runtime loops: unrolled, they spilled 1.6 KB at K = 256
+        k0 = i_k * BK
+        d_qb = tl.zeros([BT, BK], dtype=tl.float32)  # dO hᵀ (times scale later)
+        d_kbar = tl.zeros([BT, BK], dtype=tl.float32)  # U' dhᵀ
+        dz_w = tl.zeros([BT, BK], dtype=tl.float32)  # −dZ_U hᵀ
+        h_dh = tl.zeros([BK, BV], dtype=tl.float32)  # Σ h ⊙ dh for the chunk decay e^{b_C}
+        for i_v in range(0, (V + BV - 1) // BV):
+            v0 = i_v * BV
+            h = _load_state(state, K, V, k0, v0, BK, BV)
+            dh = _load_state(dstate, K, V, k0, v0, BK, BV)
+            do_c = _load_tile(do + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
+            u_c = _load_tile(u + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
+            dz_u = _load_tile(du + i_h * V + v0, t0, eos, sv, V - v0, BT, BV).to(dt)
+            h_t = tl.trans(h.to(dt))
+            d_qb += tl.dot(do_c, h_t, input_precision=PREC)
+            d_kbar += tl.dot(u_c, tl.trans(dh.to(dt)), input_precision=PREC)
+            dz_w -= tl.dot(dz_u, h_t, input_precision=PREC)
+            if GATED:
+                h_dh += h * dh
+        q_c = _load_tile(q + i_h * K + k0, t0, eos, sk, K - k0, BT, BK)
+        k_c = _load_tile(k + i_h * K + k0, t0, eos, sk, K - k0, BT, BK)
+        k_f = k_c.to(tl.float32)
+        d_kb = dz_w * be[:, None]
+        if GATED:
+            k_b = k_f * e_b[:, None]
+            d_q = d_qb * (scale * e_b)[:, None]
+            d_k = d_kbar * k_bar_scale[:, None] + d_kb * e_b[:, None]
+            k_bar_term = tl.sum(d_kbar * k_f * k_bar_scale[:, None], axis=1)
+            db += tl.sum(d_qb * q_c.to(tl.float32), axis=1) * scale * e_b - k_bar_term + tl.sum(d_kb * k_b, axis=1)
+            db_last += tl.sum(k_bar_term, axis=0) + tl.exp(b_last) * tl.sum(tl.sum(h_dh, axis=1), axis=0)
+        else:
+            k_b = k_f
+            d_q = d_qb * scale
+            d_k = d_kbar + d_kb
+        d_beta += tl.sum(dz_w * k_b, axis=1)
+        d_q += tl.dot(d_qk_c, k_c, input_precision=PREC)
+        d_k += tl.dot(tl.trans(d_qk_c), q_c, input_precision=PREC)
+        d_k += tl.dot(d_gram_c, k_c, input_precision=PREC) + tl.dot(tl.trans(d_gram_c), k_c, input_precision=PREC)
+        _store_tile(dq + i_h * K + k0, d_q, t0, eos, sk, K - k0, BT, BK)
+        _store_tile(dk + i_h * K + k0, d_k, t0, eos, sk, K - k0, BT, BK)
+    if GATED:
         # b_C is the b of the chunk's last token; padded rows past the end carry g = 0,
         # so adding db_C to row BT − 1 reaches every real token through the reverse cumsum.
         db += tl.where(r == BT - 1, db_last, 0.0)
-        tl.store(dg + (t0 + r) * H + i_h, tl.cumsum(db, axis=0, reverse=True).to(dg.dtype.element_ty),
-                 mask=t0 + r < eos)
-    else:
-        d_gram = d_s
-        d_qk = d_scores * scale
-        d_q = d_qb * scale + tl.dot(d_qk, k_c, input_precision=PREC)
-        d_k = d_kbar + d_kb
-    d_k += tl.dot(tl.trans(d_qk), q_c, input_precision=PREC)
-    d_k += tl.dot(d_gram, k_c, input_precision=PREC) + tl.dot(tl.trans(d_gram), k_c, input_precision=PREC)
-    _store_tile(dq + i_h * K, d_q, t0, eos, sk, K, BT, BK)
-    _store_tile(dk + i_h * K, d_k, t0, eos, sk, K, BT, BK)
-    tl.store(dbeta + (t0 + r) * H + i_h, d_beta.to(dbeta.dtype.element_ty), mask=t0 + r < eos)
+        _store_vec(dg + i_h, tl.cumsum(db, axis=0, reverse=True), t0, eos, H, BT)
+    _store_vec(dbeta + i_h, d_beta, t0, eos, H, BT)

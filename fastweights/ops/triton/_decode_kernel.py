@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import interpreting
+from ._tuning import autotuned
 
 
 @triton.jit
@@ -39,15 +39,8 @@ def _delta_step_kernel(
 
 
 #: (num_warps, num_stages) the autotuner may pick (``benchmarks/triton_resources.py`` checks them).
-CONFIGS = [(1, 1), (2, 1), (4, 1)]
+CONFIGS = [(4, 1), (8, 1)]  # one or two warps spill at K = 128 (the [K, BV] state block is 4096 fp32)
+PINNED = (4, 1)
 
-
-def _autotuned(kernel):
-    if interpreting():
-        return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in CONFIGS]
-    # The kernel updates the state in place: restore it between autotuning trials.
-    return triton.autotune(configs=configs, key=["K", "V", "BV", "GATED"], restore_value=["state"])(kernel)
-
-
-delta_step = _autotuned(_delta_step_kernel)
+# The kernel updates the state in place: the autotuner restores it between trials.
+delta_step = autotuned(_delta_step_kernel, CONFIGS, PINNED, ["K", "V", "BV", "GATED"], restore_value=["state"])

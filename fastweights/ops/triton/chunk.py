@@ -9,14 +9,17 @@ Forward (two launches)::
     _wy_fwd_kernel     [chunks, H]          b, A⁻ = (I + A)⁻¹, W, U      (fully parallel)
     _state_fwd_kernel  [N·H, V/BV]          U', O, h per chunk           (sequential in chunks)
 
-Backward (two launches)::
+Backward (three launches)::
 
-    _state_bwd_kernel  [N·H, V/BV]          dU', dh per chunk, dh0       (sequential, reversed)
-    _grads_kernel      [chunks, H]          dq, dk, dv, dβ, dg           (fully parallel)
+    _state_bwd_kernel    [N·H, V/BV]        dU', dh per chunk, dh0       (sequential, reversed)
+    _grads_intra_kernel  [chunks, H]        dZ_U, dv, dP, dA; dβ, db parts (fully parallel)
+    _grads_key_kernel    [chunks, H]        dq, dk, dβ, dg, K in blocks of 64 (fully parallel)
 
-Memory kept for the backward: the inputs, b, A⁻ (C per token), W and U (K + V
-per token, fp32) and the state entering every chunk (``[chunks, H, K, V]``,
-fp32) -- the same per-chunk states the PyTorch chunk form keeps.
+Memory kept for the backward (only when one can follow: ``backward_can_follow``):
+the inputs, b (fp32, gated only), and in the input dtype A⁻ (C per token), W and
+U' (K + V per token) and the state entering every chunk (``[chunks, H, K, V]``;
+fp32 for fp32 inputs, half that for bf16/fp16). Every K, V <= 256 runs its
+backward in the kernels.
 
 The kernels read the inputs in their own layout ``[B, T, H, D]`` (no transposes,
 no fp32 copies of bf16 inputs) and take varlen batches natively through
@@ -25,6 +28,7 @@ no fp32 copies of bf16 inputs) and take varlen batches natively through
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -35,33 +39,68 @@ from .._frontend import check_op_args
 from ..feature_maps import FeatureMapLike, Identity, normalize_qk
 from . import CHUNK_SIZE, interpreting
 from . import _chunk_kernels as kernels
+from ._tuning import autotuned, capped
 
 BT = CHUNK_SIZE
 
 
 #: (num_warps, num_stages) the autotuner may pick, per kernel; ``benchmarks/triton_resources.py``
 #: compiles every one of them for sm_90 and checks that it fits.
+#: Four warps spill in the sequential and gradient kernels (up to 1.3 KB/thread, gated, K = V = 128,
+#: bf16; 676 B in the intra-chunk gradients at K = 256); the kernels without a runtime loop have
+#: nothing to pipeline (one stage).
 CONFIGS = {
-    "wy_fwd": [(4, 1), (8, 1)],  # no loop to pipeline
-    "state_fwd": [(4, 2), (4, 3), (8, 2), (8, 3)],
-    "state_bwd": [(4, 2), (4, 3), (8, 2), (8, 3)],
-    "grads": [(4, 1), (8, 1)],
+    "wy_fwd": [(4, 1), (8, 1)],
+    "state_fwd": [(8, 2), (8, 3)],  # stages capped per launch: sequential_stages()
+    "state_bwd": [(8, 2), (8, 3)],
+    "grads_intra": [(8, 1)],
+    "grads_key": [(8, 1)],
 }
 
 
-def _autotuned(kernel, name, key):
-    """Autotune over ``CONFIGS[name]`` on a GPU; the kernel as is under the interpreter."""
-    if interpreting():
-        return kernel
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in CONFIGS[name]]
-    return triton.autotune(configs=configs, key=key)(kernel)
+#: The config each kernel runs when autotuning is off (``_tuning.py``): per kernel, the one that spills
+#: least at K = V = 128, bf16, in ``benchmarks/results/triton_resources.json``.
+PINNED = {"wy_fwd": (8, 1), "state_fwd": (8, 3), "state_bwd": (8, 3), "grads_intra": (8, 1), "grads_key": (8, 1)}
+
+
+#: sm_90's shared memory per block, less what the sequential kernels use besides their pipelined tiles.
+SHARED_BYTES = 232_448
+SEQUENTIAL_OVERHEAD_BYTES = 32 * 1024
+
+
+def sequential_stages(block_k: int, block_v: int, itemsize: int) -> int:
+    """Pipeline stages (1-3) of the two sequential kernels that fit in sm_90's shared memory.
+
+    Each stage buffers one chunk's [64, BK] tiles of q, k, w and a [64, BV] tile
+    (u or dO) in the input dtype: 3 stages at K <= 128 in bf16, 1 at K = 256 in bf16 and
+    for fp32 at K >= 128 (``benchmarks/triton_resources.py`` measures that they fit; the
+    state adjoint needed 237,568 B at K = 256, bf16, 2 stages, over the limit).
+    """
+    per_stage = BT * (3 * block_k + block_v) * itemsize
+    return max(1, min(3, (SHARED_BYTES - SEQUENTIAL_OVERHEAD_BYTES) // per_stage))
+
+
+def _sequential_cap(named_args, kwargs) -> int:
+    return sequential_stages(kwargs["BK"], kwargs["BV"], named_args["q"].element_size())
+
+
+def _autotuned(kernel, name, key, stage_cap=None):
+    return autotuned(kernel, CONFIGS[name], PINNED[name], key, stage_cap=stage_cap)
 
 
 _KEY = ["K", "V", "BV", "GATED", "PREC"]
 _wy_fwd = _autotuned(kernels._wy_fwd_kernel, "wy_fwd", _KEY)
-_state_fwd = _autotuned(kernels._state_fwd_kernel, "state_fwd", _KEY + ["HAS_H0", "SAVE_STATES"])
-_state_bwd = _autotuned(kernels._state_bwd_kernel, "state_bwd", _KEY + ["HAS_DHT", "STORE_DH0"])
-_grads = _autotuned(kernels._grads_kernel, "grads", _KEY)
+_state_fwd = _autotuned(kernels._state_fwd_kernel, "state_fwd", _KEY + ["HAS_H0", "SAVE_STATES"], _sequential_cap)
+_state_bwd = _autotuned(kernels._state_bwd_kernel, "state_bwd", _KEY + ["HAS_DHT", "STORE_DH0"], _sequential_cap)
+_grads_intra = _autotuned(kernels._grads_intra_kernel, "grads_intra", _KEY)
+_grads_key = _autotuned(kernels._grads_key_kernel, "grads_key", _KEY + ["BK"])
+
+
+#: Column blocks of the parallel kernels (the sequential ones: ``_value_block``): the WY and
+#: intra-chunk gradient kernels take V in blocks of 64; the key-gradient kernel takes K in
+#: blocks of 64 (its three [64, BK] fp32 accumulators) and V in blocks of 32.
+PARALLEL_VALUE_BLOCK = 64
+KEY_GRAD_BLOCKS = (64, 32)
 
 
 def _block(dim: int, cap: int) -> int:
@@ -84,42 +123,51 @@ def chunk_tables(cu_seqlens: Optional[torch.Tensor], batch: int, length: int, de
 
     A plain batch is B sequences of T tokens packed along B·T, so one code path
     serves both; chunk c of sequence n is global chunk ``chunk_offsets[n] + c``.
+    Cached (about 15 small ops, every call of every layer otherwise): by (B, T, device)
+    for a plain batch and by the offsets' values for a packed one (read on the host;
+    the input check has read them already). The tables are read-only.
     """
     if cu_seqlens is None:
+        return _cached_tables(None, batch, length, torch.device(device))
+    return _cached_tables(tuple(cu_seqlens.tolist()), 1, length, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_tables(offsets: Optional[Tuple[int, ...]], batch: int, length: int, device: torch.device):
+    if offsets is None:
         n_chunks = triton.cdiv(length, BT)
         cu = torch.arange(0, batch + 1, device=device, dtype=torch.int64) * length
         counts = torch.full((batch,), n_chunks, device=device, dtype=torch.int64)
+        total = batch * n_chunks
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
-        counts = (cu[1:] - cu[:-1] + BT - 1) // BT
-    offsets = torch.zeros(counts.numel() + 1, device=device, dtype=torch.int64)
-    offsets[1:] = counts.cumsum(0)
-    total = int(offsets[-1]) if cu_seqlens is not None else batch * triton.cdiv(length, BT)
+        cu = torch.tensor(offsets, device=device, dtype=torch.int64)
+        lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
+        counts = torch.tensor([triton.cdiv(n, BT) for n in lengths], device=device, dtype=torch.int64)
+        total = sum(triton.cdiv(n, BT) for n in lengths)
+    chunk_offsets = torch.zeros(counts.numel() + 1, device=device, dtype=torch.int64)
+    chunk_offsets[1:] = counts.cumsum(0)
     seq = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=total)
-    within = torch.arange(total, device=device) - offsets[seq]
-    return cu, torch.stack([seq, within], dim=1).to(torch.int32).contiguous(), offsets.to(torch.int32)
+    within = torch.arange(total, device=device) - chunk_offsets[seq]
+    return cu, torch.stack([seq, within], dim=1).to(torch.int32).contiguous(), chunk_offsets.to(torch.int32)
 
 
 def _precision(v: torch.Tensor) -> str:
-    """tl.dot input precision: fp32 inputs get fp32-accurate products from three tf32
-    passes (plain "ieee" FMA dots compile for minutes); bf16/fp16 inputs get tf32,
-    whose 10-bit mantissa is finer than the inputs' own rounding."""
+    """``input_precision`` of the kernels' fp32-operand ``tl.dot`` calls (``PREC``).
+
+    - fp32 inputs: every product has fp32 operands and runs as ``"tf32x3"``: each
+      operand is split into a tf32 high part and a tf32 remainder, and three tf32
+      tensor-core products are summed, which recovers close to fp32 accuracy (not
+      bit-equal to fp32 FMA). ``"ieee"`` (plain FMA, no tensor cores) was not chosen
+      because those kernels compile for minutes and run several times slower. The
+      device accuracy of this choice is checked by ``benchmarks/gpu_chunk_delta.py``
+      (fp32 against float64); Triton's interpreter computes every dot exactly in fp32
+      whatever this says, so the CPU tests cannot see it.
+    - bf16/fp16 inputs: products take bf16/fp16 operands (PREC does not apply to
+      them) with fp32 accumulation; the only fp32-operand products left are the
+      16×16 blocks of the UT inverse, which run as ``"tf32"`` (10-bit mantissa, as
+      fine as fp16 and finer than bf16).
+    """
     return "tf32x3" if v.dtype == torch.float32 else "tf32"
-
-
-# The gradient kernel keeps [64, K] fp32 tiles; tf32 tensor-core operands for K > 128
-# need more than Hopper's 227 KB of shared memory per block. There (GPU only; the
-# interpreter has no such limit and tests the kernel at K = 256) the backward runs
-# the PyTorch chunk form: correct, not fast.
-MAX_KERNEL_BACKWARD_KEY_BLOCK = 128
-
-
-def use_torch_backward_block(key_block: int) -> bool:
-    return key_block > MAX_KERNEL_BACKWARD_KEY_BLOCK
-
-
-def use_torch_backward(key_dim: int) -> bool:
-    return not interpreting() and use_torch_backward_block(_block(key_dim, 256))
 
 
 def sequential_grid(n_seqs: int, heads: int, value_dim: int, bv: int) -> Tuple[int, int]:
@@ -146,17 +194,19 @@ def chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
         q, v, g, chunk_indices, chunk_offsets)
     tokens = batch * length
 
+    # A⁻, W, U (U' after the state kernel) and the chunk states in the input dtype: they are
+    # tensor-core operands, rounded to it anyway (_chunk_kernels.py, "Precision").
     bcum = torch.empty(tokens, heads, device=dev, dtype=torch.float32) if gated else beta
-    ainv = torch.empty(tokens, heads, BT, device=dev, dtype=torch.float32)
-    w = torch.empty(tokens, heads, dk, device=dev, dtype=torch.float32)
-    u = torch.empty(tokens, heads, dv, device=dev, dtype=torch.float32)
+    ainv = q.new_empty(tokens, heads, BT)
+    w = q.new_empty(tokens, heads, dk)
+    u = q.new_empty(tokens, heads, dv)
     _wy_fwd[(n_chunks, heads)](
         k, v, beta, g if gated else beta, bcum, ainv, w, u, cu, chunk_indices,
-        heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, PREC=prec,
+        heads, K=dk, V=dv, BT=BT, BK=bk, BV=_block(dv, PARALLEL_VALUE_BLOCK), GATED=gated, PREC=prec,
     )
     o = torch.empty_like(v)
     h_final = torch.empty(n_seqs, heads, dk, dv, device=dev, dtype=torch.float32)
-    states = torch.empty(n_chunks if save_for_backward else 1, heads, dk, dv, device=dev, dtype=torch.float32)
+    states = q.new_empty(n_chunks if save_for_backward else 1, heads, dk, dv)
     _state_fwd[sequential_grid(n_seqs, heads, dv, bv)](
         q, k, w, u, bcum, o, h0 if h0 is not None else h_final, h_final, states, cu, chunk_offsets, scale,
         heads, K=dk, V=dv, BT=BT, BK=bk, BV=bv, GATED=gated, HAS_H0=h0 is not None, STORE_FINAL=True,
@@ -175,8 +225,8 @@ def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
     # index every tensor as dense, so each one they read is made contiguous here.
     do = do.contiguous()
     dh_final = None if dh_final is None else dh_final.contiguous()
-    dstates = torch.empty_like(states)
-    du = torch.empty_like(u)
+    dstates = torch.empty(states.shape, device=dev, dtype=torch.float32)
+    du = torch.empty(u.shape, device=dev, dtype=torch.float32)  # dU', then dZ_U
     dh0 = torch.empty_like(h0) if h0 is not None else None
     _state_bwd[sequential_grid(n_seqs, heads, dv, bv)](
         q, k, w, bcum, do, dh_final if dh_final is not None else du, dh0 if dh0 is not None else du,
@@ -187,10 +237,20 @@ def chunk_bwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, sav
     dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty_like(g) if gated else None
-    _grads[(n_chunks, heads)](  # V-blocks of 32 keep its shared memory under 200 KB at K = 128
-        q, k, v, beta, bcum, ainv, w, u, states, dstates, do, du,
-        dq, dk_, dv_, dbeta, dg if gated else dbeta, cu, chunk_indices, scale,
-        heads, K=dk, V=dv, BT=BT, BK=bk, BV=_block(dv, 32), GATED=gated, PREC=prec,
+    # Between the two gradient kernels: dQK and dS' (C×C per chunk, input dtype: product
+    # operands) and the parts of dβ and db that need all of K (fp32).
+    d_qk, d_gram = q.new_empty(q.shape[0] * q.shape[1], heads, BT), q.new_empty(q.shape[0] * q.shape[1], heads, BT)
+    dbeta_part = torch.empty(beta.shape, device=dev, dtype=torch.float32)
+    db_part = torch.empty(beta.shape, device=dev, dtype=torch.float32) if gated else dbeta_part
+    _grads_intra[(n_chunks, heads)](
+        q, k, v, beta, bcum, ainv, u, do, du, dv_, d_qk, d_gram, dbeta_part, db_part, cu, chunk_indices,
+        scale, heads, K=dk, V=dv, BT=BT, BK=bk, BV=_block(dv, PARALLEL_VALUE_BLOCK), GATED=gated, PREC=prec,
+    )
+    key_bk, key_bv = KEY_GRAD_BLOCKS
+    _grads_key[(n_chunks, heads)](
+        q, k, beta, bcum, states, dstates, do, u, du, d_qk, d_gram, dbeta_part, db_part,
+        dq, dk_, dbeta, dg if gated else dbeta, cu, chunk_indices, scale,
+        heads, K=dk, V=dv, BT=BT, BK=_block(dk, key_bk), BV=_block(dv, key_bv), GATED=gated, PREC=prec,
     )
     return dq, dk_, dv_, dbeta, dg, dh0
 
@@ -211,11 +271,10 @@ class ChunkDeltaRuleTriton(torch.autograd.Function):
         g = None if g is None else g.contiguous()
         h0 = None if h0 is None else h0.contiguous()
         cu, chunk_indices, chunk_offsets = chunk_tables(cu_seqlens, q.shape[0], q.shape[1], q.device)
-        keep_states = train and not use_torch_backward(q.shape[-1])
-        o, h_final, saved = chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, keep_states)
+        o, h_final, saved = chunk_fwd(q, k, v, beta, g, h0, scale, cu, chunk_indices, chunk_offsets, train)
         if train:
             ctx.save_for_backward(q, k, v, beta, g, h0, cu, chunk_indices, chunk_offsets, *saved)
-            ctx.scale, ctx.cu_seqlens = scale, cu_seqlens
+            ctx.scale = scale
         ctx.set_materialize_grads(False)
         return o, h_final
 
@@ -225,36 +284,10 @@ class ChunkDeltaRuleTriton(torch.autograd.Function):
         q, k, v, beta, g, h0, cu, chunk_indices, chunk_offsets, *saved = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        if use_torch_backward(q.shape[-1]):
-            return (*_torch_backward(q, k, v, beta, g, h0, ctx.scale, ctx.cu_seqlens, do, dh_final), None, None, None)
         dq, dk, dv, dbeta, dg, dh0 = chunk_bwd(
             q, k, v, beta, g, h0, ctx.scale, cu, chunk_indices, chunk_offsets, saved, do, dh_final,
         )
         return dq, dk, dv, dbeta, dg, dh0, None, None, None
-
-
-def _torch_backward(q, k, v, beta, g, h0, scale, cu_seqlens, do, dh_final):
-    """Gradients from the PyTorch chunk form (recomputes its forward); see ``use_torch_backward``."""
-    from ..delta_rule.chunk import chunk_delta_rule
-
-    with torch.enable_grad():
-        leaves = [x.detach().requires_grad_(True) if x is not None else None for x in (q, k, v, beta, g, h0)]
-        xq, xk, xv, xb, xg, xh = leaves
-        if xg is not None:
-            from ..gated_delta_rule.chunk import chunk_gated_delta_rule
-
-            o, h_final = chunk_gated_delta_rule(xq, xk, xv, xg, xb, scale=scale, initial_state=xh,
-                                                output_final_state=True, cu_seqlens=cu_seqlens, backend="torch")
-        else:
-            o, h_final = chunk_delta_rule(xq, xk, xv, xb, scale=scale, initial_state=xh,
-                                          output_final_state=True, cu_seqlens=cu_seqlens, backend="torch")
-        outputs, cotangents = [o], [do]
-        if dh_final is not None:
-            outputs.append(h_final)
-            cotangents.append(dh_final)
-        used = [x for x in leaves if x is not None]
-        grads = iter(torch.autograd.grad(outputs, used, cotangents, allow_unused=True))
-    return tuple(next(grads) if x is not None else None for x in leaves)
 
 
 def chunk_op_triton(
@@ -299,13 +332,17 @@ def chunk_op_triton(
 # "*in" is the input dtype; the rest as the launchers above allocate them.
 _ARG_TYPES = {
     **dict.fromkeys(["q", "k", "v", "beta", "g", "o", "do", "dq", "dk", "dv", "dbeta", "dg"], "*in"),
-    **dict.fromkeys(["ainv", "w", "u", "states", "dstates", "du", "h0", "h_final", "dh_final", "dh0"], "*fp32"),
+    **dict.fromkeys(["ainv", "w", "u", "states", "d_qk", "d_gram"], "*in"),
+    **dict.fromkeys(["du", "dstates", "h0", "h_final", "dh_final", "dh0", "dbeta_part", "db_part"], "*fp32"),
     "cu_seqlens": "*i64", "chunk_indices": "*i32", "chunk_offsets": "*i32", "scale": "fp32", "H": "i32",
 }
 
 
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
 def kernel_specs(dtypes, dims, gated_modes):
-    """``(name, jit fn, dtype, K, types, constexprs, configs)`` rows: every kernel as the launchers call it.
+    """``(name, jit fn, dtype, K, gated, types, constexprs, configs)`` rows: every kernel as the launchers call it.
 
     Sizes are K = V = each of ``dims``; block sizes are the largest the launchers pick
     (the worst case for shared memory and registers); flags that add work are on.
@@ -317,18 +354,22 @@ def kernel_specs(dtypes, dims, gated_modes):
     for dtype in dtypes:
         for dim in dims:
             bk = _block(dim, 256)
-            bv = _block(dim, 64 if bk <= 128 else 32)
             for gated in gated_modes:
                 types = dict(_ARG_TYPES, bcum="*fp32" if gated else "*in")
-                common = dict(K=dim, V=dim, BT=BT, BK=bk, BV=bv, GATED=gated, PREC=prec[dtype])
-                yield ("wy_fwd", kernels._wy_fwd_kernel, dtype, dim, gated, types, common, CONFIGS["wy_fwd"])
+                common = dict(K=dim, V=dim, BT=BT, BK=bk, GATED=gated, PREC=prec[dtype])
+                wide = dict(common, BV=_block(dim, PARALLEL_VALUE_BLOCK))
+                seq = dict(common, BV=_value_block(dim, bk, 1 << 30, torch.device("cpu")))
+                yield ("wy_fwd", kernels._wy_fwd_kernel, dtype, dim, gated, types, wide, CONFIGS["wy_fwd"])
+                cap = sequential_stages(bk, seq["BV"], ITEMSIZE[dtype])
                 yield ("state_fwd", kernels._state_fwd_kernel, dtype, dim, gated, types,
-                       dict(common, HAS_H0=True, STORE_FINAL=True, SAVE_STATES=True), CONFIGS["state_fwd"])
+                       dict(seq, HAS_H0=True, STORE_FINAL=True, SAVE_STATES=True), capped(CONFIGS["state_fwd"], cap))
                 yield ("state_bwd", kernels._state_bwd_kernel, dtype, dim, gated, types,
-                       dict(common, HAS_DHT=True, STORE_DH0=True), CONFIGS["state_bwd"])
-                if not use_torch_backward_block(bk):
-                    yield ("grads", kernels._grads_kernel, dtype, dim, gated, types,
-                           dict(common, BV=_block(dim, 32)), CONFIGS["grads"])
+                       dict(seq, HAS_DHT=True, STORE_DH0=True), capped(CONFIGS["state_bwd"], cap))
+                yield ("grads_intra", kernels._grads_intra_kernel, dtype, dim, gated, types, wide,
+                       CONFIGS["grads_intra"])
+                yield ("grads_key", kernels._grads_key_kernel, dtype, dim, gated, types,
+                       dict(common, BK=_block(dim, KEY_GRAD_BLOCKS[0]), BV=_block(dim, KEY_GRAD_BLOCKS[1])),
+                       CONFIGS["grads_key"])
                 yield ("decode_step", _decode_kernel._delta_step_kernel, dtype, dim, gated,
                        dict(_ARG_TYPES, state="*fp32", K="i32", V="i32"),
                        dict(BK=bk, BV=min(32, bk), GATED=gated), _decode_kernel.CONFIGS)
