@@ -185,3 +185,21 @@ def test_help_shows_the_real_defaults(capsys):
                           ("--vocab-size VOCAB_SIZE", "from the data (256 for text)")]:
         assert f"{flag} " in text and f"default: {default})" in text.split(flag + " ", 1)[1][:120], flag
     assert "required" not in text
+
+
+def test_resuming_a_run_saved_before_the_new_flags(tmp_path, monkeypatch):
+    """train.json written before `precision`, `val_data` and `eval_tokens` existed: repeating
+    the command with --resume and --precision fp32 (what that run used) is accepted."""
+    out = tmp_path / "run"
+    flags = [*TINY, "--steps", "2", "--batch-size", "2", "--recall-keys", "4", "--recall-values", "4",
+             "--recall-pairs", "4", "--recall-active-keys", "2", "--recall-queries", "1", "--out", str(out)]
+    as_dict = TrainConfig.to_dict
+    monkeypatch.setattr(TrainConfig, "to_dict", lambda self: {k: v for k, v in as_dict(self).items()
+                                                              if k not in ("precision", "val_data", "eval_tokens")})
+    cli_main(["train", *flags])
+    monkeypatch.undo()
+    stored = json.loads((out / "ckpt-000002" / "train.json").read_text())["train_config"]
+    assert "precision" not in stored
+    cli_main(["train", *flags, "--resume", "--precision", "fp32", "--steps", "3"])
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f if '"loss"' in line] == [1, 2, 3]

@@ -183,3 +183,17 @@ def test_cache_from_another_batch_or_model():
     with pytest.raises(TypeError, match="LMCache"):
         model(torch.randint(0, 37, (2, 1)), cache.states)
     assert isinstance(cache, LMCache)
+
+
+def test_mlp_hidden_zero_builds_mixer_only_blocks():
+    """``mlp_hidden=0``: no MLP (Zoology's MQAR models); the model trains, decodes and rejects negatives."""
+    model = LM(small_config("deltanet", mlp_hidden=0))
+    assert all(block.mlp is None and block.mlp_norm is None for block in model.blocks)
+    with_mlp = LM(small_config("deltanet"))
+    assert model.num_parameters() < with_mlp.num_parameters()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    logits, _ = model(ids, return_cache=False)
+    logits.sum().backward()
+    assert logits.shape == (2, 9, model.config.vocab_size)
+    with pytest.raises(ValueError, match="mlp_hidden"):
+        small_config("deltanet", mlp_hidden=-1)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fastweights.studies.mqar import MIXERS, MQARConfig, learning_rate, run_mqar, train_mqar_model
+from fastweights.studies.mqar import LRS, MIXERS, MQARConfig, learning_rate, run_mqar, train_mqar_model
 from fastweights.tasks.mqar import MQAR
 from fastweights.tasks.recall import IGNORE
 
@@ -23,13 +23,13 @@ def test_every_key_is_asked_once_and_answered_by_its_value():
         context = dict(zip(x[0:12:2], x[1:12:2]))
         assert len(context) == 6                                    # distinct keys
         assert all(1 <= k < half for k in context) and all(half <= v < 64 for v in context.values())
+        assert len(set(context.values())) == 6                     # values without replacement (Zoology)
         asked = [t for t in range(12, 48) if y[t] != IGNORE]
         assert sorted(x[t] for t in asked) == sorted(context)      # every key asked once, after the context
         assert all(y[t] == context[x[t]] for t in asked)           # ... answered by its value
         assert all(y[t] == IGNORE for t in range(12))
-        for t in asked:                                              # the value follows the asked key
-            assert t + 1 == 48 or x[t + 1] == y[t]
-        assert all(x[t] == 0 for t in range(12, 48) if t not in asked and (t - 1) not in asked)
+        assert all(x[t] == 0 for t in range(12, 48) if t not in asked)  # the answer is never an input
+        assert all(v not in x[12:] for v in context.values())
     again = task.sample(16, torch.Generator().manual_seed(0))
     assert torch.equal(batch.inputs, again.inputs) and torch.equal(batch.targets, again.targets)
 
@@ -59,28 +59,52 @@ def test_bad_task_names_the_argument(bad, match):
         MQAR(**{**dict(vocab_size=64, seq_len=32, num_kv_pairs=4), **bad})
 
 
-def test_learning_rate_schedule():
-    assert learning_rate(0, 100, 1.0) == pytest.approx(0.1)
-    assert learning_rate(9, 100, 1.0) == pytest.approx(1.0)
-    assert learning_rate(99, 100, 1.0) == pytest.approx(0.1, abs=1e-3)
+def test_learning_rate_schedule_is_cosine_to_zero():
+    assert learning_rate(0, 100, 1.0) == pytest.approx(1.0)
+    assert learning_rate(50, 100, 1.0) == pytest.approx(0.5)
+    assert learning_rate(100, 100, 1.0) == pytest.approx(0.0, abs=1e-12)
+    assert LRS == (1e-4, 4.64e-4, 0.00215, 1e-2)  # 4 log-spaced in 1e-4..1e-2 (Zoology's sweep)
+
+
+
+def tiny_config(**kw):
+    base = dict(max_steps=3, batch_size=4, eval_every=2, val_size=8, test_size=8, d_models=(16,), vocab_size=32,
+                cells=((16, 4),), lrs=(1e-3, 1e-2), seeds=2, short_conv=(False,))
+    base.update(kw)
+    return MQARConfig(**base)
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
-def test_every_mixer_trains(mixer):
-    config = MQARConfig(steps=3, batch_size=4, eval_batch=8, d_models=(16,), vocab_size=32, seq_len=16)
+def test_every_mixer_trains_without_mlp(mixer):
+    config = tiny_config()
     task = MQAR(32, 16, 4)
-    r = train_mqar_model(mixer, 16, task, config, seed=0)
-    assert 0.0 <= r["accuracy"] <= 1.0 and r["steps"] == 3 and len(r["train_loss"]) == 3
-    again = train_mqar_model(mixer, 16, task, config, seed=0)
-    assert again["train_loss"] == r["train_loss"]  # deterministic from the seed
+    r = train_mqar_model(mixer, 16, task, config, lr=1e-3, seed=0)
+    assert 0.0 <= r["accuracy"] <= 1.0 and r["steps"] == 3 and len(r["history"]) == 2
+    again = train_mqar_model(mixer, 16, task, config, lr=1e-3, seed=0)
+    assert again["history"] == r["history"] and again["accuracy"] == r["accuracy"]  # deterministic from the seed
 
 
-def test_study_files(tmp_path):
-    config = MQARConfig(mixers=("deltanet", "softmax"), steps=2, batch_size=4, eval_batch=8, d_models=(16,),
-                        vocab_size=32, seq_len=16)
+def test_early_stop_at_the_validation_threshold(monkeypatch):
+    """Training stops at the first evaluation whose validation accuracy reaches ``early_stop``."""
+    import fastweights.studies.mqar as study
+
+    accuracies = iter([0.5, 0.98, 0.991, 1.0])
+    monkeypatch.setattr(study, "_evaluate", lambda model, batch: (next(accuracies), 0.1))
+    r = train_mqar_model("softmax", 16, MQAR(32, 16, 4), tiny_config(max_steps=50), lr=1e-3, seed=0)
+    print(r["history"], r["steps"])
+    assert r["steps"] == 6 and [h[1] for h in r["history"]] == [0.5, 0.98, 0.991]
+
+
+def test_study_files_and_json_contract(tmp_path):
+    config = tiny_config(mixers=("deltanet", "softmax"))
     result = run_mqar(config, out_dir=tmp_path, progress=False)
     saved = json.loads((tmp_path / "mqar.json").read_text())
-    assert [r["mixer"] for r in saved["table"]] == ["deltanet", "softmax"]
+    # 2 learning rates on seed 0, then seed 1 at the kept one: 3 runs per mixer
+    assert [r["mixer"] for r in saved["table"]] == ["deltanet"] * 3 + ["softmax"] * 3
+    for mixer in ("deltanet", "softmax"):
+        h = saved["headline"][mixer]
+        assert set(h) == {"accuracy", "accuracy_se", "best_lr"} and h["best_lr"] in (1e-3, 1e-2)
+    assert saved["headline_config"] == {"seq_len": 16, "num_kv_pairs": 4, "d_model": 16, "short_conv": False}
     assert (tmp_path / "mqar.png").stat().st_size > 1000 and (tmp_path / "mqar.csv").exists()
     assert result["runtime_s"] > 0
 
@@ -88,7 +112,10 @@ def test_study_files(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     (dict(mixers=("mamba",)), "mixers"),
     (dict(d_models=(30,), n_heads=4), "d_models"),
-    (dict(num_kv_pairs=(16,), seq_len=32), "seq_len"),
+    (dict(cells=((32, 16),)), "seq_len"),
+    (dict(lrs=(0.0,)), "lrs"),
+    (dict(short_conv=()), "short_conv"),
+    (dict(early_stop=1.5), "early_stop"),
 ])
 def test_bad_config_names_the_argument(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -96,10 +123,13 @@ def test_bad_config_names_the_argument(bad, match):
 
 
 @pytest.mark.slow
-def test_quick_default_models_learn_far_above_chance():
-    """The quick default cell (a few CPU minutes): every model ends far above chance (1/32), one solves it."""
-    result = run_mqar(MQARConfig(), progress=False)
-    for r in result["table"]:
-        print(r["mixer"], r["accuracy"])
-        assert r["accuracy"] > 0.25
-    assert max(r["accuracy"] for r in result["table"]) > 0.9
+def test_quick_default_meets_the_acceptance_lines():
+    """Issue 13: at the quick default's hardest cell (T = 128, 8 pairs, d_model 64, the fast-weight mixers'
+    convolution on, softmax with RoPE), DeltaNet, Gated DeltaNet and softmax attention reach >= 0.99;
+    linear attention falls short. (Not met in issue 13's session; see docs/studies.md.)"""
+    result = run_mqar(MQARConfig(short_conv=(True,)), progress=False)
+    head = result["headline"]
+    print(head)
+    for mixer in ("deltanet", "gated_deltanet", "softmax"):
+        assert head[mixer]["accuracy"] >= 0.99
+    assert head["linear"]["accuracy"] < 0.99

@@ -15,7 +15,8 @@ from fastweights.studies._report import CellCache, pyplot, save_figure, save_res
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = ["--d-model", "16", "--kv-pairs", "2", "--steps", "3", "--quiet"]
+TINY = ["--d-model", "16", "--cells", "16:2", "--vocab-size", "32", "--lrs", "1e-3", "--seeds", "1", "--short-conv",
+        "off", "--max-steps", "3", "--quiet"]
 
 
 def draw(result, out):
@@ -77,7 +78,8 @@ def test_ctrl_c_leaves_the_finished_cells_and_resume_continues_exactly(tmp_path,
     assert not (out / "mqar.partial.json").exists()
     resumed = json.loads((out / "mqar.json").read_text())["table"]
     whole = mqar.run_mqar(mqar.MQARConfig(mixers=("deltanet", "linear", "gated_deltanet"), d_models=(16,),
-                                          num_kv_pairs=(2,), steps=3), progress=False)["table"]
+                                          cells=((16, 2),), vocab_size=32, lrs=(1e-3,), seeds=1, short_conv=(False,),
+                                          max_steps=3), progress=False)["table"]
     strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
     assert strip(resumed) == strip(whole)
 

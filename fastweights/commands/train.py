@@ -76,7 +76,8 @@ def build_configs(args):
         if not args.out:
             raise ValueError("train: --resume needs --out, the folder of the run to continue")
         ckpt = load_training_checkpoint(args.out)  # train.json checked against its schema
-        stored_model, stored_train = ckpt.config.to_dict(), ckpt.train["train_config"]
+        # a run saved before a TrainConfig field existed ran as its default (fp32, no --val-data)
+        stored_model, stored_train = ckpt.config.to_dict(), {**TrainConfig().to_dict(), **ckpt.train["train_config"]}
         # Repeating the original command with --resume is fine; changing the run is not.
         changed = sorted(k for k, v in model_flags.items() if stored_model[k] != v)
         changed += sorted(k for k, v in train_flags.items() if stored_train[k] != v and k not in RESUMABLE)

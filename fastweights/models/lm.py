@@ -53,7 +53,8 @@ class LMConfig(Config):
             layer (its KV cache grows with the context); models without one take any length.
         rope_theta: RoPE base θ of the softmax layers (rotary position embeddings, on by
             default); ``None`` means no positional encoding (NoPE).
-        mlp_hidden: SwiGLU hidden size; ``None`` means 8/3·d_model rounded up to a multiple of 8.
+        mlp_hidden: SwiGLU hidden size; ``None`` means 8/3·d_model rounded up to a multiple of 8;
+            0 means no MLP at all (attention-only blocks, as in Zoology's MQAR models).
         tie_embeddings: share the input embedding and the output projection.
         use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
             fast-weight mixers (linear, deltanet, gated_deltanet).
@@ -94,8 +95,8 @@ class LMConfig(Config):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
-        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden <= 0):
-            raise ValueError(f"LMConfig: `mlp_hidden` must be a positive int or None, got {self.mlp_hidden!r}")
+        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
+            raise ValueError(f"LMConfig: `mlp_hidden` must be a non-negative int (0: no MLP) or None, got {self.mlp_hidden!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"LMConfig: `d_model`={self.d_model} must be divisible by `n_heads`={self.n_heads}")
         mixers = self.mixers
@@ -187,13 +188,14 @@ class Block(nn.Module):
         self.mixer_name = mixer
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = build_mixer(mixer, config)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.hidden_size)
+        # mlp_hidden = 0: a mixer-only block (no MLP, no MLP norm).
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.hidden_size else None
+        self.mlp = SwiGLU(config.d_model, config.hidden_size) if config.hidden_size else None
 
     def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None):
         h, state = self.mixer(self.mixer_norm(x), state, cu_seqlens)  # (B, T, D), the layer's new state
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), state
+        return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state
 
 
 @dataclass
@@ -252,7 +254,8 @@ class LM(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=std)
         for block in self.blocks:
             block.mixer.reset_parameters(std, out_std)
-            for lin, s in ((block.mlp.gate, std), (block.mlp.up, std), (block.mlp.down, out_std)):
+            for lin, s in (() if block.mlp is None else ((block.mlp.gate, std), (block.mlp.up, std),
+                                                          (block.mlp.down, out_std))):
                 nn.init.normal_(lin.weight, std=s)
             for extra in ("b_proj", "a_proj"):
                 if hasattr(block.mixer, extra):

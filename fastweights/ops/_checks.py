@@ -131,19 +131,21 @@ def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_range(op: str, t: torch.Tensor, low: float, high: float, rule: str, hint: str = "") -> None:
-    """Refuse entries of ``t`` outside [low, high]; ``rule`` says so in words ("`beta` must lie
-    in [0, 1]"). On CUDA the comparison is queued (``torch._assert_async``), never read back."""
+def _check_range(op: str, t: torch.Tensor, low: Optional[float], high: float, rule: str, hint: str = "") -> None:
+    """Refuse entries of ``t`` outside [low, high] (``low=None``: no lower bound, one reduction
+    less); ``rule`` says so in words ("`beta` must lie in [0, 1]"). On CUDA the comparison is
+    queued (``torch._assert_async``), never read back."""
     if not _CHECK_VALUES or t.numel() == 0 or torch.compiler.is_compiling():
         return
-    lo, hi = torch.aminmax(t.detach())
+    t = t.detach()
+    lo, hi = torch.aminmax(t) if low is not None else (None, t.amax())
     if not _checked_on_host(t):  # no device->host sync on the hot path
-        torch._assert_async((lo >= low) & (hi <= high), f"{op}: {rule}{hint}")
+        torch._assert_async(hi <= high if lo is None else (lo >= low) & (hi <= high), f"{op}: {rule}{hint}")
         return
-    lo, hi = float(lo), float(hi)
+    lo, hi = None if lo is None else float(lo), float(hi)
     if hi > high:
         found = f"values up to {hi:g}"
-    elif lo < low:
+    elif lo is not None and lo < low:
         found = f"values down to {lo:g}"
     else:
         return
@@ -158,7 +160,7 @@ def check_values(op: str, beta: Optional[torch.Tensor], g: Optional[torch.Tensor
         else:
             _check_range(op, beta, 0.0, 1.0, "`beta` must lie in [0, 1] ([0, 2] with allow_neg_eigval=True)")
     if g is not None:
-        _check_range(op, g, -math.inf, 0.0, "`g` (the log decay) must be <= 0",
+        _check_range(op, g, None, 0.0, "`g` (the log decay) must be <= 0",
                      "; a decay exp(g) above 1 makes the state grow. If that is intended, disable this "
                      "check with fastweights.ops.value_checks(False)")
 

@@ -1,22 +1,39 @@
-"""MQAR sweep: which memory recalls many keys at once (Arora et al. 2023, "Zoology").
+"""MQAR at Zoology's protocol: which memory recalls many keys at once (Arora et al. 2023).
 
-Trains one :class:`fastweights.models.LM` per mixer (DeltaNet, linear attention,
-Gated DeltaNet, softmax attention) of the same width on
-:class:`fastweights.tasks.mqar.MQAR` and reports each model's accuracy on the
-asked keys of a held-out batch (a query counts when the argmax of the logits at
-the asked key is its value).
+Trains one :class:`fastweights.models.LM` per mixer (DeltaNet, Gated DeltaNet,
+linear attention, softmax attention with RoPE) on :class:`fastweights.tasks.mqar.MQAR`
+and reports each model's accuracy on the asked keys of a held-out test set.
 
-Training: AdamW (β = 0.9, 0.98; weight decay 0.1 on matrices), linear warmup over
-10% of the steps then cosine decay, cross-entropy on the answer tokens only.
-Every model of a cell sees the same batches (the batch of step s is drawn from
-its own generator keyed by the root seed, the cell and s) and the same held-out
-batch.
+The protocol is Zoology's:
 
-The quick default is a CPU-sized cell (vocabulary 64, T = 32, D = 4 pairs,
-d_model = 64, two layers, 1500 steps, a few CPU minutes): it shows the machinery
-and a first ranking on one seed, not the paper's numbers. ``full`` sweeps the
-paper's regime: vocabulary 8192, T = 256, D ∈ {16, 32, 64}, d_model ∈ {64, 128,
-256}, longer training (a GPU job).
+- models: 2 layers, no MLP (``mlp_hidden=0``), one head, tied embeddings; softmax
+  attention gets rotary position embeddings (``rope_theta``); ``short_conv`` lists
+  the settings to run of the fast-weight mixers' short convolution on q, k, v:
+  off for every mixer, or on (the softmax layer has no short convolution, so "on"
+  is on for the three fast-weight mixers, with softmax locating tokens by RoPE).
+  Without the convolution the fast-weight mixers have no positional signal at all
+  and cannot bind a value to the key just before it (measured: DeltaNet plateaus at
+  0.45 at T = 64, 4 pairs), so the headline is the convolution-on table when it
+  was run;
+- data: keys in [1, V/2), values in [V/2, V), both without replacement, queries at
+  power-law gaps, the loss on the answers only; fresh training batches every step
+  (Zoology draws a fixed training set; with fresh batches no model can memorise);
+- training: AdamW (weight decay 0.1 on matrices, β = 0.9, 0.98), cosine decay to 0
+  over ``max_steps``, a sweep of learning rates (``lrs``: 4 log-spaced values in
+  1e-4..1e-2), early stop once the validation accuracy reaches ``early_stop``
+  (0.99), evaluated every ``eval_every`` steps;
+- selection: for each cell, mixer and convolution setting, the sweep runs on seed 0
+  and the learning rate with the best validation accuracy (ties: the lower
+  validation loss) is kept; seeds 1..n−1 then train at that rate. The headline is
+  the test accuracy's mean and standard error over the ``seeds`` at the kept rate.
+
+Every model of a cell and seed sees the same batches (the batch of step s is drawn
+from a generator keyed by the root seed, the cell, the seed and s) and the same
+validation and test sets.
+
+The quick default is CPU-sized: vocabulary 128, d_model 64, T = 64 with 4 pairs and
+T = 128 with 8 pairs. ``full`` is the paper's anchor: vocabulary 8192, T = 512,
+64 pairs, d_model 64..512, 3,000 test examples (a GPU job).
 """
 
 from __future__ import annotations
@@ -32,31 +49,41 @@ import torch.nn.functional as F
 
 from ..tasks.mqar import MQAR
 from ..tasks.recall import IGNORE
-from ._report import CellCache, format_table, keyed_seed, pyplot, save_figure, save_result, torch_threads
+from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
 
-MIXERS = ("deltanet", "linear", "gated_deltanet", "softmax")
-TABLE_COLUMNS = ("mixer", "d_model", "num_kv_pairs", "seq_len", "vocab_size", "accuracy", "loss", "steps",
-                 "parameters", "seconds")
+MIXERS = ("deltanet", "gated_deltanet", "linear", "softmax")
+LRS = tuple(float(f"{10 ** (-4 + 2 * i / 3):.3g}") for i in range(4))   # 1e-4, 4.64e-4, 2.15e-3, 1e-2
+# Zoology (Arora et al. 2023, MQAR at T = 512, 64 pairs, vocabulary 8192), accuracy % at d_model 64/128/256/512.
+PUBLISHED = {"deltanet": (100, 100, 100, 100), "gla": (22, 95, 100, 100), "retnet": (5, 87, 96, 97),
+             "attention": (100, 100, 100, 100)}
+TABLE_COLUMNS = ("short_conv", "mixer", "d_model", "seq_len", "num_kv_pairs", "seed", "lr", "val_accuracy",
+                 "accuracy", "loss", "steps", "parameters", "seconds")
 
 
 @dataclass
 class MQARConfig:
-    """The sweep: every mixer × every ``d_models`` × every ``num_kv_pairs`` cell."""
+    """The sweep: every ``cells`` entry (seq_len, num_kv_pairs) × ``d_models`` × ``mixers`` ×
+    ``short_conv`` setting, with the learning-rate sweep and ``seeds`` seeds (see the module docstring)."""
 
     root_seed: int = 0
     mixers: Tuple[str, ...] = MIXERS
     d_models: Tuple[int, ...] = (64,)
-    num_kv_pairs: Tuple[int, ...] = (4,)
+    cells: Tuple[Tuple[int, int], ...] = ((64, 4), (128, 8))
+    short_conv: Tuple[bool, ...] = (False, True)
     n_layers: int = 2
     n_heads: int = 1
-    vocab_size: int = 64
-    seq_len: int = 32
+    vocab_size: int = 128
     power_a: float = 0.01
-    steps: int = 1500
+    lrs: Tuple[float, ...] = LRS
+    seeds: int = 3
+    max_steps: int = 800
     batch_size: int = 32
-    lr: float = 3e-3
     weight_decay: float = 0.1
-    eval_batch: int = 256
+    eval_every: int = 50
+    early_stop: float = 0.99
+    val_size: int = 256
+    test_size: int = 1000
+    rope_theta: float = 10000.0
     threads: Optional[int] = 1
 
     def __post_init__(self) -> None:
@@ -65,99 +92,158 @@ class MQARConfig:
         unknown = [m for m in self.mixers if m not in MIXERS]
         if unknown or not self.mixers:
             raise ValueError(f"MQARConfig: unknown `mixers` {unknown}; expected a subset of {MIXERS}")
-        for name in ("n_layers", "n_heads", "steps", "batch_size", "eval_batch"):
+        for name in ("n_layers", "n_heads", "seeds", "max_steps", "batch_size", "eval_every", "val_size", "test_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MQARConfig: `{name}` must be a positive int, got {value!r}")
         for d in self.d_models:
             if d % self.n_heads:
                 raise ValueError(f"MQARConfig: `d_models` entry {d} is not divisible by `n_heads`={self.n_heads}")
-        for d in self.num_kv_pairs:  # every cell must be a valid task
-            MQAR(self.vocab_size, self.seq_len, d, self.power_a)
-        if not self.lr > 0:
-            raise ValueError(f"MQARConfig: `lr` must be > 0, got {self.lr!r}")
+        if not self.cells:
+            raise ValueError("MQARConfig: `cells` must list at least one (seq_len, num_kv_pairs)")
+        for t, d in self.cells:  # every cell must be a valid task
+            MQAR(self.vocab_size, t, d, self.power_a)
+        if not self.lrs or any(not lr > 0 for lr in self.lrs):
+            raise ValueError(f"MQARConfig: `lrs` must be positive learning rates, got {self.lrs!r}")
+        if not self.short_conv or any(not isinstance(c, bool) for c in self.short_conv):
+            raise ValueError(f"MQARConfig: `short_conv` must list True and/or False, got {self.short_conv!r}")
+        if not 0 < self.early_stop <= 1:
+            raise ValueError(f"MQARConfig: `early_stop` must be in (0, 1], got {self.early_stop!r}")
 
     @classmethod
     def full(cls, **overrides) -> "MQARConfig":
-        settings = dict(d_models=(64, 128, 256), num_kv_pairs=(16, 32, 64), vocab_size=8192, seq_len=256,
-                        steps=4000, batch_size=64, lr=1e-3, eval_batch=1000, threads=None)
+        """Zoology's anchor: vocabulary 8192, T = 512 with 64 pairs, d_model 64..512, 3,000 test examples."""
+        settings = dict(d_models=(64, 128, 256, 512), cells=((512, 64),), vocab_size=8192, max_steps=20_000,
+                        batch_size=64, eval_every=200, val_size=500, test_size=3000, threads=None)
         settings.update(overrides)
         return cls(**settings)
 
 
 def learning_rate(step: int, steps: int, lr: float) -> float:
-    """Linear warmup over the first 10% of the steps, then cosine decay to 0.1·lr."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    """Cosine decay from ``lr`` at step 0 to 0 at step ``steps``."""
+    return lr * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
-def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, seed: int) -> Dict:
-    """Train one LM on ``task``; return held-out accuracy and loss, steps, parameters, wall time."""
+def _evaluate(model, batch) -> Tuple[float, float]:
+    """(accuracy, loss) on the asked keys of ``batch``, in slices of 256 sequences."""
+    correct, total, loss_sum = 0, 0, 0.0
+    with torch.no_grad():
+        for i in range(0, batch.inputs.shape[0], 256):
+            logits, _ = model(batch.inputs[i:i + 256], return_cache=False)
+            targets = batch.targets[i:i + 256]
+            asked = targets != IGNORE
+            correct += int((logits[asked].argmax(-1) == targets[asked]).sum())
+            loss_sum += float(F.cross_entropy(logits[asked], targets[asked], reduction="sum"))
+            total += int(asked.sum())
+    return correct / total, loss_sum / total
+
+
+def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, lr: float, seed: int,
+                     short_conv: bool = False) -> Dict:
+    """Train one LM on ``task`` at ``lr`` until the validation accuracy reaches ``config.early_stop``
+    or ``config.max_steps`` are spent; return validation and test accuracy, test loss, steps, parameters,
+    wall time and the validation curve. Bit-identical given ``seed`` and the thread count."""
     from ..models import LM, LMConfig
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LM(LMConfig(vocab_size=task.vocab_size, d_model=d_model, n_layers=config.n_layers,
-                            n_heads=config.n_heads, mixer=mixer, max_seq_len=task.seq_len))
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+                            n_heads=config.n_heads, mixer=mixer, max_seq_len=task.seq_len, mlp_hidden=0,
+                            use_short_conv=short_conv, rope_theta=config.rope_theta))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98))
-    held_out = task.sample(config.eval_batch, torch.Generator().manual_seed(seed ^ 0x5EED))
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98))
+    val = task.sample(config.val_size, torch.Generator().manual_seed(seed ^ 0x5EED))
+    test = task.sample(config.test_size, torch.Generator().manual_seed(seed ^ 0x7E57))
     start = time.perf_counter()
-    model.train()
-    history = []
-    for step in range(config.steps):
+    history: List[Tuple[int, float]] = []
+    val_acc, step = 0.0, 0
+    while step < config.max_steps and val_acc < config.early_stop:
+        model.train()
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, config.steps, config.lr)
+            group["lr"] = learning_rate(step, config.max_steps, lr)
         batch = task.sample(config.batch_size, torch.Generator().manual_seed(seed + 1 + step))
         logits, _ = model(batch.inputs, return_cache=False)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
-        loss.backward()
+        F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        history.append(loss.item())
+        step += 1
+        if step % config.eval_every == 0 or step == config.max_steps:
+            model.eval()
+            val_acc, val_loss = _evaluate(model, val)
+            history.append((step, val_acc, val_loss))
     model.eval()
-    with torch.no_grad():
-        logits, _ = model(held_out.inputs, return_cache=False)
-        asked = held_out.targets != IGNORE
-        loss = F.cross_entropy(logits[asked], held_out.targets[asked]).item()
-        accuracy = (logits[asked].argmax(-1) == held_out.targets[asked]).float().mean().item()
-    return {"accuracy": accuracy, "loss": loss, "steps": config.steps, "parameters": model.num_parameters(),
-            "seconds": round(time.perf_counter() - start, 3), "train_loss": history}
+    accuracy, loss = _evaluate(model, test)
+    return {"val_accuracy": val_acc, "val_loss": history[-1][2] if history else float("nan"), "accuracy": accuracy,
+            "loss": loss, "steps": step, "parameters": model.num_parameters(),
+            "seconds": round(time.perf_counter() - start, 3), "history": history}
 
 
 def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None, progress: bool = True,
              plots: bool = True, resume: bool = False) -> Dict:
     """Train every cell; with ``out_dir`` write ``mqar.json``, ``mqar.csv`` and ``mqar.png``
-    (each finished cell goes to ``mqar.partial.json`` first; ``resume`` continues from it)."""
+    (each trained model goes to ``mqar.partial.json`` first; ``resume`` continues from it)."""
     from tqdm.auto import tqdm
 
     config = MQARConfig() if config is None else config
     start = time.perf_counter()
     rows: List[Dict] = []
-    curves: Dict[str, List[float]] = {}
+    summary: List[Dict] = []
     cache = CellCache(out_dir, "mqar", asdict(config), resume)
+    groups = [(conv, d, t, kv, m) for conv in config.short_conv for d in config.d_models for t, kv in config.cells
+              for m in config.mixers]
     with torch_threads(config.threads):
-        cells = [(d, kv, m) for d in config.d_models for kv in config.num_kv_pairs for m in config.mixers]
-        for d_model, kv, mixer in tqdm(cells, desc="mqar", disable=not progress, leave=False):
-            task = MQAR(config.vocab_size, config.seq_len, kv, config.power_a)
-            seed = keyed_seed(config.root_seed, 4, d_model, kv)  # shared by the mixers of a cell
-            r = cache.get((d_model, kv, mixer), lambda: train_mqar_model(mixer, d_model, task, config, seed))
-            rows.append({"mixer": mixer, "d_model": d_model, "num_kv_pairs": kv, "seq_len": config.seq_len,
-                         "vocab_size": config.vocab_size, **{k: r[k] for k in ("accuracy", "loss", "steps",
-                                                                                 "parameters", "seconds")}})
-            curves[f"{mixer}/d{d_model}/kv{kv}"] = r["train_loss"]
+        bar = tqdm(total=len(groups) * (len(config.lrs) + config.seeds - 1), desc="mqar", disable=not progress,
+                   leave=False)
+        for conv, d_model, t, kv, mixer in groups:
+            task = MQAR(config.vocab_size, t, kv, config.power_a)
+
+            def train(lr: float, i: int) -> Dict:
+                seed = keyed_seed(config.root_seed, 4, d_model, t, kv, i)  # shared by every mixer and lr
+                r = cache.get((conv, d_model, t, kv, mixer, lr, i),
+                              lambda: train_mqar_model(mixer, d_model, task, config, lr, seed, conv))
+                rows.append({"short_conv": conv, "mixer": mixer, "d_model": d_model, "seq_len": t, "num_kv_pairs": kv,
+                             "seed": i, "lr": lr, **{k: r[k] for k in ("val_accuracy", "accuracy", "loss", "steps",
+                                                                     "parameters", "seconds")}})
+                bar.update(1)
+                bar.set_postfix_str(f"{mixer} T={t} conv={conv} lr={lr:g} seed={i} acc={r['accuracy']:.3f}")
+                return r
+
+            sweep = {lr: train(lr, 0) for lr in config.lrs}
+            best_lr = max(config.lrs, key=lambda lr: (sweep[lr]["val_accuracy"], -sweep[lr]["val_loss"]))
+            runs = [sweep[best_lr]] + [train(best_lr, i) for i in range(1, config.seeds)]
+            stat = mean_se([r["accuracy"] for r in runs])
+            summary.append({"short_conv": conv, "mixer": mixer, "d_model": d_model, "seq_len": t, "num_kv_pairs": kv,
+                            "best_lr": best_lr, "accuracy": stat["mean"], "accuracy_se": stat["se"],
+                            "accuracy_per_seed": [r["accuracy"] for r in runs],
+                            "steps_per_seed": [r["steps"] for r in runs],
+                            "sweep_val_accuracy": {str(lr): sweep[lr]["val_accuracy"] for lr in config.lrs}})
+        bar.close()
+
+    # The headline: the hardest configuration (largest T, then the most pairs, the smallest width),
+    # with the fast-weight mixers' short convolution on when that was run (see the module docstring).
+    hardest = max(config.cells)
+    conv = True in config.short_conv
+    d_head = min(config.d_models)
+
+    def headline(conv_setting: bool) -> Dict[str, Dict]:
+        return {s["mixer"]: {"accuracy": s["accuracy"], "accuracy_se": s["accuracy_se"], "best_lr": s["best_lr"]}
+                for s in summary if s["short_conv"] == conv_setting and (s["seq_len"], s["num_kv_pairs"]) == hardest
+                and s["d_model"] == d_head}
+
     result = {
         "study": "mqar",
         "paper": "Arora et al. 2023, Zoology: multi-query associative recall",
         "config": asdict(config),
+        "headline": headline(conv),
+        "headline_config": {"seq_len": hardest[0], "num_kv_pairs": hardest[1], "d_model": d_head, "short_conv": conv},
+        "headline_by_short_conv": {("on" if c else "off"): headline(c) for c in config.short_conv},
+        "summary": summary,
+        "published": {"seq_len": 512, "num_kv_pairs": 64, "vocab_size": 8192, "d_models": (64, 128, 256, 512),
+                      "accuracy_percent": PUBLISHED},
         "table": rows,
-        "train_loss": curves,
         "files": [],
     }
     result["runtime_s"] = round(time.perf_counter() - start, 3)
@@ -167,57 +253,47 @@ def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None,
 
 
 def plot_mqar(result: Dict, out: Path) -> List[str]:
+    """Test accuracy per mixer with standard-error bars: one panel per short-convolution setting,
+    one group of bars per (T, pairs, d_model) configuration."""
     plt = pyplot()
     cfg = result["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    rows = result["table"]
-    single_width = len(cfg["d_models"]) == 1
-    for i, mixer in enumerate(cfg["mixers"]):
-        mine = [r for r in rows if r["mixer"] == mixer]
-        for j, kv in enumerate(cfg["num_kv_pairs"]):
-            pts = sorted((r["d_model"], r["accuracy"]) for r in mine if r["num_kv_pairs"] == kv)
-            if single_width:  # one bar per mixer (and per D)
-                width = 0.8 / len(cfg["num_kv_pairs"])
-                axes[0].bar(i + j * width, pts[0][1], width=width, color=f"C{i}", alpha=1.0 - 0.25 * j,
-                            label=f"D={kv}" if i == 0 and len(cfg["num_kv_pairs"]) > 1 else None)
-            else:
-                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
-                             ls=["-", "--", ":", "-."][j % 4], label=f"{mixer}, D={kv}")
-        key = f"{mixer}/d{cfg['d_models'][0]}/kv{cfg['num_kv_pairs'][0]}"
-        loss = result["train_loss"][key]
-        window = max(1, len(loss) // 50)
-        smooth = [sum(loss[max(0, k - window + 1):k + 1]) / len(loss[max(0, k - window + 1):k + 1]) for k in range(len(loss))]
-        axes[1].plot(range(1, len(loss) + 1), smooth, color=f"C{i}", label=mixer)
-    if single_width:
-        axes[0].set_xticks(range(len(cfg["mixers"])))
-        axes[0].set_xticklabels(cfg["mixers"], fontsize=8)
-        axes[0].set_xlabel(f"mixer (d_model = {cfg['d_models'][0]})")
-        axes[0].axhline(1.0 / (cfg["vocab_size"] - cfg["vocab_size"] // 2), color="gray", ls=":", lw=1,
-                        label="chance")
-    else:
-        axes[0].set_xscale("log", base=2)
-        axes[0].set_xlabel("model width d_model")
-    axes[0].set_ylim(0, 1.02)
-    axes[0].legend(fontsize=7)
-    axes[1].set_yscale("log")
-    axes[1].set_xlabel("step")
-    axes[1].set_ylabel(f"training loss (d={cfg['d_models'][0]}, D={cfg['num_kv_pairs'][0]})")
-    axes[1].legend(fontsize=7)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    fig.subplots_adjust(wspace=0.3)
-    fig.suptitle(f"MQAR: vocab {cfg['vocab_size']}, T = {cfg['seq_len']}, α = {cfg['power_a']}, "
-                 f"{cfg['n_layers']} layers, {cfg['steps']} steps", fontsize=9)
+    convs = list(cfg["short_conv"])
+    fig, axes = plt.subplots(1, len(convs), figsize=(5.6 * len(convs), 3.8), sharey=True, squeeze=False)
+    configs = sorted({(s["seq_len"], s["num_kv_pairs"], s["d_model"]) for s in result["summary"]})
+    width = 0.8 / len(cfg["mixers"])
+    for ax, conv in zip(axes[0], convs):
+        for i, mixer in enumerate(cfg["mixers"]):
+            pts = {(s["seq_len"], s["num_kv_pairs"], s["d_model"]): s for s in result["summary"]
+                   if s["short_conv"] == conv and s["mixer"] == mixer}
+            xs = [j + i * width for j, c in enumerate(configs) if c in pts]
+            ys = [pts[c]["accuracy"] for c in configs if c in pts]
+            es = [pts[c]["accuracy_se"] for c in configs if c in pts]
+            ax.bar(xs, ys, width=width, yerr=es, capsize=3, color=f"C{i}", label=mixer)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(configs))])
+        ax.set_xticklabels([f"T={t}, D={kv}\nd={d}" for t, kv, d in configs], fontsize=8)
+        ax.axhline(cfg["early_stop"], color="gray", ls=":", lw=1, label=f"early stop ({cfg['early_stop']})")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("short convolution " + ("on (fast-weight mixers; softmax has none)" if conv else "off for every mixer"),
+                     fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0][0].set_ylabel(f"test accuracy (mean ± se, {cfg['seeds']} seeds)")
+    fig.suptitle(f"MQAR (Zoology protocol): vocab {cfg['vocab_size']}, {cfg['n_layers']} layers without MLP, "
+                 f"best of lr {', '.join(f'{x:g}' for x in cfg['lrs'])}", fontsize=9)
     return [save_figure(fig, out / "mqar.png", dpi=80)]
 
 
 def report(result: Dict) -> str:
     cfg = result["config"]
-    lines = [f"MQAR study (Arora et al. 2023): vocab {cfg['vocab_size']}, T = {cfg['seq_len']}, power-law α = "
-             f"{cfg['power_a']}, {cfg['n_layers']} layers × {cfg['n_heads']} head(s), {cfg['steps']} steps of "
-             f"{cfg['batch_size']}, AdamW lr {cfg['lr']}"]
-    lines.append(format_table(result["table"], ("mixer", "d_model", "num_kv_pairs", "accuracy", "loss", "parameters",
-                                                "seconds"), title="held-out accuracy on the asked keys"))
+    lines = [f"MQAR study (Arora et al. 2023, Zoology protocol): vocab {cfg['vocab_size']}, power-law α = "
+             f"{cfg['power_a']}, {cfg['n_layers']} layers × {cfg['n_heads']} head(s) without MLP, AdamW (wd "
+             f"{cfg['weight_decay']}), cosine to 0 over {cfg['max_steps']} steps, early stop at val acc "
+             f"{cfg['early_stop']}, lr sweep {list(cfg['lrs'])}, {cfg['seeds']} seeds"]
+    rows = [{**s, "acc ± se": f"{s['accuracy']:.3f} ± {s['accuracy_se']:.3f}",
+             "per seed": " ".join(f"{a:.3f}" for a in s["accuracy_per_seed"]),
+             "steps": " ".join(map(str, s["steps_per_seed"]))} for s in result["summary"]]
+    lines.append(format_table(rows, ("short_conv", "mixer", "d_model", "seq_len", "num_kv_pairs", "best_lr", "acc ± se",
+                                     "per seed", "steps"), floatfmt=".3g", title="test accuracy on the asked keys"))
     lines.append(f"runtime {result['runtime_s']:.1f} s")
     return "\n".join(lines)
 
@@ -225,26 +301,44 @@ def report(result: Dict) -> str:
 # ---------------------------------------------------------------------------
 # command line (``fastweights study mqar``)
 
-HELP = "multi-query associative recall (Arora et al. 2023): DeltaNet, linear, Gated DeltaNet and softmax LMs"
+HELP = "multi-query associative recall (Arora et al. 2023): DeltaNet, Gated DeltaNet, linear and softmax LMs"
 Config = MQARConfig
 run = run_mqar
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--d-model", type=int, nargs="+", default=None, help="model widths (default 64)")
-    parser.add_argument("--kv-pairs", type=int, nargs="+", default=None, help="key-value pairs D (default 4)")
     parser.add_argument("--mixers", nargs="+", default=None, choices=MIXERS, help="which models to train")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per model")
+    parser.add_argument("--short-conv", choices=("off", "on", "both"), default=None,
+                        help="short convolution of the fast-weight mixers (default both; on is the headline)")
+    parser.add_argument("--cells", nargs="+", default=None, metavar="T:D",
+                        help="sequence length and key-value pairs of each cell (default 64:4 128:8)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default 128; --full: 8192)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="learning rates to sweep")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds at the kept learning rate (default 3)")
+    parser.add_argument("--max-steps", type=int, default=None, help="step budget per model")
     parser.add_argument("--threads", type=int, default=None, help="torch threads while training (default 1)")
 
 
 def config_from_args(args) -> MQARConfig:
     overrides = {"root_seed": args.root_seed}
-    for name, value in (("d_models", args.d_model), ("num_kv_pairs", args.kv_pairs), ("mixers", args.mixers)):
+    if args.d_model is not None:
+        overrides["d_models"] = tuple(args.d_model)
+    if args.mixers is not None:
+        overrides["mixers"] = tuple(args.mixers)
+    if args.short_conv is not None:
+        overrides["short_conv"] = {"off": (False,), "on": (True,), "both": (False, True)}[args.short_conv]
+    if args.cells is not None:
+        try:
+            overrides["cells"] = tuple(tuple(int(x) for x in c.split(":")) for c in args.cells)
+        except ValueError:
+            raise ValueError(f"`--cells` entries must be T:D (two ints), got {args.cells!r}") from None
+        if any(len(c) != 2 for c in overrides["cells"]):
+            raise ValueError(f"`--cells` entries must be T:D (two ints), got {args.cells!r}")
+    if args.lrs is not None:
+        overrides["lrs"] = tuple(args.lrs)
+    for name, value in (("seeds", args.seeds), ("max_steps", args.max_steps), ("threads", args.threads),
+                        ("vocab_size", args.vocab_size)):
         if value is not None:
-            overrides[name] = tuple(value)
-    if args.steps is not None:
-        overrides["steps"] = args.steps
-    if args.threads is not None:
-        overrides["threads"] = args.threads
+            overrides[name] = value
     return MQARConfig.full(**overrides) if args.full else MQARConfig(**overrides)

@@ -2,10 +2,12 @@
 
 A sequence first lists D key-value pairs, then asks for every key again, each
 at a position drawn with a power-law preference for short gaps; at each asked
-key the model must predict the value that followed that key in the list::
+key the model must predict the value that followed that key in the list. Only
+the keys are repeated: the answer never appears in the input (Zoology's
+generator), so nothing after a query can leak its value to later positions::
 
-    k₁ v₁ k₂ v₂ … k_D v_D │ 0 0 k₂ v₂ 0 k₁ v₁ 0 0 … k_D v_D 0
-    └──── context ───────┘ └──── queries at power-law gaps ─────┘
+    k₁ v₁ k₂ v₂ … k_D v_D │ 0 0 k₂ 0 0 0 k₁ 0 0 0 … k_D 0
+    └──── context ───────┘ └──── queries at power-law gaps ──┘
 
 The parameters are the paper's: ``vocab_size``, ``num_kv_pairs`` (D),
 ``seq_len`` (T), and the power-law exponent ``power_a`` (α): a query slot at
@@ -13,13 +15,15 @@ distance j ≥ 1 (counted in slots of two tokens after the context) is drawn wit
 probability ∝ j^{α−1}, without replacement, so most queries sit close to the
 context and a few far from it.
 
-Tokens: 0 is the filler between queries; keys are drawn without replacement
-from ``[1, vocab_size // 2)`` and values (with replacement) from
-``[vocab_size // 2, vocab_size)``, so a key never looks like a value.
+Tokens: 0 is the filler; keys are drawn without replacement from
+``[1, vocab_size // 2)`` and values, also without replacement, from
+``[vocab_size // 2, vocab_size)``, so a key never looks like a value and no two
+keys share a value.
 
-``sample`` returns ``inputs [B, T]`` and ``targets [B, T]``: the targets are the
-next tokens, set to ``IGNORE`` (−100) everywhere except where the input is an
-asked key, where the target is its value. Every sequence asks every key once.
+``sample`` returns ``inputs [B, T]`` and ``targets [B, T]``: the targets are
+``IGNORE`` (−100) everywhere except where the input is an asked key, where the
+target is its value (the loss is on the answers only). Every sequence asks
+every key once.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class MQAR:
     """The task's parameters (see the module docstring); ``sample`` draws batches.
 
     Args:
-        vocab_size: token ids are ``0 .. vocab_size − 1`` (half keys, half values).
+        vocab_size: token ids are ``0 .. vocab_size − 1`` (half keys, half values; each half
+            must hold D distinct ids).
         seq_len: T, the length of ``inputs``; needs ``T ≥ 4·D`` (the context and one
             slot of two tokens per query).
         num_kv_pairs: D, pairs in the context, each asked once.
@@ -64,7 +69,7 @@ class MQAR:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MQAR: `{name}` must be a positive int, got {value!r}")
-        if self.vocab_size // 2 - 1 < self.num_kv_pairs:
+        if self.vocab_size // 2 - 1 < self.num_kv_pairs or self.vocab_size - self.vocab_size // 2 < self.num_kv_pairs:
             raise ValueError(f"MQAR: `vocab_size`={self.vocab_size} has {self.vocab_size // 2 - 1} key ids, fewer than "
                              f"`num_kv_pairs`={self.num_kv_pairs}")
         if self.seq_len < 4 * self.num_kv_pairs:
@@ -91,15 +96,14 @@ class MQAR:
         b, d, t = batch_size, self.num_kv_pairs, self.seq_len
         half = self.vocab_size // 2
         keys = 1 + torch.rand(b, half - 1, generator=generator).argsort(dim=1)[:, :d]     # distinct keys
-        values = torch.randint(half, self.vocab_size, (b, d), generator=generator)
+        values = half + torch.rand(b, self.vocab_size - half, generator=generator).argsort(dim=1)[:, :d]  # distinct
         weights = self.gap_probabilities().to(torch.float32).expand(b, -1)
         slots = 1 + torch.multinomial(weights, d, replacement=False, generator=generator)  # [B, D], distinct
         tokens = torch.zeros(b, t + 1, dtype=torch.long)
         tokens[:, 0:2 * d:2] = keys
         tokens[:, 1:2 * d:2] = values
         key_pos = 2 * d + 2 * (slots - 1)                                                  # [B, D]
-        tokens.scatter_(1, key_pos, keys)
-        tokens.scatter_(1, key_pos + 1, values)
+        tokens.scatter_(1, key_pos, keys)  # only the key: the value is the answer, never an input
         inputs = tokens[:, :-1]
         targets = torch.full_like(inputs, IGNORE)
         targets.scatter_(1, key_pos, values)

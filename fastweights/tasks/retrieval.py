@@ -5,8 +5,9 @@ it wrote. Keys and values are symbols (ids), not vectors: a model learns their
 embeddings, so what it must learn is keys that its memory can keep apart.
 
 - Setting 1 (capacity, seed 001 ch. 3): a pool of S unique keys; each sequence
-  writes every one of the S keys exactly once, in random order, each with a random
-  value, then queries stored keys. S grows until the memory can no longer hold S
+  writes every one of the S keys exactly once, in random order, each with its own
+  value (values drawn *without* replacement, as in the paper, so a read cannot be
+  right by sharing a value with another key), then queries stored keys. S grows until the memory can no longer hold S
   associations (the paper's thresholds: S ≈ 60 for linear attention at
   d_dot = 64; 128/256/384 for DPFP ν = 1/2/3).
 - Setting 2 (update, seed 001 ch. 5): keys are drawn *with replacement* from a
@@ -43,9 +44,10 @@ class RetrievalTask:
     """One setting of the task.
 
     Args:
-        setting: 1 (each of the S keys written once) or 2 (keys drawn with replacement).
+        setting: 1 (each of the S keys written once, values without replacement) or 2
+            (keys and values drawn with replacement).
         num_keys: S, the pool of unique keys.
-        num_values: the value vocabulary (default: S).
+        num_values: the value vocabulary (default: S; setting 1 needs at least S).
         num_pairs: L, writes per sequence; setting 1 requires L = S (the default);
             setting 2 defaults to 2S (the paper's 40 pairs over 20 keys).
         num_queries: Q distinct written keys asked per sequence (the paper asks 1;
@@ -75,6 +77,9 @@ class RetrievalTask:
         if self.setting == 1 and self.num_pairs != self.num_keys:
             raise ValueError(f"RetrievalTask: setting 1 writes each key once, so `num_pairs` must equal "
                              f"`num_keys`={self.num_keys}, got {self.num_pairs}")
+        if self.setting == 1 and self.num_values < self.num_keys:
+            raise ValueError(f"RetrievalTask: setting 1 draws the S values without replacement, so `num_values` "
+                             f"must be >= `num_keys`={self.num_keys}, got {self.num_values}")
         most = self.num_keys if self.setting == 1 else min(self.num_keys, self.num_pairs)
         if self.num_queries > most:
             raise ValueError(f"RetrievalTask: `num_queries`={self.num_queries} exceeds the {most} distinct keys "
@@ -85,13 +90,14 @@ class RetrievalTask:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"RetrievalTask.sample: `batch_size` must be a positive int, got {batch_size!r}")
         b, s, n, q = batch_size, self.num_keys, self.num_pairs, self.num_queries
-        values = torch.randint(0, self.num_values, (b, n), generator=generator)
         if self.setting == 1:
+            values = torch.rand(b, self.num_values, generator=generator).argsort(dim=1)[:, :n]  # no repeats
             keys = torch.rand(b, s, generator=generator).argsort(dim=1)  # a permutation: each key once
             position = keys.argsort(dim=1)  # position[b, key] = the step that wrote it
             queries = torch.rand(b, s, generator=generator).argsort(dim=1)[:, :q]
             targets = values.gather(1, position.gather(1, queries))
             return RetrievalBatch(keys, values, queries, targets)
+        values = torch.randint(0, self.num_values, (b, n), generator=generator)
         keys = torch.randint(0, s, (b, n), generator=generator)
         # A sequence must write at least Q distinct keys; redraw the (rare) ones that do not.
         for _ in range(1000):
