@@ -6,7 +6,7 @@ graph breaks; ``max_seqlen`` below a sequence's length is refused in eager mode.
 The default run uses ``backend="aot_eager"`` (AOTAutograd's forward and backward
 graphs, no code generation: the tracing is what can fail) on tiny float64 inputs, so
 compiled and eager agree to ~1e-12. The inductor case (a tiny LM's training step) is
-marked slow. The chunk ops are torch.library custom ops (opaque to the compiler); the
+marked slow (with the fp16 autocast case). The chunk ops are torch.library custom ops (opaque to the compiler); the
 recurrent forms are traced op by op, so their T is kept small.
 """
 
@@ -146,11 +146,32 @@ def test_cu_seqlens_cpu_is_checked_and_used():
         ops.chunk_delta_rule(**make_inputs(RULES["delta"], 1, 8, 1, 4, 4), max_seqlen=8)
 
 
-def _train_step(model, ids):
+def _loss(model, ids):
     logits, _ = model(ids[:, :-1], return_cache=False)
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    return loss
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)], ids=["bf16", "fp16"])
+def test_compiled_lm_under_autocast_equals_eager(dtype):
+    """Autocast and compile together: the traced graph keeps the ops' fp32 regions
+    (autocast off inside them), so compiled and eager give the same loss and gradients."""
+    config = LMConfig(vocab_size=31, d_model=16, n_layers=4, n_heads=2, mixer=["deltanet", "gated_deltanet", "linear", "softmax"],
+                      chunk_size=8)
+    model = LM(config)
+    ids = torch.randint(0, 31, (2, 20))
+    results = {}
+    for name, fn in (("eager", _loss), ("compiled", torch.compile(_loss, backend="aot_eager", fullgraph=True))):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = fn(model, ids)
+        loss.backward()
+        results[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    worst = max(rel_err(g, results["eager"][1][n]) for n, g in results["compiled"][1].items())
+    print(f"{dtype}: loss eager {results['eager'][0]:.6f}, compiled {results['compiled'][0]:.6f}; worst gradient {worst:.1e}")
+    assert results["compiled"][0] == pytest.approx(results["eager"][0], rel=1e-6)
+    assert worst <= 1e-5
+
+
 
 
 @pytest.mark.slow
@@ -161,9 +182,10 @@ def test_inductor_training_step_of_a_tiny_lm():
     eager, compiled_model = LM(config), LM(config)
     compiled_model.load_state_dict(eager.state_dict())
     ids = torch.randint(0, 64, (2, 49))
-    step = torch.compile(_train_step, backend="inductor", fullgraph=True)
-    loss_c = step(compiled_model, ids)
-    loss_e = _train_step(eager, ids)
+    loss_c = torch.compile(_loss, backend="inductor", fullgraph=True)(compiled_model, ids)
+    loss_e = _loss(eager, ids)
+    loss_c.backward()
+    loss_e.backward()
     grads = {n: rel_err(p.grad, dict(eager.named_parameters())[n].grad) for n, p in compiled_model.named_parameters()}
     worst = max(grads, key=grads.get)
     print(f"inductor vs eager: loss {loss_c.item():.6f} vs {loss_e.item():.6f}; worst gradient {worst} {grads[worst]:.1e}")

@@ -112,11 +112,12 @@ class FastWeightMixer(nn.Module):
 
     # -- the part a subclass provides ------------------------------------------------------
     def memory(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor,
         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], recurrent: bool,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Run the op: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, the layer input ``x`` (for
-        β or g) -> ``(o [B, T, H, V], final state [N, H, K, V])``."""
+        """Run the op: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``extra [B, T, ·]`` (the
+        subclass's own projections of x, in the order of :meth:`step_projections`: β's logits,
+        the decay's) -> ``(o [B, T, HV, V], final state [N, HV, K, V])``."""
         raise NotImplementedError
 
     def memory_step(
@@ -159,24 +160,31 @@ class FastWeightMixer(nn.Module):
             raise TypeError(f"{name}: `state` must be a FastWeightState (as returned by this layer), got {type(state).__name__}")
         if mask is not None:
             return forward_with_mask(self, x, state, mask)
-        if state is not None and x.shape[1] == 1 and cu_seqlens is None:
+        if state is not None and x.shape[1] == 1 and cu_seqlens is None and self.fused_step:
             return self.step(x, state)
         B, T, _ = x.shape
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3·d_model]
+        kw, vw = self.key_width, self.value_width
+        proj = F.linear(x, self._in_weight())  # [B, T, 2·H·K + HV·V (+ HV·V gate) + extra]: one matmul
+        gated = self.g_proj is not None
+        sizes = [2 * kw + vw] + ([vw] if gated else []) + [proj.shape[-1] - 2 * kw - vw - (vw if gated else 0)]
+        qkv, *rest = proj.split(sizes, dim=-1)  # (split's backward is one cat; slicing's, a zero fill each)
+        gate, extra = rest if gated else (None, rest[0])
         conv_state = None
         if self.conv is not None:
             qkv, conv_state = self.conv(qkv, None if state is None else state.conv, cu_seqlens)
         elif state is not None and state.conv is not None:
             raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
-        q, k, v = qkv.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        if self.activation is self.value_activation:  # elementwise: once on all of q, k, v
+            q, k, v = self.activation(qkv).split([kw, kw, vw], dim=-1)
+        else:
+            q, k, v = qkv.split([kw, kw, vw], dim=-1)
+            q, k, v = self.activation(q), self.activation(k), self.value_activation(v)
         q, k = (t.reshape(B, T, self.n_heads, self.head_dim) for t in (q, k))
         v = v.reshape(B, T, self.num_v_heads, self.value_head_dim)
-        q, k, v = self.activation(q), self.activation(k), self.value_activation(v)
         recurrent = state is not None and T == 1
-        o, memory = self.memory(q, k, v, x, None if state is None else state.memory, cu_seqlens, recurrent)
-        gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, self.num_v_heads, self.value_head_dim)
-        o = self.o_norm(o, gate)
-        return self.o_proj(o.reshape(B, T, self.value_width)), FastWeightState(memory, conv_state)
+        o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent)
+        o = self.o_norm(o, None if gate is None else gate.reshape(B, T, self.num_v_heads, self.value_head_dim))
+        return self.o_proj(o.reshape(B, T, vw)), FastWeightState(memory, conv_state)
 
     def step(self, x: torch.Tensor, state: FastWeightState) -> Tuple[torch.Tensor, FastWeightState]:
         """One decoding step: ``x [N, 1, d_model]`` and the state -> ``(y [N, 1, d_model], state)``.
@@ -191,7 +199,9 @@ class FastWeightMixer(nn.Module):
         public ops.
         """
         name = type(self).__name__
-        N, D, H, K = x.shape[0], self.d_model, self.n_heads, self.head_dim
+        if not self.fused_step:
+            raise ValueError(f"{name}.step: the fused step needs as many value heads as heads and V = K; use forward")
+        N, D, H, K = x.shape[0], self.key_width, self.n_heads, self.head_dim  # D: H·K = HV·V here
         modules = self._modules  # (plain dict lookups: nn.Module.__getattr__ costs ~1 µs a call)
         conv = modules.get("conv")
         if conv is not None:
@@ -206,7 +216,7 @@ class FastWeightMixer(nn.Module):
                 f"{name}: `state.memory` must have shape [N, H, K, V] = {list(want)} and dtype {compute_dtype(x.dtype)}, got {got}"
             )
         w_in, w_out, w_conv = self._step_weights()
-        proj = x.reshape(N, D) @ w_in  # [N, 3D + gate + extra]: q, k, v, then the rest
+        proj = x.reshape(N, self.d_model) @ w_in  # [N, 3D + gate + extra]: q, k, v, then the rest
         qkv, rest = proj[:, : 3 * D], proj[:, 3 * D:]
         conv_state = None
         if conv is not None:
@@ -221,36 +231,51 @@ class FastWeightMixer(nn.Module):
         o = modules["o_norm"].unit(o.to(x.dtype))  # the norm's weight is folded into w_out
         if gated:
             o = o * F.silu(rest[:, :D].view(N, H, K))
-        return (o.reshape(N, D).to(x.dtype) @ w_out).view(N, 1, D), FastWeightState(memory, conv_state)
+        return (o.reshape(N, D).to(x.dtype) @ w_out).view(N, 1, self.d_model), FastWeightState(memory, conv_state)
+
+    @property
+    def fused_step(self) -> bool:
+        """Whether :meth:`step` applies: one value head per head and V = K (else decoding
+        takes :meth:`forward`'s general path with the recurrent op)."""
+        return self.num_v_heads == self.n_heads and self.value_head_dim == self.head_dim
+
+    def _in_weight(self) -> torch.Tensor:
+        """The weights of :meth:`step_projections` stacked, ``[2·H·K + HV·V + ..., d_model]``:
+        every projection of x as one matmul (see :meth:`_cached_weights`)."""
+        modules = self._modules
+        params = [modules[n]._parameters["weight"] for n in self.step_projections()]
+        return self._cached_weights("_in_weight_cache", params, lambda: (torch.cat(params),))[0]
 
     def _step_weights(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """``(W_inᵀ [D, 3D + ...], (W_o diag(w))ᵀ [D, D], conv kernelᵀ [W, 3D] or None)`` for :meth:`step`.
-
-        W_in stacks the weights of :meth:`step_projections`; w is the output norm's weight
-        (per head, repeated over the H heads). Cached while the parameters are the same
-        tensors, unchanged (an optimizer step or a load bumps a tensor's version; ``.to()``
-        makes new ones) and no gradient is needed; with gradients they are built per call,
-        differentiably.
-        """
+        """``(W_inᵀ [d_model, ·], (W_o diag(w))ᵀ [H·K, d_model], conv kernelᵀ [W, ·] or None)`` for
+        :meth:`step`: w is the output norm's weight (per head, repeated over the heads)."""
         modules = self._modules
-        names = self.step_projections() + ("o_proj", "o_norm") + (() if modules.get("conv") is None else ("conv",))
-        params = [modules[n]._parameters["weight"] for n in names]
-        n_in = len(names) - (3 if modules.get("conv") is not None else 2)
+        conv = modules.get("conv")
+        n_in = len(self.step_projections())
+        params = [modules[n]._parameters["weight"] for n in self.step_projections() + ("o_proj", "o_norm")]
+        params += [] if conv is None else [conv._parameters["weight"]]
+
+        def build():
+            w_o, w_norm = params[n_in], params[n_in + 1]
+            w_conv = None if conv is None else params[-1].t()
+            return torch.cat(params[:n_in]).t(), (w_o * w_norm.repeat(self.n_heads)).t(), w_conv
+
+        return self._cached_weights("_step_weights_cache", params, build)
+
+    def _cached_weights(self, slot: str, params, build):
+        """``build()``'s tensors, cached in ``slot`` while ``params`` are the same tensors,
+        unchanged (an optimizer step or a load bumps a tensor's version; ``.to()`` makes new
+        ones) and no gradient is needed; with gradients they are built per call, differentiably."""
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return self._build_step_weights(params, n_in)
-        cached = self.__dict__.get("_step_weights_cache")
+            return build()
+        cached = self.__dict__.get(slot)
         if cached is None or len(cached[0]) != len(params) or any(
             p is not q or p._version != version or p.data_ptr() != ptr for p, (q, version, ptr) in zip(params, cached[0])
         ):
-            weights = tuple(None if w is None else w.detach().contiguous() for w in self._build_step_weights(params, n_in))
+            weights = tuple(None if w is None else w.detach().contiguous() for w in build())
             cached = ([(p, p._version, p.data_ptr()) for p in params], weights)
-            self.__dict__["_step_weights_cache"] = cached
+            self.__dict__[slot] = cached
         return cached[1]
-
-    def _build_step_weights(self, params, n_in: int):
-        w_o, w_norm = params[n_in], params[n_in + 1]
-        w_conv = None if self._modules.get("conv") is None else params[-1].t()
-        return torch.cat(params[:n_in]).t(), (w_o * w_norm.repeat(self.n_heads)).t(), w_conv
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:

@@ -181,12 +181,20 @@ class ShortConvolution(nn.Module):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         W = self.kernel_size
-        seq, pos = sequence_positions(B, T, cu_seqlens, x.device)
         n = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if state is None:
             state = x.new_zeros(n, W - 1, C)
         else:
             self.check_state(state, n)
+        if cu_seqlens is None:  # one sequence per row: shifted views of [state | x], W products
+            padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
+            y = padded[:, W - 1:] * self.weight[:, W - 1]
+            for j in range(1, W):
+                y = torch.addcmul(y, padded[:, W - 1 - j: W - 1 - j + T], self.weight[:, W - 1 - j])
+            if self.bias is not None:
+                y = y + self.bias
+            return y, padded[:, T:].clone()  # (a view would keep all of padded alive with the state)
+        seq, pos = sequence_positions(B, T, cu_seqlens, x.device)
         y = x * self.weight[:, W - 1]
         for j in range(1, W):
             shifted = F.pad(x, (0, 0, j, 0))[:, :T]  # x_{t−j}, wrong across sequence starts...
@@ -194,13 +202,10 @@ class ShortConvolution(nn.Module):
             y = y + torch.where((pos >= j)[..., None], shifted, from_state) * self.weight[:, W - 1 - j]
         if self.bias is not None:
             y = y + self.bias
-        if cu_seqlens is None:
-            new_state = torch.cat([state, x], dim=1)[:, T:]
-        else:
-            bounds = cu_seqlens.tolist()
-            new_state = torch.stack([
-                torch.cat([state[i], x[0, a:b]], dim=0)[b - a:] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
-            ])
+        bounds = cu_seqlens.tolist()
+        new_state = torch.stack([
+            torch.cat([state[i], x[0, a:b]], dim=0)[b - a:] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ])
         return y, new_state
 
     def check_state(self, state, n: int) -> None:

@@ -53,9 +53,11 @@ class GatedDeltaNet(DeltaNet):
         """g from ``a = w_a·x``: −exp(A_log)·softplus(a + dt_bias)."""
         return -torch.exp(self.A_log) * F.softplus(a + self.dt_bias)
 
-    def memory(self, q, k, v, x, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
-        beta = write_strength(self.b_proj(x), self.allow_neg_eigval)  # [B, T, H]
-        g = self.log_decay(x)                                         # [B, T, H]
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
+        hv = self.num_v_heads  # extra is [b_proj(x) | a_proj(x)]
+        b_logits, a = extra.split([hv, hv], dim=-1)
+        beta = write_strength(b_logits, self.allow_neg_eigval)  # [B, T, HV]
+        g = self.decay_from_projection(a)                       # [B, T, HV]
         op = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=True,

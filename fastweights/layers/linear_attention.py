@@ -53,7 +53,7 @@ class LinearAttention(FastWeightMixer):
             raise ValueError(f"{type(self).__name__}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
         self.qk_norm, self.normalize = qk_norm, bool(normalize)
 
-    def memory(self, q, k, v, x, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
         op = recurrent_linear_attn if recurrent else chunk_linear_attn
         return op(
             q, k, v, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,

@@ -89,9 +89,11 @@ def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", to
     choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
                             feature_map=kwargs.get("feature_map"))
     if choice == "triton":
+        from ._frontend import autocast_off
         from .triton.chunk import chunk_op_triton
 
-        return chunk_op_triton(op, q, k, v, **kwargs)
+        with autocast_off(q.device):  # under torch.autocast the kernels' PyTorch glue stays fp32 too
+            return chunk_op_triton(op, q, k, v, **kwargs)
     from ._frontend import run_op
 
     return run_op(op, torch_solver, q, k, v, **kwargs, **(torch_kwargs or {}), requires_beta=True)

@@ -421,10 +421,14 @@ def chunk_delta_rule(
             (``fastweights/ops/triton/``: fp32/bf16/fp16, K, V <= 256, chunk size 64).
 
     Training: the PyTorch backend differentiates through
-    :class:`ChunkDeltaRuleFunction`, a hand-written backward (derived in
+    :func:`delta_rule_chunk`, a hand-written backward (derived in
     ``delta_rule/README.md``) that keeps the inputs, [W | U'], the diagonal-block
     inverses and the T/C chunk-entry states -- O(T·(K+V) + (T/C)·K·V) per head --
-    and recomputes the rest.
+    and recomputes the rest. Forward and backward are ``torch.library`` custom ops
+    (``fastweights::chunk_delta_rule_fwd``/``_bwd``): ``torch.compile`` calls them as they
+    are, without a graph break. Under ``torch.autocast`` the op computes in fp32
+    and returns the inputs' dtype; ``cu_seqlens_cpu``/``max_seqlen`` as in
+    :func:`~fastweights.ops.recurrent_delta_rule`.
     Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
     double backward is not supported (use the recurrent or parallel form).
     ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the

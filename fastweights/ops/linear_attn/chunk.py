@@ -193,10 +193,12 @@ def chunk_linear_attn(
     returns; see its docstring). ``chunk_size`` (C) trades the O(T·C) intra-chunk
     work against T/C sequential state updates; T need not be a multiple of C.
 
-    Training differentiates through :class:`ChunkLinearAttnFunction`, a
+    Training differentiates through :func:`linear_attn_chunk`, a
     hand-written backward that keeps the inputs and the T/C chunk-entry states
     only (``delta_rule/README.md``, with W = 0 and U = V); double backward is not
-    supported (use the recurrent or parallel form).
+    supported (use the recurrent or parallel form). Forward and backward are
+    ``torch.library`` custom ops (``fastweights::chunk_linear_attn_fwd``/``_bwd``), opaque
+    to ``torch.compile``.
     """
     return run_op(
         "chunk_linear_attn", linear_attn_chunk, q, k, v, g=g, scale=scale,
