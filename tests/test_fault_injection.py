@@ -302,5 +302,11 @@ def test_sigterm_at_random_moments(tmp_path, reference, trial):
     time.sleep(random.Random(trial).uniform(0.0, 0.5))
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
-    assert proc.returncode in (143, 0) and "Traceback" not in err, err
+    if proc.returncode == -signal.SIGTERM:
+        # the signal landed after training had ended and restored the default handler (the process
+        # was exiting): allowed only when the run's final checkpoint is already in place
+        assert load_training_checkpoint(out).train["step"] == 40, err
+    else:
+        assert proc.returncode in (143, 0), err
+    assert "Traceback" not in err, err
     assert_recoverable(out, reference, steps=40)
