@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from fastweights import ops  # noqa: E402
 from fastweights.models import LM, LMConfig  # noqa: E402
+from fastweights.config import atomic_write_text  # noqa: E402
 
 HYBRID = ["deltanet", "gated_deltanet", "linear", "softmax"]
 OPS = ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_linear_attn", "recurrent_delta_rule",
@@ -214,10 +215,7 @@ def main(argv=None) -> int:
         result["speed"] = dict(shape=shape, **s)
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=str))
-    tmp.replace(out)
+    atomic_write_text(out, json.dumps(result, indent=2, default=str))
     print(f"\nwrote {out}")
     return 0
 

@@ -159,10 +159,9 @@ def compile_case(case: Case, cache: Path) -> Dict[str, object]:
     result["compile_s"] = round(time.perf_counter() - t0, 1)
     if "error" in result:  # not cached: the next run tries again
         return dict(result, cached=False)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
+    from fastweights.config import atomic_write_text  # imported late, as the launchers are
+
+    atomic_write_text(path, json.dumps(result))
     return dict(result, cached=False)
 
 

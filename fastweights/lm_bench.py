@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .allocator import tune_cpu_allocator
+from .config import atomic_write_text
 
 MIXERS = ("deltanet", "gated_deltanet", "linear", "softmax")
 TRAIN_SHAPES = ((256, 8), (2048, 1), (8192, 1))  # (T, B)
@@ -269,8 +270,7 @@ def run(args: argparse.Namespace, log=None) -> int:
     result = dict(meta=meta, train=train, decode=decode, targets=targets)
     if args.json != "":  # --json "" writes nothing
         path = Path(DEFAULT_JSON if args.json is None else args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
+        atomic_write_text(path, json.dumps(result, indent=2))
         print(f"\nwrote {path}")
     return 0
 
