@@ -35,7 +35,7 @@ def _retrieval(seed):
 def _mqar(seed):
     config = MQARConfig(root_seed=seed, max_steps=4, batch_size=4, eval_every=2, val_size=8, test_size=8,
                         d_models=(16,), vocab_size=32, cells=((16, 4),), lrs=(1e-3, 1e-2), seeds=2,
-                        short_conv=(False, True))
+                        short_conv=(False, True), workers=1)  # workers=2 equals 1: test_study_mqar.py
     return run_mqar(config, progress=False, plots=False)["table"]
 
 

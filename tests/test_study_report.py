@@ -16,7 +16,7 @@ from fastweights.studies._report import CellCache, pyplot, save_figure, save_res
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["--d-model", "16", "--cells", "16:2", "--vocab-size", "32", "--lrs", "1e-3", "--seeds", "1", "--short-conv",
-        "off", "--max-steps", "3", "--quiet"]
+        "off", "--max-steps", "3", "--workers", "1", "--quiet"]  # one process: the test counts the calls
 
 
 def draw(result, out):
@@ -79,7 +79,7 @@ def test_ctrl_c_leaves_the_finished_cells_and_resume_continues_exactly(tmp_path,
     resumed = json.loads((out / "mqar.json").read_text())["table"]
     whole = mqar.run_mqar(mqar.MQARConfig(mixers=("deltanet", "linear", "gated_deltanet"), d_models=(16,),
                                           cells=((16, 2),), vocab_size=32, lrs=(1e-3,), seeds=1, short_conv=(False,),
-                                          max_steps=3), progress=False)["table"]
+                                          max_steps=3, workers=1), progress=False)["table"]
     strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
     assert strip(resumed) == strip(whole)
 

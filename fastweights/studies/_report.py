@@ -193,6 +193,10 @@ class CellCache:
         self.cells = cells
         log(f"{name}: resuming {len(cells)} finished cell(s) from {self.path}")
 
+    def __contains__(self, key: Tuple[Hashable, ...]) -> bool:
+        """Whether cell ``key`` is stored (finished, or resumed)."""
+        return json.dumps(list(key)) in self.cells
+
     def get(self, key: Tuple[Hashable, ...], compute: Callable[[], Any], decode: Callable[[Any], Any] = lambda v: v):
         name = json.dumps(list(key))
         if name not in self.cells:

@@ -8,20 +8,21 @@ The protocol is Zoology's:
 
 - models: 2 layers, no MLP (``mlp_hidden=0``), one head, tied embeddings; softmax
   attention gets rotary position embeddings (``rope_theta``); ``short_conv`` lists
-  the settings to run of the fast-weight mixers' short convolution on q, k, v:
-  off for every mixer, or on (the softmax layer has no short convolution, so "on"
-  is on for the three fast-weight mixers, with softmax locating tokens by RoPE).
-  Without the convolution the fast-weight mixers have no positional signal at all
-  and cannot bind a value to the key just before it (measured: DeltaNet plateaus at
-  0.45 at T = 64, 4 pairs), so the headline is the convolution-on table when it
-  was run;
+  the settings to run of the short convolution on q, k, v (width 4): off for every
+  mixer, or on for every mixer (softmax attention included:
+  ``LMConfig.softmax_short_conv``). Without the convolution the fast-weight mixers
+  have no positional signal at all and cannot bind a value to the key just before
+  it, so the headline is the convolution-on table when it was run;
 - data: keys in [1, V/2), values in [V/2, V), both without replacement, queries at
   power-law gaps, the loss on the answers only; fresh training batches every step
   (Zoology draws a fixed training set; with fresh batches no model can memorise);
 - training: AdamW (weight decay 0.1 on matrices, β = 0.9, 0.98), cosine decay to 0
   over ``max_steps``, a sweep of learning rates (``lrs``: 4 log-spaced values in
   1e-4..1e-2), early stop once the validation accuracy reaches ``early_stop``
-  (0.99), evaluated every ``eval_every`` steps;
+  (0.99), evaluated every ``eval_every`` steps; and ordinary early stopping with
+  ``patience``: a run ends when its validation loss has not fallen by ``min_delta``
+  (1 %, relative) below its last improvement for ``patience`` (4) evaluations in a
+  row (its last model is tested; ``stop`` in the table says which rule ended it);
 - selection: for each cell, mixer and convolution setting, the sweep runs on seed 0
   and the learning rate with the best validation accuracy (ties: the lower
   validation loss) is kept; seeds 1..n−1 then train at that rate. The headline is
@@ -29,7 +30,9 @@ The protocol is Zoology's:
 
 Every model of a cell and seed sees the same batches (the batch of step s is drawn
 from a generator keyed by the root seed, the cell, the seed and s) and the same
-validation and test sets.
+validation and test sets. The runs are independent given their key, so ``workers``
+(2) processes train them at once, each at ``threads`` (1) torch threads; the
+results are bit-identical to a serial run (``workers=1``).
 
 The quick default is CPU-sized: vocabulary 128, d_model 64, T = 64 with 4 pairs and
 T = 128 with 8 pairs. ``full`` is the paper's anchor: vocabulary 8192, T = 512,
@@ -57,7 +60,7 @@ LRS = tuple(float(f"{10 ** (-4 + 2 * i / 3):.3g}") for i in range(4))   # 1e-4, 
 PUBLISHED = {"deltanet": (100, 100, 100, 100), "gla": (22, 95, 100, 100), "retnet": (5, 87, 96, 97),
              "attention": (100, 100, 100, 100)}
 TABLE_COLUMNS = ("short_conv", "mixer", "d_model", "seq_len", "num_kv_pairs", "seed", "lr", "val_accuracy",
-                 "accuracy", "loss", "steps", "parameters", "seconds")
+                 "accuracy", "loss", "steps", "stop", "parameters", "seconds")
 
 
 @dataclass
@@ -81,10 +84,13 @@ class MQARConfig:
     weight_decay: float = 0.1
     eval_every: int = 50
     early_stop: float = 0.99
+    patience: Optional[int] = 4
+    min_delta: float = 0.01
     val_size: int = 256
     test_size: int = 1000
     rope_theta: float = 10000.0
     threads: Optional[int] = 1
+    workers: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.root_seed, bool) or not isinstance(self.root_seed, int) or self.root_seed < 0:
@@ -92,7 +98,8 @@ class MQARConfig:
         unknown = [m for m in self.mixers if m not in MIXERS]
         if unknown or not self.mixers:
             raise ValueError(f"MQARConfig: unknown `mixers` {unknown}; expected a subset of {MIXERS}")
-        for name in ("n_layers", "n_heads", "seeds", "max_steps", "batch_size", "eval_every", "val_size", "test_size"):
+        for name in ("n_layers", "n_heads", "seeds", "max_steps", "batch_size", "eval_every", "val_size", "test_size",
+                     "workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MQARConfig: `{name}` must be a positive int, got {value!r}")
@@ -109,12 +116,17 @@ class MQARConfig:
             raise ValueError(f"MQARConfig: `short_conv` must list True and/or False, got {self.short_conv!r}")
         if not 0 < self.early_stop <= 1:
             raise ValueError(f"MQARConfig: `early_stop` must be in (0, 1], got {self.early_stop!r}")
+        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(self.patience, int)
+                                          or self.patience < 1):
+            raise ValueError(f"MQARConfig: `patience` must be a positive int (evaluations) or None, got {self.patience!r}")
+        if not 0 <= self.min_delta < 1:
+            raise ValueError(f"MQARConfig: `min_delta` must be in [0, 1), got {self.min_delta!r}")
 
     @classmethod
     def full(cls, **overrides) -> "MQARConfig":
         """Zoology's anchor: vocabulary 8192, T = 512 with 64 pairs, d_model 64..512, 3,000 test examples."""
         settings = dict(d_models=(64, 128, 256, 512), cells=((512, 64),), vocab_size=8192, max_steps=20_000,
-                        batch_size=64, eval_every=200, val_size=500, test_size=3000, threads=None)
+                        batch_size=64, eval_every=200, val_size=500, test_size=3000, threads=None, workers=1)
         settings.update(overrides)
         return cls(**settings)
 
@@ -158,9 +170,10 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, l
     val = task.sample(config.val_size, torch.Generator().manual_seed(seed ^ 0x5EED))
     test = task.sample(config.test_size, torch.Generator().manual_seed(seed ^ 0x7E57))
     start = time.perf_counter()
-    history: List[Tuple[int, float]] = []
-    val_acc, step = 0.0, 0
-    while step < config.max_steps and val_acc < config.early_stop:
+    history: List[Tuple[int, float, float]] = []
+    val_acc, step, best, stale = 0.0, 0, float("inf"), 0
+    stop = "max_steps"
+    while step < config.max_steps:
         model.train()
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, config.max_steps, lr)
@@ -175,56 +188,185 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, l
             model.eval()
             val_acc, val_loss = _evaluate(model, val)
             history.append((step, val_acc, val_loss))
+            if val_acc >= config.early_stop:
+                stop = "target"
+                break
+            # patience: ordinary early stopping of a run whose validation loss has not fallen by
+            # min_delta (relative) below its last improvement for `patience` evaluations. The loss,
+            # not the accuracy: every run first sits for a while at the accuracy of a guess among
+            # the values (the loss still falls there), and the accuracy would end it too early.
+            if val_loss <= best * (1 - config.min_delta):
+                best, stale = val_loss, 0
+            else:
+                stale += 1
+            if config.patience is not None and stale >= config.patience:
+                stop = "patience"
+                break
     model.eval()
     accuracy, loss = _evaluate(model, test)
     return {"val_accuracy": val_acc, "val_loss": history[-1][2] if history else float("nan"), "accuracy": accuracy,
-            "loss": loss, "steps": step, "parameters": model.num_parameters(),
+            "loss": loss, "steps": step, "stop": stop, "parameters": model.num_parameters(),
             "seconds": round(time.perf_counter() - start, 3), "history": history}
+
+
+def _worker_init() -> None:
+    """In a worker process: die with the parent (Linux), so that a study killed by a signal
+    that skips its clean-up (SIGTERM, SIGKILL) leaves no orphaned training run behind."""
+    import sys
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no prctl: the worker ends after its current run instead
+            pass
+
+
+def _train_job(mixer: str, d_model: int, task: MQAR, config: MQARConfig, lr: float, seed: int,
+               short_conv: bool) -> Dict:
+    """One training run in a worker process, at the study's thread count."""
+    with torch_threads(config.threads):
+        return train_mqar_model(mixer, d_model, task, config, lr, seed, short_conv)
+
+
+class _Runs:
+    """The study's training runs, in ``config.workers`` processes (or in this one when it is 1).
+
+    A run is keyed ``(short_conv, d_model, T, pairs, mixer, lr, seed index)``; it is a
+    function of its key and the config alone (its batches, validation and test sets and its
+    initial weights come from seeds derived from the key, and every process trains at
+    ``config.threads`` threads), so a result does not depend on which process ran it or
+    when: the parallel study is bit-identical to the serial one. Finished runs go to the
+    :class:`CellCache` (``--resume``) as they arrive.
+    """
+
+    def __init__(self, config: MQARConfig, cache: CellCache, finished) -> None:
+        self.config, self.cache, self.finished = config, cache, finished
+        self.results: Dict[Tuple, Dict] = {}
+        self.queue: List[Tuple] = []
+        self.running: Dict = {}
+        self.pool = None
+        if config.workers > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # spawn, not fork: a forked child inherits the parent's OpenMP/thread-pool state
+            self.pool = ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_worker_init)
+
+    def _args(self, key: Tuple) -> Tuple:
+        conv, d_model, t, kv, mixer, lr, i = key
+        seed = keyed_seed(self.config.root_seed, 4, d_model, t, kv, i)  # shared by every mixer and lr
+        return mixer, d_model, MQAR(self.config.vocab_size, t, kv, self.config.power_a), self.config, lr, seed, conv
+
+    def _store(self, key: Tuple, compute) -> None:
+        self.results[key] = self.cache.get(key, compute)
+        self.finished(key, self.results[key])
+
+    def add(self, keys: List[Tuple], first: bool = False) -> None:
+        """Queue runs (``first``: ahead of the queued ones)."""
+        keys = [k for k in keys if k not in self.results]
+        self.queue = keys + self.queue if first else self.queue + keys
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.running
+
+    def wait(self) -> None:
+        """Run queued runs until at least one more has finished (resumed ones count)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        while self.queue and (self.pool is None or len(self.running) < self.config.workers):
+            key = self.queue.pop(0)
+            if key in self.cache:
+                self._store(key, None)
+                return
+            if self.pool is None:
+                with torch_threads(self.config.threads):
+                    self._store(key, lambda: train_mqar_model(*self._args(key)))
+                return
+            self.running[self.pool.submit(_train_job, *self._args(key))] = key
+        if self.running:
+            done, _ = wait(list(self.running), return_when=FIRST_COMPLETED)
+            for future in done:
+                self._store(self.running.pop(future), future.result)
+
+    def close(self) -> None:
+        """Shut the workers down; on an interruption (runs still in flight) stop them at once
+        rather than wait for their runs (those are lost; finished ones are in the cache)."""
+        if self.pool is None:
+            return
+        if self.running:
+            for process in list((getattr(self.pool, "_processes", None) or {}).values()):
+                process.terminate()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None, progress: bool = True,
              plots: bool = True, resume: bool = False) -> Dict:
     """Train every cell; with ``out_dir`` write ``mqar.json``, ``mqar.csv`` and ``mqar.png``
-    (each trained model goes to ``mqar.partial.json`` first; ``resume`` continues from it)."""
+    (each trained model goes to ``mqar.partial.json`` first; ``resume`` continues from it).
+
+    With ``config.workers > 1`` the runs go to spawned worker processes, which import the
+    calling script again: call this from a script under ``if __name__ == "__main__":``
+    (the ``fastweights study mqar`` command does), or set ``workers=1``."""
     from tqdm.auto import tqdm
 
     config = MQARConfig() if config is None else config
     start = time.perf_counter()
-    rows: List[Dict] = []
-    summary: List[Dict] = []
     cache = CellCache(out_dir, "mqar", asdict(config), resume)
     groups = [(conv, d, t, kv, m) for conv in config.short_conv for d in config.d_models for t, kv in config.cells
               for m in config.mixers]
-    with torch_threads(config.threads):
-        bar = tqdm(total=len(groups) * (len(config.lrs) + config.seeds - 1), desc="mqar", disable=not progress,
-                   leave=False)
-        for conv, d_model, t, kv, mixer in groups:
-            task = MQAR(config.vocab_size, t, kv, config.power_a)
+    bar = tqdm(total=len(groups) * (len(config.lrs) + config.seeds - 1), desc="mqar", disable=not progress, leave=False)
 
-            def train(lr: float, i: int) -> Dict:
-                seed = keyed_seed(config.root_seed, 4, d_model, t, kv, i)  # shared by every mixer and lr
-                r = cache.get((conv, d_model, t, kv, mixer, lr, i),
-                              lambda: train_mqar_model(mixer, d_model, task, config, lr, seed, conv))
-                rows.append({"short_conv": conv, "mixer": mixer, "d_model": d_model, "seq_len": t, "num_kv_pairs": kv,
-                             "seed": i, "lr": lr, **{k: r[k] for k in ("val_accuracy", "accuracy", "loss", "steps",
-                                                                     "parameters", "seconds")}})
-                bar.update(1)
-                bar.set_postfix_str(f"{mixer} T={t} conv={conv} lr={lr:g} seed={i} acc={r['accuracy']:.3f}")
-                return r
+    def finished(key: Tuple, r: Dict) -> None:
+        conv, _, t, _, mixer, lr, i = key
+        bar.update(1)
+        bar.set_postfix_str(f"{mixer} T={t} conv={conv} lr={lr:g} seed={i} acc={r['accuracy']:.3f}")
 
-            sweep = {lr: train(lr, 0) for lr in config.lrs}
-            best_lr = max(config.lrs, key=lambda lr: (sweep[lr]["val_accuracy"], -sweep[lr]["val_loss"]))
-            runs = [sweep[best_lr]] + [train(best_lr, i) for i in range(1, config.seeds)]
-            stat = mean_se([r["accuracy"] for r in runs])
-            summary.append({"short_conv": conv, "mixer": mixer, "d_model": d_model, "seq_len": t, "num_kv_pairs": kv,
-                            "best_lr": best_lr, "accuracy": stat["mean"], "accuracy_se": stat["se"],
-                            "accuracy_per_seed": [r["accuracy"] for r in runs],
-                            "steps_per_seed": [r["steps"] for r in runs],
-                            "sweep_val_accuracy": {str(lr): sweep[lr]["val_accuracy"] for lr in config.lrs}})
+    runs = _Runs(config, cache, finished)
+    best_lrs: Dict[Tuple, float] = {}
+    try:
+        # the sweep on seed 0 for every group; each group's other seeds once its sweep is in (ahead of
+        # the queue, so groups finish early). The headline's groups first, the hardest cells next: the
+        # order changes no result (a run is a function of its key), only what an interrupted study has.
+        first = sorted(groups, key=lambda g: (g[0] != (True in config.short_conv), -g[2], -g[3], g[1]))
+        for g in first:
+            runs.add([g + (lr, 0) for lr in config.lrs])
+        while not runs.idle:
+            runs.wait()
+            for g in groups:
+                if g not in best_lrs and all(g + (lr, 0) in runs.results for lr in config.lrs):
+                    sweep = {lr: runs.results[g + (lr, 0)] for lr in config.lrs}
+                    best_lrs[g] = max(config.lrs, key=lambda lr: (sweep[lr]["val_accuracy"], -sweep[lr]["val_loss"]))
+                    runs.add([g + (best_lrs[g], i) for i in range(1, config.seeds)], first=True)
+    finally:
+        runs.close()
         bar.close()
 
+    rows: List[Dict] = []
+    summary: List[Dict] = []
+    for g in groups:  # in a fixed order, whatever order the runs finished in
+        conv, d_model, t, kv, mixer = g
+        best_lr = best_lrs[g]
+        keys = [g + (lr, 0) for lr in config.lrs] + [g + (best_lr, i) for i in range(1, config.seeds)]
+        for key in keys:
+            r = runs.results[key]
+            rows.append({"short_conv": conv, "mixer": mixer, "d_model": d_model, "seq_len": t, "num_kv_pairs": kv,
+                         "seed": key[-1], "lr": key[-2], **{k: r[k] for k in TABLE_COLUMNS[7:] if k in r}})
+        kept = [runs.results[g + (best_lr, i)] for i in range(config.seeds)]
+        stat = mean_se([r["accuracy"] for r in kept])
+        summary.append({"short_conv": conv, "mixer": mixer, "d_model": d_model, "seq_len": t, "num_kv_pairs": kv,
+                        "best_lr": best_lr, "accuracy": stat["mean"], "accuracy_se": stat["se"],
+                        "accuracy_per_seed": [r["accuracy"] for r in kept],
+                        "steps_per_seed": [r["steps"] for r in kept],
+                        "stop_per_seed": [r.get("stop") for r in kept],
+                        "sweep_val_accuracy": {str(lr): runs.results[g + (lr, 0)]["val_accuracy"] for lr in config.lrs}})
+
     # The headline: the hardest configuration (largest T, then the most pairs, the smallest width),
-    # with the fast-weight mixers' short convolution on when that was run (see the module docstring).
+    # with the short convolution on when that was run (see the module docstring).
     hardest = max(config.cells)
     conv = True in config.short_conv
     d_head = min(config.d_models)
@@ -274,8 +416,7 @@ def plot_mqar(result: Dict, out: Path) -> List[str]:
         ax.set_xticklabels([f"T={t}, D={kv}\nd={d}" for t, kv, d in configs], fontsize=8)
         ax.axhline(cfg["early_stop"], color="gray", ls=":", lw=1, label=f"early stop ({cfg['early_stop']})")
         ax.set_ylim(0, 1.05)
-        ax.set_title("short convolution " + ("on (fast-weight mixers; softmax has none)" if conv else "off for every mixer"),
-                     fontsize=9)
+        ax.set_title(f"short convolution {'on' if conv else 'off'} for every mixer", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7, loc="lower left")
     axes[0][0].set_ylabel(f"test accuracy (mean ± se, {cfg['seeds']} seeds)")
@@ -311,14 +452,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--d-model", type=int, nargs="+", default=None, help="model widths (default 64)")
     parser.add_argument("--mixers", nargs="+", default=None, choices=MIXERS, help="which models to train")
     parser.add_argument("--short-conv", choices=("off", "on", "both"), default=None,
-                        help="short convolution of the fast-weight mixers (default both; on is the headline)")
+                        help="short convolution on q, k, v of every mixer, softmax included (default both; on is the headline)")
     parser.add_argument("--cells", nargs="+", default=None, metavar="T:D",
                         help="sequence length and key-value pairs of each cell (default 64:4 128:8)")
     parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default 128; --full: 8192)")
     parser.add_argument("--lrs", type=float, nargs="+", default=None, help="learning rates to sweep")
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the kept learning rate (default 3)")
     parser.add_argument("--max-steps", type=int, default=None, help="step budget per model")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads while training (default 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per training run (default 1)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="training runs at once, each in its own process (default 2; --full: 1); the results "
+                             "do not depend on it")
+    parser.add_argument("--patience", type=int, default=None,
+                        help="stop a run after this many evaluations without a 1%% fall of its validation loss "
+                             "(default 4; 0: never)")
 
 
 def config_from_args(args) -> MQARConfig:
@@ -338,8 +485,10 @@ def config_from_args(args) -> MQARConfig:
             raise ValueError(f"`--cells` entries must be T:D (two ints), got {args.cells!r}")
     if args.lrs is not None:
         overrides["lrs"] = tuple(args.lrs)
+    if args.patience is not None:
+        overrides["patience"] = args.patience or None
     for name, value in (("seeds", args.seeds), ("max_steps", args.max_steps), ("threads", args.threads),
-                        ("vocab_size", args.vocab_size)):
+                        ("vocab_size", args.vocab_size), ("workers", args.workers)):
         if value is not None:
             overrides[name] = value
     return MQARConfig.full(**overrides) if args.full else MQARConfig(**overrides)
