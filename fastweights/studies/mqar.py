@@ -6,7 +6,8 @@ and reports each model's accuracy on the asked keys of a held-out test set.
 
 The protocol is Zoology's:
 
-- models: 2 layers, no MLP (``mlp_hidden=0``), one head, tied embeddings; softmax
+- models: 2 layers, no MLP (``mlp_hidden=0``), one head, tied embeddings, the LM's
+  normal initialisation (``init_std`` 0.02, GPT-2's); softmax
   attention gets rotary position embeddings (``rope_theta``); ``short_conv`` lists
   the settings to run of the short convolution on q, k, v (width 4): off for every
   mixer, or on for every mixer (softmax attention included:
@@ -89,6 +90,7 @@ class MQARConfig:
     val_size: int = 256
     test_size: int = 1000
     rope_theta: float = 10000.0
+    init_std: float = 0.02
     threads: Optional[int] = 1
     workers: int = 2
 
@@ -119,6 +121,8 @@ class MQARConfig:
         if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(self.patience, int)
                                           or self.patience < 1):
             raise ValueError(f"MQARConfig: `patience` must be a positive int (evaluations) or None, got {self.patience!r}")
+        if isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float)) or not self.init_std > 0:
+            raise ValueError(f"MQARConfig: `init_std` must be a positive number, got {self.init_std!r}")
         if not 0 <= self.min_delta < 1:
             raise ValueError(f"MQARConfig: `min_delta` must be in [0, 1), got {self.min_delta!r}")
 
@@ -162,7 +166,7 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, l
         model = LM(LMConfig(vocab_size=task.vocab_size, d_model=d_model, n_layers=config.n_layers,
                             n_heads=config.n_heads, mixer=mixer, max_seq_len=task.seq_len, mlp_hidden=0,
                             use_short_conv=short_conv, softmax_short_conv=short_conv,
-                            rope_theta=config.rope_theta))
+                            rope_theta=config.rope_theta, init_std=config.init_std))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
@@ -316,7 +320,8 @@ def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None,
 
     config = MQARConfig() if config is None else config
     start = time.perf_counter()
-    cache = CellCache(out_dir, "mqar", asdict(config), resume)
+    # (`workers` changes no result, so a study may resume with another number of them)
+    cache = CellCache(out_dir, "mqar", {k: v for k, v in asdict(config).items() if k != "workers"}, resume)
     groups = [(conv, d, t, kv, m) for conv in config.short_conv for d in config.d_models for t, kv in config.cells
               for m in config.mixers]
     bar = tqdm(total=len(groups) * (len(config.lrs) + config.seeds - 1), desc="mqar", disable=not progress, leave=False)
