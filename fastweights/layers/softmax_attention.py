@@ -59,6 +59,7 @@ class SoftmaxAttention(nn.Module):
         state: Optional[KVCache] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
     ) -> Tuple[torch.Tensor, KVCache]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], KVCache with keys [N, H, L + T, K])``."""
         mask = check_layer_input("SoftmaxAttention", x, self.d_model, cu_seqlens, attention_mask)
@@ -73,7 +74,8 @@ class SoftmaxAttention(nn.Module):
             if state is not None:  # continue after the rows each sequence has cached
                 pos = pos + state.lengths.to(device=x.device, dtype=torch.long)[seq]
             q, k = rotary_embedding(q, pos, self.rope_theta), rotary_embedding(k, pos, self.rope_theta)
-        o, cache = softmax_attn(q, k, v, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens)
+        o, cache = softmax_attn(q, k, v, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens,
+                                max_seqlen=max_seqlen)
         return self.o_proj(o.reshape(B, T, self.d_model)), cache
 
     @torch.no_grad()
