@@ -59,11 +59,15 @@ import torch.nn.functional as F
 
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..ops.feature_maps import normalize_qk
-from ..tasks.retrieval import RetrievalTask
+from ..tasks.retrieval import RetrievalBatch, RetrievalTask
 from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
 
-FEATURE_MAPS = ("linear", "dpfp1", "dpfp2", "dpfp3", "favor")
-ARMS = FEATURE_MAPS + ("softmax",)          # setting 1: the sum rule with each φ, and softmax attention
+# FAVOR+ with m = 1, 2, 8 × d_key random features: the paper's 64/128/512 at d_key = 64.
+FAVOR_FEATURES = {"favor": 1, "favor2": 2, "favor8": 8}
+FEATURE_MAPS = ("linear", "dpfp1", "dpfp2", "dpfp3") + tuple(FAVOR_FEATURES)
+# Setting 1: the sum rule with each φ, and softmax attention. The order keys each arm's seeds (ARMS.index),
+# so arms added later go last.
+ARMS = ("linear", "dpfp1", "dpfp2", "dpfp3", "favor", "softmax", "favor2", "favor8")
 RULES = ("sum", "delta", "softmax")
 SETTING2_RULES = ("delta", "sum")
 CLEAN_LOSS = 1e-3
@@ -76,8 +80,10 @@ PUBLISHED = {
         "dpfp1": {"d_dot": 128, "clean_to": 100, "fails_at": None},
         "dpfp2": {"d_dot": 256, "clean_to": 240, "fails_at": None},
         "dpfp3": {"d_dot": 384, "clean_to": 340, "fails_at": None},
-        "favor": {"d_dot": None, "clean_to": 0, "fails_at": 20, "note": "64/128/512 features: never clean"},
+        "favor": {"d_dot": 128, "clean_to": 0, "fails_at": 20, "note": "64 features: never clean"},
         "softmax": {"d_dot": None, "clean_to": None, "fails_at": None, "note": "loss <= 0.03 up to S = 600"},
+        "favor2": {"d_dot": 256, "clean_to": 0, "fails_at": 20, "note": "128 features: never clean"},
+        "favor8": {"d_dot": 1024, "clean_to": 0, "fails_at": 20, "note": "512 features: never clean"},
     },
     "setting2": {"delta": {"loss": 0.0008}, "sum": {"loss": 0.097}},
 }
@@ -91,8 +97,10 @@ def make_feature_map(name: str, d_key: int, seed: int = 0):
         return EluPlusOne()
     if name in ("dpfp1", "dpfp2", "dpfp3"):
         return DPFP(int(name[-1]))
-    if name == "favor":
-        return FavorPlus(d_key, num_features=d_key, seed=seed)
+    if name in FAVOR_FEATURES:
+        # input_scale 1: the paper's features estimate exp(kᵀq), not exp(kᵀq/√d_key) (the learned key
+        # projection could absorb the factor, but not its effect on the initial scale and the step size).
+        return FavorPlus(d_key, num_features=FAVOR_FEATURES[name] * d_key, seed=seed, input_scale=1.0)
     raise ValueError(f"unknown `feature_map` {name!r}; expected one of {', '.join(FEATURE_MAPS)}")
 
 
@@ -179,11 +187,12 @@ class TrainConfig:
     max_steps: int = 3000
     eval_every: int = 50
     eval_batch: int = 128
+    eval_forwards: int = 20
     patience: int = 6
     clean_loss: float = CLEAN_LOSS
 
     def __post_init__(self) -> None:
-        for name in ("d_key", "batch_size", "max_steps", "eval_every", "eval_batch", "patience"):
+        for name in ("d_key", "batch_size", "max_steps", "eval_every", "eval_batch", "eval_forwards", "patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
@@ -209,11 +218,19 @@ def train_memory(task: RetrievalTask, rule: str, feature_map: Optional[str], tra
     opt = torch.optim.Adam(model.parameters(), lr=train.lr)
     start = time.perf_counter()
 
+    parts = [RetrievalBatch(*p) for p in zip(*(x.tensor_split(train.eval_forwards) for x in eval_batch))]
+    parts = [p for p in parts if p.keys.shape[0]]
+
     def evaluate() -> Tuple[float, float]:
+        # Several forwards, as the paper's evaluation (20 sequences, one or more forwards each): FAVOR+ draws
+        # fresh features at every forward, so its loss is an average over draws, not one lucky draw.
+        loss = correct = 0.0
         with torch.no_grad():
-            y_hat = model(eval_batch.keys, eval_batch.values, eval_batch.queries)
-            return (retrieval_loss(y_hat, eval_batch.targets).item(),
-                    (y_hat.argmax(-1) == eval_batch.targets).float().mean().item())
+            for p in parts:
+                y_hat = model(p.keys, p.values, p.queries)
+                loss += retrieval_loss(y_hat, p.targets).item() * p.keys.shape[0]
+                correct += (y_hat.argmax(-1) == p.targets).float().mean().item() * p.keys.shape[0]
+        return loss / train.eval_batch, correct / train.eval_batch
 
     loss, acc = evaluate()
     history = [(0, loss)]
@@ -386,30 +403,46 @@ def plot_retrieval(result: Dict, out: Path) -> List[str]:
     plt = pyplot()
     cfg = result["config"]
     rows = [r for r in result["table"] if r["setting"] == 1]
-    families = [("linear", ("linear",)), ("DPFP", ("dpfp1", "dpfp2", "dpfp3")), ("FAVOR+", ("favor",))]
+    families = [("linear", ("linear",)), ("DPFP", ("dpfp1", "dpfp2", "dpfp3")), ("FAVOR+", tuple(FAVOR_FEATURES))]
     families = [(n, tuple(a for a in arms if a in cfg["arms"])) for n, arms in families]
     families = [f for f in families if f[1]]
-    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.6), sharey=True, squeeze=False)
+    colors = {"linear": "C0", "dpfp1": "C1", "dpfp2": "C2", "dpfp3": "C3", "favor": "C4", "favor2": "C6",
+              "favor8": "C8", "softmax": "C5"}
+    fig, axes = plt.subplots(1, len(families), figsize=(4.6 * len(families), 4.4), sharey=True, squeeze=False)
     for ax, (family, arms) in zip(axes[0], families):
         for arm in arms + (("softmax",) if "softmax" in cfg["arms"] else ()):
-            color = f"C{ARMS.index(arm)}"
-            for i in range(cfg["seeds"]):
-                pts = sorted((r["S"], max(r["loss"], 1e-7)) for r in rows if r["arm"] == arm and r["seed"] == i)
+            color = colors[arm]
+            per_seed = [dict((r["S"], max(r["loss"], 1e-7)) for r in rows if r["arm"] == arm and r["seed"] == i)
+                        for i in range(cfg["seeds"])]
+            for pts in per_seed:  # thin: each seed's sweep (it stops at its first unclean S)
                 if pts:
-                    h = result["headline"]["setting1"][arm]
-                    ax.plot(*zip(*pts), marker="o", ms=3, color=color, alpha=0.8, ls="--" if arm == "softmax" else "-",
-                            label=(f"{arm} (d_dot={h['d_dot']}, S*={h['s_star']:.1f}±{h['s_star_se']:.1f})"
-                                   if i == 0 else None))
-        ax.axhline(cfg["train"]["clean_loss"], color="gray", ls=":", lw=1, label="clean (0.001)")
+                    ax.plot(*zip(*sorted(pts.items())), marker="o", ms=2.5, lw=0.7, color=color, alpha=0.45,
+                            ls="--" if arm == "softmax" else "-")
+            sizes = sorted({s for pts in per_seed for s in pts})
+            if not sizes:
+                continue
+            # bold: the geometric mean over the seeds that reached S; band: their min .. max
+            seen = [[pts[s] for pts in per_seed if s in pts] for s in sizes]
+            mean = [float(torch.tensor(v).log().mean().exp()) for v in seen]
+            h = result["headline"]["setting1"][arm]
+            bound = "unbounded" if h["d_dot"] is None else f"d_dot={h['d_dot']}"
+            ax.plot(sizes, mean, marker="o", ms=4, lw=2, color=color, ls="--" if arm == "softmax" else "-",
+                    label=f"{arm} ({bound}): S* = {h['s_star']:.1f} ± {h['s_star_se']:.1f}")
+            ax.fill_between(sizes, [min(v) for v in seen], [max(v) for v in seen], color=color, alpha=0.15, lw=0)
+        ax.axhline(cfg["train"]["clean_loss"], color="black", ls=":", lw=1, label="clean: loss 0.001")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("unique keys S")
+        ax.set_xticks(list(cfg["sizes"]))
+        ax.set_xticklabels([str(x) for x in cfg["sizes"]], fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel("unique keys S (log axis)")
         ax.set_title(f"{family}, d_key = {cfg['train']['d_key']}", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("evaluation loss 0.5‖onehot − ŷ‖²")
-    fig.suptitle(f"Setting 1 (sum rule with z; {cfg['seeds']} seeds, one line each): the capacity cliff", fontsize=9)
-    files = [save_figure(fig, out / "retrieval_loss_vs_S.png", dpi=80)]
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+    axes[0][0].set_ylabel("evaluation loss 0.5‖onehot − ŷ‖² (log axis)")
+    fig.suptitle(f"Setting 1, sum rule with z (and softmax): the capacity cliff; {cfg['seeds']} seeds "
+                 f"(thin: each seed; bold: geometric mean; band: min–max)", fontsize=9)
+    files = [save_figure(fig, out / "retrieval_loss_vs_S.png", dpi=90)]
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for j, (rule, r) in enumerate(result["headline"]["setting2"].items()):
