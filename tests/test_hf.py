@@ -261,3 +261,19 @@ def test_core_package_does_not_import_transformers():
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_cache_reorder_and_crop_with_a_convolved_softmax_layer():
+    """``softmax_short_conv``: beam reordering moves the convolution state with the KV rows;
+    crop is refused (the convolution state cannot forget tokens)."""
+    model = tiny("softmax", softmax_short_conv=True)
+    ids, nxt, perm = prompts(3, 6), prompts(3, 1, seed=9), torch.tensor([2, 0, 1])
+    with torch.no_grad():
+        step = model(nxt, cache=model(ids).cache).logits
+        out = model(ids)
+        out.cache.reorder_cache(perm)
+        step_perm = model(nxt[perm], cache=out.cache).logits
+    print(f"reordered vs permuted logits: {(step_perm - step[perm]).abs().max().item():.1e}")
+    assert torch.equal(step_perm, step[perm])
+    with pytest.raises(ValueError, match=r"softmax layers \[0, 1\] have a short convolution.*cannot forget"):
+        out.cache.crop(1)

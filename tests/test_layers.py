@@ -20,6 +20,8 @@ TOL = 1e-10
 VARIANTS = {
     "softmax": lambda: SoftmaxAttention(D_MODEL, HEADS),  # RoPE on (the default)
     "softmax-nope": lambda: SoftmaxAttention(D_MODEL, HEADS, rope_theta=None),
+    "softmax-conv": lambda: SoftmaxAttention(D_MODEL, HEADS, use_short_conv=True),
+    "softmax-conv3-nope": lambda: SoftmaxAttention(D_MODEL, HEADS, rope_theta=None, use_short_conv=True, conv_size=3),
     "linear-elu-norm": lambda: LinearAttention(D_MODEL, HEADS, feature_map="elu", normalize=True, chunk_size=8),
     "linear-dpfp-conv": lambda: LinearAttention(D_MODEL, HEADS, feature_map="dpfp", normalize=True, qk_norm="sum",
                                                 use_short_conv=True, chunk_size=8),

@@ -25,6 +25,7 @@ D_MODEL, HEADS, VOCAB = 40, 2, 37
 LAYERS = {
     "softmax-rope": lambda: SoftmaxAttention(D_MODEL, HEADS),
     "softmax-nope": lambda: SoftmaxAttention(D_MODEL, HEADS, rope_theta=None),
+    "softmax-rope-conv": lambda: SoftmaxAttention(D_MODEL, HEADS, use_short_conv=True, conv_size=3),
     "linear-conv": lambda: LinearAttention(D_MODEL, HEADS, use_short_conv=True, chunk_size=8),
     "deltanet": lambda: DeltaNet(D_MODEL, HEADS, chunk_size=8),
     "deltanet-noconv": lambda: DeltaNet(D_MODEL, HEADS, use_short_conv=False, chunk_size=8),

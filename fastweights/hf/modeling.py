@@ -26,7 +26,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..layers import FastWeightState
+from ..layers import AttentionState, FastWeightState
 from ..models import LM, LMConfig
 from ..models.lm import LMCache
 from ..ops import KVCache
@@ -162,11 +162,13 @@ class FastWeightsCache(Cache):
         for s in self.lm_cache.states:
             if isinstance(s, KVCache):
                 states.append(KVCache(pick(s.keys), pick(s.values), pick(s.lengths)))
+            elif isinstance(s, AttentionState):  # softmax with a short convolution
+                states.append(AttentionState(KVCache(pick(s.kv.keys), pick(s.kv.values), pick(s.kv.lengths)), pick(s.conv)))
             elif isinstance(s, FastWeightState):
                 states.append(FastWeightState(pick(s.memory), None if s.conv is None else pick(s.conv)))
             else:
                 raise TypeError(f"FastWeightsCache: unexpected layer state {type(s).__name__}")
-        batch = states[0].lengths.shape[0] if isinstance(states[0], KVCache) else states[0].memory.shape[0]
+        batch = states[0].lengths.shape[0] if isinstance(states[0], (KVCache, AttentionState)) else states[0].memory.shape[0]
         self.lm_cache = dataclasses.replace(self.lm_cache, states=states, batch_size=batch)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -193,6 +195,13 @@ class FastWeightsCache(Cache):
             )
         if tokens_to_remove > self.lm_cache.length:
             raise ValueError(f"FastWeightsCache.crop: cannot remove {tokens_to_remove} of {self.lm_cache.length} tokens")
+        conv = [i for i, s in enumerate(self.lm_cache.states) if isinstance(s, AttentionState)]
+        if conv:
+            raise ValueError(
+                f"FastWeightsCache.crop: softmax layers {conv} have a short convolution, whose state holds the "
+                f"inputs of the last tokens and cannot forget its last {tokens_to_remove} token(s); recompute "
+                f"from the prompt instead (e.g. no assisted decoding)"
+            )
         states = []
         for s in self.lm_cache.states:
             lengths = (s.lengths - tokens_to_remove).clamp(min=0)

@@ -14,7 +14,9 @@ a memory, a convolution or a KV cache, and each row gives what it gives alone.
 =====================  ================================  =========================
 layer                  op                                 state
 =====================  ================================  =========================
-``SoftmaxAttention``   ``softmax_attn``                   ``KVCache`` (grows)
+``SoftmaxAttention``   ``softmax_attn``                   ``KVCache`` (grows; an
+                                                          ``AttentionState`` with
+                                                          the short convolution)
 ``LinearAttention``    ``chunk_/recurrent_linear_attn``   ``FastWeightState`` (fixed)
 ``DeltaNet``           ``chunk_/recurrent_delta_rule``    ``FastWeightState`` (fixed)
 ``GatedDeltaNet``      ``chunk_/recurrent_gated_...``     ``FastWeightState`` (fixed)
@@ -27,7 +29,7 @@ from .deltanet import DeltaNet
 from .fla_weights import load_fla_state_dict
 from .gated_deltanet import GatedDeltaNet
 from .linear_attention import LinearAttention
-from .softmax_attention import SoftmaxAttention
+from .softmax_attention import AttentionState, SoftmaxAttention
 
 MIXERS = {
     "softmax": SoftmaxAttention,
@@ -37,6 +39,6 @@ MIXERS = {
 }
 
 __all__ = [
-    "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "FastWeightMixer",
+    "SoftmaxAttention", "AttentionState", "LinearAttention", "DeltaNet", "GatedDeltaNet", "FastWeightMixer",
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
 ]

@@ -11,17 +11,52 @@ alone then carries order, and a permutation of earlier tokens leaves a query's o
 unchanged). A token's position counts from the first real token of its sequence: a
 packed sequence starts at 0, a left-padded row starts at its first non-pad token, and
 a decoding step continues from the number of rows in the cache.
+
+Short convolution (optional, off by default): ``use_short_conv=True`` puts the same
+causal depthwise :class:`~fastweights.layers.ShortConvolution` that the fast-weight
+mixers use on the projected q, k, v (before RoPE), so each token's key and value
+already see their W − 1 predecessors. Zoology's MQAR compares mixers with this
+convolution on for every mixer; with it, one attention layer can bind a value to the
+key before it. The layer's state is then an :class:`AttentionState` (the KV cache and
+the convolution's last W − 1 inputs) instead of a bare :class:`~fastweights.ops.KVCache`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..ops import KVCache, softmax_attn
-from .common import check_layer_input, check_rope_theta, forward_with_mask, rotary_embedding, sequence_positions
+from .common import (
+    ShortConvolution, check_layer_input, check_rope_theta, forward_with_mask, rotary_embedding, sequence_positions,
+)
+
+
+@dataclass
+class AttentionState:
+    """Decode state of a :class:`SoftmaxAttention` layer with a short convolution.
+
+    Fields:
+        kv: the :class:`~fastweights.ops.KVCache` (grows by one row per token).
+        conv: ``[N, W − 1, 3·d_model]`` the last W − 1 projected q, k, v inputs of the
+            convolution (fixed size).
+    """
+
+    kv: KVCache
+    conv: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.conv.numel() * self.conv.element_size()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[N]`` cached rows per sequence (as :attr:`KVCache.lengths`)."""
+        return self.kv.lengths
 
 
 class SoftmaxAttention(nn.Module):
@@ -33,14 +68,19 @@ class SoftmaxAttention(nn.Module):
         n_heads: H (head size d_model / H; even when RoPE is on).
         rope_theta: the RoPE base θ (a positive number), or ``None`` for no positional
             encoding (NoPE).
+        use_short_conv: put a causal depthwise convolution of width ``conv_size`` on the
+            projected q, k, v (off by default; see the module docstring).
+        conv_size: W, the convolution's kernel width.
 
-    ``state`` is the :class:`~fastweights.ops.KVCache` returned by the previous call;
-    decoding is a call with T = 1 and that cache. ``attention_mask [B, T]`` (0 = padding)
+    ``state`` is the :class:`~fastweights.ops.KVCache` returned by the previous call
+    (an :class:`AttentionState` when the layer has a convolution); decoding is a call
+    with T = 1 and that state. ``attention_mask [B, T]`` (0 = padding)
     runs the real tokens only: no query attends to a pad, pads are not cached, a pad's
     output is 0.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, rope_theta: Optional[float] = 10000.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, *, rope_theta: Optional[float] = 10000.0,
+                 use_short_conv: bool = False, conv_size: int = 4) -> None:
         super().__init__()
         if not isinstance(d_model, int) or not isinstance(n_heads, int) or d_model <= 0 or n_heads <= 0:
             raise ValueError(f"SoftmaxAttention: `d_model` and `n_heads` must be positive ints, got {d_model!r} and {n_heads!r}")
@@ -52,29 +92,44 @@ class SoftmaxAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, d_model, bias=False)
         self.v_proj = nn.Linear(d_model, d_model, bias=False)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        if not isinstance(use_short_conv, bool):
+            raise TypeError(f"SoftmaxAttention: `use_short_conv` must be true or false, got {use_short_conv!r}")
+        self.conv = ShortConvolution(3 * d_model, conv_size) if use_short_conv else None
 
     def forward(
         self,
         x: torch.Tensor,
-        state: Optional[KVCache] = None,
+        state: Union[KVCache, AttentionState, None] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
-    ) -> Tuple[torch.Tensor, KVCache]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model], KVCache with keys [N, H, L + T, K])``."""
+    ) -> Tuple[torch.Tensor, Union[KVCache, AttentionState]]:
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``: a KVCache with keys
+        ``[N, H, L + T, K]``, wrapped with the convolution's inputs in an
+        :class:`AttentionState` when the layer has a short convolution."""
         mask = check_layer_input("SoftmaxAttention", x, self.d_model, cu_seqlens, attention_mask)
-        if state is not None and not isinstance(state, KVCache):
-            raise TypeError(f"SoftmaxAttention: `state` must be a KVCache (as returned by this layer), got {type(state).__name__}")
+        want = KVCache if self.conv is None else AttentionState
+        if state is not None and not isinstance(state, want):
+            what = "with" if self.conv is not None else "without"
+            raise TypeError(f"SoftmaxAttention: `state` must be a {want.__name__} (as returned by this layer, "
+                            f"{what} a short convolution), got {type(state).__name__}")
         if mask is not None:
             return forward_with_mask(self, x, state, mask)
         B, T, _ = x.shape
-        q, k, v = (p(x).reshape(B, T, self.n_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        kv_state = state if self.conv is None or state is None else state.kv
+        if self.conv is not None:  # one matmul, then the convolution over q, k, v together (depthwise)
+            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [3·d_model, d_model]
+            qkv, conv_state = self.conv(F.linear(x, weight), None if state is None else state.conv, cu_seqlens)
+            q, k, v = (t.reshape(B, T, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
+        else:
+            q, k, v = (p(x).reshape(B, T, self.n_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.rope_theta is not None:
             seq, pos = sequence_positions(B, T, cu_seqlens, x.device)  # [B, T] each
-            if state is not None:  # continue after the rows each sequence has cached
-                pos = pos + state.lengths.to(device=x.device, dtype=torch.long)[seq]
+            if kv_state is not None:  # continue after the rows each sequence has cached
+                pos = pos + kv_state.lengths.to(device=x.device, dtype=torch.long)[seq]
             q, k = rotary_embedding(q, pos, self.rope_theta), rotary_embedding(k, pos, self.rope_theta)
-        o, cache = softmax_attn(q, k, v, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens)
-        return self.o_proj(o.reshape(B, T, self.d_model)), cache
+        o, cache = softmax_attn(q, k, v, initial_state=kv_state, output_final_state=True, cu_seqlens=cu_seqlens)
+        y = self.o_proj(o.reshape(B, T, self.d_model))
+        return (y, cache) if self.conv is None else (y, AttentionState(cache, conv_state))
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:

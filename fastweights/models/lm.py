@@ -58,6 +58,9 @@ class LMConfig(Config):
         tie_embeddings: share the input embedding and the output projection.
         use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
             fast-weight mixers (linear, deltanet, gated_deltanet).
+        softmax_short_conv: the same convolution (width ``conv_size``) on the softmax layers'
+            q, k, v; off by default, so a softmax layer is plain attention unless asked
+            (the MQAR study turns it on to give every mixer the convolution).
         qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet options
             (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
         use_output_gate: gate the normalized output of the fast-weight mixers.
@@ -78,6 +81,7 @@ class LMConfig(Config):
     mlp_hidden: Optional[int] = None
     tie_embeddings: bool = True
     use_short_conv: bool = True
+    softmax_short_conv: bool = False
     conv_size: int = 4
     qk_activation: str = "silu"
     qk_norm: str = "l2"
@@ -114,8 +118,8 @@ class LMConfig(Config):
             check_rope_theta("LMConfig", self.rope_theta, self.d_model // self.n_heads)
         elif self.rope_theta is not None:
             check_rope_theta("LMConfig", self.rope_theta, 2)  # unused without softmax layers, but still a number
-        for name in ("tie_embeddings", "use_short_conv", "allow_neg_eigval", "use_output_gate", "normalize",
-                     "gradient_checkpointing"):
+        for name in ("tie_embeddings", "use_short_conv", "softmax_short_conv", "allow_neg_eigval", "use_output_gate",
+                     "normalize", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LMConfig: `{name}` must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.mixer, tuple):
@@ -158,7 +162,8 @@ def build_mixer(name: str, config: LMConfig) -> nn.Module:
         norm_eps=config.norm_eps, chunk_size=config.chunk_size,
     )
     if name == "softmax":
-        return MIXERS[name](config.d_model, config.n_heads, rope_theta=config.rope_theta)
+        return MIXERS[name](config.d_model, config.n_heads, rope_theta=config.rope_theta,
+                            use_short_conv=config.softmax_short_conv, conv_size=config.conv_size)
     if name == "linear":
         return MIXERS[name](config.d_model, config.n_heads, feature_map=config.feature_map, normalize=config.normalize, **shared)
     return MIXERS[name](
@@ -202,7 +207,8 @@ class Block(nn.Module):
 class LMCache:
     """Every layer's decode state, and how many tokens have been read.
 
-    ``states[i]`` is a :class:`~fastweights.ops.KVCache` for a softmax layer and a
+    ``states[i]`` is a :class:`~fastweights.ops.KVCache` for a softmax layer (an
+    :class:`~fastweights.layers.AttentionState` with ``softmax_short_conv``) and a
     :class:`~fastweights.layers.FastWeightState` otherwise.
     """
 

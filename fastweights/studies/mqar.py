@@ -149,7 +149,8 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, l
         torch.manual_seed(seed)
         model = LM(LMConfig(vocab_size=task.vocab_size, d_model=d_model, n_layers=config.n_layers,
                             n_heads=config.n_heads, mixer=mixer, max_seq_len=task.seq_len, mlp_hidden=0,
-                            use_short_conv=short_conv, rope_theta=config.rope_theta))
+                            use_short_conv=short_conv, softmax_short_conv=short_conv,
+                            rope_theta=config.rope_theta))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
