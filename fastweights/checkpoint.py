@@ -5,7 +5,8 @@ A checkpoint is a folder::
     ckpt-000200/
         config.json             the LMConfig (plain JSON)
         model.safetensors       the weights; its metadata repeats the config and the format
-        train.json              (training only) run id, step, configs, loss history, optimizer hyperparameters
+        train.json              (training only) run id, step, configs, loss history, optimizer hyperparameters,
+                                and (fp16) the gradient scaler's state
         train_state.safetensors (training only) optimizer moments and RNG state
         manifest.json           the SHA-256 and size of every other file, written last
 
@@ -309,9 +310,12 @@ def check_train_state(train, tensors: Dict[str, torch.Tensor], where: str = "tra
     Schema: an object with ``step`` (int >= 0), ``history`` (one record per step,
     ``{"step": 1..step, "loss": number, ...}``), ``evals`` (a list of records with
     ``step`` <= step), ``train_config`` (an object), ``optimizer`` (an object) and,
-    since run ids exist, ``run_id`` (a string). The step must be the one the history
-    and the optimizer's own step counters reached: a ``step`` edited to 999 in a
-    20-step checkpoint is refused rather than resumed from the wrong place.
+    since run ids exist, ``run_id`` (a string); an fp16 run also has ``grad_scaler``
+    (:data:`GRAD_SCALER_SCHEMA`, the state of ``torch.amp.GradScaler``). The step must be
+    the one the history and the optimizer's own step counters reached (less the steps
+    the history marks ``"skipped": true``, where an fp16 overflow skipped the optimizer):
+    a ``step`` edited to 999 in a 20-step checkpoint is refused rather than resumed from
+    the wrong place.
     """
     def fail(message: str):
         raise CheckpointError(f"{where}: {message}")
@@ -332,16 +336,50 @@ def check_train_state(train, tensors: Dict[str, torch.Tensor], where: str = "tra
             fail(f"`{key}` must be {kind}, got {json.dumps(train[key])[:40]}")
     step, history = train["step"], train["history"]
     for i, record in enumerate(history):
-        if not isinstance(record, dict) or record.get("step") != i + 1 or not _is_number(record.get("loss")):
+        if not isinstance(record, dict) or record.get("step") != i + 1 or not _is_number(record.get("loss")) \
+                or not isinstance(record.get("skipped", False), bool):
             fail(f"`history[{i}]` must be {{\"step\": {i + 1}, \"loss\": <number>, ...}}, got {json.dumps(record)[:60]}")
     if len(history) != step:
         fail(f"`step`={step} does not match the history, which ends at step {len(history)}")
     for i, record in enumerate(train.get("evals", [])):
         if not isinstance(record, dict) or not _is_int(record.get("step")) or not 0 < record["step"] <= step:
             fail(f"`evals[{i}]` must be an object with a `step` in 1..{step}, got {json.dumps(record)[:60]}")
-    for key, value in tensors.items():  # AdamW counts its own steps: they must agree
-        if key.startswith("optimizer.") and key.endswith(".step") and value.numel() == 1 and float(value) != step:
-            fail(f"`step`={step} does not match the optimizer state ({key} = {float(value):g})")
+    precision = train["train_config"].get("precision", "fp32")
+    if "grad_scaler" in train or precision == "fp16":
+        _check_grad_scaler(train.get("grad_scaler"), precision, fail)
+    taken = step - sum(1 for record in history if record.get("skipped"))
+    for key, value in tensors.items():  # AdamW counts the steps it took: they must agree
+        if key.startswith("optimizer.") and key.endswith(".step") and value.numel() == 1 and float(value) != taken:
+            skipped = f" less {step - taken} skipped" if taken != step else ""
+            fail(f"`step`={step}{skipped} does not match the optimizer state ({key} = {float(value):g})")
+
+
+# ``train.json``'s ``grad_scaler``: torch.amp.GradScaler.state_dict() of an enabled scaler.
+GRAD_SCALER_SCHEMA = {
+    "scale": ("a finite number > 0", lambda x: _is_number(x) and x > 0),
+    "growth_factor": ("a finite number > 1", lambda x: _is_number(x) and x > 1),
+    "backoff_factor": ("a number in (0, 1)", lambda x: _is_number(x) and 0 < x < 1),
+    "growth_interval": ("an int > 0", lambda x: _is_int(x) and x > 0),
+    "_growth_tracker": ("an int >= 0", lambda x: _is_int(x) and x >= 0),
+}
+
+
+def _check_grad_scaler(state, precision: str, fail) -> None:
+    if state is None:
+        fail(f"`grad_scaler` is missing: a `precision`={precision!r} run must save its gradient scaler "
+             f"(resuming with a fresh scale would not continue the run exactly)")
+    if not isinstance(state, dict):
+        fail(f"`grad_scaler` must be an object, got {json.dumps(state)[:40]}")
+    if precision != "fp16":
+        fail(f"`grad_scaler` is only saved by fp16 runs; this run's `precision` is {precision!r}")
+    for key, (kind, check) in GRAD_SCALER_SCHEMA.items():
+        if key not in state:
+            fail(f"`grad_scaler.{key}` is missing (expected {kind})")
+        if not check(state[key]):
+            fail(f"`grad_scaler.{key}` must be {kind}, got {json.dumps(state[key])[:40]}")
+    if state["_growth_tracker"] >= state["growth_interval"]:
+        fail(f"`grad_scaler._growth_tracker`={state['_growth_tracker']} must be below "
+             f"`growth_interval`={state['growth_interval']}")
 
 
 def checkpoint_step(name: str) -> Optional[int]:

@@ -114,10 +114,12 @@ class FastWeightMixer(nn.Module):
     def memory(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor,
         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], recurrent: bool,
+        max_seqlen: Optional[int] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run the op: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``extra [B, T, ·]`` (the
         subclass's own projections of x, in the order of :meth:`step_projections`: β's logits,
-        the decay's) -> ``(o [B, T, HV, V], final state [N, HV, K, V])``."""
+        the decay's) -> ``(o [B, T, HV, V], final state [N, HV, K, V])``; ``cu_seqlens`` and
+        ``max_seqlen`` go to the op as they are."""
         raise NotImplementedError
 
     def memory_step(
@@ -144,6 +146,7 @@ class FastWeightMixer(nn.Module):
         state: Optional[FastWeightState] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
     ) -> Tuple[torch.Tensor, FastWeightState]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``.
 
@@ -152,7 +155,9 @@ class FastWeightMixer(nn.Module):
         is one decoding step (:meth:`step`, the recurrent form's update fused); anything else uses the chunk op.
         ``attention_mask [B, T]`` (0 = padding, e.g. a left-padded batch) runs the real
         tokens only: a pad neither writes to nor decays the memory, nor enters the
-        convolution, and its output is 0.
+        convolution, and its output is 0. ``max_seqlen`` (with ``cu_seqlens``): the longest
+        sequence's length, passed to the op so that it need not read the offsets (under
+        ``torch.compile`` that read is a graph break).
         """
         name = type(self).__name__
         mask = check_layer_input(name, x, self.d_model, cu_seqlens, attention_mask)
@@ -182,7 +187,8 @@ class FastWeightMixer(nn.Module):
         q, k = (t.reshape(B, T, self.n_heads, self.head_dim) for t in (q, k))
         v = v.reshape(B, T, self.num_v_heads, self.value_head_dim)
         recurrent = state is not None and T == 1
-        o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent)
+        o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent,
+                                 max_seqlen=max_seqlen)
         o = self.o_norm(o, None if gate is None else gate.reshape(B, T, self.num_v_heads, self.value_head_dim))
         return self.o_proj(o.reshape(B, T, vw)), FastWeightState(memory, conv_state)
 
