@@ -47,6 +47,7 @@ from .models import LM, LMConfig
 FORMAT = "fastweights-lm-1"
 LATEST = "latest"
 MANIFEST = "manifest.json"
+CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_state.safetensors"}
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
 STRAY = re.compile(r"\.tmp-|\.tmp$")  # temp folders/files of writers that are gone
 
@@ -138,8 +139,10 @@ def save_checkpoint(
         os.makedirs(tmp)
         config_text = model.config.to_json()
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        # "manifest": a checkpoint of this version has one, so a lost manifest.json is refused
+        # on load instead of being taken for a checkpoint from before manifests
         save_file(_weights_of(model), os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": FORMAT, "config": config_text, "dtype": dtype})
+                  metadata={"format": FORMAT, "config": config_text, "dtype": dtype, "manifest": MANIFEST})
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             f.write(config_text)
         if train is not None:
@@ -186,12 +189,18 @@ def _file_digest(file: str) -> Dict[str, Any]:
 
 
 def verify_manifest(path: str) -> None:
-    """Check every file of a checkpoint against its ``manifest.json`` (SHA-256 and size).
+    """Check every file of a checkpoint against its ``manifest.json`` (SHA-256 and size), and
+    that every checkpoint file in the folder is listed there.
 
-    Checkpoints written before manifests existed have none and are only structurally checked.
+    Checkpoints written before manifests existed have none and are only structurally checked;
+    one whose weights say it was written with a manifest (metadata ``"manifest"``) and has
+    none is refused: a lost manifest must not switch the checksums off.
     """
     manifest_file = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_file):
+        if _header_metadata(os.path.join(path, "model.safetensors")).get("manifest"):
+            raise CheckpointError(f"{path}: {MANIFEST} is missing, but model.safetensors says the checkpoint was "
+                                  f"written with one: the checkpoint is incomplete (its files cannot be verified)")
         return
     try:
         with open(manifest_file, encoding="utf-8") as f:
@@ -199,6 +208,9 @@ def verify_manifest(path: str) -> None:
         entries = [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from None
+    unlisted = sorted(CHECKPOINT_FILES & set(os.listdir(path)) - {name for name, _, _ in entries})
+    if unlisted:
+        raise CheckpointError(f"{path}: checkpoint file {unlisted[0]} is not listed in {MANIFEST}: it cannot be verified")
     for name, sha256, size in entries:
         file = os.path.join(path, name)
         if os.path.basename(name) != name or not os.path.isfile(file):
@@ -209,6 +221,18 @@ def verify_manifest(path: str) -> None:
                 f"{path}: checkpoint file {name} fails its SHA-256 check ({found['bytes']} bytes, sha256 "
                 f"{found['sha256'][:16]}..., expected {size} bytes, {sha256[:16]}...): the file is corrupt"
             )
+
+
+def _header_metadata(file: str) -> Dict[str, str]:
+    """The metadata of a safetensors file's header (``{}`` when it cannot be read: the
+    structural checks that follow say what is wrong with the file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return f.metadata() or {}
+    except Exception:  # noqa: BLE001 -- missing, truncated or garbled: reported by _read_safetensors
+        return {}
 
 
 def mark_latest(run_dir: "str | os.PathLike", checkpoint: "str | os.PathLike") -> None:
@@ -226,7 +250,7 @@ def resolve_checkpoint(path: "str | os.PathLike") -> str:
         with open(latest, encoding="utf-8") as f:
             name = f.read().strip()
         target = os.path.join(path, name)
-        if not name or not os.path.isdir(target):
+        if not name or name in (".", "..") or os.path.basename(name) != name or not os.path.isdir(target):
             raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint folder in {path!r}")
         return target
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
