@@ -131,11 +131,10 @@ def save_checkpoint(
     from safetensors import SafetensorError
 
     path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         os.makedirs(tmp)
         config_text = model.config.to_json()
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 
 from .checkpoint import (
     CheckpointWriteError, load_training_checkpoint, load_weights, mark_latest, optimizer_from_flat,
-    optimizer_to_flat, save_checkpoint,
+    optimizer_to_flat, remove_folder, save_checkpoint,
 )
-from .config import Config
+from .config import Config, atomic_write_text
 from .models import LM, LMConfig
 from .run_folder import (
     RunFolderError, RunLock, StopSignals, TrainingInterrupted, claim_run_folder, describe_latest, new_run_id,
@@ -641,10 +641,10 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
 
 def _rewrite_metrics(out_dir: str, history, evals) -> None:
     records = sorted(history + evals, key=lambda r: (r["step"], "eval_loss" in r))
-    tmp = _metrics_path(out_dir) + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(tmp, _metrics_path(out_dir))
+    try:
+        atomic_write_text(_metrics_path(out_dir), "".join(json.dumps(r) + "\n" for r in records))
+    except OSError as e:  # a full disk: one line; the old metrics file is untouched
+        raise RunFolderError(f"train: could not rewrite {_metrics_path(out_dir)}: {e.strerror or e}") from None
 
 
 def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, history, evals, run_id) -> str:
@@ -661,6 +661,12 @@ def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, h
         path = save_checkpoint(os.path.join(out_dir, f"ckpt-{step:06d}"), model, train=train_state, train_tensors=tensors)
     except CheckpointWriteError as e:  # a full disk: say so in one line; nothing was replaced
         raise CheckpointWriteError(f"train: {e}; {describe_latest(out_dir)}") from None
-    mark_latest(out_dir, path)
+    try:
+        mark_latest(out_dir, path)
+    except OSError as e:  # `latest` still names the previous checkpoint: drop the unmarked one
+        remove_folder(path)
+        raise CheckpointWriteError(
+            f"train: could not point {os.path.join(out_dir, 'latest')} at {os.path.basename(path)}: "
+            f"{e.strerror or e}; {describe_latest(out_dir)}") from None
     prune_checkpoints(out_dir, run_id, config.keep_checkpoints, latest=path)
     return path

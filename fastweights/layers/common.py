@@ -181,6 +181,47 @@ def forward_with_mask(forward: Callable, x: torch.Tensor, state, mask: torch.Ten
     return unpack_rows(y, mask), state
 
 
+class _CausalConv(torch.autograd.Function):
+    """``y_t = Σ_j weight[:, W−1−j] · x_{t−j}`` over ``[state | x]`` (``x [B, T, C]``, ``state
+    [B, W−1, C]``, ``weight [C, W]``), with a hand-written backward.
+
+    Autograd's graph of the W shifted products keeps W intermediate sums and, per tap,
+    zero-fills a ``[B, W−1+T, C]`` gradient and adds into it; these passes over
+    activations are most of a short convolution's cost (memory traffic, not arithmetic).
+    Here the forward accumulates in place into one output, and the backward writes
+    d[state | x] into one buffer (W in-place products) and dweight as one product-sum per
+    tap. (No ``out=`` into strided views: torch.compile traces this backward and breaks
+    its graph on those.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, state, weight):
+        T, W = x.shape[1], weight.shape[1]
+        padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
+        taps = weight.t().contiguous()  # [W, C]: each tap's C weights contiguous (a strided row halves the speed)
+        y = torch.mul(padded[:, W - 1:], taps[W - 1])
+        for j in range(1, W):
+            y.addcmul_(padded[:, W - 1 - j: W - 1 - j + T], taps[W - 1 - j])
+        ctx.save_for_backward(padded, taps)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        padded, taps = ctx.saved_tensors
+        T, W = dy.shape[1], taps.shape[0]
+        dx = dstate = dweight = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # y_t reads row t + i of [state | x] with tap i: so row s collects dy_{s−i} · tap i.
+            d_padded = torch.zeros(padded.shape, dtype=padded.dtype, device=padded.device)
+            for i in range(W):
+                d_padded[:, i: i + T].addcmul_(dy, taps[i])
+            dstate, dx = d_padded[:, : W - 1], d_padded[:, W - 1:]
+        if ctx.needs_input_grad[2]:
+            d_taps = torch.stack([(dy * padded[:, i: i + T]).sum((0, 1)) for i in range(W)])  # [W, C]
+            dweight = d_taps.t().to(taps.dtype)
+        return dx, dstate, dweight
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time, with a decode state.
 
@@ -214,13 +255,12 @@ class ShortConvolution(nn.Module):
         else:
             self.check_state(state, n)
         if cu_seqlens is None:  # one sequence per row: shifted views of [state | x], W products
-            padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
-            y = padded[:, W - 1:] * self.weight[:, W - 1]
-            for j in range(1, W):
-                y = torch.addcmul(y, padded[:, W - 1 - j: W - 1 - j + T], self.weight[:, W - 1 - j])
+            y = _CausalConv.apply(x, state, self.weight)
             if self.bias is not None:
                 y = y + self.bias
-            return y, padded[:, T:].clone()  # (a view would keep all of padded alive with the state)
+            # The last W − 1 inputs, from x alone when it is long enough (no copy of [state | x]).
+            new_state = x[:, T - (W - 1):].clone() if T >= W - 1 else torch.cat([state[:, T:], x], dim=1)
+            return y, new_state
         seq, pos = sequence_positions(B, T, cu_seqlens, x.device)
         y = x * self.weight[:, W - 1]
         for j in range(1, W):

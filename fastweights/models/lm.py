@@ -65,7 +65,8 @@ class LMConfig(Config):
             (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
         use_output_gate: gate the normalized output of the fast-weight mixers.
         feature_map, normalize: linear attention's φ and normalizer.
-        chunk_size: C of the chunk ops used for training and prefill.
+        chunk_size: C of the chunk ops used for training and prefill; ``None`` (default) lets
+            each layer pick it per key size and device (32 on the CPU for head sizes <= 64, else 64).
         norm_eps: RMSNorm epsilon; init_std: std of the normal weight init.
         gradient_checkpointing: in training, keep only each block's input and recompute
             the block in the backward pass (less activation memory, one more forward).
@@ -89,7 +90,7 @@ class LMConfig(Config):
     use_output_gate: bool = True
     feature_map: str = "elu"
     normalize: bool = True
-    chunk_size: int = 64
+    chunk_size: Optional[int] = None
     norm_eps: float = 1e-6
     init_std: float = 0.02
     gradient_checkpointing: bool = False
@@ -97,6 +98,8 @@ class LMConfig(Config):
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "chunk_size"):
             value = getattr(self, name)
+            if name == "chunk_size" and value is None:  # chosen per layer (key size, device)
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
         if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
