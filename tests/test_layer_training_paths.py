@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastweights import ops
 from fastweights.layers import DeltaNet, GatedDeltaNet, LinearAttention, ShortConvolution
 from fastweights.layers.common import _CausalConv
 from fastweights.models import LM, LMConfig
@@ -112,3 +113,42 @@ def test_lm_config_chunk_size_none_is_the_default_and_checked():
         DeltaNet(32, 2, chunk_size=-4)
     with pytest.raises(ValueError, match="chunk_size"):
         DeltaNet(32, 2, chunk_size=True)
+
+
+CHUNK_OPS = {
+    "delta": (ops.recurrent_delta_rule, ops.chunk_delta_rule, dict(beta=True)),
+    "gated_delta": (ops.recurrent_gated_delta_rule, ops.chunk_gated_delta_rule, dict(beta=True, g=True)),
+    "linear_decay": (ops.recurrent_linear_attn, ops.chunk_linear_attn, dict(g=True)),
+}
+
+
+@pytest.mark.parametrize("used", ["state-only", "output-only"])
+@pytest.mark.parametrize("rule", list(CHUNK_OPS))
+def test_chunk_op_gradients_when_one_output_is_unused(rule, used):
+    """The chunk ops' backward receives ``None`` for an output that got no gradient (its
+    kept tensors are marked backward-only): with only h_T, or only o, in the loss the
+    gradients still equal the float64 recurrence's (T = 100, C = 32, K = 60, B = 2, h0 given)."""
+    recurrent, chunk, needs = CHUNK_OPS[rule]
+    torch.manual_seed(1)
+    B, T, H, K, V = 2, 100, 2, 60, 12
+    q, k = (F.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1) for _ in range(2))
+    inputs = dict(q=q, k=k, v=torch.randn(B, T, H, V, dtype=torch.float64),
+                  initial_state=torch.randn(B, H, K, V, dtype=torch.float64))
+    if needs.get("beta"):
+        inputs["beta"] = torch.rand(B, T, H, dtype=torch.float64)
+    if needs.get("g"):
+        inputs["g"] = -torch.rand(B, T, H, dtype=torch.float64) * 0.2
+    leaves = {name: t.requires_grad_(True) for name, t in inputs.items()}
+    dh = torch.randn(B, H, K, V, dtype=torch.float64)
+    do = torch.randn(B, T, H, V, dtype=torch.float64)
+
+    def grads(op, **kw):
+        o, h = op(**leaves, output_final_state=True, **kw)
+        loss = (h * dh).sum() if used == "state-only" else (o * do).sum()
+        got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)  # (h_T does not read q)
+        return [torch.zeros_like(t) if d is None else d for t, d in zip(leaves.values(), got)]
+
+    got, want = grads(chunk, chunk_size=32), grads(recurrent)
+    errors = {name: _err(a, b) for name, a, b in zip(leaves, got, want)}
+    print(f"{rule}, {used}: gradient errors {errors}")
+    assert max(errors.values()) <= 1e-10

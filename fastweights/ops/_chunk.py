@@ -166,6 +166,19 @@ def block_terms(
 # --------------------------------------------------------------------------------------
 
 
+def backward_only(ctx, *tensors: Optional[torch.Tensor]) -> None:
+    """In a chunk op's ``setup_context``: ``tensors`` (outputs the op returns only so that its
+    backward can have them: chunk states, gathered inputs) get no gradient.
+
+    Otherwise autograd hands the backward a zero-filled gradient for each of them, megabytes
+    of fill per call (at B=8, T=256, H=4, K=V=32, C=32 the delta rule's kept tensors are
+    ~7 MB). The backward then gets ``None`` for every output that received no gradient,
+    the real ones included (``do``/``dh_final``): it must fill in zeros itself.
+    """
+    ctx.mark_non_differentiable(*(t for t in tensors if t is not None))
+    ctx.set_materialize_grads(False)
+
+
 def flat_chunks(
     x: Optional[torch.Tensor], chunk_size: int, start: int = 0, stop: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
