@@ -54,7 +54,7 @@ STRAY = re.compile(r"\.tmp-|\.tmp$")  # temp folders/files of writers that are g
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
     "resolve_checkpoint", "optimizer_to_flat", "optimizer_from_flat", "check_train_state",
-    "load_training_checkpoint", "FORMAT",
+    "load_training_checkpoint", "check_training_tensors", "FORMAT",
 ]
 
 
@@ -403,6 +403,49 @@ def _check_grad_scaler(state, precision: str, fail) -> None:
     if state["_growth_tracker"] >= state["growth_interval"]:
         fail(f"`grad_scaler._growth_tracker`={state['_growth_tracker']} must be below "
              f"`growth_interval`={state['growth_interval']}")
+
+
+def check_training_tensors(ckpt: "Checkpoint", optimizer: torch.optim.Optimizer) -> None:
+    """Check a checkpoint's tensors against the run they resume, before anything is loaded:
+    finite weights; ``rng.torch`` shaped as torch's CPU generator state; every optimizer
+    moment of an existing parameter index, with that parameter's shape and dtype, finite, and
+    the same slots for every parameter that has any. (The manifest proves the files are as
+    written; this catches what a buggy writer or an edit consistent with the manifest breaks,
+    which would otherwise be a raw error deep in the optimizer, or a silent dtype change.)
+    One-line :class:`CheckpointError`s naming the file and the tensor.
+    """
+    weights_file, state_file = f"{ckpt.path}/model.safetensors", f"{ckpt.path}/train_state.safetensors"
+    for key, value in ckpt.weights.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{weights_file}: weight `{key}` holds {int((~torch.isfinite(value)).sum())} "
+                                  f"non-finite value(s): training cannot continue from it")
+    rng, expected = ckpt.train_tensors["rng.torch"], torch.get_rng_state()
+    if rng.dtype != expected.dtype or rng.shape != expected.shape:
+        raise CheckpointError(f"{state_file}: `rng.torch` must be torch's CPU generator state, a {expected.dtype} "
+                              f"tensor of shape {list(expected.shape)}; got {rng.dtype} {list(rng.shape)}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    slots: Dict[int, set] = {}
+    for key, value in sorted(ckpt.train_tensors.items()):
+        if not key.startswith("optimizer."):
+            continue
+        _, index, name = key.split(".", 2)
+        if not index.isdigit() or int(index) >= len(params):
+            raise CheckpointError(f"{state_file}: `{key}` names no parameter (the optimizer has {len(params)}, "
+                                  f"indices 0..{len(params) - 1})")
+        param = params[int(index)]
+        if name == "step" and value.numel() != 1:
+            raise CheckpointError(f"{state_file}: `{key}` must hold one number, got shape {list(value.shape)}")
+        if name != "step" and (value.shape != param.shape or value.dtype != param.dtype):
+            raise CheckpointError(f"{state_file}: `{key}` must have its parameter's shape {list(param.shape)} and dtype "
+                                  f"{param.dtype}, got {list(value.shape)} {value.dtype}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{state_file}: `{key}` holds {int((~torch.isfinite(value)).sum())} non-finite value(s)")
+        slots.setdefault(int(index), set()).add(name)
+    every = set().union(*slots.values()) if slots else set()
+    for index, names in sorted(slots.items()):
+        if names != every:
+            raise CheckpointError(f"{state_file}: parameter {index} has optimizer state {sorted(names)} but others have "
+                                  f"{sorted(every)}: `optimizer.{index}.{sorted(every - names)[0]}` is missing")
 
 
 def checkpoint_step(name: str) -> Optional[int]:
