@@ -254,6 +254,13 @@ def resolve_checkpoint(path: "str | os.PathLike") -> str:
             raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint folder in {path!r}")
         return target
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        found = run_checkpoints(path)
+        if found:  # a run folder whose `latest` is gone (e.g. a kill right after its first checkpoint)
+            names = [os.path.basename(folder) for _, folder in found]
+            raise CheckpointError(
+                f"{path!r} is a run folder without a `latest` file; it holds {', '.join(names[-3:])}"
+                f"{' and older' if len(names) > 3 else ''}: pass one of them, e.g. {os.path.join(path, names[-1])!r} "
+                f"(`fastweights train --resume` picks the newest that verifies)")
         raise CheckpointError(f"{path!r} holds neither model.safetensors nor a `latest` file: not a checkpoint or run folder")
     return path
 

@@ -226,3 +226,14 @@ def test_missing_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="neither model.safetensors nor a `latest` file"):
         load_model(tmp_path / "empty")
+
+
+def test_a_run_folder_without_latest_names_its_checkpoints(tmp_path):
+    """It used to say "holds neither model.safetensors nor a `latest` file: not a checkpoint or
+    run folder", though it holds checkpoints."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path / f"ckpt-00000{step}", make_model())
+    with pytest.raises(CheckpointError, match=r"is a run folder without a `latest` file; it holds ckpt-000001, ckpt-000002: "
+                                              r"pass one of them, e\.g\. '.*ckpt-000002'"):
+        load_model(tmp_path)
+    assert load_model(tmp_path / "ckpt-000002")[1].path.endswith("ckpt-000002")
