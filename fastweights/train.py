@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import (
-    CheckpointWriteError, load_training_checkpoint, load_weights, mark_latest, optimizer_from_flat,
-    optimizer_to_flat, remove_folder, save_checkpoint,
+    CheckpointWriteError, check_training_tensors, load_training_checkpoint, load_weights, mark_latest,
+    optimizer_from_flat, optimizer_to_flat, remove_folder, save_checkpoint,
 )
 from .config import Config, atomic_write_text
 from .models import LM, LMConfig
@@ -552,6 +552,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     if resume:
         ckpt = load_training_checkpoint(out_dir)
         run_id = ckpt.train.get("run_id") or run_id  # checkpoints from before run ids get one now
+        check_training_tensors(ckpt, optimizer)
         load_weights(model, ckpt.weights, ckpt.path)
         optimizer.load_state_dict(optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
         torch.set_rng_state(ckpt.train_tensors["rng.torch"])

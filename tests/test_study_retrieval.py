@@ -289,3 +289,13 @@ def test_quick_default_favor8_is_never_clean():
     result = run_retrieval(RetrievalConfig(arms=("favor8",), setting2_rules=()), progress=False, plots=False)
     print(result["headline"]["setting1"]["favor8"])
     assert not result["headline"]["setting1"]["favor8"]["clean"]
+
+
+def test_cli_projections_flag():
+    from fastweights.cli import build_parser
+    from fastweights.studies.retrieval import config_from_args
+
+    parse = lambda *a: config_from_args(build_parser().parse_args(["study", "retrieval", *a]))
+    assert parse().train.projections == "tied" and parse("--full").train.projections == "paper"
+    assert parse("--projections", "paper").train.projections == "paper"
+    assert parse("--full", "--projections", "tied").train.projections == "tied"

@@ -540,11 +540,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="step budget per memory")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads while training (default 1)")
+    parser.add_argument("--projections", choices=PROJECTIONS, default=None,
+                        help="key/query projections: tied (one W_k, the quick default) or paper (W_k [onehot(v); e] + b "
+                             "and a separate W_q + b, as Schlag et al.'s code; the --full default)")
 
 
 def config_from_args(args) -> RetrievalConfig:
     base = RetrievalConfig.full() if args.full else RetrievalConfig()
-    updates = {k: v for k, v in (("d_key", args.d_key), ("max_steps", args.max_steps)) if v is not None}
+    updates = {k: v for k, v in (("d_key", args.d_key), ("max_steps", args.max_steps),
+                                 ("projections", getattr(args, "projections", None))) if v is not None}
     overrides = {"root_seed": args.root_seed, "train": TrainConfig(**{**asdict(base.train), **updates})}
     if args.seeds is not None:
         overrides["seeds"] = args.seeds
