@@ -19,12 +19,16 @@ convolution, SwiGLU, the loss).
 
 Graph breaks (``torch._dynamo.explain``): every op on a plain batch, on packed
 sequences (``cu_seqlens``) without and with the ``max_seqlen`` hint, and the LM's
-forward; plus whether ``torch.compile(fullgraph=True, backend="aot_eager")`` runs
+training forward (``return_cache=False``) on a batch, with a left-padded
+``attention_mask``, and with model-level ``cu_seqlens`` without and with
+``max_seqlen``; plus whether ``torch.compile(fullgraph=True, backend="aot_eager")`` runs
 the op forward and backward ("ok", or the error). The script runs on older
 versions of the package too (arguments they lack are reported as "n/a"), which is
 how the "before" column of the issue's report was measured.
 
-Writes ``benchmarks/results/compile_speed.json`` (``--out``).
+Writes ``benchmarks/results/compile_speed.json`` (``--out``); ``--breaks-only`` replaces
+only its graph-break table (``graph_breaks_meta`` then says when and how that was measured)
+and keeps the timings of the last full run.
 """
 
 from __future__ import annotations
@@ -113,11 +117,21 @@ def graph_break_table():
         for case, packed, hint in (("batch", False, False), ("cu_seqlens", True, False), ("cu_seqlens+max_seqlen", True, True)):
             fn, inputs = _op_call(name, packed, hint)
             rows.append(dict(what=name, case=case, graph_breaks=_breaks(fn, inputs), fullgraph_aot_eager=_aot_eager(fn, inputs)))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :7] = 0  # row 0 left-padded by 7
+    lm_cases = {  # case -> (ids, forward keywords); training calls (return_cache=False)
+        "forward": ((2, 40), {}),
+        "attention_mask": ((2, 40), dict(attention_mask=mask)),
+        "cu_seqlens": ((1, 40), dict(cu_seqlens=torch.tensor([0, 13, 40]))),
+        "cu_seqlens+max_seqlen": ((1, 40), dict(cu_seqlens=torch.tensor([0, 13, 40]), max_seqlen=27)),
+    }
     for mixer in ("deltanet", "hybrid"):
         model = _model(mixer, d_model=32, layers=4, heads=2, chunk_size=16)
-        ids = torch.randint(0, 256, (2, 40))
-        rows.append(dict(what=f"LM ({mixer})", case="forward", graph_breaks=_breaks(model, ids),
-                         fullgraph_aot_eager=_aot_eager(lambda i: model(i)[0].float().sum(), ids)))
+        for case, (shape, kwargs) in lm_cases.items():
+            ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(0))
+            fn = (lambda i, kw=kwargs: model(i, return_cache=False, **kw)[0].float().sum())
+            rows.append(dict(what=f"LM ({mixer})", case=case, graph_breaks=_breaks(fn, ids),
+                             fullgraph_aot_eager=_aot_eager(fn, ids)))
     return rows
 
 
@@ -202,6 +216,11 @@ def main(argv=None) -> int:
     for r in table:
         print(f"{r['what']:28s} {r['case']:24s} {r['graph_breaks']:>6s}  {r['fullgraph_aot_eager']}")
     result["graph_breaks"] = table
+    out = Path(args.out)
+    if args.breaks_only and out.exists():  # keep the timings of the last full run
+        previous = json.loads(out.read_text())
+        if "speed" in previous:
+            result = dict(previous, graph_breaks=table, graph_breaks_meta=meta)
 
     if not args.breaks_only:
         shape = f"{args.mixer} LM, d_model {args.d_model}, {args.layers} layers, {args.heads} heads, B={args.batch}, T={args.seq_len}"
@@ -214,7 +233,6 @@ def main(argv=None) -> int:
               f"compilation {s['rows']['inductor']['compile_s']:.1f} s")
         result["speed"] = dict(shape=shape, **s)
 
-    out = Path(args.out)
     atomic_write_text(out, json.dumps(result, indent=2, default=str))
     print(f"\nwrote {out}")
     return 0

@@ -15,6 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import RULES, call, make_inputs, rel_err  # noqa: E402
 
+from fastweights.config import atomic_write_text  # noqa: E402
+
 SHAPES = [(2, 1, 2, 8, 8, 16), (2, 63, 2, 60, 20, 16), (1, 100, 3, 16, 24, 32), (2, 257, 2, 12, 10, 64), (3, 100, 1, 60, 60, 64)]
 
 
@@ -47,8 +49,7 @@ def main():
     for r in rows:
         print(f"{r['rule']:24} {r['form']:28} {r['output']:9.1e} {r['state']:9.1e} {r['grad']:9.1e}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        atomic_write_text(args.json, json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

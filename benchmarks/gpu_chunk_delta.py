@@ -85,6 +85,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastweights import ops  # noqa: E402
+from fastweights.config import atomic_write_text  # noqa: E402
 from fastweights.ops.triton import HAS_TRITON  # noqa: E402
 from fastweights.ops.triton.decode import delta_rule_step, delta_rule_step_ref  # noqa: E402
 
@@ -371,8 +372,7 @@ def main(args):
 
     result = dict(meta=meta, checks=checks, rows=rows)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str))
+        atomic_write_text(args.json, json.dumps(result, indent=1, default=str))
     if args.append_md:
         section = [
             f"\n## {meta['date']} — {meta['device']}\n",

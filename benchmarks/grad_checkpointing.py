@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fastweights.bench import _reset_peak_rss, _status_kib  # noqa: E402
+from fastweights.config import atomic_write_text  # noqa: E402
 from fastweights.models import LM, LMConfig  # noqa: E402
 
 
@@ -113,8 +114,7 @@ def main() -> int:
     print("on/off: saved {saved_on_over_off:.3f}, peak {peak_on_over_off:.3f}, time {time_on_over_off:.2f}".format(**ratios))
     print(f"peak measure: {off['measure']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows, "ratios": ratios}, indent=2) + "\n")
+        atomic_write_text(args.json, json.dumps({"shape": shape, "rows": rows, "ratios": ratios}, indent=2) + "\n")
     return 0
 
 

@@ -215,12 +215,13 @@ def main(argv=None) -> int:
     if args.json:
         import triton
 
-        args.json.parent.mkdir(parents=True, exist_ok=True)
+        from fastweights.config import atomic_write_text
+
         rows = [dict(kernel=c.kernel, rule="gated" if c.gated else "plain", dtype=c.dtype, K=c.dim, V=c.dim,
                      num_warps=c.num_warps, num_stages=c.num_stages, constexprs={k: str(v) for k, v in c.constexprs.items()},
                      **{k: v for k, v in c.result.items() if k != "cached"}) for c in cases]
-        args.json.write_text(json.dumps(dict(target="cuda sm_90", shared_limit=SM90_SHARED_LIMIT,
-                                             triton=triton.__version__, rows=rows, failures=bad), indent=1))
+        atomic_write_text(args.json, json.dumps(dict(target="cuda sm_90", shared_limit=SM90_SHARED_LIMIT,
+                                                     triton=triton.__version__, rows=rows, failures=bad), indent=1))
     for line in bad:
         print("DOES NOT FIT:", line)
     print(f"{len(cases) - len(bad)}/{len(cases)} fit", flush=True)

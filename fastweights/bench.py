@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .allocator import tune_cpu_allocator
+from .config import atomic_write_text
 
 IMPLEMENTATIONS = ("recurrent", "textbook", "fast")
 TARGETS = {  # issue 3, at T = 2048 (memory at T = 8192)
@@ -420,8 +421,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nLong input: {json.dumps(long)}")
     if args.json:
         path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, default=str))
+        atomic_write_text(path, json.dumps(result, indent=2, default=str))
         print(f"\nwrote {path}")
     return 0
 

@@ -5,7 +5,8 @@ A checkpoint is a folder::
     ckpt-000200/
         config.json             the LMConfig (plain JSON)
         model.safetensors       the weights; its metadata repeats the config and the format
-        train.json              (training only) run id, step, configs, loss history, optimizer hyperparameters
+        train.json              (training only) run id, step, configs, loss history, optimizer hyperparameters,
+                                and (fp16) the gradient scaler's state
         train_state.safetensors (training only) optimizer moments and RNG state
         manifest.json           the SHA-256 and size of every other file, written last
 
@@ -46,13 +47,14 @@ from .models import LM, LMConfig
 FORMAT = "fastweights-lm-1"
 LATEST = "latest"
 MANIFEST = "manifest.json"
+CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_state.safetensors"}
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
 STRAY = re.compile(r"\.tmp-|\.tmp$")  # temp folders/files of writers that are gone
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
     "resolve_checkpoint", "optimizer_to_flat", "optimizer_from_flat", "check_train_state",
-    "load_training_checkpoint", "FORMAT",
+    "load_training_checkpoint", "check_training_tensors", "FORMAT",
 ]
 
 
@@ -130,16 +132,17 @@ def save_checkpoint(
     from safetensors import SafetensorError
 
     path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         os.makedirs(tmp)
         config_text = model.config.to_json()
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        # "manifest": a checkpoint of this version has one, so a lost manifest.json is refused
+        # on load instead of being taken for a checkpoint from before manifests
         save_file(_weights_of(model), os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": FORMAT, "config": config_text, "dtype": dtype})
+                  metadata={"format": FORMAT, "config": config_text, "dtype": dtype, "manifest": MANIFEST})
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             f.write(config_text)
         if train is not None:
@@ -186,12 +189,18 @@ def _file_digest(file: str) -> Dict[str, Any]:
 
 
 def verify_manifest(path: str) -> None:
-    """Check every file of a checkpoint against its ``manifest.json`` (SHA-256 and size).
+    """Check every file of a checkpoint against its ``manifest.json`` (SHA-256 and size), and
+    that every checkpoint file in the folder is listed there.
 
-    Checkpoints written before manifests existed have none and are only structurally checked.
+    Checkpoints written before manifests existed have none and are only structurally checked;
+    one whose weights say it was written with a manifest (metadata ``"manifest"``) and has
+    none is refused: a lost manifest must not switch the checksums off.
     """
     manifest_file = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_file):
+        if _header_metadata(os.path.join(path, "model.safetensors")).get("manifest"):
+            raise CheckpointError(f"{path}: {MANIFEST} is missing, but model.safetensors says the checkpoint was "
+                                  f"written with one: the checkpoint is incomplete (its files cannot be verified)")
         return
     try:
         with open(manifest_file, encoding="utf-8") as f:
@@ -199,6 +208,9 @@ def verify_manifest(path: str) -> None:
         entries = [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from None
+    unlisted = sorted(CHECKPOINT_FILES & set(os.listdir(path)) - {name for name, _, _ in entries})
+    if unlisted:
+        raise CheckpointError(f"{path}: checkpoint file {unlisted[0]} is not listed in {MANIFEST}: it cannot be verified")
     for name, sha256, size in entries:
         file = os.path.join(path, name)
         if os.path.basename(name) != name or not os.path.isfile(file):
@@ -209,6 +221,18 @@ def verify_manifest(path: str) -> None:
                 f"{path}: checkpoint file {name} fails its SHA-256 check ({found['bytes']} bytes, sha256 "
                 f"{found['sha256'][:16]}..., expected {size} bytes, {sha256[:16]}...): the file is corrupt"
             )
+
+
+def _header_metadata(file: str) -> Dict[str, str]:
+    """The metadata of a safetensors file's header (``{}`` when it cannot be read: the
+    structural checks that follow say what is wrong with the file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return f.metadata() or {}
+    except Exception:  # noqa: BLE001 -- missing, truncated or garbled: reported by _read_safetensors
+        return {}
 
 
 def mark_latest(run_dir: "str | os.PathLike", checkpoint: "str | os.PathLike") -> None:
@@ -226,10 +250,17 @@ def resolve_checkpoint(path: "str | os.PathLike") -> str:
         with open(latest, encoding="utf-8") as f:
             name = f.read().strip()
         target = os.path.join(path, name)
-        if not name or not os.path.isdir(target):
+        if not name or name in (".", "..") or os.path.basename(name) != name or not os.path.isdir(target):
             raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint folder in {path!r}")
         return target
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        found = run_checkpoints(path)
+        if found:  # a run folder whose `latest` is gone (e.g. a kill right after its first checkpoint)
+            names = [os.path.basename(folder) for _, folder in found]
+            raise CheckpointError(
+                f"{path!r} is a run folder without a `latest` file; it holds {', '.join(names[-3:])}"
+                f"{' and older' if len(names) > 3 else ''}: pass one of them, e.g. {os.path.join(path, names[-1])!r} "
+                f"(`fastweights train --resume` picks the newest that verifies)")
         raise CheckpointError(f"{path!r} holds neither model.safetensors nor a `latest` file: not a checkpoint or run folder")
     return path
 
@@ -309,9 +340,12 @@ def check_train_state(train, tensors: Dict[str, torch.Tensor], where: str = "tra
     Schema: an object with ``step`` (int >= 0), ``history`` (one record per step,
     ``{"step": 1..step, "loss": number, ...}``), ``evals`` (a list of records with
     ``step`` <= step), ``train_config`` (an object), ``optimizer`` (an object) and,
-    since run ids exist, ``run_id`` (a string). The step must be the one the history
-    and the optimizer's own step counters reached: a ``step`` edited to 999 in a
-    20-step checkpoint is refused rather than resumed from the wrong place.
+    since run ids exist, ``run_id`` (a string); an fp16 run also has ``grad_scaler``
+    (:data:`GRAD_SCALER_SCHEMA`, the state of ``torch.amp.GradScaler``). The step must be
+    the one the history and the optimizer's own step counters reached (less the steps
+    the history marks ``"skipped": true``, where an fp16 overflow skipped the optimizer):
+    a ``step`` edited to 999 in a 20-step checkpoint is refused rather than resumed from
+    the wrong place.
     """
     def fail(message: str):
         raise CheckpointError(f"{where}: {message}")
@@ -332,16 +366,93 @@ def check_train_state(train, tensors: Dict[str, torch.Tensor], where: str = "tra
             fail(f"`{key}` must be {kind}, got {json.dumps(train[key])[:40]}")
     step, history = train["step"], train["history"]
     for i, record in enumerate(history):
-        if not isinstance(record, dict) or record.get("step") != i + 1 or not _is_number(record.get("loss")):
+        if not isinstance(record, dict) or record.get("step") != i + 1 or not _is_number(record.get("loss")) \
+                or not isinstance(record.get("skipped", False), bool):
             fail(f"`history[{i}]` must be {{\"step\": {i + 1}, \"loss\": <number>, ...}}, got {json.dumps(record)[:60]}")
     if len(history) != step:
         fail(f"`step`={step} does not match the history, which ends at step {len(history)}")
     for i, record in enumerate(train.get("evals", [])):
         if not isinstance(record, dict) or not _is_int(record.get("step")) or not 0 < record["step"] <= step:
             fail(f"`evals[{i}]` must be an object with a `step` in 1..{step}, got {json.dumps(record)[:60]}")
-    for key, value in tensors.items():  # AdamW counts its own steps: they must agree
-        if key.startswith("optimizer.") and key.endswith(".step") and value.numel() == 1 and float(value) != step:
-            fail(f"`step`={step} does not match the optimizer state ({key} = {float(value):g})")
+    precision = train["train_config"].get("precision", "fp32")
+    if "grad_scaler" in train or precision == "fp16":
+        _check_grad_scaler(train.get("grad_scaler"), precision, fail)
+    taken = step - sum(1 for record in history if record.get("skipped"))
+    for key, value in tensors.items():  # AdamW counts the steps it took: they must agree
+        if key.startswith("optimizer.") and key.endswith(".step") and value.numel() == 1 and float(value) != taken:
+            skipped = f" less {step - taken} skipped" if taken != step else ""
+            fail(f"`step`={step}{skipped} does not match the optimizer state ({key} = {float(value):g})")
+
+
+# ``train.json``'s ``grad_scaler``: torch.amp.GradScaler.state_dict() of an enabled scaler.
+GRAD_SCALER_SCHEMA = {
+    "scale": ("a finite number > 0", lambda x: _is_number(x) and x > 0),
+    "growth_factor": ("a finite number > 1", lambda x: _is_number(x) and x > 1),
+    "backoff_factor": ("a number in (0, 1)", lambda x: _is_number(x) and 0 < x < 1),
+    "growth_interval": ("an int > 0", lambda x: _is_int(x) and x > 0),
+    "_growth_tracker": ("an int >= 0", lambda x: _is_int(x) and x >= 0),
+}
+
+
+def _check_grad_scaler(state, precision: str, fail) -> None:
+    if state is None:
+        fail(f"`grad_scaler` is missing: a `precision`={precision!r} run must save its gradient scaler "
+             f"(resuming with a fresh scale would not continue the run exactly)")
+    if not isinstance(state, dict):
+        fail(f"`grad_scaler` must be an object, got {json.dumps(state)[:40]}")
+    if precision != "fp16":
+        fail(f"`grad_scaler` is only saved by fp16 runs; this run's `precision` is {precision!r}")
+    for key, (kind, check) in GRAD_SCALER_SCHEMA.items():
+        if key not in state:
+            fail(f"`grad_scaler.{key}` is missing (expected {kind})")
+        if not check(state[key]):
+            fail(f"`grad_scaler.{key}` must be {kind}, got {json.dumps(state[key])[:40]}")
+    if state["_growth_tracker"] >= state["growth_interval"]:
+        fail(f"`grad_scaler._growth_tracker`={state['_growth_tracker']} must be below "
+             f"`growth_interval`={state['growth_interval']}")
+
+
+def check_training_tensors(ckpt: "Checkpoint", optimizer: torch.optim.Optimizer) -> None:
+    """Check a checkpoint's tensors against the run they resume, before anything is loaded:
+    finite weights; ``rng.torch`` shaped as torch's CPU generator state; every optimizer
+    moment of an existing parameter index, with that parameter's shape and dtype, finite, and
+    the same slots for every parameter that has any. (The manifest proves the files are as
+    written; this catches what a buggy writer or an edit consistent with the manifest breaks,
+    which would otherwise be a raw error deep in the optimizer, or a silent dtype change.)
+    One-line :class:`CheckpointError`s naming the file and the tensor.
+    """
+    weights_file, state_file = f"{ckpt.path}/model.safetensors", f"{ckpt.path}/train_state.safetensors"
+    for key, value in ckpt.weights.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{weights_file}: weight `{key}` holds {int((~torch.isfinite(value)).sum())} "
+                                  f"non-finite value(s): training cannot continue from it")
+    rng, expected = ckpt.train_tensors["rng.torch"], torch.get_rng_state()
+    if rng.dtype != expected.dtype or rng.shape != expected.shape:
+        raise CheckpointError(f"{state_file}: `rng.torch` must be torch's CPU generator state, a {expected.dtype} "
+                              f"tensor of shape {list(expected.shape)}; got {rng.dtype} {list(rng.shape)}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    slots: Dict[int, set] = {}
+    for key, value in sorted(ckpt.train_tensors.items()):
+        if not key.startswith("optimizer."):
+            continue
+        _, index, name = key.split(".", 2)
+        if not index.isdigit() or int(index) >= len(params):
+            raise CheckpointError(f"{state_file}: `{key}` names no parameter (the optimizer has {len(params)}, "
+                                  f"indices 0..{len(params) - 1})")
+        param = params[int(index)]
+        if name == "step" and value.numel() != 1:
+            raise CheckpointError(f"{state_file}: `{key}` must hold one number, got shape {list(value.shape)}")
+        if name != "step" and (value.shape != param.shape or value.dtype != param.dtype):
+            raise CheckpointError(f"{state_file}: `{key}` must have its parameter's shape {list(param.shape)} and dtype "
+                                  f"{param.dtype}, got {list(value.shape)} {value.dtype}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{state_file}: `{key}` holds {int((~torch.isfinite(value)).sum())} non-finite value(s)")
+        slots.setdefault(int(index), set()).add(name)
+    every = set().union(*slots.values()) if slots else set()
+    for index, names in sorted(slots.items()):
+        if names != every:
+            raise CheckpointError(f"{state_file}: parameter {index} has optimizer state {sorted(names)} but others have "
+                                  f"{sorted(every)}: `optimizer.{index}.{sorted(every - names)[0]}` is missing")
 
 
 def checkpoint_step(name: str) -> Optional[int]:

@@ -10,6 +10,13 @@
 - **decode**: one call ``model(token, cache)`` with a single new token after a
   context of 256, 4096 and 32768 tokens (B = 1, under ``no_grad``).
 
+``clock`` (``--clock``): ``wall`` (default) times with ``time.perf_counter``; ``cpu``
+with ``time.process_time``, the CPU time of the process (all its threads). On a shared,
+oversubscribed machine wall time mostly measures the scheduler: a 2-thread step waits
+at every parallel region for its second thread to be given a core, so a mixer of many
+small ops (the chunk form) is slowed far more than one of a few large matmuls. With
+``--threads 1 --clock cpu`` each step's time is the work it did, whatever the load.
+
 Every measurement is interleaved: each repeat times every mixer once before the
 next repeat starts, so a noisy shared machine disturbs all contenders alike;
 the table reports the minimum (and median) over the repeats, tokens/s from the
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -51,6 +59,7 @@ DECODE_CONTEXTS = (256, 4096, 32768)
 QUICK_TRAIN_SHAPES = ((64, 2), (128, 1))
 QUICK_DECODE_CONTEXTS = (32, 128)
 DEFAULT_JSON = "benchmarks/results/lm_speed.json"
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 #: Issue 16's targets: time ratio DeltaNet / softmax (<=), and flatness of every
 #: fast-weight mixer's decode step (time at the longest context / at the shortest, <=).
@@ -102,7 +111,7 @@ def _row_stats(times: List[float]) -> Dict:
     return dict(repeats=len(times), ms_min=1e3 * min(times), ms_median=1e3 * statistics.median(times))
 
 
-def time_train(models, shapes, repeats: int, gen: torch.Generator, log) -> List[Dict]:
+def time_train(models, shapes, repeats: int, gen: torch.Generator, log, clock=time.perf_counter) -> List[Dict]:
     rows = []
     optimizers = {m: torch.optim.AdamW(model.parameters(), lr=1e-4) for m, model in models.items()}
     for T, B in shapes:
@@ -112,9 +121,9 @@ def time_train(models, shapes, repeats: int, gen: torch.Generator, log) -> List[
         times = {m: [] for m in models}
         for _ in range(repeats):
             for m, model in models.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 train_step(model, optimizers[m], ids)
-                times[m].append(time.perf_counter() - t0)
+                times[m].append(clock() - t0)
         for m in models:
             row = dict(mixer=m, T=T, B=B, **_row_stats(times[m]))
             row["tokens_per_s"] = B * T / (row["ms_min"] / 1e3)
@@ -124,7 +133,8 @@ def time_train(models, shapes, repeats: int, gen: torch.Generator, log) -> List[
 
 
 @torch.no_grad()
-def time_decode(models, contexts, repeats: int, steps: int, real_prefill_max: int, gen: torch.Generator, log) -> List[Dict]:
+def time_decode(models, contexts, repeats: int, steps: int, real_prefill_max: int, gen: torch.Generator, log,
+                clock=time.perf_counter) -> List[Dict]:
     rows = []
     for length in contexts:
         caches, tokens = {}, {}
@@ -139,9 +149,9 @@ def time_decode(models, contexts, repeats: int, steps: int, real_prefill_max: in
             for m, model in models.items():
                 cache, token = caches[m], tokens[m]
                 for _ in range(steps):
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     _, cache = model(token, cache)
-                    times[m].append(time.perf_counter() - t0)
+                    times[m].append(clock() - t0)
                 caches[m] = cache
         for m in models:
             row = dict(mixer=m, context=length, steps=len(times[m]), **_row_stats(times[m]))
@@ -151,6 +161,14 @@ def time_decode(models, contexts, repeats: int, steps: int, real_prefill_max: in
         caches.clear()
         log(f"  decode after {length}: " + ", ".join(f"{m} {1e3 * min(times[m]):.2f} ms" for m in models))
     return rows
+
+
+def _load_average() -> Optional[List[float]]:
+    """The 1, 5 and 15 minute load averages (None where the OS has none): how busy the machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def add_ratios(rows: List[Dict], key: str) -> None:
@@ -187,6 +205,7 @@ def check_targets(train: List[Dict], decode: List[Dict]) -> List[Dict]:
 def print_table(meta: Dict, train: List[Dict], decode: List[Dict], targets: List[Dict]) -> None:
     print(f"\nLM speed: d_model {meta['d_model']}, {meta['n_layers']} layers, {meta['n_heads']} heads, vocab "
           f"{meta['vocab_size']}, {meta['dtype']}, {meta['threads']} threads, torch {meta['torch']}, {meta['device_name']}")
+    print(f"{meta['clock']} clock; load average before {meta['load_average']}, after {meta.get('load_average_after')}")
     print("times: minimum over interleaved repeats (median in brackets); ratio = time / softmax's time, same run\n")
     head = f"{'':34} " + " ".join(f"{m:>22}" for m in MIXERS)
     print(head)
@@ -225,6 +244,8 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool = True) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lm-heads", type=int, default=4, help="attention heads of the LM")
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: elapsed time; cpu: the process's CPU time (use with --threads 1 on a busy machine)")
     if standalone:
         p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (reported)")
         p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; 1 with --quick)")
@@ -248,7 +269,8 @@ def run(args: argparse.Namespace, log=None) -> int:
     meta = dict(
         d_model=args.d_model, n_layers=args.layers, n_heads=args.lm_heads, vocab_size=args.vocab, dtype="float32",
         device="cpu", device_name=_cpu_name(), threads=torch.get_num_threads(), torch=torch.__version__,
-        python=platform.python_version(), repeats=repeats, decode_steps_per_repeat=steps, quick=bool(args.quick),
+        python=platform.python_version(), clock=args.clock, load_average=_load_average(), repeats=repeats,
+        decode_steps_per_repeat=steps, quick=bool(args.quick),
         train_shapes=[dict(T=T, B=B) for T, B in shapes], decode_contexts=list(contexts),
         train_step="forward + cross-entropy + backward + AdamW.step (lr 1e-4), return_cache=False",
         decode_step="model(token, cache) with one new token, batch 1, under no_grad",
@@ -261,8 +283,10 @@ def run(args: argparse.Namespace, log=None) -> int:
     mixers = list(dict.fromkeys(args.mixers))
     models = {m: make_model(m, args.d_model, args.layers, args.lm_heads, args.vocab, max_len) for m in mixers}
     gen = torch.Generator().manual_seed(0)
-    train = time_train(models, shapes, repeats, gen, log)
-    decode = time_decode(models, contexts, repeats, steps, real_max, gen, log)
+    clock = CLOCKS[args.clock]
+    train = time_train(models, shapes, repeats, gen, log, clock)
+    decode = time_decode(models, contexts, repeats, steps, real_max, gen, log, clock)
+    meta["load_average_after"] = _load_average()
     add_ratios(train, "T")
     add_ratios(decode, "context")
     targets = check_targets(train, decode)

@@ -35,14 +35,15 @@ import uuid
 from typing import Callable, Optional
 
 from .checkpoint import (
-    LATEST, CheckpointError, clean_stray, remove_folder, resolve_checkpoint, run_checkpoints, run_id_of,
+    LATEST, CheckpointError, clean_stray, load_training_checkpoint, mark_latest, remove_folder, resolve_checkpoint,
+    run_checkpoints, run_id_of,
 )
 
 LOCK = "lock"
 METRICS = "metrics.jsonl"
 
 __all__ = [
-    "RunFolderError", "RunLock", "claim_run_folder", "prune_checkpoints", "new_run_id",
+    "RunFolderError", "RunLock", "claim_run_folder", "prune_checkpoints", "new_run_id", "resume_checkpoint",
     "StopSignals", "TrainingInterrupted",
 ]
 
@@ -109,9 +110,15 @@ class RunLock:
         """Take the lock or raise :class:`RunFolderError` naming the trainer that holds it."""
         import fcntl
 
-        os.makedirs(self.run_dir, exist_ok=True)
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except OSError as e:  # a full disk, a read-only parent: one line, not a traceback
+            raise RunFolderError(f"train: cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise RunFolderError(f"train: cannot create the lock file {self.path}: {e.strerror or e}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -134,9 +141,13 @@ class RunLock:
             log(f"train: took over the stale lock of pid {previous.get('pid')} on {previous.get('host')} ({state})")
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
               "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        self._fd = fd
+        self._fd = fd  # held from here on: release() removes the file, whatever happens next
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        except OSError as e:
+            self.release()
+            raise RunFolderError(f"train: cannot write the lock file {self.path}: {e.strerror or e}") from None
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent; safe in a signal handler)."""
@@ -163,7 +174,10 @@ def claim_run_folder(run_dir: str, *, resume: bool, overwrite: bool, log: Callab
     Removes what killed runs left (``*.tmp-*``). A fresh run refuses a folder that holds
     checkpoints or metrics of another run unless ``overwrite``, which deletes them. A
     resumed run removes its own checkpoints newer than ``latest`` (written by a run
-    killed before it could mark them; they are recomputed exactly).
+    killed before it could mark them; they are recomputed exactly). A resumed run whose
+    folder has checkpoints but no ``latest`` (a run killed between renaming its first
+    checkpoint into place and marking it) resumes from the newest checkpoint that loads
+    and verifies, saying so; those that do not are named with the reason.
     """
     if resume and overwrite:
         raise RunFolderError("train: --resume continues the run in --out and --overwrite replaces it; pass one of them")
@@ -174,6 +188,8 @@ def claim_run_folder(run_dir: str, *, resume: bool, overwrite: bool, log: Callab
     checkpoints = run_checkpoints(run_dir)
     has_latest = os.path.exists(os.path.join(run_dir, LATEST))
     if resume:
+        if not has_latest and checkpoints:
+            mark_latest(run_dir, _newest_valid(checkpoints, log))
         latest = resolve_checkpoint(run_dir)
         run_id = run_id_of(latest)
         step = next((s for s, folder in checkpoints if os.path.samefile(folder, latest)), None)
@@ -196,6 +212,35 @@ def claim_run_folder(run_dir: str, *, resume: bool, overwrite: bool, log: Callab
         if os.path.exists(os.path.join(run_dir, name)):
             os.remove(os.path.join(run_dir, name))
     log(f"train: --overwrite: removed the previous run's {len(checkpoints)} checkpoint(s) from {run_dir}")
+
+
+def resume_checkpoint(run_dir: str, log: Callable[[str], None] = lambda _: None) -> str:
+    """The checkpoint a ``--resume`` of ``run_dir`` continues from: the one ``latest`` names or,
+    when the folder has checkpoints but no ``latest``, the newest that verifies (as
+    :func:`claim_run_folder` chooses it; that one also writes ``latest``)."""
+    if os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, LATEST)):
+        checkpoints = run_checkpoints(run_dir)
+        if checkpoints:
+            return _newest_valid(checkpoints, log)
+    return resolve_checkpoint(run_dir)
+
+
+def _newest_valid(checkpoints, log: Callable[[str], None]) -> str:
+    """The newest of ``(step, folder)`` that passes :func:`load_training_checkpoint`; each
+    newer one that does not is logged with its reason. Raises if none does."""
+    reasons = []
+    for _, folder in reversed(checkpoints):
+        try:
+            load_training_checkpoint(folder)
+        except CheckpointError as e:
+            reasons.append(str(e))
+            log(f"train: --resume: skipping {os.path.basename(folder)}: {e}")
+            continue
+        log(f"train: --resume: {os.path.dirname(folder)} has no `latest` file (a run killed before it marked its "
+            f"checkpoint); resuming from {os.path.basename(folder)}, the newest checkpoint that verifies")
+        return folder
+    raise RunFolderError(f"train: --resume: no checkpoint in {os.path.dirname(checkpoints[0][1])} can be resumed "
+                         f"({'; '.join(reasons)[:300]})")
 
 
 def prune_checkpoints(run_dir: str, run_id: str, keep: int, latest: str) -> None:

@@ -5,8 +5,11 @@ of an uninterrupted one exactly:
 
 - the batch of step s is a pure function of ``(seed, s)`` (its own ``torch.Generator``),
   never of how many batches a process has drawn before;
-- a checkpoint holds the weights, the optimizer moments, the step, the loss history
-  and the global RNG state, and the learning rate is a function of the step.
+- a checkpoint holds the weights, the optimizer moments, the step, the loss history,
+  the global RNG state and (fp16) the gradient scaler's scale and growth counter, and
+  the learning rate is a function of the step. An fp16 step whose gradients
+  overflowed is skipped by the scaler (the optimizer does not step): its history
+  record says ``"skipped": true``, so the optimizer's own step count is known.
 
 Data parallelism (``torchrun --nproc_per_node=P``, gloo on the CPU): every process
 draws the same global batch of step s and keeps its 1/P slice; the loss is the sum
@@ -40,10 +43,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import (
-    CheckpointWriteError, load_training_checkpoint, load_weights, mark_latest, optimizer_from_flat,
-    optimizer_to_flat, save_checkpoint,
+    CheckpointWriteError, check_training_tensors, load_training_checkpoint, load_weights, mark_latest,
+    optimizer_from_flat, optimizer_to_flat, remove_folder, save_checkpoint,
 )
-from .config import Config
+from .config import Config, atomic_write_text
 from .models import LM, LMConfig
 from .run_folder import (
     RunFolderError, RunLock, StopSignals, TrainingInterrupted, claim_run_folder, describe_latest, new_run_id,
@@ -329,6 +332,12 @@ def make_optimizer(model: LM, config: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), foreach=False)
 
 
+def make_scaler(config: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
+    """The gradient scaler of ``config.precision``: torch's defaults for fp16, disabled otherwise
+    (a disabled scaler passes the loss and the step through unchanged)."""
+    return torch.amp.GradScaler(torch.device(device).type, enabled=config.precision == "fp16")
+
+
 def check_precision(precision: str, device: torch.device) -> None:
     """fp16 autocast is a CUDA feature here (on a CPU, bf16 is the low precision to use)."""
     if precision == "fp16" and torch.device(device).type != "cuda":
@@ -537,15 +546,18 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     check_precision(config.precision, device)
     optimizer = make_optimizer(model, config)
     # fp16 gradients can underflow: scale the loss up, unscale before clipping (a no-op otherwise)
-    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
+    scaler = make_scaler(config, device)
     start, history, evals, run_id = 0, [], [], new_run_id()
 
     if resume:
         ckpt = load_training_checkpoint(out_dir)
         run_id = ckpt.train.get("run_id") or run_id  # checkpoints from before run ids get one now
+        check_training_tensors(ckpt, optimizer)
         load_weights(model, ckpt.weights, ckpt.path)
         optimizer.load_state_dict(optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
         torch.set_rng_state(ckpt.train_tensors["rng.torch"])
+        if scaler.is_enabled():  # the scale the killed run had reached, not a fresh one
+            scaler.load_state_dict(ckpt.train["grad_scaler"])
         start, history, evals = ckpt.train["step"], ckpt.train["history"], ckpt.train["evals"]
         if rank == 0:  # drop what the killed run logged after its last checkpoint
             _rewrite_metrics(out_dir, history, evals)
@@ -576,8 +588,10 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         scaler.unscale_(optimizer)
         if config.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip, foreach=False)
+        scale = scaler.get_scale() if scaler.is_enabled() else None
         scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
         scaler.update()
+        skipped = scale is not None and scaler.get_scale() < scale
         optimizer.zero_grad(set_to_none=True)
         step_seconds += time.perf_counter() - step_t0
 
@@ -589,6 +603,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         # seconds: wall time since the run began (resumes included); tok_s: training tokens
         # per second of step time since this process started
         record = {"step": step + 1, "loss": loss, "lr": lr, "seconds": seconds_before + elapsed, "tok_s": round(tok_s, 1)}
+        if skipped:  # the optimizer did not step (fp16 overflow); the scaler lowered its scale
+            record["skipped"] = True
         history.append(record)
         if rank == 0:
             _write_metrics(out_dir, record)
@@ -613,7 +629,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         saved = None
         if out_dir is not None and ((config.save_every and (step + 1) % config.save_every == 0) or last or interrupted):
             if rank == 0:
-                saved = _save(out_dir, model, optimizer, model_config, config, task, step + 1, history, evals, run_id)
+                saved = _save(out_dir, model, optimizer, scaler, model_config, config, task, step + 1, history, evals, run_id)
             if world > 1:
                 _collective("the barrier after a checkpoint", dist.barrier)
         if interrupted and not last:
@@ -626,13 +642,13 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
 
 def _rewrite_metrics(out_dir: str, history, evals) -> None:
     records = sorted(history + evals, key=lambda r: (r["step"], "eval_loss" in r))
-    tmp = _metrics_path(out_dir) + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(tmp, _metrics_path(out_dir))
+    try:
+        atomic_write_text(_metrics_path(out_dir), "".join(json.dumps(r) + "\n" for r in records))
+    except OSError as e:  # a full disk: one line; the old metrics file is untouched
+        raise RunFolderError(f"train: could not rewrite {_metrics_path(out_dir)}: {e.strerror or e}") from None
 
 
-def _save(out_dir, model, optimizer, model_config, config, task, step, history, evals, run_id) -> str:
+def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, history, evals, run_id) -> str:
     """Write ``ckpt-<step>`` (with ``run_id``), point ``latest`` at it, prune this run's older ones."""
     tensors, optimizer_info = optimizer_to_flat(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
@@ -640,10 +656,18 @@ def _save(out_dir, model, optimizer, model_config, config, task, step, history, 
         "run_id": run_id, "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
         "optimizer": optimizer_info, "history": history, "evals": evals,
     }
+    if scaler.is_enabled():  # scale, growth factors and interval, steps since the last overflow: plain numbers
+        train_state["grad_scaler"] = scaler.state_dict()
     try:
         path = save_checkpoint(os.path.join(out_dir, f"ckpt-{step:06d}"), model, train=train_state, train_tensors=tensors)
     except CheckpointWriteError as e:  # a full disk: say so in one line; nothing was replaced
         raise CheckpointWriteError(f"train: {e}; {describe_latest(out_dir)}") from None
-    mark_latest(out_dir, path)
+    try:
+        mark_latest(out_dir, path)
+    except OSError as e:  # `latest` still names the previous checkpoint: drop the unmarked one
+        remove_folder(path)
+        raise CheckpointWriteError(
+            f"train: could not point {os.path.join(out_dir, 'latest')} at {os.path.basename(path)}: "
+            f"{e.strerror or e}; {describe_latest(out_dir)}") from None
     prune_checkpoints(out_dir, run_id, config.keep_checkpoints, latest=path)
     return path

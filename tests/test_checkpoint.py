@@ -94,8 +94,14 @@ def test_loading_executes_no_code(tmp_path, monkeypatch):
 
 
 def without_manifest(folder):
-    """A checkpoint as written before manifests existed: only the structural checks apply."""
+    """A checkpoint as written before manifests existed (no manifest.json, and weights whose
+    metadata does not announce one): only the structural checks apply."""
     os.remove(folder / "manifest.json")
+    weights = folder / "model.safetensors"
+    with safetensors.safe_open(str(weights), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    metadata.pop("manifest")
+    safetensors.torch.save_file(tensors, str(weights), metadata=metadata)
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
@@ -128,10 +134,10 @@ def test_a_flipped_bit_is_refused_naming_the_file(tmp_path, file):
     else:
         data[data.index(b"1")] = ord("7")
     path.write_bytes(bytes(data))
-    if file == "model.safetensors":  # without the check it loads (and would train) silently
+    if file == "model.safetensors":  # removing the manifest does not switch the check off
         os.rename(tmp_path / "c" / "manifest.json", tmp_path / "manifest.json")
-        weights = load_checkpoint(tmp_path / "c").weights
-        print(f"flipped bit loads without a manifest: max |weight| {max(float(w.abs().max()) for w in weights.values()):.3g}")
+        with pytest.raises(CheckpointError, match=r"manifest.json is missing, but model.safetensors says the checkpoint was written with one"):
+            load_checkpoint(tmp_path / "c")
         os.rename(tmp_path / "manifest.json", tmp_path / "c" / "manifest.json")
     with pytest.raises(CheckpointError, match=rf"checkpoint file {file} fails its SHA-256 check .*the file is corrupt"):
         load_checkpoint(tmp_path / "c")
@@ -152,6 +158,7 @@ def test_weights_swapped_from_another_model(tmp_path):
     save_checkpoint(tmp_path / "a", make_model())
     save_checkpoint(tmp_path / "b", make_model(d_model=48))
     without_manifest(tmp_path / "a")
+    without_manifest(tmp_path / "b")
     os.replace(tmp_path / "b" / "model.safetensors", tmp_path / "a" / "model.safetensors")
     with pytest.raises(CheckpointError, match="does not match"):
         load_model(tmp_path / "a")
@@ -178,9 +185,55 @@ def test_unknown_key_in_config_json(tmp_path):
         load_model(tmp_path / "c")
 
 
+def test_a_lost_manifest_is_refused_but_a_checkpoint_from_before_manifests_loads(tmp_path):
+    """A checkpoint that lost its manifest.json (a partial copy) used to load with the checksums
+    silently off; its weights say it had one. One from before manifests still loads."""
+    model = make_model()
+    for name in ("lost", "old"):
+        save_checkpoint(tmp_path / name, model)
+    os.remove(tmp_path / "lost" / "manifest.json")
+    with pytest.raises(CheckpointError, match=r"lost: manifest.json is missing, but model.safetensors says .* incomplete"):
+        load_checkpoint(tmp_path / "lost")
+    without_manifest(tmp_path / "old")
+    assert torch.equal(load_model(tmp_path / "old")[0].embed.weight, model.embed.weight)
+
+
+def test_a_file_left_out_of_the_manifest_is_refused(tmp_path):
+    save_checkpoint(tmp_path / "c", make_model(), train={"step": 0}, train_tensors={"x": torch.zeros(2)})
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    del manifest["files"]["train.json"]
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"checkpoint file train.json is not listed in manifest.json"):
+        load_checkpoint(tmp_path / "c")
+
+
+@pytest.mark.parametrize("name", ["../other/ckpt-000001", "..", "/abs/ckpt-000001"], ids=["up-and-in", "parent", "absolute"])
+def test_latest_must_name_a_folder_of_the_run(tmp_path, name):
+    """``latest`` holds a checkpoint's folder name; a path leading out of the run folder is refused
+    rather than followed (it would load another run's checkpoint)."""
+    save_checkpoint(tmp_path / "other" / "ckpt-000001", make_model())
+    (tmp_path / "run" / "ckpt-000001").mkdir(parents=True)
+    if name.startswith("/"):
+        name = str(tmp_path / "other" / "ckpt-000001")
+    (tmp_path / "run" / "latest").write_text(name + "\n")
+    with pytest.raises(CheckpointError, match="which is not a checkpoint folder in"):
+        load_checkpoint(tmp_path / "run")
+
+
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="neither model.safetensors nor a `latest` file"):
         load_model(tmp_path / "empty")
+
+
+def test_a_run_folder_without_latest_names_its_checkpoints(tmp_path):
+    """It used to say "holds neither model.safetensors nor a `latest` file: not a checkpoint or
+    run folder", though it holds checkpoints."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path / f"ckpt-00000{step}", make_model())
+    with pytest.raises(CheckpointError, match=r"is a run folder without a `latest` file; it holds ckpt-000001, ckpt-000002: "
+                                              r"pass one of them, e\.g\. '.*ckpt-000002'"):
+        load_model(tmp_path)
+    assert load_model(tmp_path / "ckpt-000002")[1].path.endswith("ckpt-000002")

@@ -1,7 +1,11 @@
 """torch.compile: every chunk and recurrent op (and softmax attention) compiles with
 ``fullgraph=True`` -- no graph break -- forward and backward, with and without packed
 ``cu_seqlens`` (given ``max_seqlen``), and equals the eager op; the LM traces with 0
-graph breaks; ``max_seqlen`` below a sequence's length is refused in eager mode.
+graph breaks, also with ``attention_mask`` (left padding) and with model-level
+``cu_seqlens`` plus ``max_seqlen`` (without the hint: exactly one break, the read of the
+offsets), and equals the eager LM there; ``max_seqlen`` below a sequence's length is
+refused in eager mode. Break counts come from ``torch._dynamo.explain``:
+``fullgraph=True`` alone traces some data-dependent shapes without reporting a break.
 
 The default run uses ``backend="aot_eager"`` (AOTAutograd's forward and backward
 graphs, no code generation: the tracing is what can fail) on tiny float64 inputs, so
@@ -174,6 +178,88 @@ def test_compiled_lm_under_autocast_equals_eager(dtype):
 
 
 
+# -- the LM's padded and packed paths ---------------------------------------------------------
+#
+# A mask's packed token count depends on its values, so under compile (with return_cache=False)
+# the LM moves each row's real tokens to its front instead (static shapes); model-level
+# cu_seqlens with max_seqlen reach the ops without any read of the offsets.
+
+HYBRID = ["deltanet", "gated_deltanet", "linear", "softmax"]
+PADDED_MASK = [[0] * 5 + [1] * 14, [1] * 19, [0] * 11 + [1] * 8]  # left padding; one row without any
+LM_PATHS = {
+    "attention_mask": lambda: (torch.randint(0, 31, (3, 19)), dict(attention_mask=torch.tensor(PADDED_MASK))),
+    "cu_seqlens+max_seqlen": lambda: (torch.randint(0, 31, (1, 20)), dict(cu_seqlens=torch.tensor(CU_SEQLENS), max_seqlen=MAX_SEQLEN)),
+}
+
+
+def _hybrid_lm():
+    torch.manual_seed(0)
+    return LM(LMConfig(vocab_size=31, d_model=16, n_layers=4, n_heads=2, mixer=HYBRID, chunk_size=8)).double()
+
+
+def _logits(model, ids, kwargs):
+    return model(ids, return_cache=False, **kwargs)[0]
+
+
+@pytest.mark.parametrize("path", list(LM_PATHS))
+def test_lm_padded_and_packed_paths_compile_without_graph_breaks_and_equal_eager(path):
+    model = _hybrid_lm()
+    ids, kwargs = LM_PATHS[path]()
+    count, reasons = _explain_breaks(lambda i: _logits(model, i, kwargs), ids)
+    print(f"LM with {path}: {count} graph break(s) {reasons}")
+    assert count == 0, reasons
+    torch._dynamo.reset()
+    results = {}
+    for name, fn in (("eager", _logits), ("compiled", torch.compile(_logits, backend="aot_eager", fullgraph=True))):
+        model.zero_grad(set_to_none=True)
+        logits = fn(model, ids, kwargs)
+        cotangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5), dtype=logits.dtype)
+        (logits * cotangent).sum().backward()
+        results[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (lc, gc), (le, ge) = results["compiled"], results["eager"]
+    worst = max(ge, key=lambda n: rel_err(gc[n], ge[n]))
+    print(f"LM with {path}: compiled vs eager logits {rel_err(lc, le):.1e}, worst gradient {worst} {rel_err(gc[worst], ge[worst]):.1e}")
+    assert rel_err(lc, le) <= 1e-12 and rel_err(gc[worst], ge[worst]) <= 1e-12
+    if "attention_mask" in kwargs:  # logits at the pads are 0 in both
+        pads = kwargs["attention_mask"] == 0
+        assert bool((lc[pads] == 0).all()) and bool((le[pads] == 0).all())
+
+
+def test_lm_cu_seqlens_without_max_seqlen_breaks_once():
+    """Without the hint the LM reads the longest length from the offsets once (not once per layer)."""
+    model = _hybrid_lm()
+    ids, kwargs = LM_PATHS["cu_seqlens+max_seqlen"]()
+    del kwargs["max_seqlen"]
+    count, reasons = _explain_breaks(lambda i: _logits(model, i, kwargs), ids)
+    print(f"LM with cu_seqlens, no max_seqlen: {count} graph break(s) {reasons}")
+    assert count == 1, reasons
+
+
+def test_short_convolution_with_cu_seqlens_compiles_and_carries_each_state():
+    """Packed sequences shorter and longer than W − 1, with an incoming state: the compiled
+    convolution (fullgraph) gives each sequence's outputs and new state as run alone."""
+    from fastweights.layers import ShortConvolution
+
+    torch.manual_seed(3)
+    conv = ShortConvolution(6, kernel_size=4).double()
+    lengths = [1, 2, 6, 3]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    x = torch.randn(1, sum(lengths), 6, dtype=torch.float64)
+    state = torch.randn(len(lengths), 3, 6, dtype=torch.float64)
+    # explain, not fullgraph=True alone: fullgraph traces data-dependent shapes without reporting a break
+    count, reasons = _explain_breaks(conv, x, state, cu)
+    print(f"ShortConvolution with cu_seqlens: {count} graph break(s) {reasons}")
+    assert count == 0, reasons
+    torch._dynamo.reset()
+    y, new_state = torch.compile(conv, backend="aot_eager", fullgraph=True)(x, state, cu)
+    errors = []
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        y_own, state_own = conv(x[:, a:b], state[i:i + 1])
+        errors += [rel_err(y[:, a:b], y_own), rel_err(new_state[i:i + 1], state_own)]
+    print(f"compiled packed convolution vs each sequence alone: worst {max(errors):.1e}")
+    assert max(errors) <= 1e-12
+
+
 @pytest.mark.slow
 def test_inductor_training_step_of_a_tiny_lm():
     """One training step compiled by inductor (fullgraph) equals the eager step: loss and every gradient."""
@@ -191,3 +277,14 @@ def test_inductor_training_step_of_a_tiny_lm():
     print(f"inductor vs eager: loss {loss_c.item():.6f} vs {loss_e.item():.6f}; worst gradient {worst} {grads[worst]:.1e}")
     assert abs(loss_c.item() - loss_e.item()) <= 1e-5
     assert grads[worst] <= 1e-4
+
+
+def test_lm_max_seqlen_is_checked():
+    model = LM(LMConfig(vocab_size=31, d_model=16, n_layers=1, n_heads=2, mixer="deltanet", chunk_size=8))
+    ids = torch.randint(0, 31, (1, 20))
+    with pytest.raises(ValueError, match=r"LM: `max_seqlen`=11 is smaller than sequence 1 of `cu_seqlens` \(12 tokens\)"):
+        model(ids, cu_seqlens=torch.tensor(CU_SEQLENS), max_seqlen=MAX_SEQLEN - 1)
+    with pytest.raises(ValueError, match=r"LM: `max_seqlen`=12 describes packed sequences and needs `cu_seqlens`"):
+        model(ids, max_seqlen=MAX_SEQLEN)
+    with pytest.raises(TypeError, match=r"LM: `max_seqlen` must be a positive int"):
+        model(ids, cu_seqlens=torch.tensor(CU_SEQLENS), max_seqlen=12.0)

@@ -10,10 +10,12 @@ and more random kills.
 from __future__ import annotations
 
 import builtins
+import errno
 import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -310,3 +312,133 @@ def test_sigterm_at_random_moments(tmp_path, reference, trial):
         assert proc.returncode in (143, 0), err
     assert "Traceback" not in err, err
     assert_recoverable(out, reference, steps=40)
+
+
+# -- a full disk at every kind of write (no root needed) ----------------------------------------------
+
+WRITES = [(os, "makedirs", "makedirs"), (os, "fsync", "fsync"), (safetensors.torch, "save_file", "save_file"),
+          (builtins, "open", "open"), (os, "open", "os.open")]
+
+
+def _target(name, args, kwargs):
+    """What a write touches, as a class: the file's name with digits and temp suffixes folded
+    (``ckpt-000002.tmp-41/`` -> ``ckpt-N``, ``latest.x1y2.tmp`` -> ``latest``)."""
+    if name == "fsync":
+        path = os.readlink(f"/proc/self/fd/{args[0]}")
+    else:
+        path = str(args[1] if name == "save_file" else args[0])
+    return name, re.sub(r"\d+", "N", os.path.basename(path).split(".")[0])
+
+
+def disk_full_at(monkeypatch, n, seen=None):
+    """Make the n-th write (1-based) raise ENOSPC, as a full disk does; ``seen`` collects the
+    class of every write (:func:`_target`). Reads and lock-file opens without O_CREAT are not writes."""
+    count = [0]
+    for module, attribute, name in WRITES:
+        real = getattr(module, attribute)
+
+        def wrapped(*args, __real=real, __name=name, **kwargs):
+            if __name == "open" and not any(m in str(args[1] if len(args) > 1 else kwargs.get("mode", "r")) for m in "wax+"):
+                return __real(*args, **kwargs)
+            if __name == "os.open" and not args[1] & os.O_CREAT:
+                return __real(*args, **kwargs)
+            count[0] += 1
+            if seen is not None:
+                seen.append(_target(__name, args, kwargs))
+            if count[0] == n:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return __real(*args, **kwargs)
+
+        monkeypatch.setattr(module, attribute, wrapped)
+
+
+def write_classes(tmp_path, monkeypatch):
+    """``{class: the first write of that class}`` in a clean run (the second one), plus
+    ``{(class, 2): its second write}`` for the second checkpoint's weights and `latest`
+    (a failure there must leave the first checkpoint as `latest`)."""
+    for i in range(2):
+        seen = []
+        with monkeypatch.context() as m:
+            disk_full_at(m, 0, seen)
+            assert cli_main([*ARGS, "--out", str(tmp_path / f"count-{i}")]) == 0
+    first, again = {}, {}
+    for n, cls in enumerate(seen, 1):
+        if cls in first and cls in (("save_file", "model"), ("fsync", "latest")):
+            again.setdefault((cls, 2), n)
+        first.setdefault(cls, n)
+    return {**first, **again}, len(seen)
+
+
+def run_disk_full_trials(tmp_path, monkeypatch, capsys, reference, points):
+    """Returns each trial's error line (printed at the end: capsys reads each trial's output)."""
+    said = []
+    for n in points:
+        out = tmp_path / f"full-{n}"
+        with monkeypatch.context() as m:
+            disk_full_at(m, n)
+            with pytest.raises(SystemExit) as exit_info:
+                cli_main([*ARGS, "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        said.append(f"write {n}: {err}")
+        if (out / "latest").exists():  # a later checkpoint failed: the earlier one is named intact
+            assert "(latest) is intact" in err or "metrics.jsonl" in err, err
+        assert exit_info.value.code == 2 and "No space left on device" in err and len(err.splitlines()) == 1, err
+        assert not os.path.isdir(out) or not [x for x in os.listdir(out) if ".tmp" in x or x == "lock"]
+        if os.path.isdir(out):
+            assert_recoverable(out, reference)
+    return said
+
+
+def test_a_full_disk_at_each_kind_of_write_fails_in_one_line(tmp_path, monkeypatch, capsys, reference):
+    """ENOSPC at the first write of each kind (the run folder, the lock, metrics, each checkpoint
+    file and its fsync, `latest` and its fsync): one line, exit 2, no temp file, and the run
+    resumes exactly from what is left."""
+    first, total = write_classes(tmp_path, monkeypatch)
+    assert (("fsync", "latest"), 2) in first and ("makedirs", "count-N") in first and len(first) >= 12
+    said = run_disk_full_trials(tmp_path, monkeypatch, capsys, reference, sorted(first.values()))
+    print(f"{len(first)} kinds of write among the run's {total}: {sorted(first, key=str)}", *said, sep="\n")
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_every_write_fails_in_one_line(tmp_path, monkeypatch, capsys, reference):
+    _, total = write_classes(tmp_path, monkeypatch)
+    said = run_disk_full_trials(tmp_path, monkeypatch, capsys, reference, range(1, total + 1))
+    print(f"{len(said)} of {total} writes failed with a full disk, each in one line, each recovered", *said, sep="\n")
+
+
+# -- resume without `latest` ----------------------------------------------------------------------------
+
+
+def test_a_kill_before_the_first_checkpoint_is_marked_still_resumes(tmp_path, monkeypatch, reference):
+    """Killed between renaming ckpt-000001 into place and writing `latest`: --resume takes ckpt-000001."""
+    import fastweights.train as train_module
+
+    def killed(*args):
+        raise Killed("before `latest` was written")
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "mark_latest", killed)
+        with pytest.raises(Killed):
+            cli_main([*ARGS, "--out", str(out)])
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt-")) == ["ckpt-000001"]
+    assert not (out / "latest").exists()
+    assert cli_main([*ARGS, "--out", str(out), "--resume"]) == 0
+    assert losses(out) == reference()
+
+
+def test_resume_without_latest_skips_a_corrupt_newest_checkpoint(tmp_path, reference, capsys):
+    """No `latest`, the newest checkpoint corrupt: it is named with the reason and skipped, never
+    used; the run resumes from the newest one that verifies and ends on the reference."""
+    out = tmp_path / "run"
+    assert cli_main([*ARGS, "--steps", "3", "--out", str(out)]) == 0  # keeps ckpt-000002 and ckpt-000003
+    (out / "latest").unlink()
+    weights = out / "ckpt-000003" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    capsys.readouterr()
+    assert cli_main([*ARGS, "--out", str(out), "--resume"]) == 0
+    said = capsys.readouterr().out
+    print(said)
+    assert "skipping ckpt-000003" in said and "model.safetensors fails its SHA-256 check" in said
+    assert "resuming from ckpt-000002, the newest checkpoint that verifies" in said
+    assert losses(out) == reference()

@@ -4,7 +4,8 @@ Starts ``fastweights lab`` on a free local port, loads the page, moves the N sli
 past d and checks that the displayed recall drops, switches the rule to delta and
 checks the seed's overwrite numbers, types a bad N and checks the page shows the
 server's message, resets to the seed's example, and saves a screenshot of each
-panel into ``docs/figures/`` (the README shows them). It prints the page's load
+panel (into pytest's temporary folder; set ``FASTWEIGHTS_LAB_FIGURES=docs/figures`` to
+refresh the README's screenshots, so a plain test run never rewrites tracked files). It prints the page's load
 time and the time of a slider update (input event to redrawn page).
 
 Needs ``/usr/bin/chromium`` and ``/usr/bin/chromedriver`` (``apt-get install chromium
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -89,7 +89,7 @@ def text(driver, css):
     return driver.find_element(By.CSS_SELECTOR, css).text
 
 
-def test_lab_in_chromium(lab):
+def test_lab_in_chromium(lab, tmp_path):
     driver, url = lab
     start = time.perf_counter()
     driver.get(url)
@@ -127,6 +127,7 @@ def test_lab_in_chromium(lab):
     assert text(driver, "#overwrite-W") == "[[9.8, 3], [3.6, 7]]"
     assert text(driver, "#overwrite-k1") == "(9.8, 3.6)"
     assert text(driver, "#overwrite-k2") == "(3, 7)"
+    FIGURES = Path(os.environ.get("FASTWEIGHTS_LAB_FIGURES") or tmp_path)
     FIGURES.mkdir(parents=True, exist_ok=True)
     driver.find_element(By.ID, "interference").screenshot(str(FIGURES / "lab_interference.png"))
 

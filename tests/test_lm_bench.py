@@ -51,7 +51,8 @@ def test_quick_targets_listed(quick_result):
 def test_cli_bench_lm_writes_json(tmp_path):
     path = tmp_path / "lm.json"
     rc = cli_main(["bench", "--lm", "--quick", "--mixers", "deltanet", "softmax", "--d-model", "16", "--layers", "1",
-                   "--lm-heads", "2", "--threads", "1", "--json", str(path)])
+                   "--lm-heads", "2", "--threads", "1", "--clock", "cpu", "--json", str(path)])
     assert rc == 0
     r = json.loads(path.read_text())
     assert {row["mixer"] for row in r["train"]} == {"deltanet", "softmax"}
+    assert r["meta"]["clock"] == "cpu" and len(r["meta"]["load_average"]) == 3

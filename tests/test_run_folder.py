@@ -249,6 +249,65 @@ def test_damaged_train_json_is_refused_in_one_line(tmp_path, capsys, damage, mes
     assert pytest.importorskip("re").search(message, err)
 
 
+
+# -- damaged but checksum-consistent tensors of the training state -----------------------------------
+
+
+def _edit_safetensors(file, edit):
+    import safetensors
+
+    with safetensors.safe_open(str(file), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    edit(tensors)
+    safetensors.torch.save_file(tensors, str(file), metadata=metadata)
+
+
+def _first(tensors, suffix):
+    return next(k for k in sorted(tensors) if k.endswith(suffix) and tensors[k].dim() == 2)
+
+
+TENSOR_DAMAGE = {  # name -> (file, edit, message)
+    "rng-short": ("train_state", lambda t: t.update({"rng.torch": t["rng.torch"][:100]}),
+                  r"`rng.torch` must be torch's CPU generator state, a torch.uint8 tensor of shape \[\d+\]; got torch.uint8 \[100\]"),
+    "rng-float": ("train_state", lambda t: t.update({"rng.torch": t["rng.torch"].float()}), r"got torch.float32"),
+    "moment-shape": ("train_state", lambda t: t.update({(k := _first(t, "exp_avg")): t[k][:1]}),
+                     r"`optimizer.0.exp_avg` must have its parameter's shape \[17, 32\] and dtype torch.float32, got \[1, 32\]"),
+    "moment-dtype": ("train_state", lambda t: t.update({(k := _first(t, "exp_avg")): t[k].double()}), r"got \[17, 32\] torch.float64"),
+    "moment-missing": ("train_state", lambda t: t.pop(_first(t, "exp_avg_sq")), r"`optimizer.0.exp_avg_sq` is missing"),
+    "moment-nan": ("train_state", lambda t: t[_first(t, "exp_avg")].fill_(float("nan")), r"`optimizer.0.exp_avg` holds 544 non-finite"),
+    "unknown-index": ("train_state", lambda t: t.update({"optimizer.99.exp_avg": torch.zeros(3)}),
+                      r"`optimizer.99.exp_avg` names no parameter \(the optimizer has 15"),
+    "weight-nan": ("model", lambda t: t[sorted(t)[0]].fill_(float("nan")), r"model.safetensors: weight `.*` holds \d+ non-finite"),
+}
+
+
+@pytest.fixture(scope="module")
+def three_step_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("three") / "run"
+    assert cli_main(["train", "--steps", "3", "--save-every", "3", "--batch-size", "4", "--progress", "off",
+                     *TINY_MODEL, *TINY_RECALL, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("damage", list(TENSOR_DAMAGE))
+def test_damaged_training_tensors_are_refused_in_one_line(tmp_path, capsys, three_step_run, damage):
+    """A tensor of the training state edited consistently with the manifest (as a buggy tool would
+    write it) used to give a raw traceback deep in the optimizer or torch.set_rng_state, or to be
+    taken silently (a moment in float64, a moment of a parameter that does not exist)."""
+    out = tmp_path / "run"
+    shutil.copytree(three_step_run, out)
+    file, edit, message = TENSOR_DAMAGE[damage]
+    _edit_safetensors(out / "ckpt-000003" / f"{file}.safetensors", edit)
+    rehash(out / "ckpt-000003")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["train", "--resume", "--out", str(out), "--steps", "5", "--progress", "off"])
+    err = capsys.readouterr().err
+    print(err)
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"ckpt-000003/{file}.safetensors: " in err and pytest.importorskip("re").search(message, err)
+
+
 # -- failure 9: disk full ----------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import torch
 from fastweights.cli import main as cli_main
 from fastweights.models import LMConfig
 from fastweights.tasks import IGNORE, AssociativeRecall, ByteText
+from fastweights import train as train_module
 from fastweights.train import TrainConfig, learning_rate, make_task, train
 
 TINY_MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--threads", "1"]
@@ -174,6 +175,93 @@ def test_resume_refuses_a_changed_model(tmp_path):
         cli_main(["train", "--resume", "--out", str(out), "--d-model", "64"])
     with pytest.raises(SystemExit):
         cli_main(["train", "--resume", "--out", str(out), "--lr", "1.0"])
+
+
+
+# -- fp16: the gradient scaler's state is part of the training state --------------------------------
+
+FP16_RECALL = dict(recall_keys=8, recall_values=8, recall_pairs=8, recall_active_keys=4, recall_queries=2)
+
+
+class Stopped(BaseException):
+    """Stands in for a kill right after a checkpoint was written."""
+
+
+def _fp16_run(monkeypatch, out, *, stop_after=None, resume=False):
+    """8 fp16 steps of a tiny DeltaNet LM on the CPU, a checkpoint after each; ``stop_after``:
+    stop right after that step's checkpoint. The trainer refuses fp16 on a CPU (it is slow
+    there), but torch 2.13 runs CPU fp16 autocast and GradScaler("cpu"), so the guard is lifted.
+    The scaler has torch's defaults except growth every 2 clean steps (default 2000), so the
+    scale moves within 8 steps: it doubles to 2^17 at step 2, the gradients of step 4 overflow
+    at 2^17 (the scaler skips that step and halves the scale), and it doubles again at steps 6
+    and 8 (measured; the test asserts the overflow at step 4)."""
+    monkeypatch.setattr(train_module, "check_precision", lambda precision, device: None)
+    monkeypatch.setattr(train_module, "make_scaler", lambda config, device: torch.amp.GradScaler("cpu", growth_interval=2))
+    real_save = train_module._save
+
+    def save(*args):
+        path = real_save(*args)
+        if stop_after is not None and path.endswith(f"ckpt-{stop_after:06d}"):
+            raise Stopped
+        return path
+
+    monkeypatch.setattr(train_module, "_save", save)
+    config = TrainConfig(steps=8, batch_size=4, save_every=1, keep_checkpoints=8, eval_every=0, threads=1,
+                         precision="fp16", **FP16_RECALL)
+    model_config = LMConfig(vocab_size=make_task(config).vocab_size, d_model=32, n_layers=1, n_heads=2,
+                            mixer="deltanet", max_seq_len=64)
+    return train(model_config, config, str(out), resume=resume, progress=False, log=lambda _: None)
+
+
+def _scaler_states(out):
+    states = {}
+    for name in sorted(os.listdir(out)):
+        if name.startswith("ckpt-"):
+            with open(os.path.join(out, name, "train.json")) as f:
+                states[int(name[5:])] = json.load(f).get("grad_scaler")
+    return states
+
+
+def test_interrupted_fp16_run_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """Stopped after step 3 (scale 2^17, one clean step counted towards the next growth) and after
+    step 5 (after the skipped step 4), resumed each time: the same losses, skipped steps, scaler
+    states and final weights as the uninterrupted run, bit for bit. A resume with a fresh scaler
+    (scale 2^16) does not overflow at step 4 and leaves the trajectory."""
+    whole = _fp16_run(monkeypatch, tmp_path / "whole")
+    reference = [(r["step"], r["loss"], r.get("skipped", False)) for r in whole.history]
+    scales = _scaler_states(tmp_path / "whole")
+    print("uninterrupted:", reference)
+    print("scaler after each step:", {s: (v["scale"], v["_growth_tracker"]) for s, v in scales.items()})
+    assert scales[3] != scales[5] and scales[3]["scale"] != 2.0 ** 16 and [r[0] for r in reference if r[2]] == [4]
+
+    out = tmp_path / "interrupted"
+    for stop_after in (3, 5):
+        with pytest.raises(Stopped):
+            _fp16_run(monkeypatch, out, stop_after=stop_after, resume=stop_after != 3)
+    resumed = _fp16_run(monkeypatch, out, resume=True)
+    got = [(r["step"], r["loss"], r.get("skipped", False)) for r in resumed.history]
+    print("stopped after 3 and 5, resumed:", got)
+    assert got == reference
+    assert _scaler_states(out) == scales
+    final, expected = resumed.model.state_dict(), whole.model.state_dict()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.pop("grad_scaler"), r"`grad_scaler` is missing: a `precision`='fp16' run must save its gradient scaler"),
+    (lambda t: t["grad_scaler"].update(scale=-1.0), r"`grad_scaler.scale` must be a finite number > 0, got -1.0"),
+    (lambda t: t["grad_scaler"].update(_growth_tracker=2), r"`grad_scaler._growth_tracker`=2 must be below `growth_interval`=2"),
+    (lambda t: t["history"][3].pop("skipped"), r"`step`=5 does not match the optimizer state \(optimizer.0.step = 4\)"),
+], ids=["missing", "negative-scale", "tracker-past-interval", "skipped-step-unmarked"])
+def test_damaged_grad_scaler_state_is_refused(tmp_path, monkeypatch, damage, message):
+    from fastweights.checkpoint import CheckpointError, check_train_state, load_training_checkpoint
+
+    with pytest.raises(Stopped):
+        _fp16_run(monkeypatch, tmp_path / "run", stop_after=5)
+    ckpt = load_training_checkpoint(tmp_path / "run")  # step 5, after the skipped step 4
+    damage(ckpt.train)
+    with pytest.raises(CheckpointError, match=message):
+        check_train_state(ckpt.train, ckpt.train_tensors)
 
 
 # -- kill and resume ---------------------------------------------------------------------------

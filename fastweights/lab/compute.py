@@ -350,7 +350,7 @@ MEMORY = {
     "head_dim_k": Field("int", 128, 1, 4096),
     "head_dim_v": Field("int", 128, 1, 4096),
     "kv_dtype": Field("choice", "bfloat16", choices=tuple(costs_study.DTYPE_BYTES)),
-    "state_dtype": Field("choice", "float32", choices=tuple(costs_study.DTYPE_BYTES)),
+    "state_dtype": Field("choice", "bfloat16", choices=tuple(costs_study.DTYPE_BYTES)),  # = kv_dtype: one precision
     "context": Field("int", 2**17, 1, 2**30),
     "sessions": Field("int", 1, 1, 10**7),
     "budget_gib": Field("float", 80.0, 1e-3, 1e6),

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops._checks import compute_dtype
+from ..ops._chunk import default_chunk_size
 from .common import (
     FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, forward_with_mask, get_activation,
 )
@@ -46,7 +47,9 @@ class FastWeightMixer(nn.Module):
         value_activation: the same choice for v.
         use_output_gate: multiply the normalized output by ``silu(W_g x)``.
         norm_eps: epsilon of the output RMSNorm.
-        chunk_size: C of the chunk form used for prefill and training.
+        chunk_size: C of the chunk form used for prefill and training; ``None`` (default) picks
+            it per key size and device (:func:`~fastweights.ops._chunk.default_chunk_size`:
+            32 on the CPU for K <= 64, else 64).
         head_dim: K, the key (and query) size per head; ``None`` means d_model / n_heads.
         expand_v: V = expand_v · K, the value size per head (1 by default).
         num_v_heads: HV, the number of value heads (a multiple of n_heads; each q/k head
@@ -71,7 +74,7 @@ class FastWeightMixer(nn.Module):
         value_activation: str = "silu",
         use_output_gate: bool = True,
         norm_eps: float = 1e-6,
-        chunk_size: int = 64,
+        chunk_size: Optional[int] = None,
         head_dim: Optional[int] = None,
         expand_v: float = 1.0,
         num_v_heads: Optional[int] = None,
@@ -99,6 +102,8 @@ class FastWeightMixer(nn.Module):
         self.d_model, self.n_heads = d_model, n_heads
         self.head_dim, self.value_head_dim, self.num_v_heads = key_dim, int(value_dim), value_heads
         self.key_width, self.value_width = n_heads * key_dim, value_heads * int(value_dim)  # H·K, HV·V
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise ValueError(f"{name}: `chunk_size` must be a positive int or None (chosen per key size), got {chunk_size!r}")
         self.chunk_size = chunk_size
         self.activation = get_activation(activation, name)
         self.value_activation = get_activation(value_activation, name)
@@ -114,10 +119,12 @@ class FastWeightMixer(nn.Module):
     def memory(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor,
         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], recurrent: bool,
+        max_seqlen: Optional[int] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run the op: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``extra [B, T, ·]`` (the
         subclass's own projections of x, in the order of :meth:`step_projections`: β's logits,
-        the decay's) -> ``(o [B, T, HV, V], final state [N, HV, K, V])``."""
+        the decay's) -> ``(o [B, T, HV, V], final state [N, HV, K, V])``; ``cu_seqlens`` and
+        ``max_seqlen`` go to the op as they are."""
         raise NotImplementedError
 
     def memory_step(
@@ -127,6 +134,11 @@ class FastWeightMixer(nn.Module):
         (activated), ``extra [N, ·]`` (the outputs of :meth:`step_projections` beyond q, k, v and
         the gate) and the state ``[N, H, K, V]`` -> ``(o [N, H, V] in the compute dtype, new state)``."""
         raise NotImplementedError
+
+    def chunk_length(self, like: torch.Tensor) -> int:
+        """C for a chunk-op call on tensors like ``like``: ``chunk_size``, or the default for
+        this key size and ``like``'s device when it is None."""
+        return self.chunk_size if self.chunk_size is not None else default_chunk_size(self.head_dim, like.device)
 
     def memory_shape(self, n: int) -> Tuple[int, ...]:
         """The state's shape ``[N, H, K, V]`` for N sequences."""
@@ -144,6 +156,7 @@ class FastWeightMixer(nn.Module):
         state: Optional[FastWeightState] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
     ) -> Tuple[torch.Tensor, FastWeightState]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``.
 
@@ -152,7 +165,9 @@ class FastWeightMixer(nn.Module):
         is one decoding step (:meth:`step`, the recurrent form's update fused); anything else uses the chunk op.
         ``attention_mask [B, T]`` (0 = padding, e.g. a left-padded batch) runs the real
         tokens only: a pad neither writes to nor decays the memory, nor enters the
-        convolution, and its output is 0.
+        convolution, and its output is 0. ``max_seqlen`` (with ``cu_seqlens``): the longest
+        sequence's length, passed to the op so that it need not read the offsets (under
+        ``torch.compile`` that read is a graph break).
         """
         name = type(self).__name__
         mask = check_layer_input(name, x, self.d_model, cu_seqlens, attention_mask)
@@ -182,7 +197,8 @@ class FastWeightMixer(nn.Module):
         q, k = (t.reshape(B, T, self.n_heads, self.head_dim) for t in (q, k))
         v = v.reshape(B, T, self.num_v_heads, self.value_head_dim)
         recurrent = state is not None and T == 1
-        o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent)
+        o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent,
+                                 max_seqlen=max_seqlen)
         o = self.o_norm(o, None if gate is None else gate.reshape(B, T, self.num_v_heads, self.value_head_dim))
         return self.o_proj(o.reshape(B, T, vw)), FastWeightState(memory, conv_state)
 

@@ -19,11 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import EluPlusOne, Identity, ReLU
+from ..ops._frontend import packed_positions
 
 __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
     "get_activation", "check_layer_input", "sequence_positions", "rotary_embedding",
     "check_rope_theta", "check_attention_mask", "pack_rows", "unpack_rows", "forward_with_mask",
+    "align_rows", "unalign_rows",
 ]
 
 
@@ -61,9 +63,7 @@ def sequence_positions(
         seq = torch.arange(batch, device=device)[:, None].expand(batch, length)
         pos = torch.arange(length, device=device)[None, :].expand(batch, length)
         return seq, pos
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), cu[1:] - cu[:-1])
-    pos = torch.arange(length, device=device) - cu[seq]
+    seq, pos = packed_positions(cu_seqlens.to(device), length)
     return seq[None], pos[None]
 
 
@@ -112,7 +112,9 @@ def check_attention_mask(owner: str, attention_mask, batch: int, length: int) ->
     ``None`` when every token is real (then the plain path runs, with no packing).
 
     Raises a ValueError/TypeError naming ``attention_mask`` for a wrong type or shape, or
-    for a row with no real token.
+    for a row with no real token. Under ``torch.compile`` the checks that read the mask's
+    values are skipped (a data-dependent branch breaks the graph) and the mask is always
+    returned: the masked path with no pad gives what the plain path gives.
     """
     if attention_mask is None:
         return None
@@ -123,6 +125,8 @@ def check_attention_mask(owner: str, attention_mask, batch: int, length: int) ->
     if tuple(attention_mask.shape) != (batch, length):
         raise ValueError(f"{owner}: `attention_mask` must have shape [B, T] = [{batch}, {length}], got {list(attention_mask.shape)}")
     mask = attention_mask.bool()
+    if torch.compiler.is_compiling():
+        return mask
     if bool(mask.all()):
         return None
     empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
@@ -146,12 +150,76 @@ def unpack_rows(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def align_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``mask [B, T]`` bool -> ``slot [B, T]`` long: where token t of row b goes when each row's
+    real tokens are moved to its front (in order) and its pads behind them.
+
+    The static-shape stand-in for :func:`pack_rows` (whose token count depends on the
+    mask's values, a graph break when compiled): ``x.scatter(1, slot, x)`` starts every row
+    at its first real token, so a causal model run on the aligned rows gives each real token
+    what the packed run gives (the pads come after all of a row's real tokens and are never
+    read by them). Only the outputs agree: a memory's final state has read the pads too.
+    """
+    real = mask.long()
+    count = real.sum(dim=1, keepdim=True)
+    return torch.where(mask, real.cumsum(1) - 1, count + (1 - real).cumsum(1) - 1)
+
+
+def unalign_rows(y: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of aligning with :func:`align_rows`: ``y [B, T, ...]`` in aligned order -> the
+    original order, zeros at the pads (as :func:`unpack_rows` gives)."""
+    index = slot.reshape(slot.shape + (1,) * (y.dim() - 2)).expand_as(y)
+    out = y.gather(1, index)
+    return torch.where(mask.reshape(mask.shape + (1,) * (y.dim() - 2)), out, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
 def forward_with_mask(forward: Callable, x: torch.Tensor, state, mask: torch.Tensor):
     """``forward(x, state, cu_seqlens) -> (y, state)`` run on the real tokens of ``x`` only
     (see the note above :func:`check_attention_mask`); returns ``(y [B, T, ...], state)``."""
     packed, cu_seqlens = pack_rows(x, mask)
     y, state = forward(packed, state, cu_seqlens)
     return unpack_rows(y, mask), state
+
+
+class _CausalConv(torch.autograd.Function):
+    """``y_t = Σ_j weight[:, W−1−j] · x_{t−j}`` over ``[state | x]`` (``x [B, T, C]``, ``state
+    [B, W−1, C]``, ``weight [C, W]``), with a hand-written backward.
+
+    Autograd's graph of the W shifted products keeps W intermediate sums and, per tap,
+    zero-fills a ``[B, W−1+T, C]`` gradient and adds into it; these passes over
+    activations are most of a short convolution's cost (memory traffic, not arithmetic).
+    Here the forward accumulates in place into one output, and the backward writes
+    d[state | x] into one buffer (W in-place products) and dweight as one product-sum per
+    tap. (No ``out=`` into strided views: torch.compile traces this backward and breaks
+    its graph on those.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, state, weight):
+        T, W = x.shape[1], weight.shape[1]
+        padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
+        taps = weight.t().contiguous()  # [W, C]: each tap's C weights contiguous (a strided row halves the speed)
+        y = torch.mul(padded[:, W - 1:], taps[W - 1])
+        for j in range(1, W):
+            y.addcmul_(padded[:, W - 1 - j: W - 1 - j + T], taps[W - 1 - j])
+        ctx.save_for_backward(padded, taps)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        padded, taps = ctx.saved_tensors
+        T, W = dy.shape[1], taps.shape[0]
+        dx = dstate = dweight = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # y_t reads row t + i of [state | x] with tap i: so row s collects dy_{s−i} · tap i.
+            d_padded = torch.zeros(padded.shape, dtype=padded.dtype, device=padded.device)
+            for i in range(W):
+                d_padded[:, i: i + T].addcmul_(dy, taps[i])
+            dstate, dx = d_padded[:, : W - 1], d_padded[:, W - 1:]
+        if ctx.needs_input_grad[2]:
+            d_taps = torch.stack([(dy * padded[:, i: i + T]).sum((0, 1)) for i in range(W)])  # [W, C]
+            dweight = d_taps.t().to(taps.dtype)
+        return dx, dstate, dweight
 
 
 class ShortConvolution(nn.Module):
@@ -187,13 +255,12 @@ class ShortConvolution(nn.Module):
         else:
             self.check_state(state, n)
         if cu_seqlens is None:  # one sequence per row: shifted views of [state | x], W products
-            padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
-            y = padded[:, W - 1:] * self.weight[:, W - 1]
-            for j in range(1, W):
-                y = torch.addcmul(y, padded[:, W - 1 - j: W - 1 - j + T], self.weight[:, W - 1 - j])
+            y = _CausalConv.apply(x, state, self.weight)
             if self.bias is not None:
                 y = y + self.bias
-            return y, padded[:, T:].clone()  # (a view would keep all of padded alive with the state)
+            # The last W − 1 inputs, from x alone when it is long enough (no copy of [state | x]).
+            new_state = x[:, T - (W - 1):].clone() if T >= W - 1 else torch.cat([state[:, T:], x], dim=1)
+            return y, new_state
         seq, pos = sequence_positions(B, T, cu_seqlens, x.device)
         y = x * self.weight[:, W - 1]
         for j in range(1, W):
@@ -202,11 +269,13 @@ class ShortConvolution(nn.Module):
             y = y + torch.where((pos >= j)[..., None], shifted, from_state) * self.weight[:, W - 1 - j]
         if self.bias is not None:
             y = y + self.bias
-        bounds = cu_seqlens.tolist()
-        new_state = torch.stack([
-            torch.cat([state[i], x[0, a:b]], dim=0)[b - a:] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
-        ])
-        return y, new_state
+        # Sequence i's new state is rows len_i .. len_i + W − 2 of [state[i] | its tokens]: a
+        # gather of static shape [N, W − 1, C] (reading the offsets on the host breaks a compiled graph).
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        rows = (cu[1:] - cu[:-1])[:, None] + torch.arange(W - 1, device=x.device)  # [N, W − 1]
+        from_x = x[0, (cu[:-1, None] + rows - (W - 1)).clamp(0, T - 1)]
+        from_state = state[torch.arange(n, device=x.device)[:, None], rows.clamp(max=max(W - 2, 0))]
+        return y, torch.where((rows >= W - 1)[..., None], from_x, from_state)
 
     def check_state(self, state, n: int) -> None:
         W, C = self.kernel_size, self.channels

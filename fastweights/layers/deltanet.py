@@ -57,12 +57,12 @@ class DeltaNet(FastWeightMixer):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.b_proj = nn.Linear(self.d_model, self.num_v_heads, bias=False)  # one β per value head
 
-    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None) -> Tuple[torch.Tensor, torch.Tensor]:
         beta = write_strength(extra, self.allow_neg_eigval)  # [B, T, HV]: extra is b_proj(x)
         op = recurrent_delta_rule if recurrent else chunk_delta_rule
         return op(
             q, k, v, beta, initial_state=initial_state, output_final_state=True,
-            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

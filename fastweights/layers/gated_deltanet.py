@@ -53,7 +53,7 @@ class GatedDeltaNet(DeltaNet):
         """g from ``a = w_a·x``: −exp(A_log)·softplus(a + dt_bias)."""
         return -torch.exp(self.A_log) * F.softplus(a + self.dt_bias)
 
-    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None) -> Tuple[torch.Tensor, torch.Tensor]:
         hv = self.num_v_heads  # extra is [b_proj(x) | a_proj(x)]
         b_logits, a = extra.split([hv, hv], dim=-1)
         beta = write_strength(b_logits, self.allow_neg_eigval)  # [B, T, HV]
@@ -61,7 +61,7 @@ class GatedDeltaNet(DeltaNet):
         op = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

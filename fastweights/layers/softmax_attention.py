@@ -102,10 +102,12 @@ class SoftmaxAttention(nn.Module):
         state: Union[KVCache, AttentionState, None] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
     ) -> Tuple[torch.Tensor, Union[KVCache, AttentionState]]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``: a KVCache with keys
         ``[N, H, L + T, K]``, wrapped with the convolution's inputs in an
-        :class:`AttentionState` when the layer has a short convolution."""
+        :class:`AttentionState` when the layer has a short convolution. ``max_seqlen``
+        (with ``cu_seqlens``): the longest sequence's length, passed to the op."""
         mask = check_layer_input("SoftmaxAttention", x, self.d_model, cu_seqlens, attention_mask)
         want = KVCache if self.conv is None else AttentionState
         if state is not None and not isinstance(state, want):
@@ -127,7 +129,8 @@ class SoftmaxAttention(nn.Module):
             if kv_state is not None:  # continue after the rows each sequence has cached
                 pos = pos + kv_state.lengths.to(device=x.device, dtype=torch.long)[seq]
             q, k = rotary_embedding(q, pos, self.rope_theta), rotary_embedding(k, pos, self.rope_theta)
-        o, cache = softmax_attn(q, k, v, initial_state=kv_state, output_final_state=True, cu_seqlens=cu_seqlens)
+        o, cache = softmax_attn(q, k, v, initial_state=kv_state, output_final_state=True, cu_seqlens=cu_seqlens,
+                                max_seqlen=max_seqlen)
         y = self.o_proj(o.reshape(B, T, self.d_model))
         return (y, cache) if self.conv is None else (y, AttentionState(cache, conv_state))
 

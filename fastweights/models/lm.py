@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..layers import MIXERS, RMSNorm
-from ..layers.common import check_attention_mask, check_rope_theta, pack_rows, unpack_rows
+from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
 from ..ops._checks import check_cu_seqlens
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
@@ -65,7 +65,8 @@ class LMConfig(Config):
             (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
         use_output_gate: gate the normalized output of the fast-weight mixers.
         feature_map, normalize: linear attention's φ and normalizer.
-        chunk_size: C of the chunk ops used for training and prefill.
+        chunk_size: C of the chunk ops used for training and prefill; ``None`` (default) lets
+            each layer pick it per key size and device (32 on the CPU for head sizes <= 64, else 64).
         norm_eps: RMSNorm epsilon; init_std: std of the normal weight init.
         gradient_checkpointing: in training, keep only each block's input and recompute
             the block in the backward pass (less activation memory, one more forward).
@@ -89,7 +90,7 @@ class LMConfig(Config):
     use_output_gate: bool = True
     feature_map: str = "elu"
     normalize: bool = True
-    chunk_size: int = 64
+    chunk_size: Optional[int] = None
     norm_eps: float = 1e-6
     init_std: float = 0.02
     gradient_checkpointing: bool = False
@@ -97,6 +98,8 @@ class LMConfig(Config):
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "chunk_size"):
             value = getattr(self, name)
+            if name == "chunk_size" and value is None:  # chosen per layer (key size, device)
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
         if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
@@ -197,8 +200,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.hidden_size else None
         self.mlp = SwiGLU(config.d_model, config.hidden_size) if config.hidden_size else None
 
-    def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None):
-        h, state = self.mixer(self.mixer_norm(x), state, cu_seqlens)  # (B, T, D), the layer's new state
+    def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None):
+        h, state = self.mixer(self.mixer_norm(x), state, cu_seqlens, max_seqlen=max_seqlen)  # (B, T, D), the layer's new state
         x = x + h
         return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state
 
@@ -296,6 +299,7 @@ class LM(nn.Module):
         *,
         attention_mask: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
         return_cache: bool = True,
     ) -> Tuple[torch.Tensor, Optional[LMCache]]:
         """``input_ids (B, T)`` -> ``(logits (B, T, V), cache)``.
@@ -314,7 +318,14 @@ class LM(nn.Module):
                 in FlashAttention: packed training without padding. Each sequence starts
                 from an empty state (or from its row of ``cache``, which then holds N);
                 the returned cache holds the N sequences.
+            max_seqlen: with ``cu_seqlens``, the longest sequence's length (an int >= it), as in
+                FlashAttention's varlen API; without it the offsets are read once here (under
+                ``torch.compile``: one graph break).
             return_cache: ``False`` (training) skips building the cache.
+
+        Under ``torch.compile`` with ``return_cache=False``, ``attention_mask`` moves each row's
+        real tokens to its front instead of packing them (:func:`~fastweights.layers.common.align_rows`:
+        static shapes, no graph break); the logits are the packed run's up to rounding.
         """
         self._check_ids(input_ids)
         B, T = input_ids.shape
@@ -324,7 +335,11 @@ class LM(nn.Module):
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("LM: give `cu_seqlens` (packed rows) or `attention_mask` (padded rows), not both")
-            n_seq = check_cu_seqlens("LM", cu_seqlens, B, T, input_ids.device)
+            n_seq = check_cu_seqlens("LM", cu_seqlens, B, T, input_ids.device, max_seqlen=max_seqlen)
+            if max_seqlen is None:  # read once here rather than by every layer's op
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        elif max_seqlen is not None:
+            raise ValueError(f"LM: `max_seqlen`={max_seqlen!r} describes packed sequences and needs `cu_seqlens`")
         if cache is not None:
             if not isinstance(cache, LMCache):
                 raise TypeError(f"LM: `cache` must be an LMCache returned by this model, got {type(cache).__name__}")
@@ -334,21 +349,27 @@ class LM(nn.Module):
                 what = f"{n_seq} packed sequences" if cu_seqlens is not None else f"batch size {B}"
                 raise ValueError(f"LM: `cache` holds {cache.batch_size} sequences but `input_ids` has {what}")
         mask = self._mask(attention_mask, B, T, cache)
-        ids = input_ids
-        if mask is not None:  # run the real tokens only, each row as one packed sequence
+        ids, slot = input_ids, None
+        if mask is not None and not return_cache and torch.compiler.is_compiling():
+            slot = align_rows(mask)  # real tokens first in each row: packing's outputs, static shapes
+            ids = input_ids.scatter(1, slot, input_ids)
+        elif mask is not None:  # run the real tokens only, each row as one packed sequence
             ids, cu_seqlens = pack_rows(input_ids, mask)
+            max_seqlen = int(mask.sum(dim=1).max())
         x = self.embed(ids)  # (B, T, D)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         states = []
         for i, block in enumerate(self.blocks):
             state = None if cache is None else cache.states[i]
             if recompute:  # keep x only; the block runs again in the backward pass
-                x, state = torch.utils.checkpoint.checkpoint(block, x, state, cu_seqlens, use_reentrant=False)
+                x, state = torch.utils.checkpoint.checkpoint(block, x, state, cu_seqlens, max_seqlen, use_reentrant=False)
             else:
-                x, state = block(x, state, cu_seqlens)
+                x, state = block(x, state, cu_seqlens, max_seqlen)
             states.append(state)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
-        if mask is not None:
+        if slot is not None:
+            logits = unalign_rows(logits, slot, mask)
+        elif mask is not None:
             logits = unpack_rows(logits, mask)
         if not return_cache:
             return logits, None

@@ -53,6 +53,25 @@ def from_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.flatten(2, 3)[:, :, :length]
 
 
+#: Chunk length C of the fast-weight layers' chunk ops when they are not given one
+#: (``chunk_size=None``, the default of the layers and of ``LMConfig``): on the CPU, 32
+#: for key sizes up to :data:`SHORT_CHUNK_MAX_KEY_DIM`, else 64; on other devices 64
+#: (the Triton kernels' only chunk length). Measured on the CPU (fp32, one thread, CPU
+#: time, d_model 128; ``benchmarks/lm_speed.py``'s shapes): a DeltaNet layer's
+#: forward+backward at B=8, T=256 took 30.2 ms with C=32 against 35.1 ms with C=64 at
+#: K=32, 31.0 against 34.9 at K=64, but 38.9 against 36.6 at K=128; Gated DeltaNet
+#: 34.7 against 38.3 (K=32). The C² work per token shrinks with C while the T/C-step
+#: loop grows, and at small K the C² work is most of it.
+SHORT_CHUNK, LONG_CHUNK, SHORT_CHUNK_MAX_KEY_DIM = 32, 64, 64
+
+
+def default_chunk_size(key_dim: int, device: torch.device) -> int:
+    """The chunk length for a layer with key size ``key_dim`` on ``device`` (see :data:`SHORT_CHUNK`)."""
+    if device.type == "cpu" and key_dim <= SHORT_CHUNK_MAX_KEY_DIM:
+        return SHORT_CHUNK
+    return LONG_CHUNK
+
+
 def causal_mask(length: int, device, diagonal: int = 0) -> torch.Tensor:
     """Boolean lower-triangular ``[L, L]`` mask, ``j <= i + diagonal``."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril(diagonal)
@@ -145,6 +164,19 @@ def block_terms(
 # The fast path works on flattened chunks ``[N·H·NC, C, D]`` ("Bt" below) so that
 # every batched product is one ``bmm`` on contiguous memory.
 # --------------------------------------------------------------------------------------
+
+
+def backward_only(ctx, *tensors: Optional[torch.Tensor]) -> None:
+    """In a chunk op's ``setup_context``: ``tensors`` (outputs the op returns only so that its
+    backward can have them: chunk states, gathered inputs) get no gradient.
+
+    Otherwise autograd hands the backward a zero-filled gradient for each of them, megabytes
+    of fill per call (at B=8, T=256, H=4, K=V=32, C=32 the delta rule's kept tensors are
+    ~7 MB). The backward then gets ``None`` for every output that received no gradient,
+    the real ones included (``do``/``dh_final``): it must fill in zeros itself.
+    """
+    ctx.mark_non_differentiable(*(t for t in tensors if t is not None))
+    ctx.set_materialize_grads(False)
 
 
 def flat_chunks(

@@ -73,6 +73,16 @@ def check_autocast(op: str, device: torch.device, **tensors: Optional[torch.Tens
             )
 
 
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(seq [T], pos [T])``: the sequence of each of ``total`` packed tokens and its position
+    in that sequence. A search per token, not ``repeat_interleave`` of the lengths: the
+    output shape is T, known without reading the offsets (no graph break when compiled)."""
+    cu = cu_seqlens.long()
+    tokens = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True)
+    return seq, tokens - cu[seq]
+
+
 class Packing(NamedTuple):
     """How N sequences packed along T (``cu_seqlens``) map to a right-padded ``[N, T_max]`` batch.
 
@@ -103,9 +113,7 @@ class Packing(NamedTuple):
         pos = torch.arange(max_seqlen, device=cu.device)
         valid = pos[None, :] < lengths[:, None]
         index = (starts[:, None] + pos[None, :]).clamp(max=total - 1)
-        tokens = torch.arange(total, device=cu.device)
-        seq = torch.searchsorted(cu[1:], tokens, right=True)
-        return Packing(index, valid, seq, tokens - starts[seq])
+        return Packing(index, valid, *packed_positions(cu, total))
 
     def pad(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``[1, T, ...]`` packed -> ``[N, T_max, ...]``, zeros in the padding."""

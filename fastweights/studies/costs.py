@@ -11,15 +11,15 @@ context of T tokens, predicted by formula and measured on the ops:
 =================  ===================  ======================  =====================
 solver             state (numbers)      update (FLOPs/token)    query (FLOPs/token)
 =================  ===================  ======================  =====================
-softmax (KV)       T·(K + V)            0 (append one row)      4·T·K + 3·T  (grows)
+softmax (KV)       T·(K + V)            0 (append one row)      2·T·(K + V) + 3·T  (grows)
 linear (sum rule)  D·(V + 1)            2·D·(V + 1)             2·D·(V + 1) + V
 delta rule         K·V                  4·K·V + 2·V             2·K·V
 gated delta        K·V                  5·K·V + 2·V             2·K·V
 exact RLS (γ)      K·V + K²             5·K² + 4·K·V + 3·K      2·K·V
 =================  ===================  ======================  =====================
 
-(a multiply-add counts 2 FLOPs; the softmax query counts scores, exp/normalize and
-the weighted sum; linear attention carries its normalizer as an extra value
+(a multiply-add counts 2 FLOPs; the softmax query counts the scores q·K (2·T·K),
+max-subtract/exp/normalise (3·T) and the value read p·V (2·T·V); linear attention carries its normalizer as an extra value
 column, as ``fastweights.ops`` does; RLS keeps the covariance P beside the map.)
 
 Measured: the bytes of the state an op returns after prefilling T tokens
@@ -27,14 +27,20 @@ Measured: the bytes of the state an op returns after prefilling T tokens
 the median wall time of one decode step (one write and one read of a single token,
 ``recurrent_*`` ops with the carried state; ``softmax_attn`` with the KV cache)
 at each context length. Times are noisy on a shared machine; the table also gives
-each step's time as a ratio to the delta rule's step measured in the same run.
+each step's time as a ratio to the delta rule's step measured in the same run. At
+K = V = 64 a fixed-state step is ~10⁴ FLOPs, far below what a torch op call costs,
+so the times measure op overhead, not work: the figure plots per-token FLOPs.
 
 **Calculator** (seed 002, §4.2 "the calculator's runaway bar becomes a flat
 line"): for a model config (layers, heads, head dims, dtypes) the memory one
 session holds against context length: a softmax model's KV cache,
 ``layers · heads · T · (d_k + d_v) · bytes(kv dtype)``, against a fixed-state model,
 ``layers · heads · d_k · d_v · bytes(state dtype)`` whatever T, and optionally a
-hybrid that keeps some softmax layers. The formula is checked against the
+hybrid that keeps some softmax layers. The state dtype defaults to the KV cache's,
+so the two are compared at the same precision (``--state-dtype float32`` is what
+fastweights' ops keep). With ``weights`` the model's weights (:func:`model_weight_params`,
+in ``weight_dtype``, default the KV cache's) are counted once per device, and the
+sessions that fit are those of the budget left after them. The formula is checked against the
 measured cache of :class:`fastweights.models.LM` (every mixer, a small config),
 which also holds the short-convolution states and the per-sequence lengths.
 """
@@ -73,7 +79,7 @@ LOST = {
     "rls": "the individual rows: it keeps the exact weighted least-squares fit and its covariance, not the data",
 }
 FORMULAS = {
-    "softmax": ("T·(K+V)", "0 (append a row)", "4·T·K + 3·T"),
+    "softmax": ("T·(K+V)", "0 (append a row)", "2·T·(K+V) + 3·T"),
     "linear": ("D·(V+1)", "2·D·(V+1)", "2·D·(V+1) + V"),
     "delta": ("K·V", "4·K·V + 2·V", "2·K·V"),
     "gated_delta": ("K·V", "5·K·V + 2·V", "2·K·V"),
@@ -89,9 +95,13 @@ class CostsConfig:
 
     Audit: ``key_dim``/``value_dim`` per head, the context lengths, timing repeats.
     Calculator: ``layers``, ``heads``, ``head_dim_k``/``head_dim_v``, the KV-cache
-    dtype ``kv_dtype``, the fixed state's ``state_dtype`` (fastweights keeps states
-    in fp32), ``softmax_layers`` of a hybrid (0: no hybrid line), the context
-    lengths and a memory budget to count sessions against.
+    dtype ``kv_dtype``, the fixed state's ``state_dtype`` (None: the KV cache's, so
+    both are compared at one precision; fastweights' ops keep states in fp32),
+    ``softmax_layers`` of a hybrid (0: no hybrid line), the context lengths and a
+    memory budget to count sessions against. ``weights``: also count the model's
+    weights (``d_model`` default heads·head_dim_k, ``d_ff`` default the SwiGLU
+    width 8/3·d_model rounded up to 256, ``vocab_size``, ``tied_embeddings``,
+    ``weight_dtype`` default the KV cache's), held once and taken off the budget.
     """
 
     root_seed: int = 0
@@ -105,15 +115,30 @@ class CostsConfig:
     head_dim_k: int = 128
     head_dim_v: int = 128
     kv_dtype: str = "bfloat16"
-    state_dtype: str = "float32"
+    state_dtype: Optional[str] = None
     softmax_layers: int = 4
     calc_contexts: Tuple[int, ...] = tuple(2**p for p in range(10, 21))
     budget_gib: float = 80.0
+    weights: bool = False
+    d_model: Optional[int] = None
+    d_ff: Optional[int] = None
+    vocab_size: int = 32000
+    tied_embeddings: bool = False
+    weight_dtype: Optional[str] = None
     check_lm: bool = True
     threads: Optional[int] = 1
 
     def __post_init__(self) -> None:
-        for name in ("key_dim", "value_dim", "repeats", "layers", "heads", "head_dim_k", "head_dim_v"):
+        if self.state_dtype is None:
+            self.state_dtype = self.kv_dtype
+        if self.weight_dtype is None:
+            self.weight_dtype = self.kv_dtype
+        if self.d_model is None:
+            self.d_model = self.heads * self.head_dim_k
+        if self.d_ff is None:
+            self.d_ff = swiglu_width(self.d_model) if isinstance(self.d_model, int) else self.d_model
+        for name in ("key_dim", "value_dim", "repeats", "layers", "heads", "head_dim_k", "head_dim_v", "d_model",
+                     "d_ff", "vocab_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CostsConfig: `{name}` must be a positive int, got {value!r}")
@@ -121,7 +146,7 @@ class CostsConfig:
             values = getattr(self, name)
             if not values or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in values):
                 raise ValueError(f"CostsConfig: `{name}` must hold positive ints, got {values!r}")
-        for name in ("kv_dtype", "state_dtype"):
+        for name in ("kv_dtype", "state_dtype", "weight_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"CostsConfig: `{name}` must be one of {', '.join(DTYPE_BYTES)}, got {getattr(self, name)!r}")
         if not 0 <= self.softmax_layers <= self.layers:
@@ -159,7 +184,7 @@ def predicted_flops(solver: str, context: int, key_dim: int, value_dim: int) -> 
     """(update, query) FLOPs of one token for one head at ``context`` tokens."""
     k, v, t = key_dim, value_dim, context
     return {
-        "softmax": (0, 4 * t * k + 3 * t),
+        "softmax": (0, 2 * t * k + 3 * t + 2 * t * v),   # scores q·K, softmax, value read p·V
         "linear": (2 * k * (v + 1), 2 * k * (v + 1) + v),
         "delta": (4 * k * v + 2 * v, 2 * k * v),
         "gated_delta": (5 * k * v + 2 * v, 2 * k * v),
@@ -179,14 +204,33 @@ def predicted_state_bytes(solver: str, context: int, key_dim: int, value_dim: in
     return numbers * _element_bytes(solver, dtype) + extra
 
 
+def swiglu_width(d_model: int) -> int:
+    """The SwiGLU MLP width of LLaMA-style models: 8/3·d_model rounded up to a multiple of 256."""
+    return -(-(8 * d_model) // (3 * 256)) * 256
+
+
+def model_weight_params(layers: int, heads: int, head_dim_k: int, head_dim_v: int, d_model: int, d_ff: int,
+                        vocab_size: int, tied_embeddings: bool = False) -> int:
+    """Parameters of a LLaMA-style decoder: per layer the projections q, k (d_model → heads·head_dim_k), v
+    (→ heads·head_dim_v) and o (heads·head_dim_v → d_model), a SwiGLU MLP (3·d_model·d_ff) and two norm
+    gains (2·d_model); the token embedding and the output head (vocab_size·d_model each, one if tied) and
+    the final norm (d_model). A fixed-state layer's extra projections (β, gates, short convolutions) are
+    left out: at d_model = 4096 with 32 heads they add about 0.1% (β: d_model·heads per layer)."""
+    attention = d_model * heads * (2 * head_dim_k + head_dim_v) + heads * head_dim_v * d_model
+    per_layer = attention + 3 * d_model * d_ff + 2 * d_model
+    return layers * per_layer + (1 if tied_embeddings else 2) * vocab_size * d_model + d_model
+
+
 def memory_per_session(context: int, layers: int, heads: int, head_dim_k: int, head_dim_v: int,
-                       kv_dtype: str = "bfloat16", state_dtype: str = "float32", softmax_layers: int = 0) -> Dict[str, int]:
+                       kv_dtype: str = "bfloat16", state_dtype: Optional[str] = None,
+                       softmax_layers: int = 0) -> Dict[str, int]:
     """Seed 002's calculator: bytes one session holds at ``context`` tokens.
 
     ``softmax``: every layer keeps a KV cache; ``fixed_state``: every layer keeps one
     ``d_k × d_v`` matrix per head; ``hybrid``: ``softmax_layers`` KV-cache layers and
-    fixed states elsewhere.
+    fixed states elsewhere. ``state_dtype`` None: the KV cache's dtype.
     """
+    state_dtype = kv_dtype if state_dtype is None else state_dtype
     kv_layer = heads * context * (head_dim_k + head_dim_v) * DTYPE_BYTES[kv_dtype]
     state_layer = heads * head_dim_k * head_dim_v * DTYPE_BYTES[state_dtype]
     return {
@@ -196,16 +240,27 @@ def memory_per_session(context: int, layers: int, heads: int, head_dim_k: int, h
     }
 
 
-def crossover_context(head_dim_k: int, head_dim_v: int, kv_dtype: str, state_dtype: str) -> float:
+def crossover_context(head_dim_k: int, head_dim_v: int, kv_dtype: str, state_dtype: Optional[str] = None) -> float:
     """The context at which a layer's KV cache equals its fixed state in bytes."""
+    state_dtype = kv_dtype if state_dtype is None else state_dtype
     return head_dim_k * head_dim_v * DTYPE_BYTES[state_dtype] / ((head_dim_k + head_dim_v) * DTYPE_BYTES[kv_dtype])
 
 
+def weight_bytes(config: "CostsConfig") -> int:
+    """Bytes of the model's weights if ``config.weights`` (else 0)."""
+    if not config.weights:
+        return 0
+    return DTYPE_BYTES[config.weight_dtype] * model_weight_params(
+        config.layers, config.heads, config.head_dim_k, config.head_dim_v, config.d_model, config.d_ff,
+        config.vocab_size, config.tied_embeddings)
+
+
 def calculator_row(config: "CostsConfig", context: int) -> Dict[str, int]:
-    """One row of the calculator: bytes per session and sessions that fit in ``budget_gib``, at ``context``."""
+    """One row of the calculator: bytes per session and sessions that fit in ``budget_gib`` (less the
+    weights when they are counted), at ``context``."""
     mem = memory_per_session(context, config.layers, config.heads, config.head_dim_k, config.head_dim_v,
                              config.kv_dtype, config.state_dtype, config.softmax_layers)
-    budget = config.budget_gib * 2**30
+    budget = max(0.0, config.budget_gib * 2**30 - weight_bytes(config))
     return {"context": context, **{f"{k}_bytes": v for k, v in mem.items()},
             **{f"{k}_sessions": int(budget // v) for k, v in mem.items()}}
 
@@ -215,7 +270,11 @@ def calculator(config: "CostsConfig") -> Dict:
     context of ``calc_contexts``. ``fastweights lab`` serves the same function."""
     return {
         "model": {k: getattr(config, k) for k in ("layers", "heads", "head_dim_k", "head_dim_v", "kv_dtype",
-                                                  "state_dtype", "softmax_layers")},
+                                                  "state_dtype", "softmax_layers", "weights", "d_model", "d_ff",
+                                                  "vocab_size", "tied_embeddings", "weight_dtype")},
+        "weight_params": model_weight_params(config.layers, config.heads, config.head_dim_k, config.head_dim_v,
+                                             config.d_model, config.d_ff, config.vocab_size, config.tied_embeddings),
+        "weight_bytes": weight_bytes(config),
         "crossover_context": crossover_context(config.head_dim_k, config.head_dim_v, config.kv_dtype,
                                                config.state_dtype),
         "budget_gib": config.budget_gib,
@@ -386,7 +445,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
         "cannot_reconstruct": dict(LOST),
         "matched": {
             "storage_matched_context": predicted_state_numbers("delta", 0, k, v) / (k + v),
-            "compute_matched_context": (sum(predicted_flops("delta", 0, k, v))) / (4 * k + 3),
+            "compute_matched_context": (sum(predicted_flops("delta", 0, k, v))) / (2 * (k + v) + 3),
             "note": ("a softmax head holds as many numbers as a K×V fixed state after storage_matched_context "
                      "tokens, and its per-token query costs as much as a delta step (update + query) at "
                      "compute_matched_context tokens; a matched test compares memories at equal state size "
@@ -406,27 +465,80 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
     return result
 
 
+# Distinct marker, line style and size per solver: solvers whose curves coincide (delta and gated delta
+# keep the same K·V state; linear's D·(V+1) is 1.6% above it) stay visible one above the other.
+STYLE = {
+    "softmax": dict(marker="o", ls="-", ms=6),
+    "linear": dict(marker="s", ls="-", ms=9, mfc="none"),
+    "delta": dict(marker="^", ls="--", ms=7),
+    "gated_delta": dict(marker="x", ls=":", ms=9, mew=2),
+    "rls": dict(marker="D", ls="-", ms=5),
+}
+JITTER = {"softmax": 1.0, "linear": 0.88, "delta": 0.94, "gated_delta": 1.06, "rls": 1.12}
+
+
+def _label_line_ends(ax, ends: Dict[str, float], fmt) -> None:
+    """Name the solvers at the right end of their curves (log y axis), one label per group of equal values,
+    pushed apart vertically where they would overlap, so coinciding curves are named, not hidden."""
+    groups: List[Tuple[float, List[str]]] = []
+    for solver, y in sorted(ends.items(), key=lambda kv: kv[1]):
+        if groups and y <= groups[-1][0] * 1.0001:
+            groups[-1][1].append(solver)
+        else:
+            groups.append((y, [solver]))
+    lo, hi = (math.log10(x) for x in ax.get_ylim())
+    placed: List[float] = []
+    for y, names in groups:
+        frac = (math.log10(y) - lo) / (hi - lo)
+        if placed and frac < placed[-1] + 0.06:
+            frac = placed[-1] + 0.06
+        placed.append(frac)
+        ax.annotate(", ".join(names) + f": {fmt(y)}", xy=(1.0, (math.log10(y) - lo) / (hi - lo)),
+                    xycoords="axes fraction", xytext=(1.02, frac), textcoords="axes fraction", va="center",
+                    fontsize=7, arrowprops=dict(arrowstyle="-", lw=0.5, color="gray"))
+
+
 def plot_costs(result: Dict, out: Path) -> List[str]:
+    """``costs_solver_map.png``: state bytes (formula lines, measured markers) and per-token FLOPs (formula)
+    against context; ``costs_calculator.png``: memory per session against context."""
     plt = pyplot()
     files = []
     table = result["table"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for i, solver in enumerate(SOLVERS):
-        rows = sorted((r for r in table if r["solver"] == solver), key=lambda r: r["context"])
-        t = [r["context"] for r in rows]
-        axes[0].plot(t, [r["state_bytes_measured"] for r in rows], marker="o", color=f"C{i}", label=solver)
-        axes[0].plot(t, [r["state_bytes_predicted"] for r in rows], ls=":", color=f"C{i}")
-        axes[1].plot(t, [r["step_us"] for r in rows], marker="o", color=f"C{i}", label=solver)
     cfg = result["config"]
-    for ax, ylabel in zip(axes, ("state bytes after T tokens (one head)", "decode step, µs (median)")):
+    k, v = cfg["key_dim"], cfg["value_dim"]
+    measured_t = sorted({r["context"] for r in table})
+    dense = [2**p for p in range(4, int(math.log2(max(measured_t))) + 3)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    state_ends, flop_ends = {}, {}
+    for i, solver in enumerate(SOLVERS):
+        style = dict(STYLE[solver], color=f"C{i}")
+        marker_style = {key: val for key, val in style.items() if key != "ls"}
+        rows = sorted((r for r in table if r["solver"] == solver), key=lambda r: r["context"])
+        axes[0].plot(dense, [predicted_state_bytes(solver, t, k, v) for t in dense], ls=style["ls"], color=style["color"],
+                     lw=1.2, label=f"{solver}: {FORMULAS[solver][0]}")
+        # measured markers shifted sideways per solver (×0.88 … ×1.12), so equal states do not hide each other
+        axes[0].plot([r["context"] * JITTER[solver] for r in rows], [r["state_bytes_measured"] for r in rows],
+                     ls="none", **marker_style)
+        flops = [sum(predicted_flops(solver, t, k, v)) for t in dense]
+        axes[1].plot(dense, flops, lw=1.2, markevery=2, label=f"{solver}: {FORMULAS[solver][1]} + {FORMULAS[solver][2]}",
+                     **style)
+        state_ends[solver] = predicted_state_bytes(solver, dense[-1], k, v)
+        flop_ends[solver] = flops[-1]
+    for ax, ylabel in zip(axes, ("state bytes after T tokens (one head; fp32, RLS fp64)",
+                                 "FLOPs per token: update + query (one head)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context T (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"Retained state and per-token work, K=V={cfg['key_dim']} (dots: measured; dotted: formula)",
-                 fontsize=9)
+    for ax in axes:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    _label_line_ends(axes[0], state_ends, _human)
+    _label_line_ends(axes[1], flop_ends, lambda x: f"{x:.3g}")
+    axes[0].set_title("lines: formula; markers: measured (shifted sideways)", fontsize=9)
+    axes[1].set_title("formula; a multiply-add is 2 FLOPs", fontsize=9)
+    fig.suptitle(f"Retained state and per-token work per solver, K = V = {k}", fontsize=10)
+    fig.subplots_adjust(wspace=0.55, right=0.86)
     files.append(save_figure(fig, out / "costs_solver_map.png", dpi=80))
 
     calc = result["calculator"]
@@ -440,6 +552,9 @@ def plot_costs(result: Dict, out: Path) -> List[str]:
         ax.plot(t, [r["hybrid_bytes"] / gib for r in calc["rows"]], marker="o",
                 label=f"hybrid: {m['softmax_layers']} softmax layers of {m['layers']}")
     ax.axhline(calc["budget_gib"], color="gray", ls="--", lw=1, label=f"{calc['budget_gib']:g} GiB budget")
+    if m.get("weights"):
+        ax.axhline(calc["weight_bytes"] / gib, color="black", ls=":", lw=1,
+                   label=f"weights, once per device ({calc['weight_params'] / 1e9:.2f} B params, {m['weight_dtype']})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
@@ -491,6 +606,9 @@ def report(result: Dict) -> str:
                f"KV {m['kv_dtype']}, state {m['state_dtype']}, hybrid with {m['softmax_layers']} softmax layers; "
                f"sessions in {calc['budget_gib']:g} GiB")))
     lines.append(f"crossover: the KV cache outgrows the fixed state after {calc['crossover_context']:.0f} tokens")
+    if m.get("weights"):
+        lines.append(f"weights counted: {calc['weight_params']:,} parameters = {_human(calc['weight_bytes'])} "
+                     f"({m['weight_dtype']}), taken off the {calc['budget_gib']:g} GiB budget before sessions")
     if "lm_check" in result:
         lines.append(f"calculator formula vs LM's measured cache (every mixer): exact = {result['lm_check']['exact']}")
     lines.append(f"runtime {result['runtime_s']:.1f} s")
@@ -511,14 +629,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="calculator: d_k = d_v per head (default 128)")
     parser.add_argument("--value-dim", type=int, default=None, help="calculator: d_v if it differs from d_k")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="calculator: KV-cache dtype")
-    parser.add_argument("--state-dtype", default="float32", choices=sorted(DTYPE_BYTES),
-                        help="calculator: fixed-state dtype (fastweights keeps fp32)")
+    parser.add_argument("--state-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                        help="calculator: fixed-state dtype (default: the KV cache's, to compare at one precision; "
+                             "fastweights' ops keep float32)")
     parser.add_argument("--softmax-layers", type=int, default=4, help="calculator: softmax layers of the hybrid (0: none)")
     parser.add_argument("--budget-gib", type=float, default=80.0, help="calculator: memory (GiB) to count sessions against")
+    parser.add_argument("--weights", action="store_true",
+                        help="calculator: count the model's weights (once per device) against the budget")
+    parser.add_argument("--d-model", type=int, default=None, help="calculator, --weights: d_model (default heads × head dim)")
+    parser.add_argument("--d-ff", type=int, default=None, help="calculator, --weights: MLP width (default SwiGLU 8/3·d_model)")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="calculator, --weights: vocabulary (default 32000)")
+    parser.add_argument("--weight-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                        help="calculator, --weights: dtype of the weights (default: the KV cache's)")
 
 
 def config_from_args(args) -> CostsConfig:
     overrides = dict(root_seed=args.root_seed, layers=args.layers, heads=args.heads, head_dim_k=args.head_dim,
                      head_dim_v=args.value_dim or args.head_dim, kv_dtype=args.dtype, state_dtype=args.state_dtype,
-                     softmax_layers=args.softmax_layers, budget_gib=args.budget_gib)
+                     softmax_layers=args.softmax_layers, budget_gib=args.budget_gib, weights=args.weights,
+                     d_model=args.d_model, d_ff=args.d_ff, vocab_size=args.vocab_size, weight_dtype=args.weight_dtype)
     return CostsConfig.full(**overrides) if args.full else CostsConfig(**overrides)

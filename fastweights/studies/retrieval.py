@@ -8,7 +8,8 @@ delta rule can do and the sum rule cannot.
 The protocol is the paper's (glossary code name: paper symbol)::
 
     e_t = key_embed(key_t)                 learned, dimension E = int(2S·1.1)
-    k_t = W_k e_t,  q = W_k e_query        (d_key); the query is a key symbol
+    k_t = W_k e_t,  q = W_k e_query        (d_key, "tied": the quick default); the query is a key symbol
+    k_t = W_k [v_t; e_t] + b_k,  q = W_q e_query + b_q    ("paper": Schlag et al.'s code; ``--full``)
     v_t = onehot(value_t)                  frozen, dimension S: no value embedding, no read-out
     β_t = σ(w_β · e_t + b_β)               delta rule only: write strength
     sum rule   (arms linear, dpfp1..3, favor):  W = Σ v_t ⊗ φ(k_t), z = Σ φ(k_t)
@@ -21,9 +22,15 @@ The protocol is the paper's (glossary code name: paper symbol)::
 The ops return the final state; the read is ``φ(q)`` against it (one product).
 
 Feature maps (seed 001, ch. 3): ``linear`` is φ(x) = elu(x) + 1 (d_dot = d_key);
-``dpfp1..3`` are DPFP(ν) (d_dot = 2·d_key·ν); ``favor`` is FAVOR+ with m = d_key
-random features (d_dot = 2m), redrawn at every forward pass as in the paper (from
-the run's seeded stream, so reruns are identical).
+``dpfp1..3`` are DPFP(ν) (d_dot = 2·d_key·ν); ``favor``, ``favor2``, ``favor8`` are
+FAVOR+ with m = 1, 2, 8 × d_key random features (d_dot = 2m; the paper's 64, 128,
+512 at d_key = 64). As in the paper's code, FAVOR+ is φ(x) = [exp(ωᵀx − |x|²/2),
+exp(−ωᵀx − |x|²/2)]/√(2m) of the key itself (no 1/√d_key inside: it estimates
+exp(kᵀq)), with orthogonal ω of χ-distributed norms, no further stabiliser, the
+normaliser z, and ω redrawn at every forward pass, evaluation included (from the
+run's seeded stream, so reruns are identical). The evaluation batch is read in
+``eval_forwards`` = 20 forwards (the paper: 20 sequences, at least one forward
+each), so FAVOR+'s evaluation loss averages 20 draws of ω rather than one.
 
 Training (paper: Adam 1e-3, batch 32, evaluation every 100 steps): train until
 the loss on a fixed evaluation batch is clean, or it has not improved by 1% for
@@ -37,8 +44,10 @@ was no longer clean. The quick default shrinks d_key to 8 (so d_dot, and S*,
 shrink 8-fold: compare S*/d_dot), uses a coarse S grid, asks every stored key per
 training sequence (the same memory, more training signal per step), and trains
 with Adam 1e-2, evaluating every 50 steps, stopping after 6 evaluations without a
-1% gain (the paper's 1e-3 needs budgets a quick run does not have); ``full``
-is the paper's d_key = 64, S = 20..600 by 20, one query per sequence.
+1% gain (the paper's 1e-3 needs budgets a quick run does not have), with tied
+projections (under that budget the paper's separate W_q left DPFP-1 unclean even
+at S = 4: see docs/studies.md); ``full`` is the paper's d_key = 64, S = 20..600 by
+20, one query per sequence, the paper's projections.
 
 Setting 2 uses the paper's sizes (20 keys, 40 writes with replacement, the target
 is the value of the key's last write) and DPFP-1 for both rules, at a d_key
@@ -59,12 +68,17 @@ import torch.nn.functional as F
 
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..ops.feature_maps import normalize_qk
-from ..tasks.retrieval import RetrievalTask
+from ..tasks.retrieval import RetrievalBatch, RetrievalTask
 from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
 
-FEATURE_MAPS = ("linear", "dpfp1", "dpfp2", "dpfp3", "favor")
-ARMS = FEATURE_MAPS + ("softmax",)          # setting 1: the sum rule with each φ, and softmax attention
+# FAVOR+ with m = 1, 2, 8 × d_key random features: the paper's 64/128/512 at d_key = 64.
+FAVOR_FEATURES = {"favor": 1, "favor2": 2, "favor8": 8}
+FEATURE_MAPS = ("linear", "dpfp1", "dpfp2", "dpfp3") + tuple(FAVOR_FEATURES)
+# Setting 1: the sum rule with each φ, and softmax attention. The order keys each arm's seeds (ARMS.index),
+# so arms added later go last.
+ARMS = ("linear", "dpfp1", "dpfp2", "dpfp3", "favor", "softmax", "favor2", "favor8")
 RULES = ("sum", "delta", "softmax")
+PROJECTIONS = ("paper", "tied")
 SETTING2_RULES = ("delta", "sum")
 CLEAN_LOSS = 1e-3
 # What the paper's logs give at d_key = 64 (issue 13, read from Schlag et al.'s logs): for setting 1 the
@@ -76,8 +90,10 @@ PUBLISHED = {
         "dpfp1": {"d_dot": 128, "clean_to": 100, "fails_at": None},
         "dpfp2": {"d_dot": 256, "clean_to": 240, "fails_at": None},
         "dpfp3": {"d_dot": 384, "clean_to": 340, "fails_at": None},
-        "favor": {"d_dot": None, "clean_to": 0, "fails_at": 20, "note": "64/128/512 features: never clean"},
+        "favor": {"d_dot": 128, "clean_to": 0, "fails_at": 20, "note": "64 features: never clean"},
         "softmax": {"d_dot": None, "clean_to": None, "fails_at": None, "note": "loss <= 0.03 up to S = 600"},
+        "favor2": {"d_dot": 256, "clean_to": 0, "fails_at": 20, "note": "128 features: never clean"},
+        "favor8": {"d_dot": 1024, "clean_to": 0, "fails_at": 20, "note": "512 features: never clean"},
     },
     "setting2": {"delta": {"loss": 0.0008}, "sum": {"loss": 0.097}},
 }
@@ -91,8 +107,10 @@ def make_feature_map(name: str, d_key: int, seed: int = 0):
         return EluPlusOne()
     if name in ("dpfp1", "dpfp2", "dpfp3"):
         return DPFP(int(name[-1]))
-    if name == "favor":
-        return FavorPlus(d_key, num_features=d_key, seed=seed)
+    if name in FAVOR_FEATURES:
+        # input_scale 1: the paper's features estimate exp(kᵀq), not exp(kᵀq/√d_key) (the learned key
+        # projection could absorb the factor, but not its effect on the initial scale and the step size).
+        return FavorPlus(d_key, num_features=FAVOR_FEATURES[name] * d_key, seed=seed, input_scale=1.0)
     raise ValueError(f"unknown `feature_map` {name!r}; expected one of {', '.join(FEATURE_MAPS)}")
 
 
@@ -110,13 +128,23 @@ class FastWeightRetriever(nn.Module):
 
     ``forward(keys [B, L], values [B, L], queries [B, Q]) -> ŷ [B, Q, S]`` (the raw
     memory output read against one-hot values of dimension S = ``num_keys``).
+
+    ``projections``: ``"paper"`` as Schlag et al.'s code: the key (and the delta
+    rule's β) is projected from the written pair [onehot(v); e_key] with a bias, the
+    query by its own projection W_q e_query + b, weights uniform in ±1/√d_key;
+    ``"tied"``: one bias-free matrix W_k e serves the write and the read.
     """
 
     def __init__(self, num_keys: int, d_key: int = 64, rule: str = "sum", feature_map: Optional[str] = "linear",
-                 seed: int = 0, chunk_size: int = 64, num_values: Optional[int] = None) -> None:
+                 seed: int = 0, chunk_size: int = 64, num_values: Optional[int] = None,
+                 projections: str = "paper") -> None:
         super().__init__()
         if rule not in RULES:
             raise ValueError(f"FastWeightRetriever: unknown `rule` {rule!r}; expected one of {', '.join(RULES)}")
+        if projections not in PROJECTIONS:
+            raise ValueError(f"FastWeightRetriever: unknown `projections` {projections!r}; expected one of "
+                             f"{', '.join(PROJECTIONS)}")
+        self.projections = projections
         self.rule = rule
         self.num_values = num_keys if num_values is None else num_values
         self.phi = None if rule == "softmax" else make_feature_map(feature_map, d_key, seed)
@@ -124,16 +152,32 @@ class FastWeightRetriever(nn.Module):
         self.chunk_size = chunk_size
         embed_dim = int(2 * num_keys * 1.1)                               # the paper's key embedding width
         self.key_embed = nn.Embedding(num_keys, embed_dim)
-        self.k_proj = nn.Linear(embed_dim, d_key, bias=False)
-        self.beta_proj = nn.Linear(embed_dim, 1) if rule == "delta" else None
+        if projections == "tied":
+            self.k_proj = nn.Linear(embed_dim, d_key, bias=False)
+            self.q_proj = None
+            self.beta_proj = nn.Linear(embed_dim, 1) if rule == "delta" else None
+        else:
+            self.k_proj = nn.Linear(self.num_values + embed_dim, d_key)
+            self.q_proj = nn.Linear(embed_dim, d_key)
+            self.beta_proj = nn.Linear(self.num_values + embed_dim, 1) if rule == "delta" else None
+            if rule != "softmax":  # the paper's linear-attention init (its softmax model keeps Xavier's)
+                for proj in (self.k_proj, self.q_proj):
+                    nn.init.uniform_(proj.weight, -d_key ** -0.5, d_key ** -0.5)
+
+    def project(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor):
+        """``(k [B, L, d_key], q [B, Q, d_key], v [B, L, S], x [B, L, ·])``: keys, queries, one-hot values and
+        the input of the write (what β is computed from)."""
+        v = F.one_hot(values, self.num_values).to(self.key_embed.weight.dtype)  # frozen
+        e = self.key_embed(keys)                                                 # (B, L, E)
+        if self.projections == "tied":
+            return self.k_proj(e), self.k_proj(self.key_embed(queries)), v, e
+        x = torch.cat([v, e], dim=-1)                                            # the written pair
+        return self.k_proj(x), self.q_proj(self.key_embed(queries)), v, x
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         if isinstance(self.phi, FavorPlus):
             self.phi.redraw()                                             # the paper redraws ω every forward
-        e = self.key_embed(keys)                                          # (B, L, E)
-        k = self.k_proj(e)                                                # (B, L, d_key)
-        q = self.k_proj(self.key_embed(queries))                          # (B, Q, d_key)
-        v = F.one_hot(values, self.num_values).to(k.dtype)                # (B, L, S), frozen
+        k, q, v, x = self.project(keys, values, queries)
         if self.rule == "softmax":
             return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
         head = (slice(None), slice(None), None)                           # (B, T, d) -> (B, T, 1, d)
@@ -143,7 +187,7 @@ class FastWeightRetriever(nn.Module):
             phi_q = self.phi(q)
             read = phi_q @ h[:, 0]                                        # (B, Q, S + 1) = [W φ(q) | z·φ(q)]
             return read[..., :-1] / (read[..., -1:] + 1e-6)
-        beta = torch.sigmoid(self.beta_proj(e))                           # (B, L, 1)
+        beta = torch.sigmoid(self.beta_proj(x))                           # (B, L, 1)
         _, h = chunk_delta_rule(k[head], k[head], v[head], beta, scale=1.0, feature_map=self.phi, qk_norm="sum",
                                 output_final_state=True, chunk_size=self.chunk_size)
         return normalize_qk(self.phi(q), "sum") @ h[:, 0]                 # (B, Q, S)
@@ -179,16 +223,21 @@ class TrainConfig:
     max_steps: int = 3000
     eval_every: int = 50
     eval_batch: int = 128
+    eval_forwards: int = 20
     patience: int = 6
+    projections: str = "tied"
     clean_loss: float = CLEAN_LOSS
 
     def __post_init__(self) -> None:
-        for name in ("d_key", "batch_size", "max_steps", "eval_every", "eval_batch", "patience"):
+        for name in ("d_key", "batch_size", "max_steps", "eval_every", "eval_batch", "eval_forwards", "patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig: `lr` must be > 0, got {self.lr!r}")
+        if self.projections not in PROJECTIONS:
+            raise ValueError(f"TrainConfig: `projections` must be one of {', '.join(PROJECTIONS)}, "
+                             f"got {self.projections!r}")
         if not self.clean_loss > 0:
             raise ValueError(f"TrainConfig: `clean_loss` must be > 0, got {self.clean_loss!r}")
 
@@ -205,15 +254,23 @@ def train_memory(task: RetrievalTask, rule: str, feature_map: Optional[str], tra
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = FastWeightRetriever(task.num_keys, train.d_key, rule, feature_map, seed=seed,
-                                    num_values=task.num_values)
+                                    num_values=task.num_values, projections=train.projections)
     opt = torch.optim.Adam(model.parameters(), lr=train.lr)
     start = time.perf_counter()
 
+    parts = [RetrievalBatch(*p) for p in zip(*(x.tensor_split(train.eval_forwards) for x in eval_batch))]
+    parts = [p for p in parts if p.keys.shape[0]]
+
     def evaluate() -> Tuple[float, float]:
+        # Several forwards, as the paper's evaluation (20 sequences, one or more forwards each): FAVOR+ draws
+        # fresh features at every forward, so its loss is an average over draws, not one lucky draw.
+        loss = correct = 0.0
         with torch.no_grad():
-            y_hat = model(eval_batch.keys, eval_batch.values, eval_batch.queries)
-            return (retrieval_loss(y_hat, eval_batch.targets).item(),
-                    (y_hat.argmax(-1) == eval_batch.targets).float().mean().item())
+            for p in parts:
+                y_hat = model(p.keys, p.values, p.queries)
+                loss += retrieval_loss(y_hat, p.targets).item() * p.keys.shape[0]
+                correct += (y_hat.argmax(-1) == p.targets).float().mean().item() * p.keys.shape[0]
+        return loss / train.eval_batch, correct / train.eval_batch
 
     loss, acc = evaluate()
     history = [(0, loss)]
@@ -283,7 +340,8 @@ class RetrievalConfig:
         """The paper's sweep: d_key = 64, S = 20..600 by 20, one query per sequence, Adam 1e-3,
         evaluation every 100 steps, up to 200k steps per memory (a GPU job; see docs/studies.md)."""
         settings = dict(
-            train=TrainConfig(d_key=64, lr=1e-3, max_steps=200_000, eval_every=100, eval_batch=256, patience=20),
+            train=TrainConfig(d_key=64, lr=1e-3, max_steps=200_000, eval_every=100, eval_batch=256, patience=20,
+                              projections="paper"),
             sizes=tuple(range(20, 601, 20)), sweep_patience=2, queries=1, setting2_d_key=64, setting2_queries=1,
             setting2_max_steps=200_000, threads=None,
         )
@@ -386,30 +444,46 @@ def plot_retrieval(result: Dict, out: Path) -> List[str]:
     plt = pyplot()
     cfg = result["config"]
     rows = [r for r in result["table"] if r["setting"] == 1]
-    families = [("linear", ("linear",)), ("DPFP", ("dpfp1", "dpfp2", "dpfp3")), ("FAVOR+", ("favor",))]
+    families = [("linear", ("linear",)), ("DPFP", ("dpfp1", "dpfp2", "dpfp3")), ("FAVOR+", tuple(FAVOR_FEATURES))]
     families = [(n, tuple(a for a in arms if a in cfg["arms"])) for n, arms in families]
     families = [f for f in families if f[1]]
-    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.6), sharey=True, squeeze=False)
+    colors = {"linear": "C0", "dpfp1": "C1", "dpfp2": "C2", "dpfp3": "C3", "favor": "C4", "favor2": "C6",
+              "favor8": "C8", "softmax": "C5"}
+    fig, axes = plt.subplots(1, len(families), figsize=(4.6 * len(families), 4.4), sharey=True, squeeze=False)
     for ax, (family, arms) in zip(axes[0], families):
         for arm in arms + (("softmax",) if "softmax" in cfg["arms"] else ()):
-            color = f"C{ARMS.index(arm)}"
-            for i in range(cfg["seeds"]):
-                pts = sorted((r["S"], max(r["loss"], 1e-7)) for r in rows if r["arm"] == arm and r["seed"] == i)
+            color = colors[arm]
+            per_seed = [dict((r["S"], max(r["loss"], 1e-7)) for r in rows if r["arm"] == arm and r["seed"] == i)
+                        for i in range(cfg["seeds"])]
+            for pts in per_seed:  # thin: each seed's sweep (it stops at its first unclean S)
                 if pts:
-                    h = result["headline"]["setting1"][arm]
-                    ax.plot(*zip(*pts), marker="o", ms=3, color=color, alpha=0.8, ls="--" if arm == "softmax" else "-",
-                            label=(f"{arm} (d_dot={h['d_dot']}, S*={h['s_star']:.1f}±{h['s_star_se']:.1f})"
-                                   if i == 0 else None))
-        ax.axhline(cfg["train"]["clean_loss"], color="gray", ls=":", lw=1, label="clean (0.001)")
+                    ax.plot(*zip(*sorted(pts.items())), marker="o", ms=2.5, lw=0.7, color=color, alpha=0.45,
+                            ls="--" if arm == "softmax" else "-")
+            sizes = sorted({s for pts in per_seed for s in pts})
+            if not sizes:
+                continue
+            # bold: the geometric mean over the seeds that reached S; band: their min .. max
+            seen = [[pts[s] for pts in per_seed if s in pts] for s in sizes]
+            mean = [float(torch.tensor(v).log().mean().exp()) for v in seen]
+            h = result["headline"]["setting1"][arm]
+            bound = "unbounded" if h["d_dot"] is None else f"d_dot={h['d_dot']}"
+            ax.plot(sizes, mean, marker="o", ms=4, lw=2, color=color, ls="--" if arm == "softmax" else "-",
+                    label=f"{arm} ({bound}): S* = {h['s_star']:.1f} ± {h['s_star_se']:.1f}")
+            ax.fill_between(sizes, [min(v) for v in seen], [max(v) for v in seen], color=color, alpha=0.15, lw=0)
+        ax.axhline(cfg["train"]["clean_loss"], color="black", ls=":", lw=1, label="clean: loss 0.001")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("unique keys S")
+        ax.set_xticks(list(cfg["sizes"]))
+        ax.set_xticklabels([str(x) for x in cfg["sizes"]], fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel("unique keys S (log axis)")
         ax.set_title(f"{family}, d_key = {cfg['train']['d_key']}", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("evaluation loss 0.5‖onehot − ŷ‖²")
-    fig.suptitle(f"Setting 1 (sum rule with z; {cfg['seeds']} seeds, one line each): the capacity cliff", fontsize=9)
-    files = [save_figure(fig, out / "retrieval_loss_vs_S.png", dpi=80)]
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+    axes[0][0].set_ylabel("evaluation loss 0.5‖onehot − ŷ‖² (log axis)")
+    fig.suptitle(f"Setting 1, sum rule with z (and softmax): the capacity cliff; {cfg['seeds']} seeds "
+                 f"(thin: each seed; bold: geometric mean; band: min–max)", fontsize=9)
+    files = [save_figure(fig, out / "retrieval_loss_vs_S.png", dpi=90)]
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for j, (rule, r) in enumerate(result["headline"]["setting2"].items()):
@@ -444,7 +518,7 @@ def report(result: Dict) -> str:
                               title="setting 1: S* = largest clean S (published: d_key = 64)"))
     lines.append("")
     rows = [{"rule": rule, "loss ± se": f"{h['loss']:.4f} ± {h['loss_se']:.4f}", "clean": h["clean"],
-             "published": h["published_loss"], "sum-rule floor": h["sum_rule_floor"]}
+             "published": f"{h['published_loss']:g}", "sum-rule floor": h["sum_rule_floor"]}
             for rule, h in result["headline"]["setting2"].items()]
     lines.append(format_table(rows, ("rule", "loss ± se", "clean", "published", "sum-rule floor"),
                               title=f"setting 2: {cfg['setting2_keys']} keys, {cfg['setting2_pairs']} writes with "
@@ -466,11 +540,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="step budget per memory")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads while training (default 1)")
+    parser.add_argument("--projections", choices=PROJECTIONS, default=None,
+                        help="key/query projections: tied (one W_k, the quick default) or paper (W_k [onehot(v); e] + b "
+                             "and a separate W_q + b, as Schlag et al.'s code; the --full default)")
 
 
 def config_from_args(args) -> RetrievalConfig:
     base = RetrievalConfig.full() if args.full else RetrievalConfig()
-    updates = {k: v for k, v in (("d_key", args.d_key), ("max_steps", args.max_steps)) if v is not None}
+    updates = {k: v for k, v in (("d_key", args.d_key), ("max_steps", args.max_steps),
+                                 ("projections", getattr(args, "projections", None))) if v is not None}
     overrides = {"root_seed": args.root_seed, "train": TrainConfig(**{**asdict(base.train), **updates})}
     if args.seeds is not None:
         overrides["seeds"] = args.seeds

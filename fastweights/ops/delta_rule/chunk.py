@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._chunk import (
-    ChunkDecay, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
+    ChunkDecay, backward_only, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
 from .._backend import backward_can_follow, run_chunk_delta
@@ -338,6 +338,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, beta, g, h0, scale, chunk_size, keep = inputs
     _, _, states, *kept = output
     ctx.save_for_backward(beta, g, states, *kept)
+    backward_only(ctx, states, *kept)
     ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
 
 
@@ -345,6 +346,9 @@ def _backward(ctx, do, dh_final, *unused):
     beta, g, states, *kept = ctx.saved_tensors
     if dh_final is None:
         dh_final = states.new_zeros(states.shape[1:])
+    if do is None:  # only h_T was used
+        n, nh, t_len = beta.shape
+        do = states.new_zeros(n, nh, t_len, states.shape[-1])
     dq, dk, dv, dbeta, dg, dh0 = _bwd_op(beta, g, states, *kept, do, dh_final, ctx.scale, ctx.chunk_size)
     dg = None if g is None else dg
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)

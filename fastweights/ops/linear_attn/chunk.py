@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._chunk import (
-    ChunkDecay, chunk_buffer, flat_chunks, from_chunk_buffer, read_write_backward, reverse_cumsum, state_scan,
+    ChunkDecay, backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, read_write_backward, reverse_cumsum, state_scan,
     state_scan_backward, unflat_chunks,
 )
 from .._frontend import autocast_off, run_op
@@ -135,13 +135,16 @@ def _setup_context(ctx, inputs, output):
     q, k, v, g, h0, scale, chunk_size = inputs
     _, _, states, qc, kc, vc, gc = output
     ctx.save_for_backward(qc, kc, vc, None if g is None else gc, states)
-    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+    backward_only(ctx, states, qc, kc, vc, gc)
+    ctx.scale, ctx.chunk_size, ctx.h0_shape, ctx.o_shape = scale, chunk_size, None if h0 is None else h0.shape, output[0].shape
 
 
 def _backward(ctx, do, dh_final, *unused):
     qc, kc, vc, gc, states = ctx.saved_tensors
     if dh_final is None:
         dh_final = states.new_zeros(states.shape[1:])
+    if do is None:  # only h_T was used
+        do = states.new_zeros(ctx.o_shape)
     dq, dk, dv, dg, dh0 = _bwd_op(qc, kc, vc, gc, states, do, dh_final, ctx.scale, ctx.chunk_size)
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
     return dq, dk, dv, None if gc is None else dg, dh0, None, None
