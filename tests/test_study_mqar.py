@@ -1,6 +1,12 @@
 """MQAR (Arora et al. 2023): the generator's contract, and the study on small runs."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,3 +190,42 @@ def test_quick_default_meets_the_acceptance_lines():
         assert head[mixer]["accuracy"] >= 0.99
     assert head["linear"]["accuracy"] < 0.99
 
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_worker_processes_die_with_a_killed_study(tmp_path):
+    """SIGKILL skips every clean-up of the study process: its training workers must still end
+    (they ask the kernel for SIGTERM when their parent dies) instead of training on as orphans."""
+    script = tmp_path / "study.py"
+    script.write_text(
+        "from fastweights.studies.mqar import MQARConfig, run_mqar\n"
+        "if __name__ == '__main__':\n"
+        "    run_mqar(MQARConfig(mixers=('linear',), d_models=(16,), cells=((16, 4),), vocab_size=32, lrs=(1e-3, 1e-2),\n"
+        "                        short_conv=(False,), max_steps=100000, patience=None, eval_every=1000), progress=False)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    children_file = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+    workers, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline:  # the pool's 2 workers (and its resource tracker) have started
+        pids = [int(p) for p in children_file.read_text().split()] if children_file.exists() else []
+        workers = [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        if len(workers) == 2:
+            break
+        time.sleep(0.2)
+    time.sleep(3)  # past the workers' start-up (the initializer runs before their first run)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in workers):
+        time.sleep(0.2)
+    alive = [p for p in workers if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+    print(f"workers {workers}; alive 20 s after the parent's SIGKILL: {alive}")
+    for pid in alive:  # (only when the test fails: leave no orphan training behind)
+        os.kill(pid, signal.SIGKILL)
+    assert len(workers) == 2 and not alive
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"
