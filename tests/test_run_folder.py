@@ -69,6 +69,18 @@ def rehash(folder):
 # -- failure 1: a new run in a used --out ------------------------------------------------------------
 
 
+def _resume_fails_in_one_line(capsys, out, steps):
+    """``fastweights train --resume`` on ``out`` exits 2 with one error line and no traceback; returns it."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["train", "--resume", "--out", str(out), "--steps", str(steps), "--progress", "off"])
+    err = capsys.readouterr().err
+    print(err)
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("fastweights train: error: ") and "Traceback" not in err
+    return err
+
+
 def test_a_new_run_in_a_used_out_is_refused_unless_overwrite(tmp_path, capsys):
     """It used to prune its own ckpt-000004 in favour of the old run's ckpt-000008 and exit 0
     with `latest` naming a missing folder."""
@@ -239,13 +251,7 @@ def test_damaged_train_json_is_refused_in_one_line(tmp_path, capsys, damage, mes
     with pytest.raises(CheckpointError, match="fails its SHA-256 check"):  # the checksum sees the edit first
         load_checkpoint(out)
     rehash(out / "ckpt-000004")
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["train", "--resume", "--out", str(out), "--steps", "6", "--progress", "off"])
-    err = capsys.readouterr().err
-    print(err)
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith("fastweights train: error: ") and "Traceback" not in err
+    err = _resume_fails_in_one_line(capsys, out, steps=6)
     assert pytest.importorskip("re").search(message, err)
 
 
@@ -299,12 +305,7 @@ def test_damaged_training_tensors_are_refused_in_one_line(tmp_path, capsys, thre
     file, edit, message = TENSOR_DAMAGE[damage]
     _edit_safetensors(out / "ckpt-000003" / f"{file}.safetensors", edit)
     rehash(out / "ckpt-000003")
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["train", "--resume", "--out", str(out), "--steps", "5", "--progress", "off"])
-    err = capsys.readouterr().err
-    print(err)
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    err = _resume_fails_in_one_line(capsys, out, steps=5)
     assert f"ckpt-000003/{file}.safetensors: " in err and pytest.importorskip("re").search(message, err)
 
 
