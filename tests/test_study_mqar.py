@@ -181,7 +181,8 @@ def test_small_study_learns_the_task():
 @pytest.fixture(scope="module")
 def hardest_quick_cell():
     """The quick default's hardest cell (T = 128, 8 pairs, d_model 64, the short convolution on for every
-    mixer, softmax with RoPE), run once for the acceptance tests below (about 10 to 30 minutes on 2 cores)."""
+    mixer, softmax with RoPE), run once for the acceptance tests below (about 12 to 25 minutes on 2 cores;
+    measured with the 1500-step budget: DeltaNet 0.994, Gated DeltaNet 0.993, softmax 0.997, linear 0.949)."""
     result = run_mqar(MQARConfig(cells=((128, 8),), short_conv=(True,)), progress=False)
     print(result["headline"])
     return result["headline"]
@@ -196,9 +197,6 @@ def test_quick_default_softmax_learns_and_linear_falls_short(hardest_quick_cell)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="measured (800-step budget, 3 seeds): DeltaNet 0.985 +- 0.008 (seeds 0 and 1 ran out of "
-                          "steps at 0.969 and 0.988), Gated DeltaNet 0.878 +- 0.116 (seed 1's one-head gate "
-                          "initialisation decays 0.815 per token and reaches 0.645)", strict=False)
 @pytest.mark.parametrize("mixer", ["deltanet", "gated_deltanet"])
 def test_quick_default_fast_weight_mixers_reach_099(hardest_quick_cell, mixer):
     """Issue 13: DeltaNet and Gated DeltaNet reach >= 0.99 at the hardest quick cell."""

@@ -80,7 +80,7 @@ class MQARConfig:
     power_a: float = 0.01
     lrs: Tuple[float, ...] = LRS
     seeds: int = 3
-    max_steps: int = 800
+    max_steps: int = 1500
     batch_size: int = 32
     weight_decay: float = 0.1
     eval_every: int = 50
