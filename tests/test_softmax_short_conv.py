@@ -112,3 +112,25 @@ def test_state_of_the_wrong_kind_is_refused():
         SoftmaxAttention(16, 2, use_short_conv=1)
     with pytest.raises(TypeError, match=r"LMConfig: `softmax_short_conv` must be true or false, got 'yes'"):
         LMConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, mixer="softmax", softmax_short_conv="yes")
+
+
+def test_the_stacked_qkv_weight_is_cached_and_follows_weight_changes():
+    """Without gradients the layer stacks q, k, v's weights once (the fast-weight layers' cache,
+    `layers.common.cached_weights`), and an in-place change of a weight (an optimizer step, a
+    load) is seen by the next call: it equals a fresh layer holding the changed weights."""
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(24, 2, use_short_conv=True).double()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    with torch.no_grad():
+        layer(x)
+        stacked = layer.__dict__["_qkv_weight_cache"][1][0]
+        layer(x)
+        assert layer.__dict__["_qkv_weight_cache"][1][0] is stacked  # not rebuilt
+        layer.k_proj.weight.mul_(1.5)
+        y, _ = layer(x)
+        fresh = SoftmaxAttention(24, 2, use_short_conv=True).double()
+        fresh.load_state_dict(layer.state_dict())
+        y_fresh, _ = fresh(x)
+    err = _err(y, y_fresh)
+    print("after an in-place weight change: max |y - fresh layer's y| =", err)
+    assert err <= TOL

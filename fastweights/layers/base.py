@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from ..ops._checks import compute_dtype
 from ..ops._chunk import default_chunk_size
 from .common import (
-    FastWeightState, GatedRMSNorm, ShortConvolution, check_layer_input, forward_with_mask, get_activation,
+    FastWeightState, GatedRMSNorm, ShortConvolution, cached_weights, check_layer_input, forward_with_mask,
+    get_activation,
 )
 
 
@@ -257,10 +258,10 @@ class FastWeightMixer(nn.Module):
 
     def _in_weight(self) -> torch.Tensor:
         """The weights of :meth:`step_projections` stacked, ``[2·H·K + HV·V + ..., d_model]``:
-        every projection of x as one matmul (see :meth:`_cached_weights`)."""
+        every projection of x as one matmul (see :func:`~fastweights.layers.common.cached_weights`)."""
         modules = self._modules
         params = [modules[n]._parameters["weight"] for n in self.step_projections()]
-        return self._cached_weights("_in_weight_cache", params, lambda: (torch.cat(params),))[0]
+        return cached_weights(self, "_in_weight_cache", params, lambda: (torch.cat(params),))[0]
 
     def _step_weights(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """``(W_inᵀ [d_model, ·], (W_o diag(w))ᵀ [H·K, d_model], conv kernelᵀ [W, ·] or None)`` for
@@ -276,22 +277,7 @@ class FastWeightMixer(nn.Module):
             w_conv = None if conv is None else params[-1].t()
             return torch.cat(params[:n_in]).t(), (w_o * w_norm.repeat(self.n_heads)).t(), w_conv
 
-        return self._cached_weights("_step_weights_cache", params, build)
-
-    def _cached_weights(self, slot: str, params, build):
-        """``build()``'s tensors, cached in ``slot`` while ``params`` are the same tensors,
-        unchanged (an optimizer step or a load bumps a tensor's version; ``.to()`` makes new
-        ones) and no gradient is needed; with gradients they are built per call, differentiably."""
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return build()
-        cached = self.__dict__.get(slot)
-        if cached is None or len(cached[0]) != len(params) or any(
-            p is not q or p._version != version or p.data_ptr() != ptr for p, (q, version, ptr) in zip(params, cached[0])
-        ):
-            weights = tuple(None if w is None else w.detach().contiguous() for w in build())
-            cached = ([(p, p._version, p.data_ptr()) for p in params], weights)
-            self.__dict__[slot] = cached
-        return cached[1]
+        return cached_weights(self, "_step_weights_cache", params, build)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:

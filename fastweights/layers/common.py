@@ -25,7 +25,7 @@ __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
     "get_activation", "check_layer_input", "sequence_positions", "rotary_embedding",
     "check_rope_theta", "check_attention_mask", "pack_rows", "unpack_rows", "forward_with_mask",
-    "align_rows", "unalign_rows",
+    "align_rows", "unalign_rows", "cached_weights",
 ]
 
 
@@ -179,6 +179,23 @@ def forward_with_mask(forward: Callable, x: torch.Tensor, state, mask: torch.Ten
     packed, cu_seqlens = pack_rows(x, mask)
     y, state = forward(packed, state, cu_seqlens)
     return unpack_rows(y, mask), state
+
+
+def cached_weights(module: nn.Module, slot: str, params, build):
+    """``build()``'s tensors, cached on ``module`` (attribute ``slot``) while ``params`` are the same
+    tensors, unchanged (an optimizer step or a load bumps a tensor's version; ``.to()`` makes new
+    ones) and no gradient is needed; with gradients they are built per call, differentiably.
+    For weights a layer concatenates for one matmul: built once per decode, not once per token."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return build()
+    cached = module.__dict__.get(slot)
+    if cached is None or len(cached[0]) != len(params) or any(
+        p is not q or p._version != version or p.data_ptr() != ptr for p, (q, version, ptr) in zip(params, cached[0])
+    ):
+        weights = tuple(None if w is None else w.detach().contiguous() for w in build())
+        cached = ([(p, p._version, p.data_ptr()) for p in params], weights)
+        module.__dict__[slot] = cached
+    return cached[1]
 
 
 class _CausalConv(torch.autograd.Function):

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from ..ops import KVCache, softmax_attn
 from .common import (
-    ShortConvolution, check_layer_input, check_rope_theta, forward_with_mask, rotary_embedding, sequence_positions,
+    ShortConvolution, cached_weights, check_layer_input, check_rope_theta, forward_with_mask, rotary_embedding,
+    sequence_positions,
 )
 
 
@@ -119,7 +120,8 @@ class SoftmaxAttention(nn.Module):
         B, T, _ = x.shape
         kv_state = state if self.conv is None or state is None else state.kv
         if self.conv is not None:  # one matmul, then the convolution over q, k, v together (depthwise)
-            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [3·d_model, d_model]
+            params = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+            weight = cached_weights(self, "_qkv_weight_cache", params, lambda: (torch.cat(params),))[0]  # [3·d_model, d_model]
             qkv, conv_state = self.conv(F.linear(x, weight), None if state is None else state.conv, cu_seqlens)
             q, k, v = (t.reshape(B, T, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         else:
