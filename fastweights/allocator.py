@@ -59,9 +59,3 @@ def tune_cpu_allocator() -> bool:
             ok = False
     _state["tuned"] = ok
     return ok
-
-
-def cpu_allocator_tuned() -> bool:
-    """Whether :func:`tune_cpu_allocator` has applied its settings in this process (a process
-    started with ``spawn`` does not inherit them: the MQAR study's workers ask the parent)."""
-    return _state["tuned"] is True
