@@ -184,7 +184,7 @@ def test_small_study_learns_the_task():
 def quick_default():
     """The quick default, run once for the acceptance tests below: T = 128, 8 pairs, d_model 64, the
     short convolution on for every mixer, softmax with RoPE, 3 learning rates and 3 seeds (20 runs, about
-    8 minutes on 2 cores; measured: DeltaNet 0.994, Gated DeltaNet 0.993, softmax 0.997, linear 0.949)."""
+    9 minutes on 2 cores; measured: DeltaNet 0.994, Gated DeltaNet 0.993, softmax 0.997, linear 0.949)."""
     result = run_mqar(MQARConfig(), progress=False, plots=False)
     print(result["headline"], f"{result['runtime_s']:.0f} s")
     assert result["headline_config"] == {"seq_len": 128, "num_kv_pairs": 8, "d_model": 64, "short_conv": True}

@@ -38,7 +38,7 @@ results are bit-identical to a serial run (``workers=1``).
 The quick default is CPU-sized, one cell: vocabulary 128, d_model 64, T = 128 with
 8 pairs, the short convolution on for every mixer, and three learning rates
 (:data:`QUICK_LRS`: Zoology's grid without 1e-4, which won none of the sweeps we ran
-at the 1500-step budget) — 20 runs, about 8 minutes on 2 cores. ``full`` is the
+at the 1500-step budget) — 20 runs, about 9 minutes on 2 cores. ``full`` is the
 paper's anchor: vocabulary 8192, T = 512, 64 pairs, d_model 64..512, both
 convolution settings, Zoology's four rates, 3,000 test examples (a GPU job).
 """
@@ -223,15 +223,9 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, l
 
 def _worker_init() -> None:
     """In a worker process: die with the parent (Linux), so that a study killed by a signal
-    that skips its clean-up (SIGTERM, SIGKILL) leaves no orphaned training run behind; and
-    raise glibc's malloc thresholds (:func:`fastweights.tune_cpu_allocator`: the workers are
-    the study's own processes, and a spawned process starts with the defaults; one training
-    step at T = 128, batch 32, d_model 64 measured 8–10 % faster with them)."""
+    that skips its clean-up (SIGTERM, SIGKILL) leaves no orphaned training run behind."""
     import sys
 
-    from ..allocator import tune_cpu_allocator
-
-    tune_cpu_allocator()
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
