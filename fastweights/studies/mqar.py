@@ -19,11 +19,12 @@ The protocol is Zoology's:
   (Zoology draws a fixed training set; with fresh batches no model can memorise);
 - training: AdamW (weight decay 0.1 on matrices, β = 0.9, 0.98), cosine decay to 0
   over ``max_steps``, a sweep of learning rates (``lrs``: Zoology's 4 log-spaced
-  values in 1e-4..1e-2, :data:`LRS`; the quick default the upper three), early stop once the validation accuracy reaches ``early_stop``
-  (0.99), evaluated every ``eval_every`` steps; and ordinary early stopping with
-  ``patience``: a run ends when its validation loss has not fallen by ``min_delta``
-  (1 %, relative) below its last improvement for ``patience`` (4) evaluations in a
-  row (its last model is tested; ``stop`` in the table says which rule ended it);
+  values in 1e-4..1e-2, :data:`LRS`; the quick default the upper three), early stop
+  once the validation accuracy reaches ``early_stop`` (0.99), evaluated every
+  ``eval_every`` steps; and ordinary early stopping with ``patience``: a run ends
+  when its validation loss has not fallen by ``min_delta`` (1 %, relative) below its
+  last improvement for ``patience`` (4) evaluations in a row (its last model is
+  tested; ``stop`` in the table says which rule ended it);
 - selection: for each cell, mixer and convolution setting, the sweep runs on seed 0
   and the learning rate with the best validation accuracy (ties: the lower
   validation loss) is kept; seeds 1..n−1 then train at that rate. The headline is
@@ -470,7 +471,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cells", nargs="+", default=None, metavar="T:D",
                         help="sequence length and key-value pairs of each cell (default 128:8; --full: 512:64)")
     parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default 128; --full: 8192)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="learning rates to sweep (default 4.64e-4 2.15e-3 1e-2; --full: also 1e-4)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=None,
+                        help=f"learning rates to sweep (default {' '.join(f'{x:g}' for x in QUICK_LRS)}; "
+                             f"--full: {' '.join(f'{x:g}' for x in LRS)})")
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the kept learning rate (default 3)")
     parser.add_argument("--max-steps", type=int, default=None, help="step budget per model")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per training run (default 1)")
