@@ -35,15 +35,15 @@ import uuid
 from typing import Callable, Optional
 
 from .checkpoint import (
-    LATEST, CheckpointError, clean_stray, load_training_checkpoint, mark_latest, remove_folder, resolve_checkpoint,
-    run_checkpoints, run_id_of,
+    LATEST, Checkpoint, CheckpointError, clean_stray, load_training_checkpoint, mark_latest, remove_folder,
+    resolve_checkpoint, run_checkpoints, run_id_of,
 )
 
 LOCK = "lock"
 METRICS = "metrics.jsonl"
 
 __all__ = [
-    "RunFolderError", "RunLock", "claim_run_folder", "prune_checkpoints", "new_run_id", "resume_checkpoint",
+    "RunFolderError", "RunLock", "claim_run_folder", "prune_checkpoints", "new_run_id", "load_resume_checkpoint",
     "StopSignals", "TrainingInterrupted",
 ]
 
@@ -189,7 +189,7 @@ def claim_run_folder(run_dir: str, *, resume: bool, overwrite: bool, log: Callab
     has_latest = os.path.exists(os.path.join(run_dir, LATEST))
     if resume:
         if not has_latest and checkpoints:
-            mark_latest(run_dir, _newest_valid(checkpoints, log))
+            mark_latest(run_dir, _newest_valid(checkpoints, log).path)
         latest = resolve_checkpoint(run_dir)
         run_id = run_id_of(latest)
         step = next((s for s, folder in checkpoints if os.path.samefile(folder, latest)), None)
@@ -214,31 +214,32 @@ def claim_run_folder(run_dir: str, *, resume: bool, overwrite: bool, log: Callab
     log(f"train: --overwrite: removed the previous run's {len(checkpoints)} checkpoint(s) from {run_dir}")
 
 
-def resume_checkpoint(run_dir: str, log: Callable[[str], None] = lambda _: None) -> str:
-    """The checkpoint a ``--resume`` of ``run_dir`` continues from: the one ``latest`` names or,
-    when the folder has checkpoints but no ``latest``, the newest that verifies (as
-    :func:`claim_run_folder` chooses it; that one also writes ``latest``)."""
+def load_resume_checkpoint(run_dir: str, log: Callable[[str], None] = lambda _: None) -> Checkpoint:
+    """The checkpoint a ``--resume`` of ``run_dir`` continues from, loaded and verified
+    (:func:`load_training_checkpoint`): the one ``latest`` names or, when the folder has
+    checkpoints but no ``latest``, the newest that verifies (as :func:`claim_run_folder`
+    chooses it; that one also writes ``latest``)."""
     if os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, LATEST)):
         checkpoints = run_checkpoints(run_dir)
         if checkpoints:
             return _newest_valid(checkpoints, log)
-    return resolve_checkpoint(run_dir)
+    return load_training_checkpoint(resolve_checkpoint(run_dir))
 
 
-def _newest_valid(checkpoints, log: Callable[[str], None]) -> str:
-    """The newest of ``(step, folder)`` that passes :func:`load_training_checkpoint`; each
-    newer one that does not is logged with its reason. Raises if none does."""
+def _newest_valid(checkpoints, log: Callable[[str], None]) -> Checkpoint:
+    """The newest of ``(step, folder)`` that passes :func:`load_training_checkpoint`, loaded;
+    each newer one that does not is logged with its reason. Raises if none does."""
     reasons = []
     for _, folder in reversed(checkpoints):
         try:
-            load_training_checkpoint(folder)
+            ckpt = load_training_checkpoint(folder)
         except CheckpointError as e:
             reasons.append(str(e))
             log(f"train: --resume: skipping {os.path.basename(folder)}: {e}")
             continue
         log(f"train: --resume: {os.path.dirname(folder)} has no `latest` file (a run killed before it marked its "
             f"checkpoint); resuming from {os.path.basename(folder)}, the newest checkpoint that verifies")
-        return folder
+        return ckpt
     raise RunFolderError(f"train: --resume: no checkpoint in {os.path.dirname(checkpoints[0][1])} can be resumed "
                          f"({'; '.join(reasons)[:300]})")
 

@@ -66,9 +66,8 @@ def load_config_file(path: str):
 
 def build_configs(args):
     """(LMConfig, TrainConfig) from defaults, ``--config`` and the flags; resumes read the run's own."""
-    from ..checkpoint import load_training_checkpoint
     from ..models import LMConfig
-    from ..run_folder import resume_checkpoint
+    from ..run_folder import load_resume_checkpoint
     from ..train import TrainConfig, make_task
 
     model_flags = overrides_from_args(args, LMConfig)
@@ -77,7 +76,7 @@ def build_configs(args):
         if not args.out:
             raise ValueError("train: --resume needs --out, the folder of the run to continue")
         # train.json checked against its schema; without `latest`, the newest checkpoint that verifies
-        ckpt = load_training_checkpoint(resume_checkpoint(args.out))
+        ckpt = load_resume_checkpoint(args.out)
         # a run saved before a TrainConfig field existed ran as its default (fp32, no --val-data)
         stored_model, stored_train = ckpt.config.to_dict(), {**TrainConfig().to_dict(), **ckpt.train["train_config"]}
         # Repeating the original command with --resume is fine; changing the run is not.
