@@ -246,13 +246,15 @@ def crossover_context(head_dim_k: int, head_dim_v: int, kv_dtype: str, state_dty
     return head_dim_k * head_dim_v * DTYPE_BYTES[state_dtype] / ((head_dim_k + head_dim_v) * DTYPE_BYTES[kv_dtype])
 
 
+def weight_params(config: "CostsConfig") -> int:
+    """:func:`model_weight_params` of the calculator's model."""
+    return model_weight_params(config.layers, config.heads, config.head_dim_k, config.head_dim_v, config.d_model,
+                               config.d_ff, config.vocab_size, config.tied_embeddings)
+
+
 def weight_bytes(config: "CostsConfig") -> int:
     """Bytes of the model's weights if ``config.weights`` (else 0)."""
-    if not config.weights:
-        return 0
-    return DTYPE_BYTES[config.weight_dtype] * model_weight_params(
-        config.layers, config.heads, config.head_dim_k, config.head_dim_v, config.d_model, config.d_ff,
-        config.vocab_size, config.tied_embeddings)
+    return DTYPE_BYTES[config.weight_dtype] * weight_params(config) if config.weights else 0
 
 
 def calculator_row(config: "CostsConfig", context: int) -> Dict[str, int]:
@@ -272,8 +274,7 @@ def calculator(config: "CostsConfig") -> Dict:
         "model": {k: getattr(config, k) for k in ("layers", "heads", "head_dim_k", "head_dim_v", "kv_dtype",
                                                   "state_dtype", "softmax_layers", "weights", "d_model", "d_ff",
                                                   "vocab_size", "tied_embeddings", "weight_dtype")},
-        "weight_params": model_weight_params(config.layers, config.heads, config.head_dim_k, config.head_dim_v,
-                                             config.d_model, config.d_ff, config.vocab_size, config.tied_embeddings),
+        "weight_params": weight_params(config),
         "weight_bytes": weight_bytes(config),
         "crossover_context": crossover_context(config.head_dim_k, config.head_dim_v, config.kv_dtype,
                                                config.state_dtype),
