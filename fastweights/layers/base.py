@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from ..ops._checks import compute_dtype
 from ..ops._chunk import default_chunk_size
 from .common import (
-    FastWeightState, GatedRMSNorm, ShortConvolution, cached_weights, check_layer_input, forward_with_mask,
-    get_activation,
+    FastWeightState, GatedRMSNorm, ShortConvolution, WindowInputs, cached_weights, check_layer_input, forward_with_mask,
+    get_activation, window_conv_state,
 )
 
 
@@ -178,6 +178,17 @@ class FastWeightMixer(nn.Module):
             return forward_with_mask(self, x, state, mask)
         if state is not None and x.shape[1] == 1 and cu_seqlens is None and self.fused_step:
             return self.step(x, state)
+        q, k, v, gate, extra, conv_state, _ = self._memory_inputs(x, state, cu_seqlens)
+        recurrent = state is not None and x.shape[1] == 1
+        o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent,
+                                 max_seqlen=max_seqlen)
+        return self._output(o, gate), FastWeightState(memory, conv_state)
+
+    def _memory_inputs(self, x: torch.Tensor, state: Optional[FastWeightState], cu_seqlens: Optional[torch.Tensor]):
+        """The per-token inputs of the memory for ``x [B, T, d_model]``: ``(q, k [B, T, H, K], v [B, T, HV, V],
+        gate [B, T, HV·V] or None, extra [B, T, ·], the convolution's new state or None, its inputs
+        [B, T, C] or None)``: projections (one matmul), short convolution, activations."""
+        name = type(self).__name__
         B, T, _ = x.shape
         kw, vw = self.key_width, self.value_width
         proj = F.linear(x, self._in_weight())  # [B, T, 2·H·K + HV·V (+ HV·V gate) + extra]: one matmul
@@ -185,8 +196,9 @@ class FastWeightMixer(nn.Module):
         sizes = [2 * kw + vw] + ([vw] if gated else []) + [proj.shape[-1] - 2 * kw - vw - (vw if gated else 0)]
         qkv, *rest = proj.split(sizes, dim=-1)  # (split's backward is one cat; slicing's, a zero fill each)
         gate, extra = rest if gated else (None, rest[0])
-        conv_state = None
+        conv_state = conv_input = None
         if self.conv is not None:
+            conv_input = qkv
             qkv, conv_state = self.conv(qkv, None if state is None else state.conv, cu_seqlens)
         elif state is not None and state.conv is not None:
             raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
@@ -197,11 +209,60 @@ class FastWeightMixer(nn.Module):
             q, k, v = self.activation(q), self.activation(k), self.value_activation(v)
         q, k = (t.reshape(B, T, self.n_heads, self.head_dim) for t in (q, k))
         v = v.reshape(B, T, self.num_v_heads, self.value_head_dim)
-        recurrent = state is not None and T == 1
-        o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent,
-                                 max_seqlen=max_seqlen)
-        o = self.o_norm(o, None if gate is None else gate.reshape(B, T, self.num_v_heads, self.value_head_dim))
-        return self.o_proj(o.reshape(B, T, vw)), FastWeightState(memory, conv_state)
+        return q, k, v, gate, extra, conv_state, conv_input
+
+    def _output(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        """``o [B, T, HV, V]`` -> ``y [B, T, d_model]``: the output norm, the gate, the output projection."""
+        B, T, hv, dv = o.shape
+        o = self.o_norm(o, None if gate is None else gate.reshape(B, T, hv, dv))
+        return self.o_proj(o.reshape(B, T, hv * dv))
+
+    # -- verify windows (speculative decoding; fastweights.models.window) -----------------------
+    #: Whether a padded row can be made a no-op of the memory (β = 0, α = 1: the delta rules);
+    #: linear attention cannot (φ(k) > 0 for its usual maps), so its windows run the recurrent form.
+    neutral_pads = False
+
+    def forward_window(
+        self, x: torch.Tensor, state: FastWeightState, real: int, chunk_from: int
+    ) -> Tuple[torch.Tensor, FastWeightState, "WindowInputs"]:
+        """A verify window: ``x [B, P, d_model]`` whose first ``real`` rows are tokens and the rest
+        padding (P fixed per window width, so every token's arithmetic is the same whatever the
+        window's length) -> ``(y [B, P, d_model], the state after the real tokens, their inputs)``.
+
+        The memory runs the chunk form over all P rows when ``P >= chunk_from`` and the layer
+        has :attr:`neutral_pads` (pads get β = 0 and α = 1, so they leave the state exactly as
+        it was), else the recurrent form over the real rows. :meth:`replay` redoes the same
+        computation for a prefix of the real rows.
+        """
+        q, k, v, gate, extra, _, conv_input = self._memory_inputs(x, state, None)
+        o, memory = self._window_memory(q, k, v, extra, state.memory, real, chunk_from)
+        conv = None if conv_input is None else window_conv_state(state.conv, conv_input[:, :real])
+        keep = WindowInputs(k[:, :real], v[:, :real], extra[:, :real], None if conv_input is None else conv_input[:, :real])
+        return self._output(o, gate), FastWeightState(memory, conv), keep
+
+    def _window_memory(self, q, k, v, extra, memory, real: int, chunk_from: int):
+        """The memory of a window (see :meth:`forward_window`): ``(o [B, P, HV, V], state after ``real`` rows)``."""
+        P = q.shape[1]
+        if self.neutral_pads and P >= chunk_from:
+            if real < P:  # β = sigmoid(−∞) = 0 and g = −exp(A)·softplus(−∞) = −0: a pad writes and decays nothing
+                extra = torch.cat([extra[:, :real], extra.new_full((extra.shape[0], P - real, extra.shape[2]), float("-inf"))], 1)
+            return self.memory(q, k, v, extra, memory, None, recurrent=False)
+        o, memory = self.memory(q[:, :real], k[:, :real], v[:, :real], extra[:, :real], memory, None, recurrent=True)
+        return F.pad(o, (0, 0, 0, 0, 0, P - real)), memory
+
+    def replay(self, before: FastWeightState, keep: "WindowInputs", accepted: int, width: int, chunk_from: int) -> FastWeightState:
+        """The state after the first ``accepted`` tokens of a window read from ``before``: the memory
+        computation of a window of exactly those tokens (padded to ``width`` rows, the same form),
+        from the kept inputs; the convolution's state is a copy of their last W − 1 inputs."""
+        N, dt = keep.k.shape[0], keep.k.dtype
+        k = keep.k.new_zeros((N, width) + keep.k.shape[2:])
+        v = keep.v.new_zeros((N, width) + keep.v.shape[2:])
+        extra = keep.extra.new_zeros((N, width, keep.extra.shape[2]))
+        k[:, :accepted], v[:, :accepted], extra[:, :accepted] = keep.k[:, :accepted], keep.v[:, :accepted], keep.extra[:, :accepted]
+        q = torch.zeros_like(k, dtype=dt)  # the outputs are not needed; the state does not read q
+        _, memory = self._window_memory(q, k, v, extra, before.memory, accepted, chunk_from)
+        conv = None if keep.conv is None else window_conv_state(before.conv, keep.conv[:, :accepted])
+        return FastWeightState(memory, conv)
 
     def step(self, x: torch.Tensor, state: FastWeightState) -> Tuple[torch.Tensor, FastWeightState]:
         """One decoding step: ``x [N, 1, d_model]`` and the state -> ``(y [N, 1, d_model], state)``.

@@ -25,7 +25,7 @@ __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
     "get_activation", "check_layer_input", "sequence_positions", "rotary_embedding",
     "check_rope_theta", "check_attention_mask", "pack_rows", "unpack_rows", "forward_with_mask",
-    "align_rows", "unalign_rows", "cached_weights",
+    "align_rows", "unalign_rows", "cached_weights", "WindowInputs", "window_conv_state",
 ]
 
 
@@ -49,6 +49,35 @@ class FastWeightState:
     def nbytes(self) -> int:
         tensors = [self.memory] + ([self.conv] if self.conv is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class WindowInputs:
+    """What a layer keeps of a verify window's T tokens to roll back within them
+    (:mod:`fastweights.models.window`): the memory's inputs after projection, and the
+    short convolution's inputs.
+
+    Fields:
+        k: ``[N, T, H, K]`` activated keys; v: ``[N, T, HV, V]`` activated values.
+        extra: ``[N, T, ·]`` the layer's own projections (β's logits, the decay's), or ``[N, T, 0]``.
+        conv: ``[N, T, C]`` the convolution's inputs (projected q, k, v), or ``None``.
+    """
+
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    extra: Optional[torch.Tensor] = None
+    conv: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.extra, self.conv) if t is not None)
+
+
+def window_conv_state(state: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """The short convolution's state after reading ``inputs [N, a, C]`` from ``state [N, W − 1, C]``:
+    the last W − 1 rows of ``[state | inputs]`` (a copy: exactly what :class:`ShortConvolution` keeps)."""
+    rows = state.shape[1]
+    return torch.cat([state, inputs], dim=1)[:, inputs.shape[1]: inputs.shape[1] + rows].clone()
 
 
 def sequence_positions(

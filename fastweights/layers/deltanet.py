@@ -46,6 +46,8 @@ class DeltaNet(FastWeightMixer):
         torch.Size([2, 4, 16, 16])
     """
 
+    neutral_pads = True  # β = 0 (and, gated, α = 1) makes a padded row of a verify window a no-op
+
     def __init__(
         self, d_model: Optional[int] = None, n_heads: Optional[int] = None, *, qk_norm: str = "l2",
         allow_neg_eigval: bool = False, **kwargs,

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from ..ops import KVCache, softmax_attn
 from .common import (
-    ShortConvolution, cached_weights, check_layer_input, check_rope_theta, forward_with_mask, rotary_embedding,
-    sequence_positions,
+    ShortConvolution, WindowInputs, cached_weights, check_layer_input, check_rope_theta, forward_with_mask,
+    rotary_embedding, sequence_positions, window_conv_state,
 )
 
 
@@ -117,12 +117,19 @@ class SoftmaxAttention(nn.Module):
                             f"{what} a short convolution), got {type(state).__name__}")
         if mask is not None:
             return forward_with_mask(self, x, state, mask)
+        y, cache, conv_state, _ = self._attend(x, state, cu_seqlens, max_seqlen)
+        return (y, cache) if self.conv is None else (y, AttentionState(cache, conv_state))
+
+    def _attend(self, x, state, cu_seqlens, max_seqlen):
+        """:meth:`forward` after its checks: ``(y, KVCache, the convolution's state or None, its inputs or None)``."""
         B, T, _ = x.shape
         kv_state = state if self.conv is None or state is None else state.kv
+        conv_state = conv_input = None
         if self.conv is not None:  # one matmul, then the convolution over q, k, v together (depthwise)
             params = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
             weight = cached_weights(self, "_qkv_weight_cache", params, lambda: (torch.cat(params),))[0]  # [3·d_model, d_model]
-            qkv, conv_state = self.conv(F.linear(x, weight), None if state is None else state.conv, cu_seqlens)
+            conv_input = F.linear(x, weight)
+            qkv, conv_state = self.conv(conv_input, None if state is None else state.conv, cu_seqlens)
             q, k, v = (t.reshape(B, T, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         else:
             q, k, v = (p(x).reshape(B, T, self.n_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -133,11 +140,40 @@ class SoftmaxAttention(nn.Module):
             q, k = rotary_embedding(q, pos, self.rope_theta), rotary_embedding(k, pos, self.rope_theta)
         o, cache = softmax_attn(q, k, v, initial_state=kv_state, output_final_state=True, cu_seqlens=cu_seqlens,
                                 max_seqlen=max_seqlen)
-        y = self.o_proj(o.reshape(B, T, self.d_model))
-        return (y, cache) if self.conv is None else (y, AttentionState(cache, conv_state))
+        return self.o_proj(o.reshape(B, T, self.d_model)), cache, conv_state, conv_input
+
+    def forward_window(self, x: torch.Tensor, state, real: int, chunk_from: int):
+        """A verify window (see :meth:`~fastweights.layers.base.FastWeightMixer.forward_window`):
+        ``x [B, P, d_model]`` with ``real`` tokens then padding -> ``(y [B, P, d_model], the state
+        after the real tokens (their KV rows appended), what a rollback needs (the convolution's
+        inputs))``. The pads come after every real token, so no real query attends to one;
+        their KV rows are cut. ``chunk_from`` is unused (softmax attention has one form)."""
+        y, cache, _, conv_input = self._attend(x, state, None, None)
+        cache = drop_kv_rows(cache, x.shape[1] - real)
+        if self.conv is None:
+            return y, cache, WindowInputs()
+        conv_input = conv_input[:, :real]
+        return y, AttentionState(cache, window_conv_state(state.conv, conv_input)), WindowInputs(conv=conv_input)
+
+    def replay(self, before, after, keep: WindowInputs, dropped: int):
+        """The state of a window without its last ``dropped`` tokens: ``after``'s KV rows cut, and the
+        convolution's state copied from ``before`` and the kept inputs of the tokens that stay."""
+        if self.conv is None:
+            return drop_kv_rows(after, dropped)
+        stay = keep.conv.shape[1] - dropped
+        return AttentionState(drop_kv_rows(after.kv, dropped), window_conv_state(before.conv, keep.conv[:, :stay]))
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.o_proj.weight, std=std if out_std is None else out_std)
+
+
+def drop_kv_rows(cache: KVCache, n: int) -> KVCache:
+    """``cache`` without each sequence's last ``n`` rows (``0 <= n <=`` its fewest rows)."""
+    if n == 0:
+        return cache
+    lengths = cache.lengths - n
+    keep = int(lengths.max())
+    return KVCache(cache.keys[:, :, :keep], cache.values[:, :, :keep], lengths)

@@ -37,6 +37,7 @@ from ..config import Config
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
 from ..ops._checks import check_cu_seqlens
+from . import window as windows
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
 
@@ -205,6 +206,13 @@ class Block(nn.Module):
         x = x + h
         return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state
 
+    def forward_window(self, x: torch.Tensor, state, real: int, chunk_from: int):
+        """:meth:`forward` for a verify window (``x [B, P, D]``, the first ``real`` rows tokens):
+        ``(x, the state after the real tokens, what the mixer keeps to roll back)``."""
+        h, state, keep = self.mixer.forward_window(self.mixer_norm(x), state, real, chunk_from)
+        x = x + h
+        return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state, keep
+
 
 @dataclass
 class LMCache:
@@ -219,12 +227,64 @@ class LMCache:
     length: int = 0
     batch_size: int = 0
     mixers: List[str] = field(default_factory=list)
+    #: The open verify window: one :class:`~fastweights.models.window.Segment` per forward since
+    #: the last commit (empty: committed). See :mod:`fastweights.models.window`.
+    window: list = field(default_factory=list)
+    #: Keep a window across forwards (every forward adds a segment) until :meth:`commit`.
+    recording: bool = False
 
     @property
     def nbytes(self) -> int:
         """Bytes held by all layers' states (constant in the context length for the
-        fast-weight mixers; linear in it for softmax layers)."""
-        return sum(s.nbytes for s in self.states)
+        fast-weight mixers; linear in it for softmax layers), plus an open window's
+        (:attr:`window_nbytes`; 0 once committed)."""
+        return sum(s.nbytes for s in self.states) + self.window_nbytes
+
+    @property
+    def window_nbytes(self) -> int:
+        """Bytes the open window holds on top of the states (0 when committed)."""
+        return windows.window_nbytes(self.window)
+
+    @property
+    def window_tokens(self) -> int:
+        """How many of the last tokens :meth:`rollback` can still remove."""
+        return sum(seg.tokens for seg in self.window)
+
+    def commit(self) -> None:
+        """Close the window: the tokens read so far stay, and the window's memory is freed."""
+        self.window = []
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens read (0 <= n <= :attr:`window_tokens`), in place.
+
+        The cache becomes exactly the cache of a window of the tokens before them
+        (:mod:`fastweights.models.window`: bitwise, for windows of up to ``LM.window_width``
+        tokens); the window stays open for a further rollback. A bad ``n`` raises a
+        ValueError/TypeError and leaves the cache as it was.
+        """
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"LMCache.rollback: `n` must be an int (tokens to remove), got {type(n).__name__} {n!r}")
+        if n < 0:
+            raise ValueError(f"LMCache.rollback: `n` must be >= 0 (tokens to remove), got {n}")
+        if n == 0:
+            return
+        if not self.window:
+            if windows.cuttable(self.states) and n <= int(min(s.lengths.min() for s in self.states)):
+                self.states = [windows.drop_kv_rows(s, n) for s in self.states]
+                self.length -= n
+                return
+            raise ValueError(
+                f"LMCache.rollback: cannot remove `n`={n} token(s): the cache has no open window (it was committed "
+                f"by a forward or commit(), or never read a multi-token forward). Only the tokens of the last "
+                f"multi-token forward can be removed, before the cache is read again"
+            )
+        if n > self.window_tokens:
+            raise ValueError(
+                f"LMCache.rollback: `n`={n} is more than the {self.window_tokens} token(s) of the open window; "
+                f"expected 0 <= n <= {self.window_tokens}"
+            )
+        states, window = windows.rolled_back(self.states, self.window, n)
+        self.states, self.window, self.length = states, window, self.length - n
 
 
 class LM(nn.Module):
@@ -250,6 +310,10 @@ class LM(nn.Module):
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.gradient_checkpointing = config.gradient_checkpointing  # may be switched on a built model
+        # Verify windows (fastweights.models.window): rows a window is padded to a multiple of,
+        # and the padded width from which its memory runs the chunk form.
+        self.window_width = windows.WINDOW_WIDTH
+        self.window_chunk_from = windows.CHUNK_FROM
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -301,6 +365,7 @@ class LM(nn.Module):
         cu_seqlens: Optional[torch.Tensor] = None,
         max_seqlen: Optional[int] = None,
         return_cache: bool = True,
+        keep_window: Optional[bool] = None,
     ) -> Tuple[torch.Tensor, Optional[LMCache]]:
         """``input_ids (B, T)`` -> ``(logits (B, T, V), cache)``.
 
@@ -322,6 +387,13 @@ class LM(nn.Module):
                 FlashAttention's varlen API; without it the offsets are read once here (under
                 ``torch.compile``: one graph break).
             return_cache: ``False`` (training) skips building the cache.
+            keep_window: whether the returned cache can roll back this call's tokens
+                (:meth:`LMCache.rollback`; :mod:`fastweights.models.window`). ``None`` (default):
+                yes for T > 1 tokens read from a cache (a verify forward), and for every call
+                on a recording cache. ``True`` also takes the window form for T = 1 (the
+                reference a rollback to one token equals bitwise). Needs a cache, no
+                ``cu_seqlens`` and no padding among the T tokens. The cache read is committed
+                first unless it is recording.
 
         Under ``torch.compile`` with ``return_cache=False``, ``attention_mask`` moves each row's
         real tokens to its front instead of packing them (:func:`~fastweights.layers.common.align_rows`:
@@ -349,6 +421,11 @@ class LM(nn.Module):
                 what = f"{n_seq} packed sequences" if cu_seqlens is not None else f"batch size {B}"
                 raise ValueError(f"LM: `cache` holds {cache.batch_size} sequences but `input_ids` has {what}")
         mask = self._mask(attention_mask, B, T, cache)
+        window = self._window_mode(keep_window, cache, T, cu_seqlens, mask, return_cache)
+        if cache is not None and cache.window and not cache.recording:
+            cache.commit()  # read by this forward: its window closes
+        if window == "window":
+            return self._forward_window(input_ids, cache)
         ids, slot = input_ids, None
         if mask is not None and not return_cache and torch.compiler.is_compiling():
             slot = align_rows(mask)  # real tokens first in each row: packing's outputs, static shapes
@@ -374,7 +451,54 @@ class LM(nn.Module):
         if not return_cache:
             return logits, None
         length = T + (0 if cache is None else cache.length)
-        return logits, LMCache(states, length=length, batch_size=n_seq, mixers=list(self.config.mixers))
+        new = LMCache(states, length=length, batch_size=n_seq, mixers=list(self.config.mixers))
+        if cache is not None and cache.recording:
+            new.recording = True
+            new.window = cache.window + ([self._segment(cache.states, T, None)] if window == "step" else [])
+        return logits, new
+
+    def _window_mode(self, keep_window, cache, T: int, cu_seqlens, mask, return_cache: bool) -> Optional[str]:
+        """``"window"`` (the padded window form, :meth:`_forward_window`), ``"step"`` (a one-token step
+        kept as a segment of a recording cache's window) or ``None`` (no window)."""
+        if keep_window is not None and not isinstance(keep_window, bool):
+            raise TypeError(f"LM: `keep_window` must be true, false or None, got {keep_window!r}")
+        if keep_window is False:
+            if cache is not None and cache.recording:
+                raise ValueError("LM: `keep_window`=False on a recording cache; commit() it first (or stop recording)")
+            return None
+        possible = cache is not None and cu_seqlens is None and mask is None and return_cache
+        if keep_window and not possible:
+            why = ("no `cache` (a window rolls back to one)" if cache is None else
+                   "`cu_seqlens`" if cu_seqlens is not None else "padding in `attention_mask`" if mask is not None
+                   else "`return_cache`=False")
+            raise ValueError(f"LM: `keep_window`=True needs a cache to read, all T tokens real and a returned cache; got {why}")
+        if not possible:
+            if cache is not None and cache.recording:
+                raise ValueError("LM: a recording cache can only read real tokens without `cu_seqlens` (a window)")
+            return None
+        if keep_window or T > 1:
+            return "window"
+        return "step" if cache.recording else None
+
+    def _segment(self, before: list, tokens: int, keeps) -> "windows.Segment":
+        return windows.Segment(before, tokens, keeps, self, self.window_width, self.window_chunk_from)
+
+    def _forward_window(self, input_ids: torch.Tensor, cache: LMCache) -> Tuple[torch.Tensor, LMCache]:
+        """A verify window: the T tokens padded to P rows (:mod:`fastweights.models.window`)."""
+        B, T = input_ids.shape
+        P = windows.padded_width(T, self.window_width)
+        ids = torch.cat([input_ids, input_ids.new_zeros(B, P - T)], dim=1) if P > T else input_ids
+        x = self.embed(ids)  # (B, P, D)
+        states, keeps = [], []
+        for block, state in zip(self.blocks, cache.states):
+            x, state, keep = block.forward_window(x, state, T, self.window_chunk_from)
+            states.append(state)
+            keeps.append(keep)
+        logits = self.lm_head(self.norm(x[:, :T]))  # (B, T, V)
+        segment = self._segment(cache.states, T, keeps)
+        window = (cache.window if cache.recording else []) + [segment]
+        return logits, LMCache(states, length=cache.length + T, batch_size=B, mixers=list(self.config.mixers),
+                               window=window, recording=cache.recording)
 
     @staticmethod
     def _mask(attention_mask, batch: int, length: int, cache: Optional[LMCache]) -> Optional[torch.Tensor]:
