@@ -23,6 +23,12 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
+                   help="greedy speculative decoding: propose up to K tokens per round by prompt lookup "
+                        "(same tokens as greedy, fewer forwards when the text repeats itself); needs --temperature 0")
+    p.add_argument("--draft", default=None, metavar="CKPT",
+                   help="greedy speculative decoding with a smaller draft model (a checkpoint or run folder of the "
+                        "same vocabulary) proposing 4 tokens per round; needs --temperature 0")
     p.set_defaults(func=run)
 
 
@@ -45,7 +51,20 @@ def run(args) -> int:
 
     from ..checkpoint import load_model
 
+    if args.prompt_lookup is not None and args.draft is not None:
+        raise ValueError("generate: give `--prompt-lookup` or `--draft`, not both")
+    if args.prompt_lookup is not None and args.prompt_lookup < 1:
+        raise ValueError(f"generate: `--prompt-lookup` must be an int >= 1 (tokens proposed per round), got {args.prompt_lookup}")
+    speculative = args.prompt_lookup is not None or args.draft is not None
+    if speculative and args.temperature != 0:
+        raise ValueError(f"generate: `--prompt-lookup`/`--draft` decode greedily; pass `--temperature 0`, got {args.temperature}")
     model, ckpt = load_model(args.checkpoint)
+    draft = None
+    if args.draft is not None:
+        draft, _ = load_model(args.draft)
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"generate: the `--draft` model's vocab_size {draft.config.vocab_size} differs from the "
+                             f"model's {model.config.vocab_size}; it must propose the same tokens")
     encode, decode = tokenizer_of(ckpt)
     ids = encode(args.prompt)
     if not ids:
@@ -53,7 +72,7 @@ def run(args) -> int:
     prompt = torch.tensor(ids, dtype=torch.long)
     generator = torch.Generator().manual_seed(args.seed)
     out, cache = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                generator=generator, return_cache=True)
+                                generator=generator, return_cache=True, prompt_lookup=args.prompt_lookup, draft=draft)
     if (ckpt.train or {}).get("tokenizer") == "recall":  # words: show where the answer starts
         print(decode(out[: len(ids)]) + " -> " + decode(out[len(ids):]))
     else:

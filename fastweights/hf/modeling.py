@@ -116,9 +116,12 @@ class FastWeightsCache(Cache):
     Per layer: a :class:`~fastweights.layers.FastWeightState` (fast-weight memory
     ``[B, H, K, V]`` and convolution state ``[B, W − 1, C]``) or a softmax layer's
     :class:`~fastweights.ops.KVCache` (rows ``[B, H, L, ·]`` and per-row lengths).
-    ``reorder_cache`` (beam search) and the batch selections work for every mixer;
-    ``crop`` works for softmax-only models and raises for fast-weight layers, whose
-    memory cannot forget its last tokens.
+    ``reorder_cache`` (beam search) and the batch selections work for every mixer.
+    ``crop(-n)`` removes the last n tokens of the open verify window, for every mixer
+    (:mod:`fastweights.models.window`): so transformers' assisted generation and prompt
+    lookup run on every fastweights model. ``activate_past_recording`` (called by
+    transformers for assisted generation) makes every forward part of the window until the
+    next ``crop``, which rolls back and then commits.
     """
 
     is_compileable = False
@@ -127,6 +130,18 @@ class FastWeightsCache(Cache):
         super().__init__(layers=[])
         self.mixers = list(mixers)
         self.lm_cache = lm_cache
+        self.record_past = False
+
+    @property
+    def is_croppable(self) -> bool:
+        """transformers' check before assisted decoding: every layer can roll back a window."""
+        return True
+
+    def activate_past_recording(self) -> None:
+        """Keep every forward in the window (one-token steps too) until the next :meth:`crop`."""
+        self.record_past = True
+        if self.lm_cache is not None:
+            self.lm_cache.recording = True
 
     def __len__(self) -> int:
         return len(self.mixers)
@@ -158,6 +173,7 @@ class FastWeightsCache(Cache):
         """Apply ``pick`` (a function of a ``[B, ...]`` tensor) to every state's batch rows."""
         if self.lm_cache is None:
             return
+        self.lm_cache.commit()  # a window's rows would not follow the selection
         states = []
         for s in self.lm_cache.states:
             if isinstance(s, KVCache):
@@ -171,6 +187,11 @@ class FastWeightsCache(Cache):
         batch = states[0].lengths.shape[0] if isinstance(states[0], (KVCache, AttentionState)) else states[0].memory.shape[0]
         self.lm_cache = dataclasses.replace(self.lm_cache, states=states, batch_size=batch)
 
+    def commit(self) -> None:
+        """Close the open window (:meth:`~fastweights.models.lm.LMCache.commit`)."""
+        if self.lm_cache is not None:
+            self.lm_cache.commit()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b of the new cache is row ``beam_idx[b]`` of the old one."""
         self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -182,32 +203,26 @@ class FastWeightsCache(Cache):
         self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``tokens_to_remove`` tokens (assisted decoding). Only a softmax
-        layer's KV rows can be cut; a fast-weight memory has folded every token in."""
-        if self.lm_cache is None or tokens_to_remove <= 0:
+        """transformers' rollback: ``crop(-n)`` forgets the last n tokens read (n at most the open
+        window's), then commits the window; ``crop(0)`` only commits. A positive value (the
+        legacy "keep this many tokens") is refused, as transformers' own caches refuse it.
+        A bad value raises naming ``tokens_to_remove`` and leaves the cache as it was."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"FastWeightsCache.crop: `tokens_to_remove` must be an int <= 0, got {tokens_to_remove!r}")
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"FastWeightsCache.crop: `tokens_to_remove` must be <= 0 (crop(-n) removes the last n tokens, as "
+                f"transformers' caches take it), got {tokens_to_remove}"
+            )
+        if self.lm_cache is None:
+            if tokens_to_remove:
+                raise ValueError(f"FastWeightsCache.crop: the cache is empty; cannot remove {-tokens_to_remove} token(s)")
             return
-        fast = [i for i, m in enumerate(self.mixers) if m != "softmax"]
-        if fast:
-            raise ValueError(
-                f"FastWeightsCache.crop: layers {fast} are fast-weight memories ({self.mixers[fast[0]]}); "
-                f"their state cannot forget its last {tokens_to_remove} token(s). Crop needs a "
-                f"softmax-only model; recompute from the prompt instead (e.g. no assisted decoding)"
-            )
-        if tokens_to_remove > self.lm_cache.length:
-            raise ValueError(f"FastWeightsCache.crop: cannot remove {tokens_to_remove} of {self.lm_cache.length} tokens")
-        conv = [i for i, s in enumerate(self.lm_cache.states) if isinstance(s, AttentionState)]
-        if conv:
-            raise ValueError(
-                f"FastWeightsCache.crop: softmax layers {conv} have a short convolution, whose state holds the "
-                f"inputs of the last tokens and cannot forget its last {tokens_to_remove} token(s); recompute "
-                f"from the prompt instead (e.g. no assisted decoding)"
-            )
-        states = []
-        for s in self.lm_cache.states:
-            lengths = (s.lengths - tokens_to_remove).clamp(min=0)
-            keep = int(lengths.max())
-            states.append(KVCache(s.keys[:, :, :keep], s.values[:, :, :keep], lengths))
-        self.lm_cache = dataclasses.replace(self.lm_cache, states=states, length=self.lm_cache.length - tokens_to_remove)
+        try:
+            self.lm_cache.rollback(-tokens_to_remove)
+        except ValueError as err:
+            raise ValueError(f"FastWeightsCache.crop(`tokens_to_remove`={tokens_to_remove}): {err}") from None
+        self.lm_cache.commit()
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -266,10 +281,33 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
                 param.data = param.data.clone()
         return model
 
-    # transformers: which cache generate() starts with. None: ours is made by forward().
+    # transformers: which cache generate() starts with: not a DynamicCache, ours (below).
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' hook: start ``generate`` with an empty :class:`FastWeightsCache` (assisted
+        decoding needs one before the first forward, to switch on its past recording)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            model_kwargs["cache"] = FastWeightsCache(self.config.to_lm_config().mixers)
+            if getattr(generation_config, "is_assistant", False):
+                model_kwargs["cache"].activate_past_recording()
+
+    def _prefill_then_window(self, input_ids, attention_mask, window: int):
+        """``input_ids [B, T]`` read as a prefill of ``T − window`` tokens and then a verify window
+        of the last ``window`` (so that crop can remove up to that many): ``(logits, LMCache)``."""
+        head = input_ids.shape[1] - window
+        mask = attention_mask
+        if mask is not None and mask.shape[1] != input_ids.shape[1]:
+            mask = mask[:, -input_ids.shape[1]:]
+        if mask is not None and not bool(mask[:, head:].bool().all()):  # pads among the last tokens: no window
+            return self.model(input_ids, attention_mask=mask)
+        first, cache = self.model(input_ids[:, :head], attention_mask=None if mask is None else mask[:, :head])
+        cache.recording = True
+        rest, cache = self.model(input_ids[:, head:], cache, keep_window=True)
+        return torch.cat([first, rest], dim=1), cache
 
     def _init_weights(self, module) -> None:
         # The LM initializes itself (its own scheme, scaled output projections); transformers
@@ -334,7 +372,17 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         if use_cache is None:
             use_cache = bool(getattr(self.config, "use_cache", True)) and not self.training
         lm_cache = None if cache is None else cache.lm_cache
-        logits, new_cache = self.model(input_ids, lm_cache, attention_mask=attention_mask, return_cache=use_cache)
+        recording = use_cache and cache is not None and cache.record_past
+        if recording and lm_cache is None and 1 < logits_to_keep < input_ids.shape[1]:
+            # transformers' first assisted step: prompt and candidates in one call, then crop(-n)
+            # of the candidates. Read the prompt, then the last logits_to_keep − 1 tokens as a window.
+            logits, new_cache = self._prefill_then_window(input_ids, attention_mask, logits_to_keep - 1)
+        else:
+            if recording and lm_cache is not None:
+                lm_cache.recording = True
+            logits, new_cache = self.model(input_ids, lm_cache, attention_mask=attention_mask, return_cache=use_cache)
+            if recording and new_cache is not None:
+                new_cache.recording = True
         loss = None if labels is None else causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch"))
         if use_cache:
             cache = cache if cache is not None else FastWeightsCache(self.config.to_lm_config().mixers)

@@ -527,6 +527,8 @@ class LM(nn.Module):
         generator: Optional[torch.Generator] = None,
         return_cache: bool = False,
         attention_mask: Optional[torch.Tensor] = None,
+        prompt_lookup: Optional[int] = None,
+        draft: Optional["LM"] = None,
     ):
         """Continue each prompt by ``max_new_tokens`` sampled tokens.
 
@@ -544,6 +546,10 @@ class LM(nn.Module):
             return_cache: also return the :class:`LMCache` (it has read every token but the last).
             attention_mask: ``(B, T)``, 0 at the pads of left-padded prompts: each row then
                 continues exactly as it would alone.
+            prompt_lookup: k: greedy speculative decoding, proposing up to k tokens per round by
+                prompt lookup (:mod:`fastweights.models.speculative`); needs ``temperature=0``
+                and one prompt. The tokens are greedy decoding's.
+            draft: a smaller LM of the same vocabulary proposing 4 tokens per round (as above).
 
         Returns:
             ``(B, T + max_new_tokens)`` token ids (``(T + max_new_tokens,)`` for a 1-D
@@ -566,6 +572,17 @@ class LM(nn.Module):
             raise ValueError(f"LM.generate: `top_k` must be a positive int or None, got {top_k!r}")
         if attention_mask is not None and attention_mask.dim() == 1 and squeeze:
             attention_mask = attention_mask[None]
+        if prompt_lookup is not None or draft is not None:
+            from .speculative import speculative_generate
+
+            if temperature != 0:
+                raise ValueError(f"LM.generate: speculative decoding (`prompt_lookup`/`draft`) is greedy; "
+                                 f"pass `temperature`=0, got {temperature!r}")
+            if attention_mask is not None and not bool(attention_mask.bool().all()):
+                raise ValueError("LM.generate: speculative decoding takes one unpadded prompt; `attention_mask` has pads")
+            ids, cache, _ = speculative_generate(self, input_ids, max_new_tokens, prompt_lookup=prompt_lookup, draft=draft)
+            ids = ids[0] if squeeze else ids
+            return (ids, cache) if return_cache else ids
         logits, cache = self(input_ids, attention_mask=attention_mask)  # prefill: chunk form
         t0 = input_ids.shape[1]
         ids = input_ids.new_empty(input_ids.shape[0], t0 + max_new_tokens)  # written in place, one column a step
