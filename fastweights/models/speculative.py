@@ -100,15 +100,17 @@ def speculative_generate(
     if draft is not None and prompt_ids.shape[1] > 0:
         _, draft_cache = draft(prompt_ids)  # the draft has read every token but `last`
     while len(out) < max_new_tokens:
-        room = max_new_tokens - len(out)  # proposals beyond it could not be kept
-        if draft is None:
+        room = max_new_tokens - len(out) - 1  # a round adds its accepted proposals and one token of the model's
+        proposals, draft_states = [], None
+        if room > 0 and draft is None:
             proposals = lookup_proposals(tokens + out, min(k, room), max_ngram)
-            draft_states = None
-        else:
+        elif room > 0:
             proposals, draft_states = _draft(draft, draft_cache, last, min(k, room))
         step = torch.tensor([[last] + proposals], device=prompt_ids.device)
         if not proposals:  # a plain greedy step
             logits, cache = model(step, cache)
+            if draft is not None:
+                draft_cache = draft(step, draft_cache)[1]
             last = int(logits[0, -1].argmax())
             out.append(last)
             stats.steps += 1
@@ -125,7 +127,7 @@ def speculative_generate(
             draft_cache = draft_states[n] if n < len(draft_states) else draft(step[:, -1:], draft_states[-1])[1]
         last = choice[n]
     cache.commit()
-    out = out[:max_new_tokens]
+    out = out[:max_new_tokens]  # (only max_new_tokens = 0 leaves a token to drop)
     ids = torch.cat([prompt_ids, torch.tensor([out], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
     return ids, cache, stats
 

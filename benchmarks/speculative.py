@@ -1,0 +1,179 @@
+"""Speculative decoding on the CPU: the verify window's crossover k, and prompt lookup against greedy.
+
+Usage (repository root)::
+
+    python benchmarks/speculative.py crossover            # window forms against k one-token steps
+    python benchmarks/speculative.py lookup --checkpoint runs/recall   # greedy vs prompt lookup
+    python benchmarks/speculative.py lookup --train       # trains the DeltaNet on recall first (~3 min)
+
+**crossover**: a DeltaNet LM (d_model 256, 4 layers, 4 heads, vocabulary 256, fp32,
+B = 1) reads a 128-token prompt; then, for each k, the time to read k more tokens:
+as k one-token steps (plain decoding), as one window whose memory runs the recurrent
+form, as one window with the chunk form (both unpadded: ``window_width`` = 1), and as
+the default window (padded to 16 rows, chunk form from ``CHUNK_FROM`` rows). Interleaved
+repeats, minimum reported. The crossover is the smallest k from which the chunk form
+beats the recurrent form in a window (and stays ahead).
+
+**lookup**: a DeltaNet LM trained by ``fastweights train`` on the recall task (the text
+repeats itself: keys recur, and greedy queries fall into loops); per prompt (writes,
+separator, first query) ``max_new_tokens`` tokens by plain greedy decoding and by
+prompt lookup (k proposals per round), interleaved; tokens/s, acceptance rate, speed-up
+and whether the tokens are identical.
+
+Writes ``benchmarks/results/speculative.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fastweights.config import atomic_write_text  # noqa: E402
+from fastweights.models import LM, LMConfig  # noqa: E402
+from fastweights.models import window as windows  # noqa: E402
+from fastweights.models.speculative import speculative_generate  # noqa: E402
+
+DEFAULT_JSON = "benchmarks/results/speculative.json"
+KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: ``wall``: time.perf_counter; ``cpu``: time.process_time, the work of the process (all its
+#: threads): on a shared, oversubscribed machine wall time mostly measures the scheduler.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK = CLOCKS["wall"]
+
+
+def _read(model: LM, cache, ids: torch.Tensor, how: str):
+    """Read ``ids [1, k]`` after ``cache`` by ``how``; returns the new cache (the input is left as it was)."""
+    if how == "steps":
+        for t in range(ids.shape[1]):
+            _, cache = model(ids[:, t: t + 1], cache)
+        return cache
+    width, chunk_from = {"recurrent": (1, 10 ** 9), "chunk": (1, 1), "default": (windows.WINDOW_WIDTH, windows.CHUNK_FROM)}[how]
+    model.window_width, model.window_chunk_from = width, chunk_from
+    _, new = model(ids, cache, keep_window=True)
+    return new
+
+
+@torch.no_grad()
+def crossover(repeats: int = 15, d_model: int = 256, n_layers: int = 4, n_heads: int = 4, ks=KS) -> dict:
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer="deltanet")).eval()
+    prompt = torch.randint(0, 256, (1, 128))
+    _, cache = model(prompt)
+    hows = ("steps", "recurrent", "chunk", "default")
+    times = {(k, h): [] for k in ks for h in hows}
+    for _ in range(repeats + 2):  # two warm-up rounds, dropped below
+        for k in ks:
+            ids = torch.randint(0, 256, (1, k))
+            for how in hows:
+                start = CLOCK()
+                _read(model, cache, ids, how)
+                times[k, how].append(CLOCK() - start)
+    rows = []
+    for k in ks:
+        best = {h: min(times[k, h][2:]) for h in hows}
+        rows.append({"k": k, **{f"{h}_ms": 1e3 * best[h] for h in hows},
+                     "chunk_over_recurrent": best["chunk"] / best["recurrent"],
+                     "default_over_steps": best["default"] / best["steps"]})
+    faster = [r["k"] for r in rows if r["chunk_over_recurrent"] < 1]
+    cross = next((k for k in ks if all(r["chunk_over_recurrent"] < 1 for r in rows if r["k"] >= k)), None)
+    print(f"crossover (DeltaNet d_model={d_model}, {n_layers} layers, {n_heads} heads, fp32, B=1, "
+          f"threads={torch.get_num_threads()}; minimum of {repeats} interleaved repeats)")
+    print(f"{'k':>3} {'k steps ms':>11} {'win recur ms':>13} {'win chunk ms':>13} {'default ms':>11} {'chunk/recur':>12} {'default/steps':>14}")
+    for r in rows:
+        print(f"{r['k']:>3} {r['steps_ms']:>11.2f} {r['recurrent_ms']:>13.2f} {r['chunk_ms']:>13.2f} {r['default_ms']:>11.2f} "
+              f"{r['chunk_over_recurrent']:>12.2f} {r['default_over_steps']:>14.2f}")
+    print(f"chunk faster than recurrent at k = {faster}; crossover k = {cross} (CHUNK_FROM = {windows.CHUNK_FROM})")
+    return {"shape": {"d_model": d_model, "n_layers": n_layers, "n_heads": n_heads, "prompt": 128, "dtype": "float32"},
+            "rows": rows, "crossover_k": cross}
+
+
+def _train(out: str) -> str:
+    from fastweights.cli import main as cli
+
+    cli(["train", "--out", out, "--overwrite", "--mixer", "deltanet", "--d-model", "64", "--n-layers", "2",
+         "--n-heads", "4", "--steps", "600", "--threads", "1", "--progress", "off"])
+    return out
+
+
+@torch.no_grad()
+def lookup(checkpoint: str, k: int = 4, prompts: int = 8, max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> dict:
+    from fastweights.checkpoint import load_model
+    from fastweights.tasks.recall import SEP
+    from fastweights.train import RecallData, TrainConfig
+
+    model, ckpt = load_model(checkpoint)
+    model.eval()
+    data = RecallData(TrainConfig.from_dict(ckpt.train["train_config"]))
+    generator = torch.Generator().manual_seed(seed)
+    batch = data.task.sample(prompts, generator)
+    plain_t, spec_t, identical, proposed, accepted, rounds = [], [], True, 0, 0, 0
+    for row in batch.tokens:
+        cut = int((row == SEP).nonzero()[0]) + 2  # writes, the separator and the first query key
+        prompt = row[:cut][None]
+        best_plain = best_spec = float("inf")
+        for _ in range(repeats):
+            start = CLOCK()
+            plain = model.generate(prompt, max_new_tokens, temperature=0)
+            best_plain = min(best_plain, CLOCK() - start)
+            start = CLOCK()
+            spec, _, stats = speculative_generate(model, prompt, max_new_tokens, prompt_lookup=k)
+            best_spec = min(best_spec, CLOCK() - start)
+        identical &= torch.equal(plain, spec)
+        plain_t.append(best_plain)
+        spec_t.append(best_spec)
+        proposed, accepted, rounds = proposed + stats.proposed, accepted + stats.accepted, rounds + stats.rounds
+    tokens = prompts * max_new_tokens
+    result = {
+        "checkpoint": str(checkpoint), "k": k, "prompts": prompts, "max_new_tokens": max_new_tokens,
+        "plain_tokens_per_s": tokens / sum(plain_t), "lookup_tokens_per_s": tokens / sum(spec_t),
+        "speedup": sum(plain_t) / sum(spec_t), "acceptance": accepted / max(proposed, 1),
+        "tokens_per_round": (accepted + rounds) / max(rounds, 1), "identical": bool(identical),
+    }
+    print(f"prompt lookup k={k} vs greedy ({prompts} recall prompts, {max_new_tokens} new tokens each, fp32, B=1, "
+          f"threads={torch.get_num_threads()}, best of {repeats})")
+    print(f"greedy {result['plain_tokens_per_s']:.0f} tok/s, lookup {result['lookup_tokens_per_s']:.0f} tok/s, "
+          f"speed-up {result['speedup']:.2f}x, acceptance {result['acceptance']:.2f}, "
+          f"{result['tokens_per_round']:.2f} tokens per verify round, identical tokens: {identical}")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=("crossover", "lookup", "all"))
+    p.add_argument("--checkpoint", default=None, help="a recall-task DeltaNet run folder (for lookup)")
+    p.add_argument("--train", action="store_true", help="train one into runs/specdec_recall first")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
+                   help="cpu (default): process time, robust on a shared machine; wall: elapsed time")
+    p.add_argument("--json", default=DEFAULT_JSON)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = CLOCKS[args.clock]
+    out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads, "clock": args.clock,
+                       "torch": torch.__version__}}
+    if args.part in ("crossover", "all"):
+        out["crossover"] = crossover(args.repeats)
+    if args.part in ("lookup", "all"):
+        ckpt = _train("runs/specdec_recall") if args.train else args.checkpoint
+        if ckpt is None:
+            p.error("lookup needs --checkpoint or --train")
+        out["lookup"] = lookup(ckpt, k=args.k)
+    atomic_write_text(Path(args.json), json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
