@@ -151,7 +151,10 @@ class FastWeightsCache(Cache):
 
     @property
     def is_linear(self) -> List[bool]:
-        return [m != "softmax" for m in self.mixers]
+        # transformers reads this to decide whether a cache knows how many tokens it read (it then
+        # feeds only the tokens after them, as for a KV cache). Ours counts every layer's tokens
+        # (get_seq_length), fast-weight layers included, so no layer is "linear" in that sense.
+        return [False] * len(self.mixers)
 
     @property
     def is_sliding(self) -> List[bool]:
@@ -298,7 +301,7 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     def _prefill_then_window(self, input_ids, attention_mask, window: int):
         """``input_ids [B, T]`` read as a prefill of ``T − window`` tokens and then a verify window
         of the last ``window`` (so that crop can remove up to that many): ``(logits, LMCache)``."""
-        head = input_ids.shape[1] - window
+        head = max(input_ids.shape[1] - window, 1)
         mask = attention_mask
         if mask is not None and mask.shape[1] != input_ids.shape[1]:
             mask = mask[:, -input_ids.shape[1]:]
@@ -373,10 +376,13 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
             use_cache = bool(getattr(self.config, "use_cache", True)) and not self.training
         lm_cache = None if cache is None else cache.lm_cache
         recording = use_cache and cache is not None and cache.record_past
-        if recording and lm_cache is None and 1 < logits_to_keep < input_ids.shape[1]:
-            # transformers' first assisted step: prompt and candidates in one call, then crop(-n)
-            # of the candidates. Read the prompt, then the last logits_to_keep − 1 tokens as a window.
-            logits, new_cache = self._prefill_then_window(input_ids, attention_mask, logits_to_keep - 1)
+        if recording and lm_cache is None and input_ids.shape[1] > 1:
+            # transformers' first assisted step: prompt and candidates in one call, then crop(-n) of the
+            # candidates (logits_to_keep − 1 of them); an assistant's prompt, then crop(-n) of its proposals
+            # and of the prompt's last token. So: the prompt, then its last tokens as a window.
+            logits, new_cache = self._prefill_then_window(input_ids, attention_mask, max(logits_to_keep - 1, 1))
+            if logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
         else:
             if recording and lm_cache is not None:
                 lm_cache.recording = True
