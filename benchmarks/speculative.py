@@ -4,7 +4,7 @@ Usage (repository root)::
 
     python benchmarks/speculative.py crossover            # window forms against k one-token steps
     python benchmarks/speculative.py lookup --checkpoint runs/recall   # greedy vs prompt lookup
-    python benchmarks/speculative.py lookup --train       # trains the DeltaNet on recall first (~3 min)
+    python benchmarks/speculative.py lookup --train       # writes a repeating text, trains a DeltaNet on it first
 
 **crossover**: a DeltaNet LM (d_model 256, 4 layers, 4 heads, vocabulary 256, fp32,
 B = 1) reads a 128-token prompt; then, for each k, the time to read k more tokens:
@@ -14,11 +14,12 @@ the default window (padded to 16 rows, chunk form from ``CHUNK_FROM`` rows). Int
 repeats, minimum reported. The crossover is the smallest k from which the chunk form
 beats the recurrent form in a window (and stays ahead).
 
-**lookup**: a DeltaNet LM trained by ``fastweights train`` on the recall task (the text
-repeats itself: keys recur, and greedy queries fall into loops); per prompt (writes,
-separator, first query) ``max_new_tokens`` tokens by plain greedy decoding and by
-prompt lookup (k proposals per round), interleaved; tokens/s, acceptance rate, speed-up
-and whether the tokens are identical.
+**lookup**: a DeltaNet LM trained by ``fastweights train`` on text that repeats itself
+(``--train``: lines that say a random sentence three times, :func:`write_repeating_text`,
+with prompts the first 60% of a line; or a recall-task checkpoint, prompts its writes,
+separator and first query); per prompt ``max_new_tokens`` tokens by plain greedy decoding
+and by prompt lookup (k proposals per round), interleaved; tokens/s, acceptance rate,
+speed-up and whether the tokens are identical.
 
 Writes ``benchmarks/results/speculative.json``.
 """
@@ -97,29 +98,59 @@ def crossover(repeats: int = 15, d_model: int = 256, n_layers: int = 4, n_heads:
             "rows": rows, "crossover_k": cross}
 
 
-def _train(out: str) -> str:
+WORDS = ("red blue green cat dog bird runs sits eats the a one two big small old new fast slow tree house river "
+         "stone moon sun rain wind jumps sleeps sings reads writes").split()
+
+
+def write_repeating_text(path: str, lines: int = 12000, seed: int = 0) -> str:
+    """A text whose lines say a random sentence of 5-9 words three times ("s. s. s."): the
+    continuation of a line copies a span of its beginning."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 9)))
+        out.append(f"{sentence}. {sentence}. {sentence}.\n")
+    atomic_write_text(Path(path), "".join(out))
+    return path
+
+
+def _train(out: str, data: str, steps: int = 800) -> str:
     from fastweights.cli import main as cli
 
-    cli(["train", "--out", out, "--overwrite", "--mixer", "deltanet", "--d-model", "64", "--n-layers", "2",
-         "--n-heads", "4", "--steps", "600", "--threads", "1", "--progress", "off"])
+    cli(["train", "--out", out, "--overwrite", "--data", data, "--seq-len", "128", "--mixer", "deltanet",
+         "--d-model", "128", "--n-layers", "2", "--n-heads", "4", "--steps", str(steps), "--threads", "1",
+         "--progress", "off"])
     return out
 
 
-@torch.no_grad()
-def lookup(checkpoint: str, k: int = 4, prompts: int = 8, max_new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> dict:
-    from fastweights.checkpoint import load_model
+def _prompts(ckpt, count: int, seed: int, data):
+    """Prompts for a checkpoint: recall sequences up to their first query key, or the first 60% of
+    lines of the text file ``data`` (for a byte-level model)."""
     from fastweights.tasks.recall import SEP
     from fastweights.train import RecallData, TrainConfig
 
+    if (ckpt.train or {}).get("tokenizer") == "recall":
+        task = RecallData(TrainConfig.from_dict(ckpt.train["train_config"])).task
+        batch = task.sample(count, torch.Generator().manual_seed(seed))
+        return [row[: int((row == SEP).nonzero()[0]) + 2][None] for row in batch.tokens]
+    if data is None:
+        raise ValueError("lookup: a byte-level checkpoint needs `data`, a text file to take prompts from")
+    lines = [line for line in Path(data).read_text().splitlines() if len(line) > 10][:count]
+    return [torch.tensor([list(line[: int(0.6 * len(line))].encode())]) for line in lines]
+
+
+@torch.no_grad()
+def lookup(checkpoint: str, k: int = 4, prompts: int = 8, max_new_tokens: int = 64, repeats: int = 3, seed: int = 0,
+           data=None) -> dict:
+    from fastweights.checkpoint import load_model
+
     model, ckpt = load_model(checkpoint)
     model.eval()
-    data = RecallData(TrainConfig.from_dict(ckpt.train["train_config"]))
-    generator = torch.Generator().manual_seed(seed)
-    batch = data.task.sample(prompts, generator)
+    rows = _prompts(ckpt, prompts, seed, data)
     plain_t, spec_t, identical, proposed, accepted, rounds = [], [], True, 0, 0, 0
-    for row in batch.tokens:
-        cut = int((row == SEP).nonzero()[0]) + 2  # writes, the separator and the first query key
-        prompt = row[:cut][None]
+    for prompt in rows:
         best_plain = best_spec = float("inf")
         for _ in range(repeats):
             start = CLOCK()
@@ -139,7 +170,7 @@ def lookup(checkpoint: str, k: int = 4, prompts: int = 8, max_new_tokens: int = 
         "speedup": sum(plain_t) / sum(spec_t), "acceptance": accepted / max(proposed, 1),
         "tokens_per_round": (accepted + rounds) / max(rounds, 1), "identical": bool(identical),
     }
-    print(f"prompt lookup k={k} vs greedy ({prompts} recall prompts, {max_new_tokens} new tokens each, fp32, B=1, "
+    print(f"prompt lookup k={k} vs greedy ({prompts} prompts, {max_new_tokens} new tokens each, fp32, B=1, "
           f"threads={torch.get_num_threads()}, best of {repeats})")
     print(f"greedy {result['plain_tokens_per_s']:.0f} tok/s, lookup {result['lookup_tokens_per_s']:.0f} tok/s, "
           f"speed-up {result['speedup']:.2f}x, acceptance {result['acceptance']:.2f}, "
@@ -152,6 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("part", choices=("crossover", "lookup", "all"))
     p.add_argument("--checkpoint", default=None, help="a recall-task DeltaNet run folder (for lookup)")
     p.add_argument("--train", action="store_true", help="train one into runs/specdec_recall first")
+    p.add_argument("--data", default=None, help="for a byte-level checkpoint: the text file to take prompts from")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
@@ -167,10 +199,13 @@ def main(argv=None) -> int:
     if args.part in ("crossover", "all"):
         out["crossover"] = crossover(args.repeats)
     if args.part in ("lookup", "all"):
-        ckpt = _train("runs/specdec_recall") if args.train else args.checkpoint
+        ckpt = args.checkpoint
+        if args.train:
+            args.data = args.data or write_repeating_text("runs/specdec_repeat.txt")
+            ckpt = _train("runs/specdec_repeat", args.data)
         if ckpt is None:
             p.error("lookup needs --checkpoint or --train")
-        out["lookup"] = lookup(ckpt, k=args.k)
+        out["lookup"] = lookup(ckpt, k=args.k, data=args.data)
     atomic_write_text(Path(args.json), json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -231,7 +231,8 @@ class FastWeightMixer(nn.Module):
 
         The memory runs the chunk form over all P rows when ``P >= chunk_from`` and the layer
         has :attr:`neutral_pads` (pads get β = 0 and α = 1, so they leave the state exactly as
-        it was), else the recurrent form over the real rows. :meth:`replay` redoes the same
+        it was), else the recurrent form over the real rows (:meth:`memory_step`, the decoding
+        step's update, when :attr:`fused_step` applies). :meth:`replay` redoes the same
         computation for a prefix of the real rows.
         """
         q, k, v, gate, extra, _, conv_input = self._memory_inputs(x, state, None)
@@ -247,7 +248,15 @@ class FastWeightMixer(nn.Module):
             if real < P:  # β = sigmoid(−∞) = 0 and g = −exp(A)·softplus(−∞) = −0: a pad writes and decays nothing
                 extra = torch.cat([extra[:, :real], extra.new_full((extra.shape[0], P - real, extra.shape[2]), float("-inf"))], 1)
             return self.memory(q, k, v, extra, memory, None, recurrent=False)
-        o, memory = self.memory(q[:, :real], k[:, :real], v[:, :real], extra[:, :real], memory, None, recurrent=True)
+        q, k, v, extra = q[:, :real], k[:, :real], v[:, :real], extra[:, :real]
+        if self.fused_step:  # the decoding step's update, token by token (no per-call checks)
+            outputs = []
+            for t in range(real):
+                o_t, memory = self.memory_step(torch.stack([q[:, t], k[:, t]], 1), v[:, t], extra[:, t], memory)
+                outputs.append(o_t)
+            o = torch.stack(outputs, 1).to(q.dtype)
+        else:
+            o, memory = self.memory(q, k, v, extra, memory, None, recurrent=True)
         return F.pad(o, (0, 0, 0, 0, 0, P - real)), memory
 
     def replay(self, before: FastWeightState, keep: "WindowInputs", accepted: int, width: int, chunk_from: int) -> FastWeightState:

@@ -7,6 +7,8 @@ runs), and match the float64 recurrence (one-token steps from the start) to 1e-1
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -250,3 +252,47 @@ def test_speculative_generate_bad_input(one_thread):
         model.generate(prompt, 4, temperature=0, draft=big)
     with pytest.raises(ValueError, match="`keep_window`=True needs a cache"):
         model(prompt, keep_window=True)
+
+
+@pytest.fixture(scope="module")
+def recall_run(tmp_path_factory):
+    """A DeltaNet trained for a few steps by ``fastweights train`` on the recall task."""
+    from fastweights.cli import main
+
+    out = tmp_path_factory.mktemp("spec") / "run"
+    main(["train", "--out", str(out), "--mixer", "deltanet", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+          "--steps", "3", "--batch-size", "4", "--threads", "1", "--progress", "off", "--eval-every", "100"])
+    return out
+
+
+def test_small_prompt_lookup_benchmark(recall_run, one_thread):
+    """The benchmark's honest small version: a model trained by ``fastweights train``, greedy
+    against prompt lookup: identical tokens, some proposals accepted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative.py"
+    spec = importlib.util.spec_from_file_location("speculative_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.lookup(str(recall_run), k=3, prompts=2, max_new_tokens=16, repeats=1)
+    assert result["identical"] and result["acceptance"] > 0
+
+
+def test_cli_generate_prompt_lookup_and_draft(recall_run, capsys):
+    from fastweights.cli import main
+
+    args = ["generate", str(recall_run), "--prompt", "a 1 b 2 a 1 b 2 ? a", "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out.splitlines()[0]
+    assert main(args + ["--prompt-lookup", "3"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == plain
+    assert main(args + ["--draft", str(recall_run)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == plain
+    for extra, match in [(["--prompt-lookup", "0"], r"`--prompt-lookup` must be an int >= 1.*got 0"),
+                         (["--prompt-lookup", "2", "--draft", str(recall_run)], "not both"),
+                         (["--prompt-lookup", "2", "--temperature", "1"], r"pass `--temperature 0`, got 1")]:
+        with pytest.raises(SystemExit):  # the CLI reports a bad value as a usage error
+            main(args[:-2] + extra)
+        err = capsys.readouterr().err
+        assert re.search(match, err), err
