@@ -1,6 +1,6 @@
 """Training speed of the delta rule's chunk path, against its baselines, in one run.
 
-``fastweights bench`` and ``benchmarks/chunk_speed.py`` run :func:`main`. For each
+``fastweights bench`` and ``fastweights/bench/chunk_speed.py`` run :func:`main`. For each
 sequence length T it times, side by side and interleaved (so a noisy shared
 machine disturbs every contender alike):
 
@@ -20,7 +20,7 @@ measured in the same run, and for forward+backward the peak memory.
 
 FLOP count (the same for all three, so the rates compare the implementations,
 not their arithmetic): the chunk algorithm's matmuls, as in
-``benchmarks/gpu_chunk_delta.py`` -- per chunk of C tokens and head,
+``fastweights/bench/gpu_chunk_delta.py`` -- per chunk of C tokens and head,
 2C²(3K + 2V) for K Kᵀ, W, U, Q Kᵀ and P U', plus 6CKV for W h, Q h and K̄ᵀ U';
 the backward is counted as 2× the forward.
 
@@ -53,8 +53,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .allocator import tune_cpu_allocator
-from .config import atomic_write_text
+from ..config import atomic_write_text
+from ..training.allocator import tune_cpu_allocator
 
 IMPLEMENTATIONS = ("recurrent", "textbook", "fast")
 TARGETS = {  # issue 3, at T = 2048 (memory at T = 8192)
@@ -66,8 +66,8 @@ TARGETS = {  # issue 3, at T = 2048 (memory at T = 8192)
 
 
 def implementation(name: str) -> Callable:
-    from . import ops
-    from .ops.delta_rule.textbook import textbook_chunk_delta_rule
+    from .. import ops
+    from ..ops.delta_rule.textbook import textbook_chunk_delta_rule
 
     if name == "recurrent":
         return ops.recurrent_delta_rule
@@ -135,9 +135,9 @@ def memory_child(name: str, T: int, B: int, H: int, K: int, V: int, C: int, thre
 
 
 def _run_child(call: str, timeout: int) -> Dict:
-    """Run ``fastweights.bench.<call>`` in a fresh Python process; return the JSON it prints
+    """Run ``fastweights.bench.chunk_speed.<call>`` in a fresh Python process; return the JSON it prints
     last, or ``{"error": ...}`` with the child's last stderr line."""
-    cmd = [sys.executable, "-c", f"import fastweights.bench as b; b.{call}"]
+    cmd = [sys.executable, "-c", f"import fastweights.bench.chunk_speed as b; b.{call}"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0:
@@ -210,7 +210,7 @@ def long_child(tokens: int, piece: int, H: int, K: int, V: int, C: int, threads:
 
 
 def _long_main(tokens, piece, H, K, V, C, threads, device) -> None:
-    from . import ops
+    from .. import ops
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -366,8 +366,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long", dest="long_tokens", type=int, nargs="?", const=1_000_000, default=None,
                    help="also stream this many tokens (default 1,000,000) through the fast forward in pieces")
     p.add_argument("--piece", type=int, default=16384, help="piece length for --long")
-    p.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/chunk_speed.json; "
-                   "--lm: benchmarks/results/lm_speed.json)")
+    p.add_argument("--json", default=None, help="where to write the results (default docs/results/chunk_speed.json; "
+                   "--lm: docs/results/lm_speed.json)")
     p.add_argument("--default-allocator", action="store_true",
                    help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/allocator.py)")
 
@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is None:
         args.repeats = 8
     if args.json is None:
-        args.json = "benchmarks/results/chunk_speed.json"
+        args.json = "docs/results/chunk_speed.json"
     B, H, K, C = args.batch, args.heads, args.head_dim, args.chunk_size
     V = K
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else _cpu_name()

@@ -2,9 +2,9 @@
 
 Usage (repository root)::
 
-    python benchmarks/compile_speed.py                    # DeltaNet LM, d_model 128, 4 layers, B=8, T=256, 1 thread
-    python benchmarks/compile_speed.py --mixer hybrid     # deltanet / gated_deltanet / linear / softmax layers
-    python benchmarks/compile_speed.py --breaks-only      # only the graph-break table (no timing)
+    python -m fastweights.bench.compile_speed                    # DeltaNet LM, d_model 128, 4 layers, B=8, T=256, 1 thread
+    python -m fastweights.bench.compile_speed --mixer hybrid     # deltanet / gated_deltanet / linear / softmax layers
+    python -m fastweights.bench.compile_speed --breaks-only      # only the graph-break table (no timing)
 
 Speed. One training step is ``loss = cross_entropy(model(ids))``, ``loss.backward()``,
 ``AdamW.step()``, ``zero_grad()``. Two copies of the same model (same weights) run
@@ -26,7 +26,7 @@ the op forward and backward ("ok", or the error). The script runs on older
 versions of the package too (arguments they lack are reported as "n/a"), which is
 how the "before" column of the issue's report was measured.
 
-Writes ``benchmarks/results/compile_speed.json`` (``--out``); ``--breaks-only`` replaces
+Writes ``docs/results/compile_speed.json`` (``--out``); ``--breaks-only`` replaces
 only its graph-break table (``graph_breaks_meta`` then says when and how that was measured)
 and keeps the timings of the last full run.
 """
@@ -41,15 +41,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from fastweights import ops  # noqa: E402
-from fastweights.models import LM, LMConfig  # noqa: E402
-from fastweights.config import atomic_write_text  # noqa: E402
+from .. import ops  # noqa: E402
+from ..models import LM, LMConfig  # noqa: E402
+from ..config import atomic_write_text  # noqa: E402
 
 HYBRID = ["deltanet", "gated_deltanet", "linear", "softmax"]
 OPS = ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_linear_attn", "recurrent_delta_rule",

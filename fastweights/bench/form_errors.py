@@ -2,7 +2,7 @@
 
 Prints, for every rule and form, the maximum relative error (‖x − x_ref‖/‖x_ref‖)
 of outputs, final states and gradients over the awkward shapes of the test
-suite. Usage: ``python benchmarks/form_errors.py [--json PATH]``.
+suite. Usage: ``python -m fastweights.bench.form_errors [--json PATH]``.
 """
 
 import argparse
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the test suite's shapes and forms
 from helpers import RULES, call, make_inputs, rel_err  # noqa: E402
 
-from fastweights.config import atomic_write_text  # noqa: E402
+from ..config import atomic_write_text  # noqa: E402
 
 SHAPES = [(2, 1, 2, 8, 8, 16), (2, 63, 2, 60, 20, 16), (1, 100, 3, 16, 24, 32), (2, 257, 2, 12, 10, 64), (3, 100, 1, 60, 60, 64)]
 

@@ -2,7 +2,7 @@
 
 Usage (on a CUDA machine, repository root; no network needed)::
 
-    python benchmarks/gpu_chunk_delta.py --json out/gpu_bench.json --append-md BENCHMARKS.md
+    python -m fastweights.bench.gpu_chunk_delta --json out/gpu_bench.json --append-md BENCHMARKS.md
 
 With fla's wheels carried along (``BENCHMARKS.md``
 says how), prefix the command with
@@ -83,11 +83,10 @@ if not ARGS.autotune:  # one config per kernel (ops/triton/_tuning.py): the run 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fastweights import ops  # noqa: E402
-from fastweights.config import atomic_write_text  # noqa: E402
-from fastweights.ops.triton import HAS_TRITON  # noqa: E402
-from fastweights.ops.triton.decode import delta_rule_step, delta_rule_step_ref  # noqa: E402
+from .. import ops  # noqa: E402
+from ..config import atomic_write_text  # noqa: E402
+from ..ops.triton import HAS_TRITON  # noqa: E402
+from ..ops.triton.decode import delta_rule_step, delta_rule_step_ref  # noqa: E402
 
 if not HAS_TRITON:
     sys.exit("gpu_chunk_delta.py needs triton: pip install 'fastweights[triton]'")

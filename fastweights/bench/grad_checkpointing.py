@@ -12,7 +12,7 @@ build the model, run one small warm-up step, then measure one forward + backward
 
 Usage::
 
-    python benchmarks/grad_checkpointing.py [--batch 8 --seq-len 512 --d-model 256 --n-layers 8
+    python -m fastweights.bench.grad_checkpointing [--batch 8 --seq-len 512 --d-model 256 --n-layers 8
                                             --mixer deltanet --threads 1 --json PATH]
 """
 
@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the package (the child imports it from there)
 
-from fastweights.bench import _reset_peak_rss, _status_kib  # noqa: E402
-from fastweights.config import atomic_write_text  # noqa: E402
-from fastweights.models import LM, LMConfig  # noqa: E402
+from .chunk_speed import _reset_peak_rss, _status_kib  # noqa: E402
+from ..config import atomic_write_text  # noqa: E402
+from ..models import LM, LMConfig  # noqa: E402
 
 
 def child(args) -> dict:
@@ -96,7 +95,7 @@ def main() -> int:
         return 0
     rows = []
     for flag in ("off", "on"):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--checkpointing", flag]
+        cmd = [sys.executable, "-m", "fastweights.bench.grad_checkpointing", *sys.argv[1:], "--checkpointing", flag]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         if res.returncode:

@@ -1,6 +1,6 @@
 """Speed of the whole LM per mixer: a training step and one decoding step, side by side in one run.
 
-``fastweights bench --lm`` and ``benchmarks/lm_speed.py`` run :func:`main`. One
+``fastweights bench --lm`` and ``fastweights/bench/lm_speed.py`` run :func:`main`. One
 :class:`~fastweights.models.LM` per mixer (``deltanet``, ``gated_deltanet``,
 ``linear``, ``softmax``), all of the same shape (default d_model 128, 4 layers,
 4 heads, vocabulary 256, fp32), is timed on:
@@ -50,15 +50,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .allocator import tune_cpu_allocator
-from .config import atomic_write_text
+from ..config import atomic_write_text
+from ..training.allocator import tune_cpu_allocator
 
 MIXERS = ("deltanet", "gated_deltanet", "linear", "softmax")
 TRAIN_SHAPES = ((256, 8), (2048, 1), (8192, 1))  # (T, B)
 DECODE_CONTEXTS = (256, 4096, 32768)
 QUICK_TRAIN_SHAPES = ((64, 2), (128, 1))
 QUICK_DECODE_CONTEXTS = (32, 128)
-DEFAULT_JSON = "benchmarks/results/lm_speed.json"
+DEFAULT_JSON = "docs/results/lm_speed.json"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 #: Issue 16's targets: time ratio DeltaNet / softmax (<=), and flatness of every
@@ -69,7 +69,7 @@ FLAT_DECODE = 1.25
 
 
 def make_model(mixer: str, d_model: int, n_layers: int, n_heads: int, vocab: int, max_len: int, seed: int = 0):
-    from .models import LM, LMConfig
+    from ..models import LM, LMConfig
 
     torch.manual_seed(seed)
     config = LMConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, max_seq_len=max_len)
@@ -89,7 +89,7 @@ def train_step(model, optimizer, ids: torch.Tensor) -> float:
 @torch.no_grad()
 def decode_context(model, length: int, real_prefill_max: int, gen: torch.Generator):
     """An :class:`~fastweights.models.LMCache` after ``length`` tokens of batch 1 (see the module docstring)."""
-    from .ops import KVCache
+    from ..ops import KVCache
 
     vocab = model.config.vocab_size
     softmax = "softmax" in model.config.mixers
@@ -255,7 +255,7 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool = True) -> None:
 
 
 def run(args: argparse.Namespace, log=None) -> int:
-    from .bench import _cpu_name
+    from .chunk_speed import _cpu_name
 
     log = log or (lambda s: print(s, file=sys.stderr))
     torch.set_num_threads(args.threads)

@@ -2,8 +2,8 @@
 
 Usage (repository root; no GPU needed, Triton installed)::
 
-    python benchmarks/triton_resources.py --json benchmarks/results/triton_resources.json
-    python benchmarks/triton_resources.py --quick          # one cheap kernel, seconds
+    python -m fastweights.bench.triton_resources --json docs/results/triton_resources.json
+    python -m fastweights.bench.triton_resources --quick          # one cheap kernel, seconds
 
 For every kernel of ``fastweights/ops/triton`` × every autotune configuration
 the launchers can pick × input dtype (bf16, fp32) × K = V ∈ {64, 128, 256} ×
@@ -21,7 +21,7 @@ config does not fit the shared memory, or (``--max-spill B``) spills more than
 B bytes per thread at K = V = 128 bf16.
 
 Compiling one config takes 20-200 s on one core, so results are cached on disk
-(``--cache``, default ``benchmarks/results/.triton_resources_cache/``, git-ignored),
+(``--cache``, default ``docs/results/.triton_resources_cache/``, git-ignored),
 keyed by the kernel's source hash (Triton's ``cache_key``, which covers the
 kernel and every ``@triton.jit`` helper it calls), the signature, the
 constexprs, the config and the Triton version. Compiles run one after another
@@ -43,13 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (results are written under it)
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default at run time (silences its warning)
-sys.path.insert(0, str(ROOT))
 
 SM90_SHARED_LIMIT = 232_448  # bytes of dynamic shared memory per block on sm_90
-DEFAULT_CACHE = ROOT / "benchmarks" / "results" / ".triton_resources_cache"
+DEFAULT_CACHE = ROOT / "docs" / "results" / ".triton_resources_cache"
 TORCH_TO_TRITON = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
@@ -98,7 +97,7 @@ def _signature(fn, types: Dict[str, str], constexprs: Dict[str, object]) -> Dict
 
 def build_cases(dtypes, dims, gated_modes, kernels: Optional[List[str]] = None) -> List[Case]:
     """Every (kernel, config, dtype, K = V, gated) the launchers can produce, from the launchers' own tables."""
-    from fastweights.ops.triton import chunk as launch
+    from ..ops.triton import chunk as launch
 
     cases = []
     for spec in launch.kernel_specs(dtypes, dims, gated_modes):
@@ -159,7 +158,7 @@ def compile_case(case: Case, cache: Path) -> Dict[str, object]:
     result["compile_s"] = round(time.perf_counter() - t0, 1)
     if "error" in result:  # not cached: the next run tries again
         return dict(result, cached=False)
-    from fastweights.config import atomic_write_text  # imported late, as the launchers are
+    from ..config import atomic_write_text  # imported late, as the launchers are
 
     atomic_write_text(path, json.dumps(result))
     return dict(result, cached=False)
@@ -215,7 +214,7 @@ def main(argv=None) -> int:
     if args.json:
         import triton
 
-        from fastweights.config import atomic_write_text
+        from ..config import atomic_write_text
 
         rows = [dict(kernel=c.kernel, rule="gated" if c.gated else "plain", dtype=c.dtype, K=c.dim, V=c.dim,
                      num_warps=c.num_warps, num_stages=c.num_stages, constexprs={k: str(v) for k, v in c.constexprs.items()},

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..checkpoint import load_model, save_checkpoint
+from ..training.checkpoint import load_model, save_checkpoint
 from ..models import LM
 from .modeling import FastWeightsConfig, FastWeightsForCausalLM
 

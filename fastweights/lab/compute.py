@@ -33,7 +33,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from .. import examples, ops
+from .. import ops
+from ..studies import worked_examples as examples
 from ..studies import costs as costs_study
 from ..studies.capacity import CapacityConfig, decode, read_outs, recursive_least_squares, unit_vectors
 from .params import Field, LabInputError

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from . import ops
+from .. import ops
 
 DTYPE = torch.float64
 

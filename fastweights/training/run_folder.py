@@ -1,4 +1,4 @@
-"""A training run owns its ``--out`` folder: the lock, the run id, pruning, stop signals.
+"""A training run owns its ``--out`` folder: the lock, the run id, resuming, pruning.
 
 What can go wrong in a run folder, and what this module does about it:
 
@@ -26,40 +26,25 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import sys
-import threading
 import time
 import uuid
 from typing import Callable, Optional
 
-from .checkpoint import (
-    LATEST, Checkpoint, CheckpointError, clean_stray, load_training_checkpoint, mark_latest, remove_folder,
-    resolve_checkpoint, run_checkpoints, run_id_of,
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, RunFolderError
+from .listing import (
+    LATEST, clean_stray, mark_latest, remove_folder, resolve_checkpoint, run_checkpoints, run_id_of,
 )
+from .train_state import load_training_checkpoint
 
 LOCK = "lock"
 METRICS = "metrics.jsonl"
 
 __all__ = [
     "RunFolderError", "RunLock", "claim_run_folder", "prune_checkpoints", "new_run_id", "load_resume_checkpoint",
-    "StopSignals", "TrainingInterrupted",
+    "describe_latest",
 ]
-
-
-class RunFolderError(ValueError):
-    """The run folder cannot be used as asked (held by another trainer, holds another run)."""
-
-
-class TrainingInterrupted(Exception):
-    """Training stopped on SIGINT/SIGTERM after saving; ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.exit_code = 128 + signum
-        saved = f"checkpoint {checkpoint} saved; continue with --resume" if checkpoint else "nothing saved (no --out)"
-        super().__init__(f"train: stopped by {signal.Signals(signum).name} after step {step}; {saved}")
 
 
 def new_run_id() -> str:
@@ -250,50 +235,6 @@ def prune_checkpoints(run_dir: str, run_id: str, keep: int, latest: str) -> None
     for _, folder in mine[:-keep] if keep else mine:
         if os.path.abspath(folder) != os.path.abspath(latest):
             remove_folder(folder)
-
-
-class StopSignals:
-    """SIGINT and SIGTERM ask the loop to stop after the current step; a second one exits now.
-
-    ``requested`` is the first signal's number (or ``None``). The second signal calls
-    ``on_force`` (the trainer releases its lock) and ends the process with 128 + its
-    number, without unwinding; an interrupted checkpoint write leaves only a ``*.tmp-*``
-    folder, which the next run removes. Handlers can only be installed from the main
-    thread; elsewhere this does nothing.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, on_force: Callable[[], None] = lambda: None) -> None:
-        self.requested: Optional[int] = None
-        self.on_force = on_force
-        self._previous = {}
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested is None:
-            self.requested = signum
-            sys.stderr.write(f"train: {name} received: finishing this step and saving a checkpoint "
-                             f"(send it again to stop at once)\n")
-            sys.stderr.flush()
-            return
-        sys.stderr.write(f"train: second {name}: stopping at once, without saving\n")
-        sys.stderr.flush()
-        try:
-            self.on_force()
-        finally:
-            os._exit(128 + signum)
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
 
 
 def describe_latest(run_dir: str) -> str:

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastweights import train as train_module
-from fastweights.checkpoint import load_model
+from fastweights.training import load_model
 from fastweights.cli import main as cli_main
-from fastweights.models import LMConfig
-from fastweights.train import TrainConfig, evaluate_tokens, train
+from fastweights.models import LM, LMConfig
+from fastweights.training import loop as train_module
+from fastweights.training import TrainConfig, evaluate_tokens, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,7 +123,7 @@ def test_eval_numbers_text_and_json(trained_run, texts, capsys):
 
 def test_evaluate_tokens_scores_every_token_once():
     """Windows of 5 over 23 tokens: 4 full windows and one of 2; 22 predictions in all."""
-    model = train_module.LM(LMConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2)).double()
+    model = LM(LMConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2)).double()
     tokens = torch.randint(0, 11, (23,))
     r = evaluate_tokens(model, tokens, 5, 3)
     with torch.no_grad():

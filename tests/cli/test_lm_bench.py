@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fastweights import lm_bench
+from fastweights.bench import lm_speed as lm_bench
 from fastweights.cli import main as cli_main
 
 

@@ -181,7 +181,7 @@ def test_cache_reorder_for_beam_search_and_crop():
 
 
 def test_checkpoint_conversion_both_ways_call_and_cli(tmp_path):
-    from fastweights.checkpoint import load_model, save_checkpoint
+    from fastweights.training import load_model, save_checkpoint
     from fastweights.cli import main
     from fastweights.models import LM
 

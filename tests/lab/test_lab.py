@@ -19,7 +19,8 @@ import urllib.request
 import pytest
 import torch
 
-from fastweights import examples, ops
+from fastweights import ops
+from fastweights.studies import worked_examples as examples
 from fastweights.lab import compute, server
 from fastweights.lab.params import LabInputError, parse
 from fastweights.studies import costs

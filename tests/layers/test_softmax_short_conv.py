@@ -1,7 +1,7 @@
 """The optional short convolution of softmax attention (``SoftmaxAttention(use_short_conv=True)``,
 ``LMConfig(softmax_short_conv=True)``): off by default, exact in prefill + decode, its state
 carried next to the KV cache. The layer-level equivalences (prefill + decode, split prefill,
-packed and left-padded rows) run in tests/test_layers.py and tests/test_lm_features.py
+packed and left-padded rows) run in tests/layers/test_layers.py and tests/models/test_lm_features.py
 with the ``softmax-conv`` variants; here: the LM, the state, the defaults and the errors."""
 
 from __future__ import annotations

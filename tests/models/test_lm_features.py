@@ -314,7 +314,7 @@ def test_gradient_checkpointing_is_a_config_field_and_skipped_in_eval():
 
 def test_checkpoints_saved_before_rope_load_as_nope(tmp_path, monkeypatch):
     """A config saved without ``rope_theta`` came from a NoPE model: it must load as one."""
-    from fastweights.checkpoint import load_model, save_checkpoint
+    from fastweights.training import load_model, save_checkpoint
 
     model = LM(LMConfig(vocab_size=VOCAB, d_model=D_MODEL, n_layers=1, n_heads=HEADS, mixer="softmax", rope_theta=None))
     as_dict = LMConfig.to_dict

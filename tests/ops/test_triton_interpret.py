@@ -189,11 +189,11 @@ def test_decode_step_equals_one_recurrent_step(rule_name, dtype):
 
 def test_gpu_benchmark_dry_run(tmp_path):
     """The benchmark script's CPU-safe mode: tiny shapes, interpreter, every path it times."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "bench.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "gpu_chunk_delta.py"), "--dry-run", "--json", str(out)],
+        [sys.executable, "-m", "fastweights.bench.gpu_chunk_delta", "--dry-run", "--json", str(out)],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     print(proc.stdout[-3000:], proc.stderr[-3000:])

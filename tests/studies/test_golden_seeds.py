@@ -1,6 +1,6 @@
 """Golden tests: every worked example of the three seeds, asserted with the text's own numbers.
 
-The examples are computed through ``fastweights.ops`` in ``fastweights/examples.py``
+The examples are computed through ``fastweights.ops`` in ``fastweights/studies/worked_examples.py``
 (the same table ``fastweights examples`` prints); the expected values there are
 typed in from the texts.
 """
@@ -8,7 +8,8 @@ typed in from the texts.
 import pytest
 import torch
 
-from fastweights import examples, ops
+from fastweights import ops
+from fastweights.studies import worked_examples as examples
 
 ALL = examples.all_examples()
 

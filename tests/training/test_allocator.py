@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fastweights.allocator import tune_cpu_allocator
+from fastweights.training.allocator import tune_cpu_allocator
 
 CHILD = r"""
 import json, resource, sys, torch

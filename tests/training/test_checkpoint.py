@@ -11,8 +11,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from fastweights import checkpoint as ckpt_module
-from fastweights.checkpoint import CheckpointError, load_checkpoint, load_model, mark_latest, save_checkpoint
+from fastweights.training import checkpoint as ckpt_module
+from fastweights.training import train_state
+from fastweights.training import CheckpointError, load_checkpoint, load_model, mark_latest, save_checkpoint
 from fastweights.models import LM, LMConfig
 
 
@@ -53,11 +54,11 @@ def test_training_state_round_trip(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 23, (2, 5)))[0].sum().backward()
     opt.step()
-    tensors, info = ckpt_module.optimizer_to_flat(opt)
+    tensors, info = train_state.optimizer_to_flat(opt)
     save_checkpoint(tmp_path / "c", model, train={"step": 1, "optimizer": info}, train_tensors=tensors)
     ckpt = load_checkpoint(tmp_path / "c")
     restored = torch.optim.AdamW(make_model().parameters(), lr=1e-3)
-    restored.load_state_dict(ckpt_module.optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
+    restored.load_state_dict(train_state.optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
     before, after = opt.state_dict()["state"], restored.state_dict()["state"]
     assert sorted(before) == sorted(after) and len(before) > 10
     for i, slots in before.items():
@@ -125,7 +126,7 @@ def test_a_flipped_bit_is_refused_naming_the_file(tmp_path, file):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 23, (2, 5)))[0].sum().backward()
     opt.step()
-    tensors, info = ckpt_module.optimizer_to_flat(opt)
+    tensors, info = train_state.optimizer_to_flat(opt)
     save_checkpoint(tmp_path / "c", model, train={"step": 1, "optimizer": info}, train_tensors=tensors)
     path = tmp_path / "c" / file
     data = bytearray(path.read_bytes())

@@ -26,7 +26,7 @@ import time
 import pytest
 import safetensors.torch
 
-from fastweights.checkpoint import CheckpointError, load_checkpoint, load_training_checkpoint
+from fastweights.training import CheckpointError, load_checkpoint, load_training_checkpoint
 from fastweights.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -411,7 +411,7 @@ def test_a_full_disk_at_every_write_fails_in_one_line(tmp_path, monkeypatch, cap
 
 def test_a_kill_before_the_first_checkpoint_is_marked_still_resumes(tmp_path, monkeypatch, reference):
     """Killed between renaming ckpt-000001 into place and writing `latest`: --resume takes ckpt-000001."""
-    import fastweights.train as train_module
+    import fastweights.training.loop as train_module
 
     def killed(*args):
         raise Killed("before `latest` was written")

@@ -19,12 +19,11 @@ import time
 import pytest
 import torch
 
-from fastweights import checkpoint as ckpt_module
-from fastweights.checkpoint import CheckpointError, load_checkpoint
+from fastweights.training import checkpoint as ckpt_module
+from fastweights.training import CheckpointError, load_checkpoint
 from fastweights.cli import main as cli_main
 from fastweights.models import LMConfig
-from fastweights.run_folder import RunFolderError, StopSignals, prune_checkpoints
-from fastweights.train import TrainConfig, make_task, train
+from fastweights.training import RunFolderError, StopSignals, TrainConfig, make_task, prune_checkpoints, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -401,7 +400,7 @@ class FakeStore:
 
 def test_a_failed_collective_names_the_rank_that_stopped_beating():
     """The default-run part of the SIGSTOP test below: which rank the message names."""
-    from fastweights.train import Heartbeat
+    from fastweights.training import Heartbeat
 
     store, lines = FakeStore(), []
     beats = [Heartbeat(r, 3, interval=0.0, log=lines.append) for r in range(3)]

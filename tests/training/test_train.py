@@ -16,8 +16,8 @@ import torch
 from fastweights.cli import main as cli_main
 from fastweights.models import LMConfig
 from fastweights.tasks import IGNORE, AssociativeRecall, ByteText
-from fastweights import train as train_module
-from fastweights.train import TrainConfig, learning_rate, make_task, train
+from fastweights.training import TrainConfig, learning_rate, make_task, train
+from fastweights.training import loop as train_module
 
 TINY_MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--threads", "1"]
 TINY_RECALL = ["--recall-keys", "8", "--recall-values", "8", "--recall-pairs", "8",
@@ -254,7 +254,7 @@ def test_interrupted_fp16_run_resumes_bit_for_bit(tmp_path, monkeypatch):
     (lambda t: t["history"][3].pop("skipped"), r"`step`=5 does not match the optimizer state \(optimizer.0.step = 4\)"),
 ], ids=["missing", "negative-scale", "tracker-past-interval", "skipped-step-unmarked"])
 def test_damaged_grad_scaler_state_is_refused(tmp_path, monkeypatch, damage, message):
-    from fastweights.checkpoint import CheckpointError, check_train_state, load_training_checkpoint
+    from fastweights.training import CheckpointError, check_train_state, load_training_checkpoint
 
     with pytest.raises(Stopped):
         _fp16_run(monkeypatch, tmp_path / "run", stop_after=5)
@@ -321,7 +321,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
 
 def test_global_batch_must_split_evenly():
     with pytest.raises(ValueError, match="`batch_size`=3 must be divisible by the number of processes"):
-        from fastweights import train as train_module
+        from fastweights.training import loop as train_module
 
         train_module._train(LMConfig(vocab_size=33, d_model=32, n_layers=1, n_heads=2),
                             TrainConfig(batch_size=3, steps=1), None, False, False, print, "t", 0, 2)
