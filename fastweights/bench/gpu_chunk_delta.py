@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -86,7 +87,6 @@ import torch.nn.functional as F  # noqa: E402
 from .. import ops  # noqa: E402
 from ..config import atomic_write_text  # noqa: E402
 from ..ops.triton import HAS_TRITON  # noqa: E402
-from ..ops.triton.decode import delta_rule_step, delta_rule_step_ref  # noqa: E402
 
 if not HAS_TRITON:
     sys.exit("gpu_chunk_delta.py needs triton: pip install 'fastweights[triton]'")
@@ -236,8 +236,9 @@ def time_decode(B, H, D, dtype, device):
     n_bytes = 2 * state.numel() * 4
     rows = []
     for rule, gate in (("delta", None), ("gated_delta", g)):
-        for path, fn in (("fastweights-triton", lambda s, gt: delta_rule_step(q, k, v, beta, s, gt, backend="triton")),
-                         ("fastweights-torch", lambda s, gt: delta_rule_step_ref(q, k, v, beta, s, gt))):
+        step = ops.delta_rule_step if gate is None else functools.partial(ops.gated_delta_rule_step, g=gate)
+        for path, fn in (("fastweights-triton", lambda s, gt: step(q, k, v, beta, state=s, backend="triton", inplace=True)),
+                         ("fastweights-torch", lambda s, gt: step(q, k, v, beta, state=s, backend="torch", inplace=True))):
             s = state.clone()
             ms = bench_ms(lambda: fn(s, gate), device)
             rows.append(dict(path=path, rule=rule, mode="decode step", B=B, T=1, H=H, K=D, V=D,

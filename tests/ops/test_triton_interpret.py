@@ -31,7 +31,6 @@ pytest.importorskip("triton")
 from fastweights import ops  # noqa: E402
 from fastweights.ops.triton import select_backend  # noqa: E402
 from fastweights.ops.triton import _chunk_kernels  # noqa: E402
-from fastweights.ops.triton.decode import delta_rule_step, delta_rule_step_ref  # noqa: E402
 from helpers import RULES, assert_close, call, make_inputs, rel_err  # noqa: E402
 
 if type(_chunk_kernels._wy_fwd_kernel).__name__ != "InterpretedFunction":  # pragma: no cover
@@ -175,16 +174,22 @@ def test_decode_step_equals_one_recurrent_step(rule_name, dtype):
     x = make_inputs(rule, B, 1, H, K, V, dtype=torch.float64, initial_state=True, seed=6)
     o_ref, h_ref = call(rule.reference, rule, x, output_final_state=True)
     step = {n: t[:, 0].to(dtype) for n, t in x.items() if n != "initial_state"}
-    args = (step["q"], step["k"], step["v"], step["beta"])
-    for fn, kw in ((delta_rule_step, dict(backend="triton")), (delta_rule_step_ref, {})):
-        state = x["initial_state"].float().clone()
-        o, h = fn(*args, state, step.get("g"), **kw)
-        assert h.data_ptr() == state.data_ptr(), "the step updates the state in place"
-        assert o.dtype == dtype
-        # fp16 inputs carry ~5e-4 relative rounding; fp32 is exact up to fp32 arithmetic.
-        tol = 1e-5 if dtype == torch.float32 else 3e-3
-        assert_close(f"{fn.__name__} output", o, o_ref[:, 0], tol)
-        assert_close(f"{fn.__name__} state", h, h_ref, tol)
+    args = (step["q"], step["k"], step["v"], step["beta"]) + ((step["g"],) if "g" in step else ())
+    fn = ops.gated_delta_rule_step if "g" in step else ops.delta_rule_step
+    for backend in ("triton", "torch"):
+        for inplace in (True, False):
+            state = x["initial_state"].float().clone()
+            before = state.clone()
+            o, h = fn(*args, state, backend=backend, inplace=inplace)
+            if inplace:
+                assert h.data_ptr() == state.data_ptr(), "inplace=True updates the state in place"
+            else:
+                assert torch.equal(state, before), "inplace=False leaves the caller's state alone"
+            assert o.dtype == dtype
+            # fp16 inputs carry ~5e-4 relative rounding; fp32 is exact up to fp32 arithmetic.
+            tol = 1e-5 if dtype == torch.float32 else 3e-3
+            assert_close(f"{fn.__name__} ({backend}) output", o, o_ref[:, 0], tol)
+            assert_close(f"{fn.__name__} ({backend}) state", h, h_ref, tol)
 
 
 def test_gpu_benchmark_dry_run(tmp_path):

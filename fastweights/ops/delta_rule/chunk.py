@@ -38,7 +38,8 @@ from .._chunk import (
     ChunkDecay, backward_only, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
-from .._backend import backward_can_follow, run_chunk_delta
+from .._backend import backward_can_follow
+from .._dispatch import run_chunk_delta
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off
 from ..feature_maps import FeatureMapLike
