@@ -49,8 +49,10 @@ class _MovedModuleFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
         """Nothing to run: :meth:`create_module` returned the new module, already executed."""
 
 
+# First in line: it answers only the old names, and a finder of an older editable install
+# would otherwise map them to files that are gone.
 if not any(isinstance(f, _MovedModuleFinder) for f in _sys.meta_path):
-    _sys.meta_path.append(_MovedModuleFinder())
+    _sys.meta_path.insert(0, _MovedModuleFinder())
 
 
 def __getattr__(name):

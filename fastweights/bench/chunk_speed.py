@@ -369,7 +369,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="where to write the results (default docs/results/chunk_speed.json; "
                    "--lm: docs/results/lm_speed.json)")
     p.add_argument("--default-allocator", action="store_true",
-                   help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/allocator.py)")
+                   help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/training/allocator.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -392,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
                 flop_count="chunk algorithm matmuls: 2C^2(3K+2V) + 6CKV per chunk and head; backward = 2x forward",
                 memory="CPU: VmHWM growth over VmRSS in a fresh child process (allocator slack included); "
                 "CUDA: max_memory_allocated growth. saved_for_backward: bytes autograd keeps (distinct storages)",
-                allocator="glibc mmap/trim thresholds raised in the timing process (fastweights/allocator.py), "
+                allocator="glibc mmap/trim thresholds raised in the timing process (fastweights/training/allocator.py), "
                 "the same for every contender" if tuned else "the platform's default malloc settings",
                 time_s=time.strftime("%Y-%m-%d %H:%M:%S"))
     batched = (B * H * (-(-2048 // C)), C, C)

@@ -251,7 +251,7 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool = True) -> None:
         p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; 1 with --quick)")
         p.add_argument("--json", default=None, help=f"where to write the results (default {DEFAULT_JSON})")
         p.add_argument("--default-allocator", action="store_true",
-                       help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/allocator.py)")
+                       help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/training/allocator.py)")
 
 
 def run(args: argparse.Namespace, log=None) -> int:
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace, log=None) -> int:
         softmax_context=f"real prefill up to {real_max} tokens, random KV rows beyond (decode cost depends only on the cache size)",
         fast_weight_context="real prefill of the whole context (chunk form)",
         ratio="minimum time of the mixer / minimum time of softmax, same run",
-        allocator="glibc mmap/trim thresholds raised (fastweights/allocator.py)" if tuned else "default malloc settings",
+        allocator="glibc mmap/trim thresholds raised (fastweights/training/allocator.py)" if tuned else "default malloc settings",
         time_s=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     mixers = list(dict.fromkeys(args.mixers))

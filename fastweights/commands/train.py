@@ -1,7 +1,7 @@
 """``fastweights train``: train an LM on a text file or the built-in recall task.
 
 The configuration is two checked dataclasses, :class:`~fastweights.models.LMConfig`
-and :class:`~fastweights.train.TrainConfig`. Values come from, in order of
+and :class:`~fastweights.training.TrainConfig`. Values come from, in order of
 precedence: command-line flags (one per field, e.g. ``--d-model 64 --steps 500``),
 a JSON file given with ``--config`` (``{"model": {...}, "train": {...}}``), the
 defaults. ``--resume`` continues the run in ``--out`` from its latest checkpoint.

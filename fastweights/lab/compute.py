@@ -11,7 +11,7 @@ interference          :func:`fastweights.studies.capacity.read_outs` (the
                       through the chunk ops, softmax_attn or exact RLS), its
                       ``decode``; the state from the same ops'
                       ``output_final_state``; the seeds' examples from
-                      :mod:`fastweights.examples`
+                      :mod:`fastweights.studies.worked_examples`
 geometry (2-D)        ``examples.write``/``examples.read`` (recurrent sum and
                       delta ops), the Householder factor as a delta write of
                       v = 0 into h₀ = I

@@ -2,7 +2,7 @@
 
 Each example is computed by the library's own ops (never by hand-rolled
 arithmetic) and carries the number its text prints. ``fastweights examples``
-prints them side by side; ``tests/test_golden_seeds.py`` asserts each one.
+prints them side by side; ``tests/studies/test_golden_seeds.py`` asserts each one.
 
 Layout note: the seeds write the memory as ``S = Σ v kᵀ`` (values × keys) and read
 ``S q``. The ops store its transpose ``h = Sᵀ`` (keys × values, as
