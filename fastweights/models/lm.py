@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from ..config import Config
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
-from ..ops._checks import check_cu_seqlens
-from . import window as windows
+from ..ops import check_cu_seqlens
+from .window import CHUNK_FROM, Segment, WINDOW_WIDTH, cuttable, drop_kv_rows, padded_width, rolled_back, window_nbytes
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
 
@@ -243,7 +243,7 @@ class LMCache:
     @property
     def window_nbytes(self) -> int:
         """Bytes the open window holds on top of the states (0 when committed)."""
-        return windows.window_nbytes(self.window)
+        return window_nbytes(self.window)
 
     @property
     def window_tokens(self) -> int:
@@ -269,8 +269,8 @@ class LMCache:
         if n == 0:
             return
         if not self.window:
-            if windows.cuttable(self.states) and n <= int(min(s.lengths.min() for s in self.states)):
-                self.states = [windows.drop_kv_rows(s, n) for s in self.states]
+            if cuttable(self.states) and n <= int(min(s.lengths.min() for s in self.states)):
+                self.states = [drop_kv_rows(s, n) for s in self.states]
                 self.length -= n
                 return
             raise ValueError(
@@ -283,7 +283,7 @@ class LMCache:
                 f"LMCache.rollback: `n`={n} is more than the {self.window_tokens} token(s) of the open window; "
                 f"expected 0 <= n <= {self.window_tokens}"
             )
-        states, window = windows.rolled_back(self.states, self.window, n)
+        states, window = rolled_back(self.states, self.window, n)
         self.states, self.window, self.length = states, window, self.length - n
 
 
@@ -312,8 +312,8 @@ class LM(nn.Module):
         self.gradient_checkpointing = config.gradient_checkpointing  # may be switched on a built model
         # Verify windows (fastweights.models.window): rows a window is padded to a multiple of,
         # and the padded width from which its memory runs the chunk form.
-        self.window_width = windows.WINDOW_WIDTH
-        self.window_chunk_from = windows.CHUNK_FROM
+        self.window_width = WINDOW_WIDTH
+        self.window_chunk_from = CHUNK_FROM
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -480,13 +480,13 @@ class LM(nn.Module):
             return "window"
         return "step" if cache.recording else None
 
-    def _segment(self, before: list, tokens: int, keeps) -> "windows.Segment":
-        return windows.Segment(before, tokens, keeps, self, self.window_width, self.window_chunk_from)
+    def _segment(self, before: list, tokens: int, keeps) -> Segment:
+        return Segment(before, tokens, keeps, self, self.window_width, self.window_chunk_from)
 
     def _forward_window(self, input_ids: torch.Tensor, cache: LMCache) -> Tuple[torch.Tensor, LMCache]:
         """A verify window: the T tokens padded to P rows (:mod:`fastweights.models.window`)."""
         B, T = input_ids.shape
-        P = windows.padded_width(T, self.window_width)
+        P = padded_width(T, self.window_width)
         ids = torch.cat([input_ids, input_ids.new_zeros(B, P - T)], dim=1) if P > T else input_ids
         x = self.embed(ids)  # (B, P, D)
         states, keeps = [], []

@@ -52,8 +52,6 @@ def lookup_proposals(tokens: List[int], k: int, max_ngram: int = 3) -> List[int]
 
 
 def _check(model, prompt_ids: torch.Tensor, prompt_lookup, draft) -> None:
-    from .lm import LM
-
     if prompt_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding: one prompt at a time (batch size 1), got batch size {prompt_ids.shape[0]}")
     if (prompt_lookup is None) == (draft is None):
@@ -61,7 +59,7 @@ def _check(model, prompt_ids: torch.Tensor, prompt_lookup, draft) -> None:
     if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1):
         raise ValueError(f"speculative decoding: `prompt_lookup` must be an int >= 1 (tokens proposed per round), got {prompt_lookup!r}")
     if draft is not None:
-        if not isinstance(draft, LM):
+        if not isinstance(draft, type(model)):  # an LM (the model's class; no import of lm.py here)
             raise TypeError(f"speculative decoding: `draft` must be an LM, got {type(draft).__name__}")
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(

@@ -268,13 +268,8 @@ def recall_run(tmp_path_factory):
 def test_small_prompt_lookup_benchmark(recall_run, one_thread):
     """The benchmark's honest small version: a model trained by ``fastweights train``, greedy
     against prompt lookup: identical tokens, some proposals accepted."""
-    import importlib.util
-    from pathlib import Path
+    from fastweights.bench import speculative as bench
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative.py"
-    spec = importlib.util.spec_from_file_location("speculative_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     result = bench.lookup(str(recall_run), k=3, prompts=2, max_new_tokens=16, repeats=1)
     assert result["identical"] and result["acceptance"] > 0
 
