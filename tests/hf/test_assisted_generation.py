@@ -54,7 +54,7 @@ def count_crops(monkeypatch):
 def test_prompt_lookup_and_assistant_give_greedy_tokens(name, monkeypatch, one_thread):
     model = tiny(name)
     prompt = repeating_prompt()
-    greedy = dict(do_sample=False, max_new_tokens=20)
+    greedy = dict(do_sample=False, max_new_tokens=14)
     with torch.no_grad():
         plain = model.generate(prompt, **greedy)
         calls = count_crops(monkeypatch)
@@ -98,11 +98,14 @@ def test_crop_rolls_back_exactly_and_refuses_bad_values(one_thread):
         cache = out.cache
         assert cache.is_croppable and cache.lm_cache.window_tokens == 5
         length = cache.get_seq_length()
+        states = [s.memory.clone() for s in cache.lm_cache.states if hasattr(s, "memory")]
         for bad, match in [(2, r"`tokens_to_remove` must be <= 0.*got 2"), (-6, r"`n`=6 is more than the 5 token"),
                            (1.0, r"`tokens_to_remove` must be an int")]:
             with pytest.raises((ValueError, TypeError), match=match):
                 cache.crop(bad)
             assert cache.get_seq_length() == length and cache.lm_cache.window_tokens == 5
+            now = [s.memory for s in cache.lm_cache.states if hasattr(s, "memory")]
+            assert all(torch.equal(a, b) for a, b in zip(now, states)) and len(now) == len(states) == 2
         cache.crop(-3)
         got = model(nxt, cache=cache).logits
         ref = model(window[:, :2], cache=model(prompt).cache).cache  # a window of the kept tokens
