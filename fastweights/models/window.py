@@ -19,12 +19,13 @@ exactly those a tokens, from the kept state and inputs (:meth:`FastWeightMixer.r
 the convolution's state and a softmax layer's KV rows are copies/cuts, not arithmetic.
 
 Why inputs and not per-token states: per layer and token the inputs take
-``(2·H·K + 2·H + 3·H·K)`` numbers (k, v, two logits, the convolution's q/k/v inputs:
-about 5·d_model), a state takes ``H·K·V`` (d_model²/H). At d_model = 1024, 16 heads of
-64, fp32 and k = 8, that is 164 KiB against 2 MiB per layer (12.5× less; the ratio is
-≈ V/5), and the forward need not materialise a state per token (the chunk form never
-does). The price is the replay on rollback: one memory op over the accepted tokens
-(not the projections, not the MLP).
+``2·H·K + H (+ H) + 3·H·K`` numbers (k, v, the logits of β (and of the decay), the
+convolution's q/k/v inputs: about 5·d_model), a state takes ``H·K·V`` (d_model²/H). At
+d_model = 1024, 16 heads of 64, fp32 and k = 8, a DeltaNet layer's window holds 463,360
+bytes (the 299,008-byte state before it + 164,352) against 2,396,160 with per-token
+states, and the forward need not materialise a state per token (the chunk form never
+does). The price is the replay on rollback: one memory pass over the accepted tokens
+(not the projections, not the MLP). docs/speculative.md has the table.
 
 Exactness: "the same forms"
 ---------------------------

@@ -89,9 +89,10 @@ def test_rollback_is_bitwise_the_window_of_the_accepted_tokens(name, one_thread)
 
 
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
-def test_both_window_forms_roll_back_bitwise(form, one_thread):
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_both_window_forms_roll_back_bitwise(name, form, one_thread):
     """The memory of a window runs the chunk form (padded rows as no-ops) or the recurrent form."""
-    model = tiny("gated_deltanet")
+    model = tiny(name)
     model.window_chunk_from = 1 if form == "chunk" else 10 ** 9
     prompt, window, after = torch.randint(0, 40, (1, 5)), torch.randint(0, 40, (1, K)), torch.randint(0, 40, (1, 2))
     with torch.no_grad():
@@ -102,11 +103,14 @@ def test_both_window_forms_roll_back_bitwise(form, one_thread):
         assert torch.equal(continue_decoding(model, cache, after), continue_decoding(model, ref, after))
 
 
+@pytest.mark.parametrize("form", ["default", "chunk"])
 @pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "linear", "hybrid"])
-def test_rollback_matches_the_float64_recurrence(name, one_thread):
+def test_rollback_matches_the_float64_recurrence(name, form, one_thread):
     """In float64, decoding after a rollback agrees to 1e-12 with a cache built one token at a
     time from the start (the recurrent form all along), and a window's logits with steps'."""
     model = tiny(name, torch.float64)
+    if form == "chunk":
+        model.window_chunk_from = 1  # the chunk form with padded rows as no-ops (linear: recurrent anyway)
     prompt, window, after = torch.randint(0, 40, (1, 7)), torch.randint(0, 40, (1, K)), torch.randint(0, 40, (1, 3))
     with torch.no_grad():
         _, cache = model(prompt)
