@@ -243,20 +243,40 @@ class FastWeightMixer(nn.Module):
     def _window_memory(self, q, k, v, extra, memory, real: int, chunk_from: int):
         """The memory of a window (see :meth:`forward_window`): ``(o [B, P, HV, V], state after ``real`` rows)``."""
         P = q.shape[1]
+        # One memory layout for the forward (views of the projections) and the replay (fresh tensors):
+        # vectorized elementwise kernels (sigmoid, exp) round a strided tensor's elements differently.
+        q, k, v, extra = (t.contiguous() for t in (q, k, v, extra))
         if self.neutral_pads and P >= chunk_from:
             if real < P:  # β = sigmoid(−∞) = 0 and g = −exp(A)·softplus(−∞) = −0: a pad writes and decays nothing
                 extra = torch.cat([extra[:, :real], extra.new_full((extra.shape[0], P - real, extra.shape[2]), float("-inf"))], 1)
             return self.memory(q, k, v, extra, memory, None, recurrent=False)
-        q, k, v, extra = q[:, :real], k[:, :real], v[:, :real], extra[:, :real]
-        if self.fused_step:  # the decoding step's update, token by token (no per-call checks)
+        tokens = self.window_step_inputs(q, k, v, extra, memory.dtype) if self.fused_step else None
+        if tokens is not None:  # per-token inputs of all P rows at once, then the one-token update per real row
+            outputs = []
+            for t in range(real):
+                o_t, memory = self.window_step(*(None if x is None else x[:, t] for x in tokens), memory)
+                outputs.append(o_t)
+            o = torch.stack(outputs, 1).to(q.dtype)
+        elif self.fused_step:  # the decoding step's update, token by token (no per-call checks)
             outputs = []
             for t in range(real):
                 o_t, memory = self.memory_step(torch.stack([q[:, t], k[:, t]], 1), v[:, t], extra[:, t], memory)
                 outputs.append(o_t)
             o = torch.stack(outputs, 1).to(q.dtype)
         else:
-            o, memory = self.memory(q, k, v, extra, memory, None, recurrent=True)
+            o, memory = self.memory(q[:, :real], k[:, :real], v[:, :real], extra[:, :real], memory, None, recurrent=True)
         return F.pad(o, (0, 0, 0, 0, 0, P - real)), memory
+
+    def window_step_inputs(self, q, k, v, extra, dtype):
+        """For a window's recurrent form: the op's per-token inputs of all P rows, ``[N, P, ...]``
+        tensors in the state's ``dtype`` (normalized q, k; v; β; g or None), computed at once
+        and then read row by row by :meth:`window_step`; ``None`` (default) steps with
+        :meth:`memory_step` instead."""
+        return None
+
+    def window_step(self, q, k, v, beta, g, memory):
+        """One token of :meth:`window_step_inputs`' rows: ``(o [N, H, V], new state)``."""
+        raise NotImplementedError
 
     def replay(self, before: FastWeightState, keep: "WindowInputs", accepted: int, width: int, chunk_from: int) -> FastWeightState:
         """The state after the first ``accepted`` tokens of a window read from ``before``: the memory

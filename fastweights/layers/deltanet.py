@@ -74,6 +74,18 @@ class DeltaNet(FastWeightMixer):
         beta = write_strength(extra, self.allow_neg_eigval)  # extra is [N, H]: β's logits
         return delta_rule_step(*self.step_qkv(qk, v, memory.dtype), beta.to(memory.dtype), memory, self.head_dim ** -0.5)
 
+    def window_step_inputs(self, q, k, v, extra, dtype):
+        qk = normalize_qk(torch.stack([q, k], 2).to(dtype), self.qk_norm)  # [N, P, 2, H, K]
+        beta, g = self.write_and_decay(extra)
+        return qk[:, :, 0], qk[:, :, 1], v.to(dtype), beta.to(dtype), None if g is None else g.to(dtype)
+
+    def write_and_decay(self, extra):
+        """β (and, gated, g) from the layer's own projections ``extra [..., ·]``."""
+        return write_strength(extra, self.allow_neg_eigval), None
+
+    def window_step(self, q, k, v, beta, g, memory):
+        return delta_rule_step(q, k, v, beta, memory, self.head_dim ** -0.5)
+
     def step_qkv(self, qk, v, dtype):
         """q, k (``qk [N, 2, H, K]``, normalized together by ``qk_norm``) and v in the state's dtype."""
         qk = normalize_qk(qk.to(dtype), self.qk_norm)

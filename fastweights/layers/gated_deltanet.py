@@ -68,7 +68,13 @@ class GatedDeltaNet(DeltaNet):
         return super().step_projections() + ("a_proj",)
 
     def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
-        H, dt = self.n_heads, memory.dtype
-        beta = write_strength(extra[:, :H], self.allow_neg_eigval).to(dt)
-        g = self.decay_from_projection(extra[:, H:]).to(dt)
-        return gated_delta_rule_step(*self.step_qkv(qk, v, dt), beta, g, memory, self.head_dim ** -0.5)
+        dt = memory.dtype
+        beta, g = self.write_and_decay(extra)
+        return gated_delta_rule_step(*self.step_qkv(qk, v, dt), beta.to(dt), g.to(dt), memory, self.head_dim ** -0.5)
+
+    def write_and_decay(self, extra):
+        H = self.num_v_heads  # extra is [b_proj(x) | a_proj(x)]
+        return write_strength(extra[..., :H], self.allow_neg_eigval), self.decay_from_projection(extra[..., H:])
+
+    def window_step(self, q, k, v, beta, g, memory):
+        return gated_delta_rule_step(q, k, v, beta, g, memory, self.head_dim ** -0.5)
