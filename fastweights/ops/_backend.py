@@ -86,8 +86,15 @@ def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", to
     ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
     only ``run_op`` takes (the Triton path packs varlen batches natively).
     """
-    choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
-                            feature_map=kwargs.get("feature_map"))
+    if (torch_kwargs or {}).get("cp_group") is not None:  # context parallelism runs the PyTorch chunk form
+        if backend == "triton":
+            raise ValueError(f"{op}: `backend`='triton' does not run with `cp_group` (context parallelism runs "
+                             f"the PyTorch chunk form); use backend='auto' or 'torch'")
+    if backend in BACKENDS and (torch_kwargs or {}).get("cp_group") is not None:
+        choice = "torch"
+    else:
+        choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
+                                feature_map=kwargs.get("feature_map"))
     if choice == "triton":
         from ._frontend import autocast_off
         from .triton.chunk import chunk_op_triton
