@@ -75,7 +75,8 @@ except ImportError:  # a torch build without distributed support
 __all__ = [
     "CommunicationLog", "count_communication", "summary_bytes", "kv_gather_bytes", "check_cp_group", "agree",
     "Segments", "local_segments", "local_slice", "global_positions", "exchange_halo", "gather_sequence",
-    "softmax_attn_context_parallel", "run_context_parallel", "checked_segments",
+    "softmax_attn_context_parallel", "run_context_parallel", "checked_segments", "agree_on_slice",
+    "conv_states_from_halo",
 ]
 
 
@@ -648,3 +649,131 @@ def run_context_parallel(
     o, final = _Exchange.apply(o, read, head_a, head_b, pub_a, pub_b, finals, plan)
     return o, (final if output_final_state else None)
 
+
+
+# --------------------------------------------------------------------------------------
+# The model side: the short convolution's halo, softmax attention's keys and values
+# --------------------------------------------------------------------------------------
+
+
+def agree_on_slice(owner: str, cp_group, name: str, x, cu_seqlens=None, check: Optional[Callable[[], None]] = None) -> Tuple[int, int]:
+    """A layer's or model's checks under ``cp_group``, passed or failed by every rank together.
+
+    ``x`` (argument ``name``) is the rank's slice ``[B, L, ...]``: every rank must hold the
+    same B and L and the same global ``cu_seqlens``, which must end at R·L; ``check()`` runs
+    the caller's own checks (its error is shared as in :func:`agree`). Returns ``(rank, world)``.
+    """
+    rank, world = check_cp_group(owner, cp_group)
+    from ._checks import check_cu_seqlens
+
+    cu_host, error = None, None
+    try:
+        cu_host = host_offsets(cu_seqlens)
+        if check is not None:
+            check()
+        if cu_seqlens is not None:
+            check_cu_seqlens(owner, cu_seqlens, x.shape[0], world * x.shape[1], x.device)
+    except (TypeError, ValueError) as e:
+        error = e
+    then = [Fingerprint(name, "the batch size B", _shape_of(x, 0)), Fingerprint(name, "the last size", _shape_of(x, -1))]
+    agree(owner, cp_group, [local_length_fingerprint(name, x), offsets_fingerprint(cu_host)], error, then, like=x)
+    return rank, world
+
+
+class _Halo(torch.autograd.Function):
+    """``tail [B, W − 1, C]`` of every rank -> the previous rank's (zeros on rank 0); the
+    gradient goes back to the previous rank."""
+
+    @staticmethod
+    def forward(ctx, tail, group):
+        rank = dist.get_rank(group)
+        ctx.group, ctx.rank, ctx.world = group, rank, dist.get_world_size(group)
+        gathered = _all_gather(tail, group, "halo")
+        return gathered[rank - 1].clone() if rank > 0 else torch.zeros_like(tail)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        gathered = _all_gather(grad, ctx.group, "halo_grads")
+        return (gathered[ctx.rank + 1].clone() if ctx.rank + 1 < ctx.world else torch.zeros_like(grad)), None
+
+
+def exchange_halo(tail: torch.Tensor, cp_group) -> torch.Tensor:
+    """The previous rank's ``tail`` (``[B, W − 1, C]``, its last W − 1 inputs of a short
+    convolution), zeros on rank 0; differentiable (the gradient returns to its owner)."""
+    return _Halo.apply(tail.contiguous(), cp_group)
+
+
+def conv_states_from_halo(halo: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """The incoming convolution state ``[n, W − 1, C]`` of each local piece of packed sequences.
+
+    The first piece continues the previous rank's sequence: its state is the halo, with
+    the rows before that sequence's start zeroed (they belong to earlier sequences);
+    every other piece starts a sequence here, from zeros.
+    """
+    width = halo.shape[1]
+    positions = segments.start - width + torch.arange(width, device=halo.device)
+    first = segments.sequence_starts[0] if segments.ids else segments.start
+    own = (positions >= first).to(halo.dtype)[:, None]  # all zero unless the first piece continues in
+    first_state = halo[0] * own
+    rest = halo.new_zeros(max(len(segments.ids) - 1, 0), width, halo.shape[2])
+    return torch.cat([first_state[None], rest], dim=0)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """``x [B, L, ...]`` of every rank -> ``[B, R·L, ...]``; backward: a reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group, what):
+        ctx.group, ctx.what = group, what
+        gathered = _all_gather(x, group, what)  # [R, B, L, ...]
+        return gathered.movedim(0, 1).flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        per_rank = grad.unflatten(1, (world, grad.shape[1] // world)).movedim(1, 0).contiguous()  # [R, B, L, ...]
+        summed = _reduce_scatter(per_rank.flatten(0, 1), ctx.group, ctx.what + "_grads")  # this rank's [B, L, ...]
+        return summed, None, None
+
+
+def gather_sequence(x: torch.Tensor, cp_group, what: str = "kv") -> torch.Tensor:
+    """All of T: ``x [B, L, ...]`` of every rank -> ``[B, R·L, ...]``, differentiable (each rank's
+    slice gets the sum of every rank's gradient for it)."""
+    return _GatherSequence.apply(x.contiguous(), cp_group, what)
+
+
+def softmax_attn_context_parallel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, cu_seqlens: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal softmax attention of this rank's queries over the keys and values of all ranks.
+
+    ``q, k [B, L, H, K]``, ``v [B, L, H, V]``: the rank's slice (``cu_seqlens``: the global
+    offsets; a query sees only its own sequence). The keys and values of every rank are
+    all-gathered (one collective of ``B·L·H·(K + V)`` per rank; the backward reduce-scatters
+    their gradients), and query t of rank r attends to global keys 0 .. r·L + t:
+    what :func:`~fastweights.ops.softmax_attn` gives for those rows of the whole sequence.
+    PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (ring attention)
+    would send less, but it does not run on the CPU (no sharding rule for
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` in torch 2.13). Returns ``o [B, L, H, V]``.
+    """
+    from ._checks import compute_dtype
+
+    rank, world = check_cp_group("softmax_attn_context_parallel", cp_group)
+    batch, length, heads, key_dim = q.shape
+    stop = (rank + 1) * length
+    kv = gather_sequence(torch.cat([k, v], dim=-1), cp_group)[:, :stop]  # keys up to this slice's end
+    keys, values = kv[..., :key_dim], kv[..., key_dim:]
+    queries = rank * length + torch.arange(length, device=q.device)
+    columns = torch.arange(stop, device=q.device)
+    mask = columns[None, :] <= queries[:, None]
+    if cu_seqlens is not None:
+        seq = torch.searchsorted(cu_seqlens.to(device=q.device, dtype=torch.long)[1:], columns, right=True)
+        mask = mask & (seq[None, :] == seq[queries][:, None])
+    dt = compute_dtype(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2).to(dt), keys.transpose(1, 2).to(dt), values.transpose(1, 2).to(dt), attn_mask=mask,
+        scale=key_dim ** -0.5 if scale is None else scale,
+    )
+    return o.transpose(1, 2).to(q.dtype)
