@@ -128,7 +128,7 @@ class SoftmaxAttention(nn.Module):
             return forward_with_mask(self, x, state, mask)
         B, T, _ = x.shape
         kv_state = state if self.conv is None or state is None else state.kv
-        q, k, v, conv_state = self._qkv(x, None if state is None else state.conv, cu_seqlens)
+        q, k, v, conv_state = self._qkv(x, None if self.conv is None or state is None else state.conv, cu_seqlens)
         if self.rope_theta is not None:
             seq, pos = sequence_positions(B, T, cu_seqlens, x.device)  # [B, T] each
             if kv_state is not None:  # continue after the rows each sequence has cached
