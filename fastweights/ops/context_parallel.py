@@ -56,6 +56,7 @@ differentiable all-gather along T, for softmax attention's keys and values),
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import re
 from dataclasses import dataclass, field
@@ -369,14 +370,7 @@ def local_segments(cu_host: Optional[Sequence[int]], batch: int, length: int, ra
     cu = list(cu_host)
 
     def sequence_of(token: int) -> int:  # the sequence holding global token ``token``
-        lo, hi = 0, len(cu) - 2
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if cu[mid] <= token:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return min(bisect.bisect_right(cu, token), len(cu) - 1) - 1
 
     if length == 0:
         return Segments(rank, world, start, 0, [], [0], False, False, [False] * world, [], [], True, len(cu) - 1)
@@ -492,7 +486,6 @@ class _ExchangePlan:
     head: int  # tokens of the head piece (continuing from the previous rank); 0: none
     head_final: Optional[torch.Tensor]  # global ids of the head rows whose sequence ends here (finals only)
     state_shape: Tuple[int, ...]  # [rows, H, K, V] of a summary's b
-    transition: str  # "matrix", "scalar" or "none"
 
 
 class _Exchange(torch.autograd.Function):
@@ -645,10 +638,9 @@ def run_context_parallel(
                 finals = finals.index_copy(0, idx, rest_final[torch.tensor(keep, device=q.device)])
         if head and seg.ends[0]:
             head_final = torch.tensor(seg.ids[:rows], device=q.device)
-    plan = _ExchangePlan(group, seg, head, head_final, state_shape, transition)
+    plan = _ExchangePlan(group, seg, head, head_final, state_shape)
     o, final = _Exchange.apply(o, read, head_a, head_b, pub_a, pub_b, finals, plan)
     return o, (final if output_final_state else None)
-
 
 
 # --------------------------------------------------------------------------------------
