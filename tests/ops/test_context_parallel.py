@@ -257,3 +257,34 @@ def test_communication_is_the_summary_and_counted(two_ranks):
             assert c["wrapped"] == c["logged"]  # the log sees every all-gather the op makes
             assert c["summaries"] == c["formula"]  # and the forward sends the summary, nothing more
             assert c["grads"] == c["grads_formula"]
+
+
+@pytest.mark.parametrize("world, cu", [(2, [0, 3, 21, 22, 32]), (4, [0, 5, 16, 60, 61, 64]), (4, [0, 64]), (3, [0, 1, 2, 3, 30])])
+def test_local_segments_tile_every_sequence(world, cu):
+    """The ranks' pieces tile each packed sequence in order, and the flags say who continues whom."""
+    from fastweights.ops.context_parallel import local_segments
+
+    length = cu[-1] // world
+    pieces = {i: [] for i in range(len(cu) - 1)}
+    segs = [local_segments(cu, 1, length, r, world) for r in range(world)]
+    for seg in segs:
+        assert seg.offsets[0] == 0 and seg.offsets[-1] == length
+        for j, i in enumerate(seg.ids):
+            pieces[i].append((seg.start + seg.offsets[j], seg.start + seg.offsets[j + 1]))
+        assert seg.continues_in == (cu[seg.ids[0]] < seg.start)
+        assert seg.continues_out == (cu[seg.ids[-1] + 1] > seg.start + length)
+        assert seg.carries == segs[0].carries  # every rank derives the same flags
+        assert seg.carries[seg.rank] == (seg.continues_in and len(seg.ids) == 1)
+    for i, spans in pieces.items():
+        assert spans[0][0] == cu[i] and spans[-1][1] == cu[i + 1]
+        assert all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:]))
+
+
+def test_summary_bytes_formula():
+    from fastweights.ops.context_parallel import kv_gather_bytes, summary_bytes
+
+    assert summary_bytes("gated_delta_rule", 1, 4, 64, 64) == 4 * 64 * 128 * 4
+    assert summary_bytes("linear_attn", 2, 4, 64, 65, torch.float64, gated=False) == 2 * 4 * 64 * 65 * 8
+    assert kv_gather_bytes(1, 4096, 4, 64, 64) == 4096 * 4 * 128 * 4
+    with pytest.raises(ValueError, match="`rule`"):
+        summary_bytes("softmax", 1, 1, 1, 1)
