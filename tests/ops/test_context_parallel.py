@@ -29,6 +29,8 @@ CASES_2 = [
     ("linear-rows-plain", "linear", (2, 32, 2, 8, 6), 8, dict(h0=False, g=False)),
 ]
 
+FP32_CASES = ["gated-packed-cross-h0", "linear-normalize-decay-packed-h0"]
+
 CASES_4 = [
     ("delta-rows-h0", "delta", (2, 64, 2, 8, 6), 8, dict(h0=True)),
     ("gated-one-sequence-h0", "gated", (1, 64, 2, 8, 6), 8, dict(h0=True, cu=[0, 64])),
@@ -111,6 +113,47 @@ def _case_errors(rank, world, case):
     return errors
 
 
+def _fp32_errors(rank, world, case):
+    """fp32 error against float64 of the single-process op and of the context-parallel one."""
+    import torch.distributed as dist
+
+    _, op, shape, chunk, opts = case
+    x, do, dh, cu = _inputs(op, shape, opts)
+    names = [n for n in ("q", "k", "v", "beta", "g", "h0") if x[n] is not None]
+    length = shape[1] // world
+    part = slice(rank * length, (rank + 1) * length)
+
+    def run(dtype, group):
+        leaves = {}
+        for n, t in x.items():
+            if t is not None:
+                t = t if n == "h0" or group is None else t[:, part]
+                t = t.to(torch.float32 if n == "h0" and dtype != torch.float64 else dtype)
+            leaves[n] = None if t is None else t.clone().requires_grad_()
+        o, h_t = _call(op, leaves, cu, chunk, opts, group)
+        o_do = do if group is None else do[:, part]
+        share = 1.0 if group is None else (1.0 if rank == world - 1 else 0.0)
+        ((o.double() * o_do).sum() + share * (h_t.double() * dh).sum()).backward()
+        grads = {}
+        for n in names:
+            grad = leaves[n].grad
+            if n == "h0" and group is not None:
+                grad = (grad if grad is not None else torch.zeros_like(leaves[n])).clone()
+                dist.all_reduce(grad)
+            elif group is None and n != "h0":
+                grad = grad[:, part]
+            grads["d" + n] = grad.double()
+        out = o.double() if group is not None else o.double()[:, part]
+        return {"o": out, "state": h_t.double(), **grads}
+
+    ref, single, cp = run(torch.float64, None), run(torch.float32, None), run(torch.float32, dist.group.WORLD)
+
+    def rel(got, want):
+        return float((got.detach() - want.detach()).abs().max() / want.detach().abs().max())
+
+    return {n: (rel(single[n], ref[n]), rel(cp[n], ref[n])) for n in ref}
+
+
 def _refusals(rank, world):
     """Every bad input raises on every rank (and the group still works afterwards)."""
     import torch.distributed as dist
@@ -191,6 +234,7 @@ def _default_run(rank, world):
         cases={case[0]: _case_errors(rank, world, case) for case in CASES_2},
         refusals=_refusals(rank, world),
         communication=_communication(rank, world),
+        fp32={case[0]: _fp32_errors(rank, world, case) for case in CASES_2 if case[0] in FP32_CASES},
     )
 
 
@@ -248,6 +292,17 @@ def test_bad_input_raises_on_every_rank(two_ranks, name, kind, words):
             assert w in got[1], (rank, got[1])
     assert "rank 1" in two_ranks[0]["refusals"]["beta_on_rank_1"][1]  # the other rank names who refused
     assert all(r["refusals"]["after"] for r in two_ranks)
+
+
+@pytest.mark.parametrize("case", FP32_CASES)
+def test_fp32_error_within_the_single_process_error(two_ranks, case):
+    """In fp32, the context-parallel op's error against float64 is at most 2x (outputs) or
+    3x (gradients) that of the single-process op in fp32."""
+    for rank, result in enumerate(two_ranks):
+        for name, (single, cp) in result["fp32"][case].items():
+            print(rank, case, name, f"single {single:.1e}  cp {cp:.1e}")
+            factor = 2.0 if name in ("o", "state") else 3.0
+            assert cp <= factor * single + 1e-12, (name, single, cp)
 
 
 def test_communication_is_the_summary_and_counted(two_ranks):
