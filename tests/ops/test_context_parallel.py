@@ -270,6 +270,25 @@ def _four_rank_run(rank, world):
     return {case[0]: _case_errors(rank, world, case) for case in CASES_4}
 
 
+CASES_3 = [  # an odd group size, and sequences ending on the last token of a slice
+    ("gated-packed-3-ranks", "gated", (1, 48, 2, 8, 6), 8, dict(h0=True, cu=[0, 3, 16, 22, 47, 48])),
+    ("linear-normalize-decay-rows-3-ranks", "linear", (2, 48, 2, 8, 6), 8, dict(h0=True, g=True, normalize=True)),
+]
+
+
+@pytest.mark.slow
+def test_three_ranks_equal_single_process():
+    results = run_ranks(_three_rank_run, 3, timeout=400)
+    for case in CASES_3:
+        worst = _worst(results, case[0])
+        print(case[0], {k: f"{v:.1e}" for k, v in worst.items()})
+        assert max(worst.values()) < TOL, worst
+
+
+def _three_rank_run(rank, world):
+    return {case[0]: _case_errors(rank, world, case) for case in CASES_3}
+
+
 @pytest.fixture(scope="module")
 def four_ranks():
     return run_ranks(_four_rank_run, 4, timeout=400)
