@@ -13,6 +13,7 @@ module                   what it measures
 ``gpu_chunk_delta``      the Triton chunk kernels and decode step on a GPU
 ``triton_resources``     every Triton kernel config compiled for sm_90 fits the hardware
 ``speculative``          verify windows: the chunk/recurrent crossover k; prompt lookup vs greedy
+``cp_communication``     bytes per layer under context parallelism against all-gathering K, V
 =======================  ==================================================================
 
 Recorded results are in ``docs/results/``; BENCHMARKS.md reads them.
