@@ -30,7 +30,8 @@ bf16/fp16 ``initial_state``     cast to the state dtype (fp32, fp64 for fp64 inp
 ``cu_seqlens_cpu``              a host copy of ``cu_seqlens``; used when ``cu_seqlens`` is None
 ``chunk_indices``               ignored (fla's precomputed chunk table; we derive our own)
 ``**kwargs``                    names in :data:`PASS_THROUGH` are ignored silently; any other
-                                name is ignored with one ``UserWarning`` per name
+                                name is refused with a ``TypeError`` ("did you mean
+                                `cu_seqlens`?" when it is close to an argument of the op)
 ==============================  ============================================================
 
 Refused with a ``ValueError`` naming the argument (they would change the result
@@ -62,6 +63,7 @@ q/k feature map, ``qk_norm``           none                   ``feature_map``, `
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import warnings
@@ -99,22 +101,41 @@ _REFUSED = {
     "cp_context": "context parallelism is not supported",
 }
 
+# Names accepted as before (ignored, with one warning) while their real argument is being added.
+_PENDING = frozenset({"cp_group"})
 _warned: set = set()
 
 
+def _known_arguments(op: str) -> list:
+    """The keyword arguments of the public op named ``op`` (for "did you mean")."""
+    from .. import ops
+
+    fn = inspect.unwrap(getattr(ops, op, None) or (lambda: None))
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    return names + ["state_v_first", "transpose_state_layout"] * ("gated" in op)
+
+
+def unknown_keyword(op: str, name: str, known) -> TypeError:
+    """The TypeError for an unknown keyword argument, with the closest known name when one is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    return TypeError(f"{op}() got an unexpected keyword argument `{name}`{hint} (accepted: the op's arguments, "
+                     f"and the pass-through names in fastweights.ops._fla_compat.PASS_THROUGH)")
+
+
 def _refuse_or_ignore(op: str, kwargs: dict) -> None:
-    """Refuse the fla options we cannot honour; ignore pass-through names; warn once for the rest."""
+    """Refuse the fla options we cannot honour and unknown names; ignore pass-through names."""
     for name, value in kwargs.items():
         if name in _REFUSED:
             if value is not None and value is not False:
                 raise ValueError(f"{op}: `{name}`={value!r} is not supported: {_REFUSED[name]}")
-        elif name not in PASS_THROUGH and (op, name) not in _warned:
-            _warned.add((op, name))
-            warnings.warn(
-                f"{op}: ignoring unknown keyword argument `{name}` (not an option of this op; "
-                f"see fastweights.ops._fla_compat for the arguments taken from fla)",
-                UserWarning, stacklevel=4,
-            )
+        elif name in _PENDING:
+            if (op, name) not in _warned:
+                _warned.add((op, name))
+                warnings.warn(f"{op}: ignoring `{name}` (not an option of this op yet)", UserWarning, stacklevel=4)
+        elif name not in PASS_THROUGH:
+            raise unknown_keyword(op, name, _known_arguments(op))
 
 
 def _head_param(op: str, name: str, t, heads: int) -> torch.Tensor:
