@@ -28,6 +28,7 @@ forms), ``fused_recurrent_linear_attn`` (recurrent) and ``fused_chunk_linear_att
 or refuse, and where fla's defaults differ from ours.
 """
 
+from ._checks import check_op_inputs as check_inputs
 from ._checks import finite_checks, value_checks
 from ._fla_compat import (
     fused_chunk_linear_attn, fused_recurrent_delta_rule, fused_recurrent_gated_delta_rule, fused_recurrent_linear_attn,
@@ -44,7 +45,7 @@ __all__ = [
     "recurrent_delta_rule", "parallel_delta_rule", "chunk_delta_rule",
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
-    "get_feature_map", "normalize_qk", "finite_checks", "value_checks",
+    "get_feature_map", "normalize_qk", "finite_checks", "value_checks", "check_inputs",
     # flash-linear-attention's names, with fla's signatures (fastweights.ops._fla_compat)
     "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
     "fused_chunk_linear_attn",
