@@ -72,7 +72,8 @@ def evaluate_file(checkpoint: str, data: str, *, tokens: int = 0, seq_len=None, 
     if len(ids) < 2:
         raise ValueError(f"eval: --data {name!r} has {len(ids)} byte(s); at least 2 are needed to score one prediction")
     t0 = time.perf_counter()
-    r = evaluate_tokens(model, ids, seq_len, batch_size, precision, tokens)
+    # only the tokens scored are read from the (memory-mapped) file
+    r = evaluate_tokens(model, ids[: tokens + 1] if tokens else ids, seq_len, batch_size, precision, tokens)
     seconds = time.perf_counter() - t0
     return {
         "checkpoint": ckpt.path, "data": name, "bytes": len(ids), "tokens": r["tokens"], "seq_len": seq_len,
@@ -86,6 +87,8 @@ def run(args) -> int:
     import torch
 
     threads = torch.get_num_threads()
+    if args.threads < 0:
+        raise ValueError(f"eval: `--threads` must be >= 0 (0: torch's choice), got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -26,6 +26,7 @@ token at a time from the carried state with the recurrent form (see
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -39,6 +40,14 @@ from ..layers.common import align_rows, check_attention_mask, check_rope_theta, 
 from ..ops._checks import check_cu_seqlens
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM (2**62 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 @dataclass
@@ -102,6 +111,12 @@ class LMConfig(Config):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
+        for name in ("init_std", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                    or (name == "norm_eps" and value == 0):
+                raise ValueError(f"LMConfig: `{name}` must be a finite number {'>' if name == 'norm_eps' else '>='} 0, "
+                                 f"got {value!r}")
         if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
             raise ValueError(f"LMConfig: `mlp_hidden` must be a non-negative int (0: no MLP) or None, got {self.mlp_hidden!r}")
         if self.d_model % self.n_heads:
@@ -436,8 +451,13 @@ class LM(nn.Module):
             )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"LM.generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"LM.generate: `temperature` must be a number >= 0, got {temperature!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+                or temperature < 0:
+            raise ValueError(f"LM.generate: `temperature` must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        need = input_ids.shape[0] * (input_ids.shape[1] + max_new_tokens) * input_ids.element_size()
+        if need > _physical_memory():
+            raise ValueError(f"LM.generate: `max_new_tokens`={max_new_tokens} needs {need:.3g} bytes for the token ids "
+                             f"alone, more than this machine's {_physical_memory():.3g} bytes of memory")
         if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
             raise ValueError(f"LM.generate: `top_k` must be a positive int or None, got {top_k!r}")
         if attention_mask is not None and attention_mask.dim() == 1 and squeeze:
