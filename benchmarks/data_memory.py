@@ -40,7 +40,9 @@ def write_file(path: str, size: int) -> None:
 
 
 def peak_mb(argv, env) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, env=env, timeout=1800)
+    # cwd: a neutral folder, so `python -c` imports the package from PYTHONPATH, not from here
+    out = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, env=env, timeout=1800,
+                         cwd=tempfile.gettempdir())
     if out.returncode != 0:
         raise RuntimeError(f"{argv}: exit {out.returncode}: {out.stderr[-2000:]}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("PEAK_KB"))
@@ -74,7 +76,7 @@ def measure(label, env, args):
             "import torch; from fastweights.checkpoint import save_checkpoint; from fastweights.models import LM, LMConfig;"
             "torch.manual_seed(0);"
             f"save_checkpoint({ckpt!r}, LM(LMConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, mixer='deltanet')))")],
-            check=True, env=env)
+            check=True, env=env, cwd=tmp)
         small = os.path.join(tmp, "small.txt")
         write_file(small, 1 << 16)
 

@@ -64,12 +64,12 @@ def test_spotlight_zero_normaliser_is_a_defined_answer_with_a_note(lab):
     assert dpfp["target_share"] is None and dpfp["effective_tokens"] is None
 
 
-def test_every_in_range_setting_answers_or_names_a_field():
+def sweep(trials: int, seed: int) -> None:
     """A seeded sweep of in-range values of every panel: a finite JSON answer, or a LabInputError."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     small = {"n": 24, "d": 8, "t": 16, "features": 64, "context": 4096}
     for panel, (fields, fn, _) in compute.PANELS.items():
-        for trial in range(12):
+        for trial in range(trials):
             body = {}
             for name, f in fields.items():
                 if f.kind == "int":
@@ -87,6 +87,15 @@ def test_every_in_range_setting_answers_or_names_a_field():
                 assert "`" in str(e), (panel, body, e)
                 continue
             assert _finite(answer), (panel, body)
+
+
+def test_every_in_range_setting_answers_or_names_a_field():
+    sweep(trials=3, seed=0)
+
+
+@pytest.mark.slow
+def test_every_in_range_setting_answers_or_names_a_field_long():
+    sweep(trials=100, seed=1)
 
 
 @pytest.mark.parametrize("body, field", [
