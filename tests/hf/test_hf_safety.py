@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'fastweights[hf]')")
 
 import fastweights.hf as fh  # noqa: E402
-from fastweights.checkpoint import load_model, save_checkpoint  # noqa: E402
+from fastweights.training.checkpoint import load_model, save_checkpoint  # noqa: E402
 from fastweights.cli import main  # noqa: E402
 from fastweights.models import LM, LMConfig  # noqa: E402
 

@@ -60,7 +60,7 @@ print("GROWTH_MB", hwm() - before)
 
 
 def eval_growth_mb(tmp_path, size):
-    from fastweights.checkpoint import save_checkpoint
+    from fastweights.training.checkpoint import save_checkpoint
     from fastweights.models import LM, LMConfig
 
     torch.manual_seed(0)
