@@ -46,7 +46,10 @@ def test_file_tokens_are_uint8_views_and_windows_are_the_bytes(tmp_path):
 
 CHILD = r"""
 import sys, torch
-from fastweights.commands.eval import evaluate_file
+try:
+    from fastweights.training.evaluation import evaluate_file
+except ImportError:  # the package from before fastweights.training
+    from fastweights.commands.eval import evaluate_file
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM"):
