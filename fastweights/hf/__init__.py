@@ -28,12 +28,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .convert import checkpoint_to_hf, hf_to_checkpoint, hf_to_lm, lm_to_hf
 from .kernels import KERNELS, use_fastweights_kernels
-from .modeling import MODEL_TYPE, FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM
+from .modeling import MODEL_TYPE, FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM, WeightsMismatchError
 
 AutoConfig.register(MODEL_TYPE, FastWeightsConfig, exist_ok=True)
 AutoModelForCausalLM.register(FastWeightsConfig, FastWeightsForCausalLM, exist_ok=True)
 
 __all__ = [
-    "FastWeightsConfig", "FastWeightsForCausalLM", "FastWeightsCache", "MODEL_TYPE",
+    "FastWeightsConfig", "FastWeightsForCausalLM", "FastWeightsCache", "MODEL_TYPE", "WeightsMismatchError",
     "lm_to_hf", "hf_to_lm", "checkpoint_to_hf", "hf_to_checkpoint", "use_fastweights_kernels", "KERNELS",
 ]
