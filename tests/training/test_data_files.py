@@ -91,3 +91,18 @@ def test_eval_tokens_100_of_a_60_mb_file_peak_rss(tmp_path):
     growth = eval_growth_mb(tmp_path, 60_000_000)
     print(f"eval --tokens 100 of 60 MB: peak RSS grew {growth:.1f} MB")
     assert growth < 6.0  # 10% of the file; before: ~450 MB (int64 copy, 7.5 bytes per byte)
+
+
+@pytest.mark.slow
+def test_eval_and_train_of_a_60_mb_file_peak_rss_benchmark():
+    """``fastweights.bench.data_memory`` at 60 MB: the data adds a few MB, not the file's size
+    (before: +487 MB for ``eval --tokens 100``, +457 MB for ``train --data``)."""
+    import argparse
+
+    from fastweights.bench.data_memory import measure
+
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    rows = measure("this", env, argparse.Namespace(sizes_mb=[60], dir=None))
+    for row in rows:
+        print(row)
+        assert row["extra_mb"] < 30, row
