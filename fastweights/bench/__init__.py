@@ -14,6 +14,7 @@ module                   what it measures
 ``triton_resources``     every Triton kernel config compiled for sm_90 fits the hardware
 ``check_cost``           the ops' input checks per call, eager and under ``torch.compile``
 ``data_memory``          peak RSS of ``eval --tokens N`` and ``train --data`` against the file size
+``cp_communication``     bytes per layer under context parallelism against all-gathering K, V
 =======================  ==================================================================
 
 Recorded results are in ``docs/results/``; BENCHMARKS.md reads them.
