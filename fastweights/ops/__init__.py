@@ -14,6 +14,8 @@ delta rule                 ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
                            ``delta_rule``
 gated delta rule           ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
                            ``gated_delta_rule``
+per-channel gated delta    ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
+rule (Kimi Delta Attn.)    ``kda``
 =========================  ==============================  ========================
 
 Every form of a rule takes the same arguments and returns the same thing; the
@@ -24,7 +26,8 @@ fla drop-in: the delta and gated ops also take fla's options (``use_qk_l2norm_in
 value heads, ...), and fla's names are aliases with fla's signatures:
 ``fused_recurrent_delta_rule`` and ``fused_recurrent_gated_delta_rule`` (the recurrent
 forms), ``fused_recurrent_linear_attn`` (recurrent) and ``fused_chunk_linear_attn``
-(chunk). :mod:`fastweights.ops._fla_compat` lists every fla argument we accept, ignore
+(chunk); ``chunk_kda`` and ``fused_recurrent_kda`` (Kimi Delta Attention,
+:mod:`fastweights.ops.kda.fla`). :mod:`fastweights.ops._fla_compat` lists every fla argument we accept, ignore
 or refuse, and where fla's defaults differ from ours.
 """
 
@@ -35,6 +38,7 @@ from ._fla_compat import (
 from .delta_rule import chunk_delta_rule, parallel_delta_rule, recurrent_delta_rule
 from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReLU, Taylor, get_feature_map, normalize_qk
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
+from .kda import chunk_kda, fused_recurrent_kda, kda_gate, kda_step, parallel_kda, recurrent_kda
 from .linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
 from .softmax_attn import KVCache, softmax_attn, softmax_attn_reference
 
@@ -43,9 +47,10 @@ __all__ = [
     "recurrent_linear_attn", "parallel_linear_attn", "chunk_linear_attn",
     "recurrent_delta_rule", "parallel_delta_rule", "chunk_delta_rule",
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
+    "recurrent_kda", "parallel_kda", "chunk_kda", "kda_step", "kda_gate",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
     "get_feature_map", "normalize_qk", "finite_checks", "value_checks",
     # flash-linear-attention's names, with fla's signatures (fastweights.ops._fla_compat)
     "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
-    "fused_chunk_linear_attn",
+    "fused_chunk_linear_attn", "fused_recurrent_kda",
 ]

@@ -159,6 +159,9 @@ def check_op_args(
     allow_neg_eigval: bool = False,
     cu_seqlens_cpu=None,
     max_seqlen=None,
+    gk=None,
+    gv=None,
+    gk_name: str = "gk",
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
 
@@ -178,8 +181,10 @@ def check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
         state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
         allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
+        gk=gk, gv=gv, gk_name=gk_name,
     )
-    check_autocast(op, q.device, q=q, k=k, v=v, beta=beta, g=g)
+    check_autocast(op, q.device, **{"q": q, "k": k, "v": v, "beta": beta, "g": g, gk_name: gk if gk is not None else g,
+                                    "gv": gv})
     return phi
 
 
@@ -206,12 +211,20 @@ def run_op(
     allow_neg_eigval: bool = False,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    gk_name: str = "gk",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Check, cast, normalize, unpack; call ``core``; undo (module docstring). Returns ``(o, h_T or None)``.
+
+    Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
+    (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
+    """
     phi = check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
         requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
-        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
+        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, gk=gk, gv=gv, gk_name=gk_name,
     )
     out_dtype = q.dtype
     dt = compute_dtype(out_dtype)
@@ -232,12 +245,14 @@ def run_op(
             # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.
             v = normalizer_column(v)
         beta = None if beta is None else beta.to(dt)
+        g = g if gk is None else gk  # a per-channel key decay takes the per-head one's place
         g = None if g is None else g.to(dt)
+        gv = None if gv is None else gv.to(dt)
 
         packing = None
         if cu_seqlens is not None:
             packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
-            q, k, v, beta, g = (packing.pad(t) for t in (q, k, v, beta, g))
+            q, k, v, beta, g, gv = (packing.pad(t) for t in (q, k, v, beta, g, gv))
 
         form = op.split("_", 1)[0]
         n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
@@ -256,7 +271,7 @@ def run_op(
 
         o, h_t = core(
             head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g),
-            initial_state, scale, chunk_size,
+            initial_state, scale, chunk_size, **({} if gv is None else {"gv": head_first(gv)}),
         )
         o = o.transpose(1, 2)  # [N, T, H, V]
         if packing is not None:

@@ -1,0 +1,257 @@
+"""Kimi Delta Attention, parallel form: the whole sequence as one block of the UT transform.
+
+For a block of L tokens with incoming state h (README.md in this folder derives it),
+with b_r = gk_1 + ... + gk_r ∈ ℝ^K the cumulative log decay of each key channel:
+
+    S[r, i] = Σ_d k_r[d] k_i[d] e^{b_r[d] − b_i[d]}   (i < r)       decayed key products
+    P[r, i] = scale · Σ_d q_r[d] k_i[d] e^{b_r[d] − b_i[d]}  (i ≤ r)   decayed scores
+    [W | U] = (I + diag(β) S)⁻¹ diag(β) [K ⊙ e^b | V]                 the UT transform
+    U' = U − W h
+    O  = scale · (Q ⊙ e^b) h + P U'
+    h ← diag(e^{b_L}) h + (K ⊙ e^{b_L − b})ᵀ U'
+
+Unlike a per-head decay, e^{b_r − b_i} varies along the channel d, so S and P are not a
+decay mask times K Kᵀ. Writing them as (K ⊙ e^b)(K ⊙ e^{−b})ᵀ overflows: e^{−b_i} reaches
+e^{6.9·L} for α = 1e-3 per token. :func:`decayed_products` computes them in the
+*relative* form instead: rows in sub-blocks of s tokens, each sub-block measured from its
+own start m, so every exponential it takes is e^{b_r − b_m} or e^{b_m − b_i} with
+i < m ≤ r, both ≤ 1; pairs inside a sub-block are summed exactly.
+
+The parallel form runs this on one block of length T (O(T²·K) work and O(T²) memory) and
+differentiates it by autograd; the chunk form (``chunk.py``) runs it per chunk of C tokens
+with a hand-written backward (:func:`block_terms_backward`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .._chunk import causal_mask, reverse_cumsum
+from .._fla_compat import accepts_state_v_first
+from .fla import form_arguments, run_kda
+
+#: Largest sub-block of :func:`decayed_products` (rows measured from one reference point).
+SUB_BLOCK = 16
+
+
+def sub_block(length: int) -> int:
+    """The sub-block size s for blocks of ``length`` tokens: the largest s <= 16 dividing it."""
+    return next(s for s in range(min(SUB_BLOCK, length), 0, -1) if length % s == 0)
+
+
+class _Relative(NamedTuple):
+    """The factors of :func:`decayed_products` for blocks ``[Bt, L, K]`` in nb sub-blocks of s rows."""
+
+    left: torch.Tensor    # [Bt, nb, s, K]  x_r ⊙ e^{b_r − b_m(r)}         (≤ 1 factors)
+    right: torch.Tensor   # [Bt, nb, L, K]  y_i ⊙ e^{b_m − b_i}, 0 for i ≥ m
+    e_left: torch.Tensor  # e^{b_r − b_m(r)}
+    e_right: torch.Tensor  # e^{b_m − b_i} (0 for i ≥ m)
+    e_diag: torch.Tensor  # [Bt, nb, s, s, K]  e^{b_r − b_i} inside a sub-block (0 above the diagonal)
+
+
+def _relative(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, strict: bool, s: int) -> _Relative:
+    bt, length, dk = x.shape
+    nb = length // s
+    bb = b.view(bt, nb, s, dk)
+    # The reference point of sub-block j is the token before it: m_j = js − 1 (b_{−1} = 0).
+    # Then b_r − b_m <= 0 for rows r >= js and b_m − b_i <= 0 for columns i <= js − 1.
+    refs = torch.cat([b.new_zeros(bt, 1, dk), bb[:, :-1, -1]], dim=1)  # [Bt, nb, K]
+    e_left = torch.exp(bb - refs.unsqueeze(2))
+    before = torch.arange(length, device=b.device)[None, :] < (torch.arange(nb, device=b.device) * s)[:, None]
+    exponent = (refs.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~before[None, :, :, None], float("-inf"))
+    e_right = torch.exp(exponent)  # masked before the exp: columns at or after m never overflow
+    diff = bb.unsqueeze(3) - bb.unsqueeze(2)  # [Bt, nb, s(r), s(i), K]: b_r − b_i
+    inside = causal_mask(s, b.device, -1 if strict else 0)
+    e_diag = torch.exp(diff.masked_fill(~inside[None, None, :, :, None], float("-inf")))
+    return _Relative(x.view(bt, nb, s, dk) * e_left, y.unsqueeze(1) * e_right, e_left, e_right, e_diag)
+
+
+def decayed_products(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, strict: bool, s: int) -> torch.Tensor:
+    """``M[.., r, i] = Σ_d x[r, d] y[i, d] e^{b[r, d] − b[i, d]}`` for i ≤ r (i < r if ``strict``), else 0.
+
+    ``x, y, b [Bt, L, K]``, b non-increasing along L (a cumulative log decay), L a multiple of
+    ``s``. Returns ``[Bt, L, L]``. Pairs in different sub-blocks: one batched product of the
+    ≤ 1 factors of :class:`_Relative`; pairs inside a sub-block: summed exactly. Every
+    exponential taken is of a number ≤ 0, so nothing overflows however strong the decay.
+    """
+    bt, length, dk = x.shape
+    nb = length // s
+    rel = _relative(x, y, b, strict, s)
+    m = (rel.left @ rel.right.transpose(-1, -2)).view(bt, length, length)  # sub-blocks below the diagonal
+    xb, yb = x.view(bt, nb, s, dk), y.view(bt, nb, s, dk)
+    diag = (xb.unsqueeze(3) * yb.unsqueeze(2) * rel.e_diag).sum(-1)  # [Bt, nb, s, s]
+    m.view(bt, nb, s, nb, s).diagonal(dim1=1, dim2=3).add_(diag.permute(0, 2, 3, 1))  # the diagonal blocks (in place)
+    return m
+
+
+def decayed_products_backward(
+    x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, strict: bool, s: int, dm: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adjoint of :func:`decayed_products`: given ``dM [Bt, L, L]`` (only the causal triangle is
+    read), returns ``(dx, dy, db)``, each ``[Bt, L, K]``.
+
+    Off the diagonal blocks, M = left · rightᵀ with left = x ⊙ e^{b − b_m}, right = y ⊙ e^{b_m − b}:
+    d left = dM right, d right = dMᵀ left; through the exponentials, ∂/∂b of a factor f·e^{±b} is
+    ±f, so b gains (d left ⊙ left) at the rows, loses (d right ⊙ right) at the columns, and each
+    reference point b_m gains the difference. Inside a sub-block, Z[r, i, d] = x_r y_i e^{b_r − b_i}:
+    db_r += Σ_i dM[r, i] Z[r, i], db_i −= Σ_r dM[r, i] Z[r, i].
+    """
+    bt, length, dk = x.shape
+    nb = length // s
+    dm = dm.tril(-1 if strict else 0)
+    rel = _relative(x, y, b, strict, s)
+    d_off = dm.view(bt, nb, s, length)
+    d_left = d_off @ rel.right  # [Bt, nb, s, K]
+    d_right = d_off.transpose(-1, -2) @ rel.left  # [Bt, nb, L, K]
+    dx = (d_left * rel.e_left).view(bt, length, dk)
+    dy = (d_right * rel.e_right).sum(1)
+    t_left, t_right = d_left * rel.left, d_right * rel.right
+    db = t_left.view(bt, length, dk) - t_right.sum(1)
+    d_refs = t_right.sum(2) - t_left.sum(2)  # [Bt, nb, K]; m_j = js − 1 (j = 0: a constant)
+    db.view(bt, nb, s, dk)[:, :-1, -1] += d_refs[:, 1:]
+    # inside the sub-blocks
+    xb, yb = x.view(bt, nb, s, dk), y.view(bt, nb, s, dk)
+    d_diag = dm.view(bt, nb, s, nb, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).unsqueeze(-1)  # [Bt, nb, s, s, 1]
+    weighted = d_diag * rel.e_diag  # dM[r, i] e^{b_r − b_i}
+    dx = dx + (weighted * yb.unsqueeze(2)).sum(3).view(bt, length, dk)
+    dy = dy + (weighted * xb.unsqueeze(3)).sum(2).view(bt, length, dk)
+    z = weighted * xb.unsqueeze(3) * yb.unsqueeze(2)
+    db = db + (z.sum(3) - z.sum(2)).view(bt, length, dk)
+    return dx, dy, db
+
+
+class BlockTerms(NamedTuple):
+    """Everything of a block (``[Bt, L, ·]``) that does not depend on the incoming state (module docstring)."""
+
+    b: torch.Tensor          # [Bt, L, K] cumulative log decay
+    read: torch.Tensor       # e^b
+    s: torch.Tensor          # [Bt, L, L] S, strictly lower
+    scores: torch.Tensor     # [Bt, L, L] P, lower (diagonal included)
+    q_read: torch.Tensor     # scale · Q ⊙ e^b
+    k_write: torch.Tensor    # K ⊙ e^{b_L − b}
+    last: torch.Tensor       # [Bt, K] e^{b_L}
+    wu: torch.Tensor         # [Bt, L, K + V] [W | U]
+    solver: Optional[torch.Tensor]  # what the solve keeps for its adjoint (chunk form), or None
+
+
+def solve_ut(s: torch.Tensor, beta: torch.Tensor, rhs: torch.Tensor) -> Tuple[torch.Tensor, None]:
+    """``(I + diag(β) S)⁻¹ diag(β) R`` by one batched triangular solve (autograd-friendly)."""
+    eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
+    y = torch.linalg.solve_triangular(eye + beta.unsqueeze(-1) * s, beta.unsqueeze(-1) * rhs, upper=False,
+                                      unitriangular=True)
+    return y, None
+
+
+def block_terms(q, k, v, beta, gk, scale: float, solve=solve_ut) -> BlockTerms:
+    """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``beta [Bt, L]``
+    (L a multiple of :func:`sub_block`'s size). ``solve(S, β, R)`` returns ``((I + diag(β) S)⁻¹ diag(β) R,
+    what its adjoint needs)``."""
+    s_ = sub_block(q.shape[-2])
+    b = gk.cumsum(-2)
+    read = torch.exp(b)
+    s = decayed_products(k, k, b, True, s_)
+    scores = decayed_products(q, k, b, False, s_) * scale
+    wu, solver = solve(s, beta, torch.cat([k * read, v], dim=-1))
+    k_write = k * torch.exp(b[:, -1:] - b)
+    return BlockTerms(b, read, s, scores, q * read * scale, k_write, read[:, -1], wu, solver)
+
+
+def block_terms_backward(q, k, v, beta, terms: BlockTerms, d_wu, d_scores, d_q_read, d_k_write, d_last,
+                         scale: float, solve_adjoint):
+    """Adjoint of :func:`block_terms`; returns ``(dq, dk, dv, dbeta, dgk)``.
+
+    ``solve_adjoint(A, solver, dY)`` returns ``(I + A)⁻ᵀ dY`` (A = diag(β) S). Through
+    Y = (I + A)⁻¹ Z with Z = diag(β) R: dZ = (I + A)⁻ᵀ dY, dA = −tril(dZ Yᵀ, −1); then A = diag(β) S
+    and Z = diag(β) [K ⊙ e^b | V] give dβ, dS, dK, dV and db. README.md in this folder, step by step.
+    """
+    s_ = sub_block(q.shape[-2])
+    dk_ = k.shape[-1]
+    b, read = terms.b, terms.read
+    a = beta.unsqueeze(-1) * terms.s
+    dz = solve_adjoint(a, terms.solver, d_wu)
+    da = -(dz @ terms.wu.transpose(-1, -2)).tril_(-1)
+    k_read = k * read
+    dbeta = (dz[..., :dk_] * k_read).sum(-1) + (dz[..., dk_:] * v).sum(-1) + (da * terms.s).sum(-1)
+    dr = dz * beta.unsqueeze(-1)
+    dv = dr[..., dk_:]
+    ds = da * beta.unsqueeze(-1)
+    # S = decayed(K, K), P = scale · decayed(Q, K)
+    dx_s, dy_s, db_s = decayed_products_backward(k, k, b, True, s_, ds)
+    dq_p, dk_p, db_p = decayed_products_backward(q, k, b, False, s_, d_scores * scale)
+    # K ⊙ e^b, scale·Q ⊙ e^b, K ⊙ e^{b_L − b}, e^{b_L}
+    dk_read = dr[..., :dk_]
+    dq = d_q_read * read * scale + dq_p
+    dk = dk_read * read + d_k_write * torch.exp(b[:, -1:] - b) + dx_s + dy_s + dk_p
+    write = d_k_write * terms.k_write
+    db = dk_read * k_read + d_q_read * terms.q_read - write + db_s + db_p
+    db[:, -1] += write.sum(1) + d_last * terms.last
+    return dq, dk, dv, dbeta, reverse_cumsum(db.transpose(-1, -2)).transpose(-1, -2)
+
+
+def pad_tokens(x: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]:
+    """Zero-pad ``[N, H, T, ...]`` along T to ``length``: no-op tokens (k = v = β = gk = 0)."""
+    if x is None or x.shape[2] == length:
+        return x
+    widths = [0, 0] * (x.dim() - 3) + [0, length - x.shape[2]]
+    return F.pad(x, widths)
+
+
+def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KDA as one block on head-first tensors ``[N, H, T, ·]`` (autograd); returns ``(o, h_T)``."""
+    n, nh, t_len, dk = k.shape
+    dv = v.shape[-1]
+    length = -(-t_len // SUB_BLOCK) * SUB_BLOCK if t_len > SUB_BLOCK else t_len
+    q, k, v, beta, gk = (pad_tokens(t, length).reshape((n * nh, length) + t.shape[3:]) for t in (q, k, v, beta, gk))
+    terms = block_terms(q, k, v, beta, gk, scale)
+    w, u = terms.wu[..., :dk], terms.wu[..., dk:]
+    if h0 is None:
+        o, h = terms.scores @ u, terms.k_write.transpose(-1, -2) @ u
+    else:
+        h0 = h0.reshape(n * nh, dk, dv)
+        u = u - w @ h0
+        o = terms.q_read @ h0 + terms.scores @ u
+        h = terms.last.unsqueeze(-1) * h0 + terms.k_write.transpose(-1, -2) @ u
+    return o.view(n, nh, length, dv)[:, :, :t_len], h.view(n, nh, dk, dv)
+
+
+@accepts_state_v_first
+def parallel_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    *,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+    max_seqlen: Optional[int] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention as one T×T UT transform (O(T²·K) work, O(T²) memory; module docstring).
+
+    Equivalent to :func:`~fastweights.ops.recurrent_kda`: same arguments and returns, except
+    that ``gv`` is refused (``chunk_size`` is unused). Differentiable by autograd, double
+    backward included.
+    """
+    return run_kda("parallel_kda", kda_parallel, gv_supported=False, **form_arguments(locals()))
