@@ -330,7 +330,7 @@ def check_inputs(
     for name, t, width, layout in ((gk_name, gk, K, "[B, T, H, K]"), ("gv", gv, v.shape[-1], "[B, T, H, V]")):
         if t is None:
             continue
-        _check_tensor(op, name, t, 4, layout)
+        _check_tensor(op, name, t, t.dim(), layout)  # a tensor of floats; the shape (rank included) below
         if t.shape != q.shape[:3] + (width,):
             raise ValueError(
                 f"{op}: `{name}` (a per-channel log decay) must have shape {layout} = [{B}, {T}, {H}, {width}], got {_shape(t)}"

@@ -33,8 +33,12 @@ bf16/fp16 ``initial_state``     cast to the state dtype (fp32, fp64 for fp64 inp
                                 name is ignored with one ``UserWarning`` per name
 ==============================  ============================================================
 
+Per-channel decays: ``fused_recurrent_gated_delta_rule(..., gk=, gv=)`` runs
+:func:`~fastweights.ops.recurrent_kda` (Kimi Delta Attention; fla's KDA options are in
+:mod:`fastweights.ops.kda.fla`); the other ops refuse ``gk``/``gv``.
+
 Refused with a ``ValueError`` naming the argument (they would change the result
-and we have no equivalent): ``gk``/``gv`` (per-channel decays), ``state_v_first``
+and we have no equivalent): ``gk``/``gv`` outside the KDA ops, ``state_v_first``
 / ``transpose_state_layout`` = True on the (ungated) delta rule, ``reverse=True``,
 ``head_first=True``, ``cp_context`` (context parallelism).
 
@@ -90,8 +94,10 @@ PASS_THROUGH = frozenset({
 
 # fla arguments that select a computation we do not have: refused while "on".
 _REFUSED = {
-    "gk": "per-key-channel decays (gk) are not supported; pass a per-head log decay `g` [B, T, H]",
-    "gv": "per-value-channel decays (gv) are not supported; pass a per-head log decay `g` [B, T, H]",
+    "gk": "this op takes a per-head log decay `g` [B, T, H]; per-key-channel decays are Kimi Delta Attention: "
+          "use recurrent_kda / chunk_kda (or fused_recurrent_gated_delta_rule(..., gk=...))",
+    "gv": "this op takes a per-head log decay `g` [B, T, H]; a per-value-channel decay is accepted by "
+          "recurrent_kda and fused_recurrent_gated_delta_rule(..., gv=...) only",
     "state_v_first": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
     "transpose_state_layout": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
     "reverse": "reverse-time scans are not supported",
@@ -107,7 +113,8 @@ def _refuse_or_ignore(op: str, kwargs: dict) -> None:
     for name, value in kwargs.items():
         if name in _REFUSED:
             if value is not None and value is not False:
-                raise ValueError(f"{op}: `{name}`={value!r} is not supported: {_REFUSED[name]}")
+                shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+                raise ValueError(f"{op}: `{name}`={shown} is not supported: {_REFUSED[name]}")
         elif name not in PASS_THROUGH and (op, name) not in _warned:
             _warned.add((op, name))
             warnings.warn(
@@ -258,8 +265,33 @@ def fused_recurrent_gated_delta_rule(
     """Alias of :func:`~fastweights.ops.recurrent_gated_delta_rule` with fla's signature.
 
     Note fla's positional order ``(q, k, v, g, gk, gv, beta, ...)``: pass ``beta`` by
-    name. ``gk``/``gv`` and ``state_v_first=True`` are refused (module docstring).
+    name. With ``gk`` [B, T, HV, K] and/or ``gv`` [B, T, HV, V] (per-channel log decays) it is
+    :func:`~fastweights.ops.recurrent_kda` instead: h ← diag(exp(gk)) h diag(exp(gv)), then the
+    delta write. ``g`` together with ``gk`` is refused (one key-side gate: pass
+    ``gk + g[..., None]``); ``g`` with ``gv`` alone is the key-side gate broadcast over K.
     """
+    if gk is not None or gv is not None:
+        from .kda import recurrent_kda
+
+        op = "fused_recurrent_gated_delta_rule"
+        if g is not None and gk is not None:
+            raise ValueError(
+                f"{op}: got both `g` (per head) and `gk` (per key channel); pass one key-side log decay, "
+                f"e.g. gk + g[..., None] [B, T, HV, K]"
+            )
+        if use_gate_in_kernel:
+            raise ValueError(f"{op}: `use_gate_in_kernel=True` computes a per-head `g`; it cannot be combined "
+                             f"with `gk`/`gv` (compute the gate first, or use chunk_kda's per-channel gate)")
+        if g is not None:
+            if not isinstance(g, torch.Tensor) or g.dim() != 3:
+                raise ValueError(f"{op}: `g` must be a per-head log decay [B, T, HV], got {getattr(g, 'shape', g)!r}")
+            gk = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
+        return recurrent_kda(
+            q, k, v, beta=beta, gk=gk, gv=gv, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, **kwargs,
+        )
     from .gated_delta_rule import recurrent_gated_delta_rule
 
     return recurrent_gated_delta_rule(

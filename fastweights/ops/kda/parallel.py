@@ -59,21 +59,26 @@ class RelativeDecay:
     - ``e_left [Bt, nb, s, K]``: e^{b_r − b_m(r)};
     - ``e_right [Bt, nb, L, K]``: e^{b_m − b_i} for i < m + 1, else 0 (masked before the exp);
     - ``e_diag [Bt, nb, s, s, K]``: e^{b_r − b_i} for i <= r inside a sub-block, else 0.
+
+    ``b`` is float64 (:func:`cumulative_decay`): the exponents are differences of cumulative
+    sums that may be large (−6.9·C), formed exactly there and rounded to ``dtype`` only as
+    differences, so each factor carries the rounding of its own exponent, as a product of α's
+    in the recurrence does, and not that of b's magnitude.
     """
 
-    def __init__(self, b: torch.Tensor, s: int) -> None:
+    def __init__(self, b: torch.Tensor, s: int, dtype: torch.dtype) -> None:
         bt, length, dk = b.shape
         nb = length // s
         self.s, self.nb = s, nb
         bb = b.view(bt, nb, s, dk)
         refs = torch.cat([b.new_zeros(bt, 1, dk), bb[:, :-1, -1]], dim=1)  # [Bt, nb, K]
-        self.e_left = torch.exp(bb - refs.unsqueeze(2))
+        self.e_left = torch.exp((bb - refs.unsqueeze(2)).to(dtype))
         before = torch.arange(length, device=b.device)[None, :] < (torch.arange(nb, device=b.device) * s)[:, None]
-        exponent = (refs.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~before[None, :, :, None], float("-inf"))
-        self.e_right = torch.exp(exponent)
-        diff = bb.unsqueeze(3) - bb.unsqueeze(2)  # [Bt, nb, s(r), s(i), K]: b_r − b_i
+        exponent = (refs.unsqueeze(2) - b.unsqueeze(1)).to(dtype).masked_fill_(~before[None, :, :, None], float("-inf"))
+        self.e_right = torch.exp_(exponent)
+        diff = (bb.unsqueeze(3) - bb.unsqueeze(2)).to(dtype)  # [Bt, nb, s(r), s(i), K]: b_r − b_i
         inside = causal_mask(s, b.device)
-        self.e_diag = torch.exp(diff.masked_fill(~inside[None, None, :, :, None], float("-inf")))
+        self.e_diag = torch.exp_(diff.masked_fill_(~inside[None, None, :, :, None], float("-inf")))
 
     def products(self, x: torch.Tensor, y: torch.Tensor, strict: bool) -> torch.Tensor:
         """``M[.., r, i] = Σ_d x[r, d] y[i, d] e^{b[r, d] − b[i, d]}`` for i <= r (i < r if ``strict``), else 0.
@@ -128,17 +133,23 @@ class RelativeDecay:
         return dx, dy, db
 
 
-def decayed_products(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, strict: bool, s: int) -> torch.Tensor:
-    """``Σ_d x[r, d] y[i, d] e^{b[r, d] − b[i, d]}`` on the causal triangle (:meth:`RelativeDecay.products`)."""
-    return RelativeDecay(b, s).products(x, y, strict)
+def cumulative_decay(gk: torch.Tensor) -> torch.Tensor:
+    """``b = cumsum(gk)`` along the block (dim −2), in float64 (see :class:`RelativeDecay`)."""
+    return gk.to(torch.float64).cumsum(-2)
+
+
+def decayed_products(x: torch.Tensor, y: torch.Tensor, gk: torch.Tensor, strict: bool, s: int) -> torch.Tensor:
+    """``Σ_d x[r, d] y[i, d] e^{b[r, d] − b[i, d]}`` on the causal triangle, b = cumsum(gk)
+    (:meth:`RelativeDecay.products`)."""
+    return RelativeDecay(cumulative_decay(gk), s, x.dtype).products(x, y, strict)
 
 
 class BlockTerms(NamedTuple):
     """Everything of a block (``[Bt, L, ·]``) that does not depend on the incoming state (module docstring)."""
 
-    b: torch.Tensor          # [Bt, L, K] cumulative log decay
-    decay: RelativeDecay     # its relative factors
+    decay: RelativeDecay     # the relative factors of b = cumsum(gk)
     read: torch.Tensor       # e^b
+    to_end: torch.Tensor     # e^{b_L − b}
     s: torch.Tensor          # [Bt, L, L] S, strictly lower
     scores: torch.Tensor     # [Bt, L, L] P, lower (diagonal included)
     q_read: torch.Tensor     # scale · Q ⊙ e^b
@@ -160,14 +171,13 @@ def block_terms(q, k, v, beta, gk, scale: float, solve=solve_ut) -> BlockTerms:
     """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``beta [Bt, L]``
     (L a multiple of :func:`sub_block`'s size). ``solve(S, β, R)`` returns ``((I + diag(β) S)⁻¹ diag(β) R,
     what its adjoint needs)``."""
-    b = gk.cumsum(-2)
-    decay = RelativeDecay(b, sub_block(q.shape[-2]))
-    read = torch.exp(b)
+    b = cumulative_decay(gk)
+    decay = RelativeDecay(b, sub_block(q.shape[-2]), q.dtype)
+    read, to_end = torch.exp(b.to(q.dtype)), torch.exp((b[:, -1:] - b).to(q.dtype))
     s = decay.products(k, k, strict=True)
     scores = decay.products(q, k, strict=False) * scale
     wu, solver = solve(s, beta, torch.cat([k * read, v], dim=-1))
-    k_write = k * torch.exp(b[:, -1:] - b)
-    return BlockTerms(b, decay, read, s, scores, q * read * scale, k_write, read[:, -1], wu, solver)
+    return BlockTerms(decay, read, to_end, s, scores, q * read * scale, k * to_end, read[:, -1], wu, solver)
 
 
 def block_terms_backward(q, k, v, beta, terms: BlockTerms, d_wu, d_scores, d_q_read, d_k_write, d_last,
@@ -179,7 +189,7 @@ def block_terms_backward(q, k, v, beta, terms: BlockTerms, d_wu, d_scores, d_q_r
     and Z = diag(β) [K ⊙ e^b | V] give dβ, dS, dK, dV and db. README.md in this folder, step by step.
     """
     dk_ = k.shape[-1]
-    b, read = terms.b, terms.read
+    read = terms.read
     a = beta.unsqueeze(-1) * terms.s
     dz = solve_adjoint(a, terms.solver, d_wu)
     da = -(dz @ terms.wu.transpose(-1, -2)).tril_(-1)
@@ -194,7 +204,7 @@ def block_terms_backward(q, k, v, beta, terms: BlockTerms, d_wu, d_scores, d_q_r
     # K ⊙ e^b, scale·Q ⊙ e^b, K ⊙ e^{b_L − b}, e^{b_L}
     dk_read = dr[..., :dk_]
     dq = d_q_read * read * scale + dq_p
-    dk = dk_read * read + d_k_write * torch.exp(b[:, -1:] - b) + dx_s + dy_s + dk_p
+    dk = dk_read * read + d_k_write * terms.to_end + dx_s + dy_s + dk_p
     write = d_k_write * terms.k_write
     db = dk_read * k_read + d_q_read * terms.q_read - write + db_s + db_p
     db[:, -1] += write.sum(1) + d_last * terms.last
