@@ -24,7 +24,7 @@ layer                  op                                 state
 """
 
 from .base import FastWeightMixer
-from .common import FastWeightState, GatedRMSNorm, RMSNorm, ShortConvolution
+from .common import FastWeightState, GatedRMSNorm, RMSNorm, ShortConvolution, causal_conv1d
 from .deltanet import DeltaNet
 from .fla_weights import load_fla_state_dict
 from .gated_deltanet import GatedDeltaNet
@@ -40,5 +40,5 @@ MIXERS = {
 
 __all__ = [
     "SoftmaxAttention", "AttentionState", "LinearAttention", "DeltaNet", "GatedDeltaNet", "FastWeightMixer",
-    "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
+    "FastWeightState", "ShortConvolution", "causal_conv1d", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
 ]
