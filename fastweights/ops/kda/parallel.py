@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._chunk import causal_mask, reverse_cumsum
+from .._chunk import causal_mask
 from .._fla_compat import accepts_state_v_first
 from .fla import form_arguments, run_kda
 
@@ -74,6 +74,7 @@ class RelativeDecay:
         refs = torch.cat([b.new_zeros(bt, 1, dk), bb[:, :-1, -1]], dim=1)  # [Bt, nb, K]
         self.e_left = torch.exp((bb - refs.unsqueeze(2)).to(dtype))
         before = torch.arange(length, device=b.device)[None, :] < (torch.arange(nb, device=b.device) * s)[:, None]
+        self.before_m = before[None, :, :, None].to(dtype)  # [1, nb, L, 1]: token t lies before sub-block j
         exponent = (refs.unsqueeze(2) - b.unsqueeze(1)).to(dtype).masked_fill_(~before[None, :, :, None], float("-inf"))
         self.e_right = torch.exp_(exponent)
         diff = (bb.unsqueeze(3) - bb.unsqueeze(2)).to(dtype)  # [Bt, nb, s(r), s(i), K]: b_r − b_i
@@ -101,13 +102,15 @@ class RelativeDecay:
         self, x: torch.Tensor, y: torch.Tensor, strict: bool, dm: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Adjoint of :meth:`products`: ``dM [Bt, L, L]`` (only the causal triangle is read) ->
-        ``(dx, dy, db)``, each ``[Bt, L, K]``.
+        ``(dx, dy, dgk)``, each ``[Bt, L, K]``.
 
-        Off the diagonal blocks M = left · rightᵀ: d left = dM right, d right = dMᵀ left; a factor
-        f·e^{±b} has ∂/∂b = ±f, so b gains (d left ⊙ left) at the rows, loses (d right ⊙ right)
-        at the columns, and each reference point b_m gains the difference of the two. Inside a
-        sub-block, Z[r, i, d] = x_r y_i e^{b_r − b_i}: db_r += Σ_i dM[r, i] Z[r, i] and
-        db_i −= Σ_r dM[r, i] Z[r, i].
+        Off the diagonal blocks M = left · rightᵀ: d left = dM right, d right = dMᵀ left. Each
+        factor is f·e^{(sum of gk over a span)}, so its ∂/∂gk_t is f for every t in that span
+        and 0 elsewhere: left's span is (m, r], right's is (i, m], a pair's inside a sub-block
+        (i, r]. Each span is summed directly (cumulative sums of the terms whose span holds t),
+        never as a difference of two cumulative sums: with strong decays those would cancel to a
+        small dgk_t and leave the rounding of all later terms behind (fp32 errors ~10x the
+        recurrence's).
         """
         bt, length, dk = x.shape
         nb, s = self.nb, self.s
@@ -119,18 +122,30 @@ class RelativeDecay:
         d_right = d_off.transpose(-1, -2) @ left  # [Bt, nb, L, K]
         dx = (d_left * self.e_left).view(bt, length, dk)
         dy = (d_right * self.e_right).sum(1)
-        t_left, t_right = d_left * left, d_right * right
-        db = t_left.view(bt, length, dk) - t_right.sum(1)
-        d_refs = t_right.sum(2) - t_left.sum(2)  # [Bt, nb, K]; m_j = js − 1 (j = 0: the constant 0)
-        db.view(bt, nb, s, dk)[:, :-1, -1] += d_refs[:, 1:]
+        # left: span (m_j, r] inside sub-block j; right: span (i, m_j] for columns i < js
+        dgk = reverse_cumsum(d_left.mul_(left), dim=2).view(bt, length, dk)
+        dgk = dgk + exclusive_cumsum(d_right.mul_(right), dim=2).mul_(self.before_m).sum(1)
+        # inside the sub-blocks: Z[r, i] = dM[r, i] x_r y_i e^{b_r − b_i}, span (i, r]
         xb, yb = x.view(bt, nb, s, 1, dk), y.view(bt, nb, 1, s, dk)
         d_diag = dm.view(bt, nb, s, nb, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).unsqueeze(-1)
         weighted = d_diag * self.e_diag  # dM[r, i] e^{b_r − b_i}, [Bt, nb, s, s, K]
         dx = dx + (weighted * yb).sum(3).view(bt, length, dk)
         dy = dy + (weighted * xb).sum(2).view(bt, length, dk)
         z = weighted.mul_(xb).mul_(yb)
-        db = db + (z.sum(3) - z.sum(2)).view(bt, length, dk)
-        return dx, dy, db
+        # Σ_{r >= t} Σ_{i < t} Z[r, i]: prefix sums along i, suffix sums along r, at r = t
+        spans = reverse_cumsum(exclusive_cumsum(z, dim=3), dim=2).diagonal(dim1=2, dim2=3)  # [Bt, nb, K, s]
+        return dx, dy, dgk + spans.transpose(-1, -2).reshape(bt, length, dk)
+
+
+def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``y_t = Σ_{i < t} x_i`` along ``dim`` (shifted, not a difference: no cancellation)."""
+    n = x.shape[dim]
+    return torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), x.narrow(dim, 0, n - 1).cumsum(dim)], dim)
+
+
+def reverse_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``y_t = Σ_{i >= t} x_i`` along ``dim``."""
+    return x.flip(dim).cumsum(dim).flip(dim)
 
 
 def cumulative_decay(gk: torch.Tensor) -> torch.Tensor:
@@ -199,16 +214,16 @@ def block_terms_backward(q, k, v, beta, terms: BlockTerms, d_wu, d_scores, d_q_r
     dv = dr[..., dk_:]
     ds = da * beta.unsqueeze(-1)
     # S = decayed(K, K), P = scale · decayed(Q, K)
-    dx_s, dy_s, db_s = terms.decay.products_backward(k, k, True, ds)
-    dq_p, dk_p, db_p = terms.decay.products_backward(q, k, False, d_scores * scale)
+    dx_s, dy_s, dgk_s = terms.decay.products_backward(k, k, True, ds)
+    dq_p, dk_p, dgk_p = terms.decay.products_backward(q, k, False, d_scores * scale)
     # K ⊙ e^b, scale·Q ⊙ e^b, K ⊙ e^{b_L − b}, e^{b_L}
     dk_read = dr[..., :dk_]
     dq = d_q_read * read * scale + dq_p
     dk = dk_read * read + d_k_write * terms.to_end + dx_s + dy_s + dk_p
-    write = d_k_write * terms.k_write
-    db = dk_read * k_read + d_q_read * terms.q_read - write + db_s + db_p
-    db[:, -1] += write.sum(1) + d_last * terms.last
-    return dq, dk, dv, dbeta, reverse_cumsum(db.transpose(-1, -2)).transpose(-1, -2)
+    # gk_t enters e^{b_r} for r >= t, e^{b_L − b_r} for r < t and e^{b_L} always (spans summed directly)
+    dgk = reverse_cumsum(dk_read * k_read + d_q_read * terms.q_read, dim=-2)
+    dgk = dgk + exclusive_cumsum(d_k_write * terms.k_write, dim=-2) + (d_last * terms.last).unsqueeze(-2)
+    return dq, dk, dv, dbeta, dgk + dgk_s + dgk_p
 
 
 def pad_tokens(x: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]:
