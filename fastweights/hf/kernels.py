@@ -45,9 +45,11 @@ __all__ = ["use_fastweights_kernels", "KERNELS", "causal_conv1d_fn", "causal_con
 
 _ACTIVATIONS = {None: None, "silu": F.silu, "swish": F.silu}
 # transformers' per-call kwargs that reach the convolution fallbacks and change nothing
+# (``seq_idx`` / ``cu_seq_lens_q`` mark packed sequences: refused when given, see _check_conv_kwargs)
 _CONV_PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
-                                "output_hidden_states", "return_dict", "cu_seq_lens_k", "max_length_q",
-                                "max_length_k", "seq_idx"})
+                                "output_hidden_states", "output_router_logits", "return_dict", "past_key_values",
+                                "position_embeddings", "logits_to_keep", "num_items_in_batch", "cu_seq_lens_k",
+                                "max_length_q", "max_length_k"})
 
 
 def _activation(name: str, activation):
@@ -57,11 +59,12 @@ def _activation(name: str, activation):
 
 
 def _check_conv_kwargs(name: str, kwargs: dict) -> None:
+    """transformers' per-call keywords pass; anything else that is set is refused by name (transformers'
+    torch fallback ignores e.g. ``seq_idx`` and would mix packed sequences silently)."""
     for key, value in kwargs.items():
         if key not in _CONV_PASS_THROUGH and value is not None and value is not False:
-            raise ValueError(f"{name}: `{key}` is not supported by fastweights' short convolution")
-        if key == "seq_idx" and value is not None:
-            raise ValueError(f"{name}: `seq_idx` (packed sequences) is not supported; run one sequence per row")
+            raise ValueError(f"{name}: `{key}` is not supported by fastweights' short convolution "
+                             f"(packed sequences and carried states: run one sequence per row)")
 
 
 def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -149,7 +149,7 @@ def test_conv_functions_match_transformers_fallbacks_and_refuse_what_they_cannot
         assert torch.equal(state, state_ref)
     with pytest.raises(ValueError, match="`activation` 'gelu'"):
         fh.causal_conv1d_fn(x, w, activation="gelu")
-    with pytest.raises(ValueError, match="`seq_idx`"):
+    with pytest.raises(ValueError, match="`seq_idx` is not supported"):
         fh.causal_conv1d_fn(x, w, seq_idx=torch.zeros(2, 9, dtype=torch.int32))
     with pytest.raises(ValueError, match="at least W − 1 = 3 inputs, got 2"):
         fh.causal_conv1d_update(x[:, :, :1], torch.zeros(2, 6, 2), w)
