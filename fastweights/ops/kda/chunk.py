@@ -32,10 +32,9 @@ import torch
 from torch import Tensor
 
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, unflat_chunks
-from .._fla_compat import accepts_state_v_first
 from .._frontend import autocast_off
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
-from .fla import form_arguments, run_kda
+from .fla import kda_form
 from .parallel import block_terms, block_terms_backward
 
 #: Row blocks of the UT solve (``delta_rule/wy.py``'s block substitution).
@@ -182,38 +181,8 @@ def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size) -> Tuple[torch.Tensor, t
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
-@accepts_state_v_first
-def chunk_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: Optional[float] = None,
-    disable_recompute: bool = False,
-    return_intermediate_states: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
-    *,
-    gk: Optional[torch.Tensor] = None,
-    gv: Optional[torch.Tensor] = None,
-    A_log: Optional[torch.Tensor] = None,
-    dt_bias: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
-    qk_norm: Optional[str] = None,
-    max_seqlen: Optional[int] = None,
-    **kwargs,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Kimi Delta Attention, chunkwise parallel: the fast path for training (module docstring).
+chunk_kda = kda_form("chunk_kda", kda_chunk, gv_supported=False, doc="""
+    Kimi Delta Attention, chunkwise parallel: the fast path for training (module docstring).
 
     Equivalent to :func:`~fastweights.ops.recurrent_kda` (same arguments and returns; see its
     docstring), to ~1e-12 relative in float64, with fla 0.6.0's name and positional order
@@ -236,5 +205,4 @@ def chunk_kda(
         >>> g = -torch.rand(B, T, H, K) * 7          # α down to 1e-3 per token and channel
         >>> o, h = chunk_kda(q, k, v, g, torch.rand(B, T, H), use_qk_l2norm_in_kernel=True,
         ...                  output_final_state=True, chunk_size=128)
-    """
-    return run_kda("chunk_kda", kda_chunk, gv_supported=False, **form_arguments(locals()))
+""")

@@ -30,7 +30,8 @@ grouped value heads            v [B, T, HV, V], HV a multiple of H, as in fla
 
 from __future__ import annotations
 
-from typing import Optional
+import inspect
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from .._checks import state_dtype
 from .._fla_compat import accepts_state_v_first, fla_inputs
 
-__all__ = ["kda_inputs", "kda_gate", "fused_recurrent_kda"]
+__all__ = ["kda_inputs", "kda_gate", "kda_form", "run_kda", "fused_recurrent_kda"]
 
 
 def _param(op: str, name: str, t, shapes, want: str) -> torch.Tensor:
@@ -157,14 +158,46 @@ def fused_recurrent_kda(
     )
 
 
-def run_kda(op: str, core, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-            allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None, *, gk=None, gv=None,
-            A_log=None, dt_bias=None, chunk_size=64, qk_norm=None, max_seqlen=None, gv_supported: bool, **kwargs):
-    """The body every KDA form shares (their arguments, by name): fla's options
-    (:func:`kda_inputs`), then :func:`~fastweights.ops._frontend.run_op` with the form's solver ``core``."""
+def run_kda(
+    op: str, core, gv_supported: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
+    *,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+    max_seqlen: Optional[int] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The body of every KDA form (:func:`kda_form`): fla's options (:func:`kda_inputs`), then
+    :func:`~fastweights.ops._frontend.run_op` with the form's solver ``core``. After ``op``,
+    ``core`` and ``gv_supported``, the arguments of the forms: fla 0.6.0's ``chunk_kda`` in
+    its positional order, then ours by keyword. ``safe_gate`` and ``disable_recompute`` are
+    fla's kernel hints (ignored); ``state_v_first`` is handled by :func:`accepts_state_v_first`."""
     from .._frontend import run_op
 
+    if return_intermediate_states:
+        kwargs["return_intermediate_states"] = True  # refused by name in kda_inputs
     q, k, beta, gk, gv, initial_state, cu_seqlens, gk_name = kda_inputs(
         op, q, k, v, g, beta, initial_state, cu_seqlens, gk=gk, gv=gv, gv_supported=gv_supported,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
@@ -182,8 +215,20 @@ def run_kda(op: str, core, q, k, v, g=None, beta=None, scale=None, initial_state
     )
 
 
-def form_arguments(local_vars: dict) -> dict:
-    """A KDA form's arguments (its ``locals()`` on entry) as keywords for :func:`run_kda`."""
-    args = dict(local_vars)
-    extra = args.pop("kwargs")
-    return {**args, **extra}
+#: The signature every KDA form has: :func:`run_kda`'s, after its first three parameters.
+FORM_SIGNATURE = inspect.signature(run_kda).replace(parameters=list(inspect.signature(run_kda).parameters.values())[3:])
+
+
+def kda_form(name: str, core, gv_supported: bool, doc: str):
+    """The public op ``name`` (``recurrent_kda``, ``parallel_kda``, ``chunk_kda``): :func:`run_kda`
+    with the form's solver, under :data:`FORM_SIGNATURE` (one signature for every form, as the
+    op conventions ask), with fla's ``state_v_first``."""
+
+    def form(*args, **kwargs):
+        return run_kda(name, core, gv_supported, *args, **kwargs)
+
+    form.__name__ = form.__qualname__ = name
+    form.__doc__ = inspect.cleandoc(doc)
+    form.__signature__ = FORM_SIGNATURE
+    form.__module__ = getattr(core, "__module__", __name__)
+    return accepts_state_v_first(form)

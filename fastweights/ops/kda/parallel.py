@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .._chunk import causal_mask
-from .._fla_compat import accepts_state_v_first
-from .fla import form_arguments, run_kda
+from .fla import kda_form
 
 #: The parallel form pads T to a multiple of this (zero tokens), so that its sub-blocks divide it.
 SUB_BLOCK = 16
@@ -252,41 +251,10 @@ def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None) -> Tuple[torch.T
     return o.view(n, nh, length, dv)[:, :, :t_len], h.view(n, nh, dk, dv)
 
 
-@accepts_state_v_first
-def parallel_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: Optional[float] = None,
-    disable_recompute: bool = False,
-    return_intermediate_states: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
-    *,
-    gk: Optional[torch.Tensor] = None,
-    gv: Optional[torch.Tensor] = None,
-    A_log: Optional[torch.Tensor] = None,
-    dt_bias: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
-    qk_norm: Optional[str] = None,
-    max_seqlen: Optional[int] = None,
-    **kwargs,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Kimi Delta Attention as one T×T UT transform (O(T²·K) work, O(T²) memory; module docstring).
+parallel_kda = kda_form("parallel_kda", kda_parallel, gv_supported=False, doc="""
+    Kimi Delta Attention as one T×T UT transform (O(T²·K) work, O(T²) memory; module docstring).
 
     Equivalent to :func:`~fastweights.ops.recurrent_kda`: same arguments and returns, except
     that ``gv`` is refused (``chunk_size`` is unused). Differentiable by autograd, double
     backward included.
-    """
-    return run_kda("parallel_kda", kda_parallel, gv_supported=False, **form_arguments(locals()))
+""")

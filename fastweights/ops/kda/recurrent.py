@@ -24,8 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._fla_compat import accepts_state_v_first
-from .fla import form_arguments, run_kda
+from .fla import kda_form
 
 
 def kda_step(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -58,38 +57,8 @@ def kda_recurrence(q, k, v, beta, gk, h0, scale, chunk_size=None, gv=None) -> Tu
     return torch.stack(outputs, dim=2), h
 
 
-@accepts_state_v_first
-def recurrent_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: Optional[float] = None,
-    disable_recompute: bool = False,
-    return_intermediate_states: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
-    *,
-    gk: Optional[torch.Tensor] = None,
-    gv: Optional[torch.Tensor] = None,
-    A_log: Optional[torch.Tensor] = None,
-    dt_bias: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
-    qk_norm: Optional[str] = None,
-    max_seqlen: Optional[int] = None,
-    **kwargs,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Kimi Delta Attention, one token at a time: the reference form (module docstring).
+recurrent_kda = kda_form("recurrent_kda", kda_recurrence, gv_supported=True, doc="""
+    Kimi Delta Attention, one token at a time: the reference form (module docstring).
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (HV a multiple of H: grouped value heads).
@@ -127,5 +96,4 @@ def recurrent_kda(
         ...                      output_final_state=True)
         >>> o.shape, h.shape
         (torch.Size([2, 100, 4, 48]), torch.Size([2, 4, 32, 48]))
-    """
-    return run_kda("recurrent_kda", kda_recurrence, gv_supported=True, **form_arguments(locals()))
+""")
