@@ -346,3 +346,18 @@ def test_compiles_without_graph_breaks_and_equals_eager(fn, packed):
     print(f"{fn.__name__} compiled vs eager: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     assert all(e <= 1e-12 for e in errors.values()), errors
     torch._dynamo.reset()
+
+
+def test_chunk_groups_carry_the_state_and_its_gradient(monkeypatch):
+    """The chunk form works through groups of chunk-heads (bounded transient memory); many
+    small groups give the same values and gradients as the recurrence."""
+    import fastweights.ops.kda.chunk as chunk
+
+    monkeypatch.setattr(chunk, "GROUP", 3)  # rows = N·H = 4: one chunk per group
+    x = kda_inputs(2, 70, 2, 6, 5, seed=25)
+    o_ref, h_ref, g_ref = run(ops.recurrent_kda, x)
+    o, h, grads = run(ops.chunk_kda, x, dict(chunk_size=8))
+    assert_close("grouped o", o, o_ref, 1e-12)
+    assert_close("grouped h_T", h, h_ref, 1e-12)
+    for name in g_ref:
+        assert_close(f"grouped d{name}", grads[name], g_ref[name], 1e-11)

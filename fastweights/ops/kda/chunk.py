@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, unflat_chunks
+from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from .._frontend import autocast_off
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
 from .fla import kda_form
@@ -52,9 +52,22 @@ def _solve_blocks_adjoint(a, inverses, dy):
     return block_substitution(a, inverses, dy, transpose=True)
 
 
-def _chunk_terms(q, k, v, beta, gk, scale, chunk_size):
-    """Flattened chunks (``[NC·N·H, C, ·]``, chunk-major) and their :class:`~.parallel.BlockTerms`."""
-    flat = [flat_chunks(t, chunk_size) for t in (q, k, v, beta, gk)]
+#: Chunk-heads per group: the forward and the backward work through the chunks in groups of
+#: this many (chunk, head) pairs, so the transient tensors (the sub-block decay factors are
+#: O(C·(s + C/s)·K) per chunk-head) stay bounded, independent of T.
+GROUP = 64
+
+
+def _groups(nc: int, rows: int):
+    """``(c0, c1)`` ranges of chunks, about :data:`GROUP` chunk-heads each."""
+    per = max(1, GROUP // rows)
+    return [(c0, min(c0 + per, nc)) for c0 in range(0, nc, per)]
+
+
+def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1):
+    """Chunks ``c0 .. c1 − 1`` flattened (``[NC'·N·H, C, ·]``, chunk-major) and their
+    :class:`~.parallel.BlockTerms`."""
+    flat = [flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, beta, gk)]
     return flat, block_terms(*flat, scale, solve=_solve_blocks)
 
 
@@ -62,57 +75,65 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``, ``states[c]`` the
-    state entering chunk c.
+    state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
+    of the loop, its outputs.
     """
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
-    nc = -(-t_len // chunk_size)
-    _, x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size)
-    w, u = x.wu[..., :dk], x.wu[..., dk:]
-    rows = n * nh
+    nc, rows = -(-t_len // chunk_size), n * nh
     states = v.new_empty(nc, rows, dk, dv)
+    out = chunk_buffer(v, n, nh, nc, chunk_size)
     h = v.new_zeros(rows, dk, dv) if h0 is None else h0
-    u_prime = torch.empty_like(u)
-    k_write_t = x.k_write.transpose(-1, -2)
-    last = x.last.unsqueeze(-1)
-    for c in range(nc):  # the one sequential loop: two small products per chunk
-        r = slice(c * rows, (c + 1) * rows)
-        states[c] = h
-        torch.baddbmm(u[r], w[r], h, alpha=-1.0, out=u_prime[r])
-        h = torch.baddbmm(last[r] * h, k_write_t[r], u_prime[r])
-    entering = states.view(-1, dk, dv)
-    o = torch.bmm(x.scores, u_prime).baddbmm_(x.q_read, entering)
-    return unflat_chunks(o, n, nh, t_len), h, states
+    for c0, c1 in _groups(nc, rows):
+        _, x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1)
+        w, u = x.wu[..., :dk], x.wu[..., dk:]
+        u_prime = torch.empty_like(u)
+        k_write_t, last = x.k_write.transpose(-1, -2), x.last.unsqueeze(-1)
+        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk
+            r = slice(c * rows, (c + 1) * rows)
+            states[c0 + c] = h
+            torch.baddbmm(u[r], w[r], h, alpha=-1.0, out=u_prime[r])
+            h = torch.baddbmm(last[r] * h, k_write_t[r], u_prime[r])
+        entering = states[c0:c1].view(-1, dk, dv)
+        put_chunks(out, torch.bmm(x.scores, u_prime).baddbmm_(x.q_read, entering), c0)
+    return from_chunk_buffer(out, t_len), h, states
 
 
 def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int):
-    """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring)."""
+    """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring).
+
+    Group by group, last group first: recompute the group's block terms and U' (from the saved
+    states), run the group's part of the adjoint loop, then its input gradients."""
     n, nh, t_len, dk = k.shape
     nc, rows, _, dv = states.shape
-    (qf, kf, vf, bf, _), x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size)
-    w, u = x.wu[..., :dk], x.wu[..., dk:]
-    entering = states.view(-1, dk, dv)
-    u_prime = torch.baddbmm(u, w, entering, alpha=-1.0)
-    do_ = flat_chunks(do, chunk_size)
-    du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU' in the loop
-    from_outputs = torch.bmm(x.q_read.transpose(-1, -2), do_)  # Q̂ᵀ dO: each chunk's own pull on its state
-    dh_next = torch.empty_like(states)
-    w_t, last = w.transpose(-1, -2), x.last.unsqueeze(-1)
+    buffers = [chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, gk)]
     dh = dh_final
-    for c in range(nc - 1, -1, -1):  # adjoint of the loop, last chunk first
-        r = slice(c * rows, (c + 1) * rows)
-        dh_next[c] = dh
-        du[r].baddbmm_(x.k_write[r], dh)
-        dh = torch.baddbmm(last[r] * dh + from_outputs[r], w_t[r], du[r], alpha=-1.0)
-    leaving = dh_next.view(-1, dk, dv)
-    d_wu = torch.cat([-(du @ entering.transpose(-1, -2)), du], dim=-1)  # dW = −dU' hᵀ, dU = dU'
-    d_scores = do_ @ u_prime.transpose(-1, -2)
-    d_q_read = do_ @ entering.transpose(-1, -2)
-    d_k_write = u_prime @ leaving.transpose(-1, -2)
-    d_last = (entering * leaving).sum(-1)
-    grads = block_terms_backward(qf, kf, vf, bf, x, d_wu, d_scores, d_q_read, d_k_write, d_last, scale,
-                                 _solve_blocks_adjoint)
-    return (*(unflat_chunks(t, n, nh, t_len) for t in grads), dh)
+    for c0, c1 in reversed(_groups(nc, rows)):
+        (qf, kf, vf, bf, _), x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1)
+        w, u = x.wu[..., :dk], x.wu[..., dk:]
+        entering = states[c0:c1].view(-1, dk, dv)
+        u_prime = torch.baddbmm(u, w, entering, alpha=-1.0)
+        do_ = flat_chunks(do, chunk_size, c0, c1)
+        du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU' in the loop
+        from_outputs = torch.bmm(x.q_read.transpose(-1, -2), do_)  # Q̂ᵀ dO: each chunk's own pull on its state
+        dh_next = states.new_empty((c1 - c0,) + states.shape[1:])
+        w_t, last = w.transpose(-1, -2), x.last.unsqueeze(-1)
+        for c in range(c1 - c0 - 1, -1, -1):  # adjoint of the loop, last chunk first
+            r = slice(c * rows, (c + 1) * rows)
+            dh_next[c] = dh
+            du[r].baddbmm_(x.k_write[r], dh)
+            dh = torch.baddbmm(last[r] * dh + from_outputs[r], w_t[r], du[r], alpha=-1.0)
+        leaving = dh_next.view(-1, dk, dv)
+        d_wu = torch.cat([-(du @ entering.transpose(-1, -2)), du], dim=-1)  # dW = −dU' hᵀ, dU = dU'
+        d_scores = do_ @ u_prime.transpose(-1, -2)
+        d_q_read = do_ @ entering.transpose(-1, -2)
+        d_k_write = u_prime @ leaving.transpose(-1, -2)
+        d_last = (entering * leaving).sum(-1)
+        grads = block_terms_backward(qf, kf, vf, bf, x, d_wu, d_scores, d_q_read, d_k_write, d_last, scale,
+                                     _solve_blocks_adjoint)
+        for buffer, grad in zip(buffers, grads):
+            put_chunks(buffer, grad, c0)
+    return (*(from_chunk_buffer(b, t_len) for b in buffers), dh)
 
 
 # -- custom ops: torch.compile calls the forward and the backward as they are ---------------------
