@@ -1,5 +1,5 @@
 """fla's call forms of Kimi Delta Attention: the options of ``chunk_kda`` / ``fused_recurrent_kda``
-(fla 0.6.0), turned into our plain inputs; and the alias :func:`fused_recurrent_kda`.
+(fla 0.6.0), turned into our plain inputs (the alias ``fused_recurrent_kda`` is in ``recurrent.py``).
 
 :func:`kda_inputs` is the one place every KDA form (and ``fused_recurrent_gated_delta_rule``
 with ``gk``/``gv``) goes through before :func:`~fastweights.ops._frontend.run_op`:
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .._checks import state_dtype
 from .._fla_compat import accepts_state_v_first, fla_inputs
 
-__all__ = ["kda_inputs", "kda_gate", "kda_form", "run_kda", "fused_recurrent_kda"]
+__all__ = ["kda_inputs", "kda_gate", "kda_form", "run_kda"]
 
 
 def _param(op: str, name: str, t, shapes, want: str) -> torch.Tensor:
@@ -124,38 +124,6 @@ def kda_inputs(
             raise ValueError(f"{op}: `use_gate_in_kernel=True` needs `{gk_name}`, the raw gate input [B, T, HV, K]")
         gate = kda_gate(gate, A_log, dt_bias, lower_bound, op)
     return q, k, beta, gate, gv, initial_state, cu_seqlens, gk_name
-
-
-@accepts_state_v_first
-def fused_recurrent_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    A_log: Optional[torch.Tensor] = None,
-    dt_bias: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    lower_bound: Optional[float] = None,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    **kwargs,
-):
-    """Alias of :func:`~fastweights.ops.recurrent_kda` with fla 0.6.0's signature and positional
-    order ``(q, k, v, g, beta, A_log, dt_bias, scale, ...)``; ``state_v_first`` as in fla."""
-    from .recurrent import recurrent_kda
-
-    return recurrent_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **kwargs,
-    )
 
 
 def run_kda(

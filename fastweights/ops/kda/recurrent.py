@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._fla_compat import accepts_state_v_first
 from .fla import kda_form
 
 
@@ -97,3 +98,33 @@ recurrent_kda = kda_form("recurrent_kda", kda_recurrence, gv_supported=True, doc
         >>> o.shape, h.shape
         (torch.Size([2, 100, 4, 48]), torch.Size([2, 4, 32, 48]))
 """)
+
+
+@accepts_state_v_first
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[torch.LongTensor] = None,
+    **kwargs,
+):
+    """Alias of :func:`~fastweights.ops.recurrent_kda` with fla 0.6.0's signature and positional
+    order ``(q, k, v, g, beta, A_log, dt_bias, scale, ...)``; ``state_v_first`` as in fla."""
+    return recurrent_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **kwargs,
+    )
