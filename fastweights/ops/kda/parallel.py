@@ -56,7 +56,7 @@ class RelativeDecay:
     b_r − b_m <= 0 for its rows r >= js and b_m − b_i <= 0 for every column i <= js − 1:
 
     - ``e_left [Bt, nb, s, K]``: e^{b_r − b_m(r)};
-    - ``e_right [Bt, nb, L, K]``: e^{b_m − b_i} for i < m + 1, else 0 (masked before the exp);
+    - ``e_right [Bt, nb, L, K]``: e^{b_m − b_i} for i < m + 1, else 0 (a product of two <= 1 factors);
     - ``e_diag [Bt, nb, s, s, K]``: e^{b_r − b_i} for i <= r inside a sub-block, else 0.
 
     ``b`` is float64 (:func:`cumulative_decay`): the exponents are differences of cumulative
@@ -74,8 +74,13 @@ class RelativeDecay:
         self.e_left = torch.exp((bb - refs.unsqueeze(2)).to(dtype))
         before = torch.arange(length, device=b.device)[None, :] < (torch.arange(nb, device=b.device) * s)[:, None]
         self.before_m = before[None, :, :, None].to(dtype)  # [1, nb, L, 1]: token t lies before sub-block j
-        exponent = (refs.unsqueeze(2) - b.unsqueeze(1)).to(dtype).masked_fill_(~before[None, :, :, None], float("-inf"))
-        self.e_right = torch.exp_(exponent)
+        # e^{b_m − b_i} for column i in sub-block j' < j, as e^{b_m(j) − b_e(j')} · e^{b_e(j') − b_i} with
+        # e(j') the last token of sub-block j': two <= 1 factors, exponents on [nb, nb] and [L] only.
+        ends = bb[:, :, -1]  # [Bt, nb, K]
+        to_end = torch.exp((ends.unsqueeze(2) - bb).to(dtype))  # [Bt, nb(j'), s, K]
+        earlier = causal_mask(nb, b.device, -1)  # j' < j
+        across = (refs.unsqueeze(2) - ends.unsqueeze(1)).to(dtype).masked_fill_(~earlier[None, :, :, None], float("-inf"))
+        self.e_right = (torch.exp_(across).unsqueeze(3) * to_end.unsqueeze(1)).view(bt, nb, length, dk)
         diff = (bb.unsqueeze(3) - bb.unsqueeze(2)).to(dtype)  # [Bt, nb, s(r), s(i), K]: b_r − b_i
         inside = causal_mask(s, b.device)
         self.e_diag = torch.exp_(diff.masked_fill_(~inside[None, None, :, :, None], float("-inf")))
