@@ -62,7 +62,11 @@ class KimiDeltaAttention(DeltaNet):
         f = (self.f_b_proj(f_a) + self.dt_bias).unflatten(-1, (self.num_v_heads, self.head_dim))
         return -torch.exp(self.A_log).unsqueeze(-1) * F.softplus(f)
 
-    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None,
+               cp_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if cp_group is not None:
+            raise ValueError(f"{type(self).__name__}: context parallelism (`cp_group`) is not supported by the KDA "
+                             f"ops; run the sequence on one rank")
         hv = self.num_v_heads  # extra is [b_proj(x) | f_a_proj(x)]
         b_logits, f_a = extra.split([hv, self.head_dim], dim=-1)
         beta = write_strength(b_logits, self.allow_neg_eigval)  # [B, T, HV]

@@ -286,6 +286,7 @@ def check_inputs(
     allow_neg_eigval: bool = False,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
+    seq_len: Optional[int] = None,
     gk: Optional[torch.Tensor] = None,
     gv: Optional[torch.Tensor] = None,
     gk_name: str = "gk",
@@ -295,9 +296,10 @@ def check_inputs(
     ``state_key_dim``/``state_value_dim`` are the state's K and V after any
     feature map or normalizer column; they default to q's and v's last sizes.
     ``chunk_size`` is checked unless it is left at ``NO_CHUNKS`` (an op without one);
-    ``allow_neg_eigval`` widens β's range to [0, 2]. ``gk`` [B, T, H, K] and ``gv``
-    [B, T, H, V] are per-channel log decays (``gk_name``: the name the caller gave the key
-    gate, ``g`` in fla's KDA call form), checked like ``g``.
+    ``allow_neg_eigval`` widens β's range to [0, 2]. ``seq_len`` is the length that
+    ``cu_seqlens`` must end at, when it is not T (context parallelism: the global length).
+    ``gk`` [B, T, H, K] and ``gv`` [B, T, H, V] are per-channel log decays (``gk_name``: the
+    name the caller gave the key gate, ``g`` in fla's KDA call form), checked like ``g``.
     """
     _check_tensor(op, "q", q, 4, "[B, T, H, K]")
     _check_tensor(op, "k", k, 4, "[B, T, H, K]")
@@ -342,7 +344,7 @@ def check_inputs(
     check_scale(op, scale)
     n = B
     if cu_seqlens is not None:
-        n = check_cu_seqlens(op, cu_seqlens, B, T, q.device, cu_seqlens_cpu, max_seqlen)
+        n = check_cu_seqlens(op, cu_seqlens, B, T if seq_len is None else seq_len, q.device, cu_seqlens_cpu, max_seqlen)
     elif cu_seqlens_cpu is not None or max_seqlen is not None:
         which = "cu_seqlens_cpu" if cu_seqlens_cpu is not None else "max_seqlen"
         raise ValueError(f"{op}: `{which}` describes packed sequences and needs `cu_seqlens`, which is None")
