@@ -5,7 +5,7 @@ The whole model in one file. Glossary (code name -> meaning):
 - ``B, T``: batch size and number of tokens of this call; ``V``: vocabulary size;
   ``D``: ``d_model``; ``L``: ``n_layers``.
 - mixer: the per-layer token mixer, one of :data:`fastweights.layers.MIXERS`
-  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``).
+  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``).
 - cache: :class:`LMCache`, every layer's decode state. A softmax layer's state is
   a KV cache that grows by one row per token; a fast-weight layer's state is a
   fixed ``[B, H, K, V]`` matrix plus W − 1 convolution inputs, whatever the context.
@@ -56,7 +56,8 @@ class LMConfig(Config):
 
     Args:
         vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
-        mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, or
+        mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``
+            (Kimi Delta Attention: per-key-channel decays), or
             a list with one of these per layer (a hybrid).
         max_seq_len: the longest input (prompt) one call accepts, for models with a softmax
             layer (its KV cache grows with the context); models without one take any length.
@@ -66,11 +67,11 @@ class LMConfig(Config):
             0 means no MLP at all (attention-only blocks, as in Zoology's MQAR models).
         tie_embeddings: share the input embedding and the output projection.
         use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
-            fast-weight mixers (linear, deltanet, gated_deltanet).
+            fast-weight mixers (linear, deltanet, gated_deltanet, kda).
         softmax_short_conv: the same convolution (width ``conv_size``) on the softmax layers'
             q, k, v; off by default, so a softmax layer is plain attention unless asked
             (the MQAR study turns it on to give every mixer the convolution).
-        qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet options
+        qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet / KDA options
             (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
         use_output_gate: gate the normalized output of the fast-weight mixers.
         feature_map, normalize: linear attention's φ and normalizer.

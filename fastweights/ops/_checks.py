@@ -312,6 +312,9 @@ def check_inputs(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
     seq_len: Optional[int] = None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    gk_name: str = "gk",
 ) -> int:
     """Check the arguments of an op; return N, the number of sequences.
 
@@ -320,6 +323,8 @@ def check_inputs(
     ``chunk_size`` is checked unless it is left at ``NO_CHUNKS`` (an op without one);
     ``allow_neg_eigval`` widens β's range to [0, 2]. ``seq_len`` is the length that
     ``cu_seqlens`` must end at, when it is not T (context parallelism: the global length).
+    ``gk`` [B, T, H, K] and ``gv`` [B, T, H, V] are per-channel log decays (``gk_name``: the
+    name the caller gave the key gate, ``g`` in fla's KDA call form), checked like ``g``.
     """
     _check_tensor(op, "q", q, 4, "[B, T, H, K]")
     _check_tensor(op, "k", k, 4, "[B, T, H, K]")
@@ -349,6 +354,16 @@ def check_inputs(
             raise ValueError(f"{op}: `{name}` must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(t)}")
         if t.device != q.device:
             raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
+    for name, t, width, layout in ((gk_name, gk, K, "[B, T, H, K]"), ("gv", gv, v.shape[-1], "[B, T, H, V]")):
+        if t is None:
+            continue
+        _check_tensor(op, name, t, t.dim(), layout)  # a tensor of floats; the shape (rank included) below
+        if t.shape != q.shape[:3] + (width,):
+            raise ValueError(
+                f"{op}: `{name}` (a per-channel log decay) must have shape {layout} = [{B}, {T}, {H}, {width}], got {_shape(t)}"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
     if chunk_size is not NO_CHUNKS:
         check_chunk_size(op, chunk_size)
     check_scale(op, scale)
@@ -374,10 +389,16 @@ def check_inputs(
             )
         if initial_state.device != q.device:
             raise ValueError(f"{op}: `initial_state` is on {initial_state.device}, expected the device of `q` ({q.device})")
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("initial_state", initial_state)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), (gk_name, gk), ("gv", gv),
+                    ("initial_state", initial_state)):
         if t is not None:
             _check_finite(op, name, t)
     check_values(op, beta, g, allow_neg_eigval)
+    for name, t in ((gk_name, gk), ("gv", gv)):
+        if t is not None:
+            _check_range(op, t, None, 0.0, f"`{name}` (a per-channel log decay) must be <= 0",
+                         "; a decay exp(gk) above 1 makes the state grow. If that is intended, disable this "
+                         "check with fastweights.ops.value_checks(False)")
     return n
 
 

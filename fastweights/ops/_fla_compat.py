@@ -34,8 +34,12 @@ bf16/fp16 ``initial_state``     cast to the state dtype (fp32, fp64 for fp64 inp
                                 `cu_seqlens`?" when it is close to an argument of the op)
 ==============================  ============================================================
 
+Per-channel decays: ``fused_recurrent_gated_delta_rule(..., gk=, gv=)`` runs
+:func:`~fastweights.ops.recurrent_kda` (Kimi Delta Attention; fla's KDA options are in
+:mod:`fastweights.ops.kda.fla`); the other ops refuse ``gk``/``gv``.
+
 Refused with a ``ValueError`` naming the argument (they would change the result
-and we have no equivalent): ``gk``/``gv`` (per-channel decays), ``state_v_first``
+and we have no equivalent): ``gk``/``gv`` outside the KDA ops, ``state_v_first``
 / ``transpose_state_layout`` = True on the (ungated) delta rule, ``reverse=True``,
 ``head_first=True``, ``cp_context`` (context parallelism).
 
@@ -91,8 +95,10 @@ PASS_THROUGH = frozenset({
 
 # fla arguments that select a computation we do not have: refused while "on".
 _REFUSED = {
-    "gk": "per-key-channel decays (gk) are not supported; pass a per-head log decay `g` [B, T, H]",
-    "gv": "per-value-channel decays (gv) are not supported; pass a per-head log decay `g` [B, T, H]",
+    "gk": "this op takes a per-head log decay `g` [B, T, H]; per-key-channel decays are Kimi Delta Attention: "
+          "use recurrent_kda / chunk_kda (or fused_recurrent_gated_delta_rule(..., gk=...))",
+    "gv": "this op takes a per-head log decay `g` [B, T, H]; a per-value-channel decay is accepted by "
+          "recurrent_kda and fused_recurrent_gated_delta_rule(..., gv=...) only",
     "state_v_first": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
     "transpose_state_layout": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
     "reverse": "reverse-time scans are not supported",
@@ -127,7 +133,8 @@ def refuse_or_ignore(op: str, kwargs: dict) -> None:
     for name, value in kwargs.items():
         if name in _REFUSED:
             if value is not None and value is not False:
-                raise ValueError(f"{op}: `{name}`={value!r} is not supported: {_REFUSED[name]}")
+                shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+                raise ValueError(f"{op}: `{name}`={shown} is not supported: {_REFUSED[name]}")
         elif name in _PENDING:
             if (op, name) not in _warned:
                 _warned.add((op, name))
