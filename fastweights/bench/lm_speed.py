@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from ..config import atomic_write_text
 from ..training.allocator import tune_cpu_allocator
 
-MIXERS = ("deltanet", "gated_deltanet", "linear", "softmax")
+MIXERS = ("deltanet", "gated_deltanet", "kda", "linear", "softmax")
 TRAIN_SHAPES = ((256, 8), (2048, 1), (8192, 1))  # (T, B)
 DECODE_CONTEXTS = (256, 4096, 32768)
 QUICK_TRAIN_SHAPES = ((64, 2), (128, 1))

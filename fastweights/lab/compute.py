@@ -106,7 +106,7 @@ def _pairs(p: Dict, n_max: int) -> Dict[str, torch.Tensor]:
         keys = torch.nn.functional.normalize(math.sqrt(c) * shared + math.sqrt(1 - c) * private, dim=-1)
     else:  # orthogonal: the first N columns of a random orthogonal matrix
         if p["n"] > d:
-            raise LabInputError(f"interference: orthogonal keys exist only while N <= d; got N = {p['n']}, d = {d}")
+            raise LabInputError(f"interference: orthogonal keys exist only while `n` <= `d`; got n = {p['n']}, d = {d}")
         q, _ = torch.linalg.qr(torch.randn(TRIALS, d, d, generator=gen, dtype=DTYPE))
         keys = q.transpose(1, 2)[:, :n_max]
     return {"keys": keys, "values": values}
@@ -154,6 +154,9 @@ def interference(p: Dict) -> Dict:
     n, d = p["n"], p["d"]
     if p["geometry"] == "seed":
         n_max = len(examples.SEED_002_PAIRS)
+        if n > n_max or d != 2:
+            raise LabInputError(f"interference: the seed's example (seed 002 §4.1) has d = 2 and at most {n_max} "
+                                f"pairs; `n` must be in [1, {n_max}] and `d` = 2 there, got n = {n}, d = {d}")
         ns = list(range(1, n_max + 1))
     else:
         n_max = min(MAX_PAIRS, max(2 * d, (3 * n + 1) // 2))  # room on both sides of N and of d
@@ -299,10 +302,18 @@ SPOTLIGHT = {
 SPOTLIGHT_SEED: Dict[str, Any] = {}
 
 
-def _spread(weights: torch.Tensor, target: int) -> Dict[str, float]:
-    """How focused a read is: the target's share of |weight| and the effective number of tokens 1/Σ p²."""
-    share = weights.abs() / weights.abs().sum()
+def _spread(weights: torch.Tensor, target: int) -> Dict[str, Any]:
+    """How focused a read is: the target's share of |weight| and the effective number of tokens 1/Σ p²
+    (both ``None`` when every weight is 0: there is no share to speak of)."""
+    total = weights.abs().sum()
+    if total == 0:
+        return {"target_share": None, "effective_tokens": None}
+    share = weights.abs() / total
     return {"target_share": share[target].item(), "effective_tokens": (1.0 / (share**2).sum()).item()}
+
+
+ZERO_NORMALISER = ("the normaliser φ(q)ᵀ Σ φ(k) is 0: φ(q) shares no nonzero feature with any key, so the "
+                   "normalized read-out is 0/0; it is shown as 0 for every token")
 
 
 def spotlight(p: Dict) -> Dict:
@@ -333,8 +344,14 @@ def spotlight(p: Dict) -> Dict:
         # identity scores are signed, so no positive normalizer exists: show φ(q)ᵀφ(k_τ) as they are
         normalize = name != "identity"
         o, _ = ops.recurrent_linear_attn(q, k, onehot, scale=1.0, feature_map=fmap, normalize=normalize, eps=0.0)
-        methods.append({"name": labels[name], "kind": name, "weights": o[0, -1, 0],
-                        "feature_dim": fmap.output_dim(d)})
+        method = {"name": labels[name], "kind": name, "weights": o[0, -1, 0], "feature_dim": fmap.output_dim(d)}
+        if normalize:
+            # one-hot values: the unnormalized read-out holds the scores φ(q)ᵀφ(k_τ), their sum is the normaliser
+            scores, _ = ops.recurrent_linear_attn(q, k, onehot, scale=1.0, feature_map=fmap, normalize=False)
+            if scores[0, -1, 0].sum() == 0:
+                method["weights"] = torch.zeros(t, dtype=DTYPE)
+                method["note"] = ZERO_NORMALISER
+        methods.append(method)
     for m in methods:
         m.update(_spread(m["weights"], target))
         m["weights"] = _round(m["weights"])

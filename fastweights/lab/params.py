@@ -34,7 +34,7 @@ class Field:
 
 
 def _number(name: str, value: Any, field: Field) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):  # a HugeNumber too: its repr says so
         raise LabInputError(f"`{name}` must be a number in [{field.lo:g}, {field.hi:g}], got {value!r}")
     if not math.isfinite(value):
         raise LabInputError(f"`{name}` must be a finite number in [{field.lo:g}, {field.hi:g}], got {value!r}")

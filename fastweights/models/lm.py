@@ -5,7 +5,7 @@ The whole model in one file. Glossary (code name -> meaning):
 - ``B, T``: batch size and number of tokens of this call; ``V``: vocabulary size;
   ``D``: ``d_model``; ``L``: ``n_layers``.
 - mixer: the per-layer token mixer, one of :data:`fastweights.layers.MIXERS`
-  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``).
+  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``).
 - cache: :class:`LMCache`, every layer's decode state. A softmax layer's state is
   a KV cache that grows by one row per token; a fast-weight layer's state is a
   fixed ``[B, H, K, V]`` matrix plus W − 1 convolution inputs, whatever the context.
@@ -26,6 +26,7 @@ token at a time from the carried state with the recurrent form (see
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -42,13 +43,22 @@ from .window import CHUNK_FROM, Segment, WINDOW_WIDTH, cuttable, drop_kv_rows, p
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
 
 
+def _physical_memory() -> int:
+    """Bytes of RAM (2**62 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 @dataclass
 class LMConfig(Config):
     """The model's shape and its mixers' options; checked on construction.
 
     Args:
         vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
-        mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, or
+        mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``
+            (Kimi Delta Attention: per-key-channel decays), or
             a list with one of these per layer (a hybrid).
         max_seq_len: the longest input (prompt) one call accepts, for models with a softmax
             layer (its KV cache grows with the context); models without one take any length.
@@ -58,11 +68,11 @@ class LMConfig(Config):
             0 means no MLP at all (attention-only blocks, as in Zoology's MQAR models).
         tie_embeddings: share the input embedding and the output projection.
         use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
-            fast-weight mixers (linear, deltanet, gated_deltanet).
+            fast-weight mixers (linear, deltanet, gated_deltanet, kda).
         softmax_short_conv: the same convolution (width ``conv_size``) on the softmax layers'
             q, k, v; off by default, so a softmax layer is plain attention unless asked
             (the MQAR study turns it on to give every mixer the convolution).
-        qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet options
+        qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet / KDA options
             (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
         use_output_gate: gate the normalized output of the fast-weight mixers.
         feature_map, normalize: linear attention's φ and normalizer.
@@ -103,6 +113,12 @@ class LMConfig(Config):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
+        for name in ("init_std", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                    or (name == "norm_eps" and value == 0):
+                raise ValueError(f"LMConfig: `{name}` must be a finite number {'>' if name == 'norm_eps' else '>='} 0, "
+                                 f"got {value!r}")
         if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
             raise ValueError(f"LMConfig: `mlp_hidden` must be a non-negative int (0: no MLP) or None, got {self.mlp_hidden!r}")
         if self.d_model % self.n_heads:
@@ -611,8 +627,13 @@ class LM(nn.Module):
             )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"LM.generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"LM.generate: `temperature` must be a number >= 0, got {temperature!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+                or temperature < 0:
+            raise ValueError(f"LM.generate: `temperature` must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        need = input_ids.shape[0] * (input_ids.shape[1] + max_new_tokens) * input_ids.element_size()
+        if need > _physical_memory():
+            raise ValueError(f"LM.generate: `max_new_tokens`={max_new_tokens} needs {need:.3g} bytes for the token ids "
+                             f"alone, more than this machine's {_physical_memory():.3g} bytes of memory")
         if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
             raise ValueError(f"LM.generate: `top_k` must be a positive int or None, got {top_k!r}")
         if attention_mask is not None and attention_mask.dim() == 1 and squeeze:

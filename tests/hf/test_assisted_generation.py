@@ -19,6 +19,7 @@ MIXERS = {
     "deltanet": ("deltanet", {}),
     "gated_deltanet": ("gated_deltanet", {}),
     "linear": ("linear", {}),
+    "kda": ("kda", {}),
     "softmax": ("softmax", {}),
     "hybrid": (["deltanet", "softmax", "gated_deltanet"], {"softmax_short_conv": True}),
 }

@@ -229,7 +229,7 @@ def test_memory_equals_study_costs():
     ("interference", {"beta": float("inf")}, "finite"),
     ("interference", {"rule": "hebb"}, "`rule` must be one of sum, delta, gated_delta, softmax, rls"),
     ("interference", {"n": "12"}, "`n` must be an integer"),
-    ("interference", {"n": 9, "d": 8, "geometry": "orthogonal"}, "N <= d"),
+    ("interference", {"n": 9, "d": 8, "geometry": "orthogonal"}, "`n` <= `d`"),
     ("interference", {"d": 3, "geometry": "seed"}, "d = 2"),
     ("interference", {"size": 3}, "unknown field"),
     ("geometry", {"keys": [[1, 0], [0, 1]], "values": [[1, 0]]}, "same length"),

@@ -21,6 +21,7 @@ MIXERS = {
     "deltanet": ("deltanet", {}),
     "gated_deltanet": ("gated_deltanet", {}),
     "linear": ("linear", {}),
+    "kda": ("kda", {}),
     "softmax": ("softmax", {}),
     "softmax_conv": ("softmax", {"softmax_short_conv": True}),
     "hybrid": (["deltanet", "softmax", "gated_deltanet", "linear"], {"softmax_short_conv": True}),
@@ -104,7 +105,7 @@ def test_both_window_forms_roll_back_bitwise(name, form, one_thread):
 
 
 @pytest.mark.parametrize("form", ["default", "chunk"])
-@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "linear", "hybrid"])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "linear", "kda", "hybrid"])
 def test_rollback_matches_the_float64_recurrence(name, form, one_thread):
     """In float64, decoding after a rollback agrees to 1e-12 with a cache built one token at a
     time from the start (the recurrent form all along), and a window's logits with steps'."""

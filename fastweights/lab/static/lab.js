@@ -402,7 +402,7 @@ function drawSpotlight(r) {
   for (const m of r.methods) {
     const fig = document.createElement("figure");
     const cap = document.createElement("figcaption");
-    cap.textContent = `${m.name}: target's share ${num(m.target_share, 3)}, effective tokens ${num(m.effective_tokens, 3)}` + (m.feature_dim ? ` (φ has ${m.feature_dim} features)` : "");
+    cap.textContent = `${m.name}: target's share ${num(m.target_share, 3)}, effective tokens ${num(m.effective_tokens, 3)}` + (m.feature_dim ? ` (φ has ${m.feature_dim} features)` : "") + (m.note ? `. Note: ${m.note}` : "");
     fig.appendChild(cap);
     const svg = el("svg", { width: 360, height: 130 }, fig);
     svg.dataset.kind = m.kind;
