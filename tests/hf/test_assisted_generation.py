@@ -15,14 +15,9 @@ import fastweights.hf  # noqa: F401  (registers the model type)
 from fastweights.hf import FastWeightsCache, FastWeightsConfig
 from transformers import AutoModelForCausalLM
 
-MIXERS = {
-    "deltanet": ("deltanet", {}),
-    "gated_deltanet": ("gated_deltanet", {}),
-    "linear": ("linear", {}),
-    "kda": ("kda", {}),
-    "softmax": ("softmax", {}),
-    "hybrid": (["deltanet", "softmax", "gated_deltanet"], {"softmax_short_conv": True}),
-}
+# name -> (LMConfig.mixer, extra config): every mixer alone, and a hybrid with a convolved softmax layer
+MIXERS = {name: (name, {}) for name in ("deltanet", "gated_deltanet", "linear", "kda", "softmax")}
+MIXERS["hybrid"] = (["deltanet", "softmax", "gated_deltanet"], {"softmax_short_conv": True})
 
 
 def tiny(name: str, seed: int = 0, **extra):
