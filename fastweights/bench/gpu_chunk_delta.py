@@ -214,7 +214,7 @@ def time_chunk(path, gated, B, T, H, D, dtype, device, cap):
                     torch.autograd.grad(fn(x), leaves, do, allow_unused=True)
 
                 ms = bench_ms(step, device)
-        except Exception as exc:  # noqa: BLE001 - e.g. fla's gated backward on Hopper (fla issue #640)
+        except Exception as exc:  # noqa: BLE001 - e.g. fla's gated backward on Hopper (a known fla bug)
             rows.append(dict(row, ms=None, note=f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
             continue
         f = flops * (1 if mode == "fwd" else 1 + bwd_factor)

@@ -81,7 +81,7 @@ RULES = ("sum", "delta", "softmax")
 PROJECTIONS = ("paper", "tied")
 SETTING2_RULES = ("delta", "sum")
 CLEAN_LOSS = 1e-3
-# What the paper's logs give at d_key = 64 (issue 13, read from Schlag et al.'s logs): for setting 1 the
+# What the paper's logs give at d_key = 64 (read from Schlag et al.'s published logs): for setting 1 the
 # largest S that was clean and the first S that was not (None: never clean / clean to the end of the
 # sweep, S = 600); for setting 2 the final loss at S = 20.
 PUBLISHED = {

@@ -144,7 +144,7 @@ def test_softmax_rejects_a_bad_cache():
         ops.softmax_attn(q, q, q[:, :2])
 
 
-# -- values, sizes and chunk sizes (issue 15: bad values used to pass, empty inputs crashed) -------
+# -- values, sizes and chunk sizes (bad values used to pass, empty inputs crashed) -------------------
 
 
 def value_cases(rule):

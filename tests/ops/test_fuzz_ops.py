@@ -1,4 +1,4 @@
-"""Property-based tests of every linear/delta op (issue 15): random shapes (0 and 1 included),
+"""Property-based tests of every linear/delta op: random shapes (0 and 1 included),
 dtypes, options, packed sequences, bad values. Every case either equals the float64 recurrence
 written out below (independent of the library's front end) or raises the named error the
 case calls for.

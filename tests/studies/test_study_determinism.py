@@ -1,4 +1,4 @@
-"""Issue 13 item 3: the same root seed gives bit-identical tables for every study.
+"""The same root seed gives bit-identical tables for every study.
 
 Each study runs twice on a tiny configuration, in one process, and every table
 entry that is not a wall-clock measurement must be equal bit for bit (floats

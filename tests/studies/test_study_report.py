@@ -1,4 +1,4 @@
-"""Studies lose nothing when something goes wrong late (issue 15, failure 3): the JSON and CSV are
+"""Studies lose nothing when something goes wrong late (a failure late in a run): the JSON and CSV are
 written before any plot, a missing matplotlib skips the plots with one line, every finished cell is
 saved at once, Ctrl-C leaves the partial results, and ``--resume`` continues from them."""
 

@@ -131,7 +131,7 @@ def test_evaluation_averages_fresh_favor_draws(monkeypatch):
 
 def test_favor_features_estimate_the_unscaled_kernel():
     """The paper's FAVOR+ feeds the key itself to exp(ωᵀk − |k|²/2): E[φ(q)·φ(k)] = exp(qᵀk), with no
-    1/√d_key inside (ours scaled the input by d_key^(-1/4) before issue 13's FAVOR+ check)."""
+    1/√d_key inside (ours once scaled the input by d_key^(-1/4) instead)."""
     phi = make_feature_map("favor8", 4, seed=3)
     q = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=torch.float64)
     k = torch.tensor([0.4, 0.1, 0.6, -0.3], dtype=torch.float64)
@@ -165,7 +165,7 @@ def test_delta_rule_solves_setting_2_where_the_sum_rule_does_not():
     """Setting 2 at 8 keys, 16 writes, DPFP-1 (d_dot = 16): the delta rule is clean, the sum rule is not.
     Tied projections (the quick default). With a separate W_q, as in the paper's code (which trains up to
     100k steps at lr 1e-3), DPFP's sparse φ(W_q e) and φ(W_k e) start with little overlap, and in a
-    600-step budget the read found too little to learn from (0.26 nats before issue 13)."""
+    600-step budget the read found too little to learn from (0.26 nats with the earlier settings)."""
     task = RetrievalTask(2, 8, num_pairs=16, num_queries=4)
     train = TrainConfig(d_key=8, max_steps=600, eval_every=50)
     results = {rule: train_memory(task, rule, "dpfp1", train, seed=0) for rule in ("sum", "delta")}
@@ -257,7 +257,7 @@ def test_bad_config_names_the_argument(bad, match):
 
 @pytest.mark.slow
 def test_quick_default_meets_the_acceptance_lines():
-    """Issue 13 item 1 on the quick default (about 1 CPU minute alone): S* <= d_dot for every φ; FAVOR+ never
+    """The capacity claim on the quick default (about 1 CPU minute alone): S* <= d_dot for every φ; FAVOR+ never
     clean; linear < DPFP-1 < DPFP-2 < DPFP-3 < softmax in mean S*; setting 2: delta clean, sum not."""
     result = run_retrieval(progress=False, plots=False)
     s1, s2 = result["headline"]["setting1"], result["headline"]["setting2"]

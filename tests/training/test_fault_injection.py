@@ -1,4 +1,4 @@
-"""Fault injection into the trainer (issue 15): crashes at every file operation of a run (pruning
+"""Fault injection into the trainer: crashes at every file operation of a run (pruning
 included), real SIGKILLs at random moments and in the middle of pruning, two trainers at once,
 corrupted files, a full disk and stop signals. After each fault: every folder under a checkpoint's
 name loads, ``latest`` loads, and resuming gives exactly the uninterrupted trajectory.
