@@ -15,7 +15,7 @@ import time
 def add_parser(sub) -> None:
     from ..studies import STUDIES, get_study
 
-    p = sub.add_parser("study", help="reproduce the seeds' experiments: print a table, write JSON/CSV and PNG plots")
+    p = sub.add_parser("study", help="run the experiments: print a table, write JSON/CSV and PNG plots")
     studies = p.add_subparsers(dest="study", metavar="STUDY")
     studies.required = True
     for name in STUDIES:

@@ -6,7 +6,7 @@ path                   method  answer
 ``/``                  GET     the page (``static/index.html``)
 ``/static/<file>``     GET     the page's script and style (a fixed list)
 ``/api/config``        GET     each panel's fields (ranges, choices, defaults),
-                               its "seed's example" settings and its passage
+                               its "worked example" settings and its passage
 ``/api/<panel>``       POST    JSON fields in, the panel's numbers out
                                (``interference``, ``geometry``, ``spotlight``,
                                ``memory``; see :mod:`fastweights.lab.compute`)
@@ -55,8 +55,8 @@ def decode_body(raw: bytes):
 
 def config() -> dict:
     """What the page needs to build its controls."""
-    return {name: {"fields": describe(fields), "seed_example": seed, "passage": compute.PASSAGES[name]}
-            for name, (fields, _, seed) in compute.PANELS.items()}
+    return {name: {"fields": describe(fields), "example": example, "passage": compute.PASSAGES[name]}
+            for name, (fields, _, example) in compute.PANELS.items()}
 
 
 def answer(panel: str, body) -> dict:

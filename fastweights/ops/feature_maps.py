@@ -2,7 +2,7 @@
 
 A feature map turns a kernel into a dot product, ``κ(q, k) ≈ φ(q)ᵀφ(k)``, which is
 what lets a linear-attention state keep sufficient statistics instead of every
-key-value row (seed 000, "Solver 2"; seed 001, chapter 1). Every map here acts on
+key-value row (Wang, Shi & Fox 2025, solver 2; Schlag et al. 2021). Every map here acts on
 the last dimension and keeps the leading ones, so ``[B, T, H, K] -> [B, T, H, D]``
 with ``D = map.output_dim(K)``.
 
@@ -67,7 +67,7 @@ class FeatureMap:
 
 
 class Identity(FeatureMap):
-    """φ(x) = x: the plain sum rule of seed 001, chapter 1."""
+    """φ(x) = x: the plain sum rule of Schlag et al. 2021."""
 
     name = "identity"
 
@@ -76,7 +76,7 @@ class Identity(FeatureMap):
 
 
 class EluPlusOne(FeatureMap):
-    """φ(x) = elu(x) + 1 > 0 (Katharopoulos et al. 2020; seed 002 §4.1)."""
+    """φ(x) = elu(x) + 1 > 0 (Katharopoulos et al. 2020)."""
 
     name = "elu"
 
@@ -87,7 +87,7 @@ class EluPlusOne(FeatureMap):
 
 
 class ReLU(FeatureMap):
-    """φ(x) = max(x, 0): positive, but with dead gradients for negative inputs (seed 001, ch. 1)."""
+    """φ(x) = max(x, 0): positive, but with dead gradients for negative inputs (Schlag et al. 2021)."""
 
     name = "relu"
 
@@ -100,7 +100,7 @@ class DPFP(FeatureMap):
 
     ``x̃ = [relu(x), relu(−x)]`` (2K entries), then ``φ = concat_{j=1..ν} x̃ ⊙ roll(x̃, j)``,
     so D = 2Kν. Different sign patterns of x light disjoint entries of φ, which is
-    how DPFP buys near-orthogonal features from non-orthogonal keys (seed 001, ch. 3).
+    how DPFP buys near-orthogonal features from non-orthogonal keys (Schlag et al. 2021).
     """
 
     name = "dpfp"
@@ -185,7 +185,7 @@ class FavorPlus(FeatureMap):
 class Taylor(FeatureMap):
     """Second-order Taylor features: φ(q)ᵀφ(k) = 1 + qᵀk + (qᵀk)²/2 > 0.
 
-    The even-order truncation of exp(qᵀk) (seed 000, footnote 1) is positive for
+    The even-order truncation of exp(qᵀk) (Wang, Shi & Fox 2025) is positive for
     every qᵀk, so it may be used with the normalizer. ``input_scale`` as in
     :class:`FavorPlus`. D = 1 + K + K².
     """

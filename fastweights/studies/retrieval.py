@@ -1,4 +1,4 @@
-"""Trainable associative retrieval at the protocol of Schlag et al. (2021, §6.1; seed 001 ch. 3 and 5).
+"""Trainable associative retrieval at the protocol of Schlag et al. (2021, §6.1).
 
 A single-layer memory learns keys it can write S key-value pairs with and read
 back. Setting 1 sweeps S to find the largest S a memory retrieves *cleanly* (its
@@ -21,7 +21,7 @@ The protocol is the paper's (glossary code name: paper symbol)::
 
 The ops return the final state; the read is ``φ(q)`` against it (one product).
 
-Feature maps (seed 001, ch. 3): ``linear`` is φ(x) = elu(x) + 1 (d_dot = d_key);
+Feature maps (Schlag et al. 2021): ``linear`` is φ(x) = elu(x) + 1 (d_dot = d_key);
 ``dpfp1..3`` are DPFP(ν) (d_dot = 2·d_key·ν); ``favor``, ``favor2``, ``favor8`` are
 FAVOR+ with m = 1, 2, 8 × d_key random features (d_dot = 2m; the paper's 64, 128,
 512 at d_key = 64). As in the paper's code, FAVOR+ is φ(x) = [exp(ωᵀx − |x|²/2),
@@ -425,7 +425,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
                           "history": [r["history"] for r in rs]}
     result = {
         "study": "retrieval",
-        "seed_text": "seed 001, ch. 3 and 5 (Schlag et al. 2021, section 6.1, settings 1 and 2)",
+        "source": "Schlag et al. 2021, section 6.1, settings 1 and 2",
         "config": asdict(config),
         "headline": {"setting1": setting1, "setting2": setting2},
         "published": PUBLISHED,
@@ -507,7 +507,7 @@ def plot_retrieval(result: Dict, out: Path) -> List[str]:
 def report(result: Dict) -> str:
     cfg = result["config"]
     t = cfg["train"]
-    lines = [f"retrieval study (seed 001; Schlag et al. 2021 §6.1): d_key = {t['d_key']}, frozen one-hot values, "
+    lines = [f"retrieval study (Schlag et al. 2021 §6.1): d_key = {t['d_key']}, frozen one-hot values, "
              f"loss 0.5‖onehot − ŷ‖², clean ≤ {t['clean_loss']}, Adam lr {t['lr']}, batch {t['batch_size']}, "
              f"{cfg['seeds']} seeds"]
     rows = [{"arm": arm, **h, "S* ± se": f"{h['s_star']:.1f} ± {h['s_star_se']:.1f}",
@@ -530,7 +530,7 @@ def report(result: Dict) -> str:
 # ---------------------------------------------------------------------------
 # command line (``fastweights study retrieval``)
 
-HELP = "seed 001: trainable associative retrieval (Schlag et al. 2021 settings 1 and 2), capacity sweep over S"
+HELP = "trainable associative retrieval (Schlag et al. 2021 settings 1 and 2), capacity sweep over S"
 Config = RetrievalConfig
 run = run_retrieval
 

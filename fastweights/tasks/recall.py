@@ -11,7 +11,7 @@ right answer is the value written to that key *last*::
 Tokens: 0 is the separator ``?``; keys are 1..n_keys (printed a, b, c, ...);
 values are n_keys+1 .. n_keys+n_values (printed 0, 1, 2, ...).
 
-This is what separates the memories (seed 001, ch. 3–4): the sum rule of linear
+This is what separates the memories (Schlag et al. 2021): the sum rule of linear
 attention adds the new value on top of the old one, so an overwritten key reads
 back a blend; the delta rule first retrieves the old value and replaces it.
 The generator is a plain function of a ``torch.Generator``, reusable by studies

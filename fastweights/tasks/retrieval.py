@@ -1,16 +1,16 @@
-"""Synthetic associative retrieval, settings 1 and 2 of Schlag et al. (2021, §6.1; seed 001).
+"""Synthetic associative retrieval, settings 1 and 2 of Schlag et al. (2021, §6.1).
 
 A sequence writes key-value pairs into a memory, then asks for the value of keys
 it wrote. Keys and values are symbols (ids), not vectors: a model learns their
 embeddings, so what it must learn is keys that its memory can keep apart.
 
-- Setting 1 (capacity, seed 001 ch. 3): a pool of S unique keys; each sequence
+- Setting 1 (capacity, Schlag et al. 2021): a pool of S unique keys; each sequence
   writes every one of the S keys exactly once, in random order, each with its own
   value (values drawn *without* replacement, as in the paper, so a read cannot be
   right by sharing a value with another key), then queries stored keys. S grows until the memory can no longer hold S
   associations (the paper's thresholds: S ≈ 60 for linear attention at
   d_dot = 64; 128/256/384 for DPFP ν = 1/2/3).
-- Setting 2 (update, seed 001 ch. 5): keys are drawn *with replacement* from a
+- Setting 2 (update, Schlag et al. 2021): keys are drawn *with replacement* from a
   pool of S keys (the paper: 20 keys, 40 pairs), so keys are re-assigned; the
   answer to a query is the value written to that key *last*.
 

@@ -1,4 +1,4 @@
-"""The retrieval study (seed 001; Schlag et al. 2021 settings 1 and 2) on small runs."""
+"""The retrieval study (Schlag et al. 2021 settings 1 and 2) on small runs."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024; seed 001, ch. 7).
+"""The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024).
 
 For chunks of C tokens with incoming state h (docs/design.md, "The chunk form"):
 

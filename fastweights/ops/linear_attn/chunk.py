@@ -1,4 +1,4 @@
-"""Linear attention, chunk form (seed 001, ch. 6, "What chunkwise already means").
+"""Linear attention, chunk form (Yang et al. 2024).
 
 Split T into chunks of C tokens. Inside a chunk the work is the parallel form;
 across chunks only the state is carried:
