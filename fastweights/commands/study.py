@@ -40,7 +40,7 @@ def run(args) -> int:
     try:
         config = module.config_from_args(args)
     except ValueError as e:
-        raise SystemExit(f"fastweights study {args.study_name}: {e}")
+        raise SystemExit(f"fastweights study {args.study_name}: {e}") from None
     start = time.perf_counter()
     result = module.run(config, out_dir=args.out, progress=not args.quiet, resume=args.resume)
     print(module.report(result))

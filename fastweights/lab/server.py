@@ -27,7 +27,6 @@ import json
 import socket
 import threading
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Optional, Tuple
@@ -74,7 +73,7 @@ class LabHandler(BaseHTTPRequestHandler):
     compute_lock = threading.Lock()
     quiet = True
 
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+    def log_message(self, format, *args):  # the base class's name
         if not self.quiet:
             super().log_message(format, *args)
 

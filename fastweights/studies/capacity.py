@@ -378,7 +378,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
     cells = [(d, load) for d in config.widths for load in config.loads]
     scores: Dict[Tuple[int, float], Dict] = {}
     cache = CellCache(out_dir, "capacity", asdict(config), resume)
-    as_arrays = lambda by_arm: {arm: {k: np.asarray(x) for k, x in s.items()} for arm, s in by_arm.items()}  # noqa: E731
+    as_arrays = lambda by_arm: {arm: {k: np.asarray(x) for k, x in s.items()} for arm, s in by_arm.items()}
     with torch_threads(config.threads):
         for d, load in tqdm(cells, desc="capacity", disable=not progress, leave=False):
             scores[(d, load)] = cache.get((d, load), lambda: score_cell(config, d, load, config.arms), as_arrays)

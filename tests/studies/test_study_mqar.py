@@ -127,7 +127,7 @@ def test_patience_stops_a_run_that_stopped_improving(monkeypatch):
 def test_worker_processes_give_the_serial_results_bit_for_bit():
     """Runs in 2 spawned worker processes equal the runs in this process (every number but wall time)."""
     config = dict(mixers=("gated_deltanet", "softmax"), short_conv=(False, True), max_steps=4)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
     serial = run_mqar(tiny_config(**config), progress=False, plots=False)
     parallel = run_mqar(tiny_config(**config, workers=2), progress=False, plots=False)
     print(f"{len(serial['table'])} runs; first {strip(serial['table'])[0]}")

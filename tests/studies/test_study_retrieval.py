@@ -94,8 +94,10 @@ def test_reads_match_the_written_memory(rule, fmap, projections):
                 pk, pq = model.phi(k[b]), model.phi(q[b])
                 want = (pq @ pk.T @ v[b]) / (pq @ pk.sum(0) + 1e-6)[:, None]  # the read's eps
             else:
-                pk = model.phi(k[b]); pk = pk / pk.sum(-1, keepdim=True)
-                pq = model.phi(q[b]); pq = pq / pq.sum(-1, keepdim=True)
+                pk = model.phi(k[b])
+                pk = pk / pk.sum(-1, keepdim=True)
+                pq = model.phi(q[b])
+                pq = pq / pq.sum(-1, keepdim=True)
                 beta = torch.sigmoid(model.beta_proj(x[b]))[:, 0]
                 w = torch.zeros(6, pk.shape[1], dtype=torch.float64)
                 for t in range(6):
@@ -230,7 +232,7 @@ def test_study_files_and_json_contract(tmp_path):
     s1, s2 = saved["headline"]["setting1"], saved["headline"]["setting2"]
     assert set(s1) == {"linear", "dpfp1", "dpfp2", "dpfp3", "favor", "favor2", "favor8", "softmax"}
     assert set(s2) == {"delta", "sum"}
-    for arm, h in s1.items():
+    for h in s1.values():
         assert {"s_star", "s_star_se", "d_dot", "s_star_over_d_dot", "clean"} <= set(h)
         assert 0 <= h["s_star"] <= 2  # S = 64 is far past every memory at d_key = 4 and 20 steps
         assert h["clean"] == (h["s_star"] > 0)
