@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import Config
+from ..config import Config, check_int
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
 from ..ops import check_cu_seqlens
@@ -100,10 +100,8 @@ class LMConfig(Config):
             value = getattr(self, name)
             if name == "chunk_size" and value is None:  # chosen per layer (key size, device)
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
-        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
-            raise ValueError(f"LMConfig: `mlp_hidden` must be a non-negative int (0: no MLP) or None, got {self.mlp_hidden!r}")
+            check_int("LMConfig", name, value)
+        check_int("LMConfig", "mlp_hidden", self.mlp_hidden, minimum=0, none_ok=True, what="a non-negative int (0: no MLP) or None")
         if self.d_model % self.n_heads:
             raise ValueError(f"LMConfig: `d_model`={self.d_model} must be divisible by `n_heads`={self.n_heads}")
         mixers = self.mixers
@@ -434,8 +432,7 @@ class LM(nn.Module):
                 f"LM.generate: the prompt has {input_ids.shape[1]} tokens, more than the model allows "
                 f"(`max_seq_len`={self.config.max_seq_len}); shorten it"
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"LM.generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
+        check_int("LM.generate", "max_new_tokens", max_new_tokens, minimum=0)
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise ValueError(f"LM.generate: `temperature` must be a number >= 0, got {temperature!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):

@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 
+from ..config import check_int
+
 __all__ = [
     "check_inputs", "finite_checks", "value_checks", "state_dtype", "compute_dtype",
     "effective_chunk_size", "check_score_memory",
@@ -235,8 +237,8 @@ def check_cu_seqlens(
                 f"{op}: `cu_seqlens_cpu` must be a CPU tensor of the shape of `cu_seqlens` {_shape(cu_seqlens)}, "
                 f"got {_shape(cu_seqlens_cpu)} on {cu_seqlens_cpu.device}"
             )
-    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen <= 0):
-        raise TypeError(f"{op}: `max_seqlen` must be a positive int (the longest sequence in `cu_seqlens`), got {max_seqlen!r}")
+    check_int(op, "max_seqlen", max_seqlen, none_ok=True, error=TypeError,
+              what="a positive int (the longest sequence in `cu_seqlens`)")
     n = cu_seqlens.numel() - 1
     if torch.compiler.is_compiling():
         return n

@@ -34,6 +34,8 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ..config import check_int
+
 __all__ = [
     "FeatureMap",
     "Identity",
@@ -106,8 +108,7 @@ class DPFP(FeatureMap):
     name = "dpfp"
 
     def __init__(self, nu: int = 1) -> None:
-        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
-            raise ValueError(f"DPFP: `nu` must be a positive int, got {nu!r}")
+        check_int("DPFP", "nu", nu)
         self.nu = nu
 
     def __call__(self, x):
@@ -142,11 +143,9 @@ class FavorPlus(FeatureMap):
     name = "favor+"
 
     def __init__(self, dim: int, num_features: Optional[int] = None, seed: int = 0, input_scale: Optional[float] = None):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"FavorPlus: `dim` must be a positive int, got {dim!r}")
+        check_int("FavorPlus", "dim", dim)
         num_features = dim if num_features is None else num_features
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"FavorPlus: `num_features` must be a positive int, got {num_features!r}")
+        check_int("FavorPlus", "num_features", num_features)
         self.dim = dim
         self.num_features = num_features
         self.input_scale = dim ** -0.25 if input_scale is None else float(input_scale)

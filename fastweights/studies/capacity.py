@@ -97,6 +97,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..config import check_int, check_ints
 from ..ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_linear_attn, softmax_attn
 from ._report import BRANCHES, CellCache, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, save_result, torch_generator, torch_threads
 
@@ -144,8 +145,7 @@ class CapacityConfig:
     def __post_init__(self) -> None:
         if self.branch not in BRANCHES:
             raise ValueError(f"CapacityConfig: `branch` must be one of {', '.join(BRANCHES)}, got {self.branch!r}")
-        if isinstance(self.root_seed, bool) or not isinstance(self.root_seed, int) or self.root_seed < 0:
-            raise ValueError(f"CapacityConfig: `root_seed` must be a non-negative int, got {self.root_seed!r}")
+        check_int("CapacityConfig", "root_seed", self.root_seed, minimum=0, what="a non-negative int")
         if not 0 < self.eta <= 1:
             raise ValueError(f"CapacityConfig: `eta` must be in (0, 1], got {self.eta!r}")
         if not 0 < self.priority_rate < 1:
@@ -158,8 +158,8 @@ class CapacityConfig:
             raise ValueError(f"CapacityConfig: `repetitions` must be >= 2 (standard errors), got {self.repetitions!r}")
         for name in ("dims", "sweep_widths"):
             widths = getattr(self, name)
-            if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in widths):
-                raise ValueError(f"CapacityConfig: `{name}` must hold positive ints, got {widths!r}")
+            if widths:
+                check_ints("CapacityConfig", name, widths)
         if not self.dims:
             raise ValueError("CapacityConfig: `dims` must not be empty")
         if not self.loads or any(not load > 0 for load in self.loads):

@@ -56,6 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..config import check_int, check_ints
 from ..ops import (
     KVCache,
     chunk_delta_rule,
@@ -140,12 +141,10 @@ class CostsConfig:
         for name in ("key_dim", "value_dim", "repeats", "layers", "heads", "head_dim_k", "head_dim_v", "d_model",
                      "d_ff", "vocab_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CostsConfig: `{name}` must be a positive int, got {value!r}")
+            check_int("CostsConfig", name, value)
         for name in ("contexts", "calc_contexts"):
             values = getattr(self, name)
-            if not values or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in values):
-                raise ValueError(f"CostsConfig: `{name}` must hold positive ints, got {values!r}")
+            check_ints("CostsConfig", name, values)
         for name in ("kv_dtype", "state_dtype", "weight_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"CostsConfig: `{name}` must be one of {', '.join(DTYPE_BYTES)}, got {getattr(self, name)!r}")

@@ -66,6 +66,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import check_int, is_int
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..ops.feature_maps import normalize_qk
 from ..tasks.retrieval import RetrievalBatch, RetrievalTask
@@ -231,8 +232,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("d_key", "batch_size", "max_steps", "eval_every", "eval_batch", "eval_forwards", "patience"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
+            check_int("TrainConfig", name, value)
         if not self.lr > 0:
             raise ValueError(f"TrainConfig: `lr` must be > 0, got {self.lr!r}")
         if self.projections not in PROJECTIONS:
@@ -317,9 +317,8 @@ class RetrievalConfig:
     def __post_init__(self) -> None:
         for name in ("root_seed", "seeds", "sweep_patience", "setting2_d_key", "setting2_max_steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "root_seed" else 1):
-                raise ValueError(f"RetrievalConfig: `{name}` must be a {'non-negative' if name == 'root_seed' else 'positive'}"
-                                 f" int, got {value!r}")
+            check_int("RetrievalConfig", name, value, minimum=0 if name == "root_seed" else 1,
+                      what="a non-negative int" if name == "root_seed" else None)
         for arm in self.arms:
             if arm not in ARMS:
                 raise ValueError(f"RetrievalConfig: unknown arm {arm!r} in `arms`; expected one of {ARMS}")
@@ -329,8 +328,7 @@ class RetrievalConfig:
                                  f"expected one of {SETTING2_RULES}")
         if self.setting2_feature_map not in FEATURE_MAPS:
             raise ValueError(f"RetrievalConfig: unknown `setting2_feature_map` {self.setting2_feature_map!r}")
-        if not self.sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.sizes) \
-                or list(self.sizes) != sorted(set(self.sizes)):
+        if not self.sizes or not all(is_int(x) and x >= 1 for x in self.sizes) or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"RetrievalConfig: `sizes` must be increasing positive ints, got {self.sizes!r}")
         # Setting 2 must be a valid task.
         RetrievalTask(2, self.setting2_keys, num_pairs=self.setting2_pairs, num_queries=self.setting2_queries)

@@ -25,6 +25,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..config import check_int
+
 SEP = 0
 IGNORE = -100  # target id that the loss and the accuracy skip
 
@@ -67,8 +69,7 @@ class AssociativeRecall:
     def __post_init__(self) -> None:
         for name in ("n_keys", "n_values", "n_pairs", "n_active_keys", "n_queries"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"AssociativeRecall: `{name}` must be a positive int, got {value!r}")
+            check_int("AssociativeRecall", name, value)
         if self.n_active_keys > self.n_keys:
             raise ValueError(f"AssociativeRecall: `n_active_keys`={self.n_active_keys} exceeds `n_keys`={self.n_keys}")
         if self.n_active_keys > self.n_pairs:

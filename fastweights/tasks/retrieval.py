@@ -29,6 +29,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..config import check_int
+
 __all__ = ["RetrievalTask", "RetrievalBatch"]
 
 
@@ -68,8 +70,7 @@ class RetrievalTask:
             value = getattr(self, name)
             if value is None and name in ("num_values", "num_pairs"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RetrievalTask: `{name}` must be a positive int, got {value!r}")
+            check_int("RetrievalTask", name, value)
         if self.num_values is None:
             self.num_values = self.num_keys
         if self.num_pairs is None:
@@ -87,8 +88,7 @@ class RetrievalTask:
 
     def sample(self, batch_size: int, generator: Optional[torch.Generator] = None) -> RetrievalBatch:
         """Draw ``batch_size`` sequences (deterministic given the generator's state)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"RetrievalTask.sample: `batch_size` must be a positive int, got {batch_size!r}")
+        check_int("RetrievalTask.sample", "batch_size", batch_size)
         b, s, n, q = batch_size, self.num_keys, self.num_pairs, self.num_queries
         if self.setting == 1:
             values = torch.rand(b, self.num_values, generator=generator).argsort(dim=1)[:, :n]  # no repeats
