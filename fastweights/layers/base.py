@@ -136,8 +136,9 @@ class FastWeightMixer(nn.Module):
         raise NotImplementedError
 
     def chunk_length(self, like: torch.Tensor) -> int:
-        """C for a chunk-op call on tensors like ``like``: ``chunk_size``, or the default for
-        this key size and ``like``'s device when it is None."""
+        """C of this layer's chunk-op calls on tensors like ``like``: ``chunk_size``, or when it is
+        None what the op itself picks (:func:`~fastweights.ops.default_chunk_size`; the layer passes
+        None down, so the op decides)."""
         return self.chunk_size if self.chunk_size is not None else default_chunk_size(self.head_dim, like.device)
 
     def memory_shape(self, n: int) -> Tuple[int, ...]:

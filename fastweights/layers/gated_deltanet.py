@@ -60,7 +60,7 @@ class GatedDeltaNet(DeltaNet):
         op = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

@@ -55,7 +55,7 @@ class LinearAttention(FastWeightMixer):
         op = recurrent_linear_attn if recurrent else chunk_linear_attn
         return op(
             q, k, v, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            chunk_size=self.chunk_length(q), feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
+            chunk_size=self.chunk_size, feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
         )
 
     def memory_shape(self, n: int):

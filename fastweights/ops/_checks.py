@@ -264,7 +264,8 @@ def check_cu_seqlens(
 
 
 def check_chunk_size(op: str, chunk_size) -> None:
-    """``chunk_size`` must be a positive int in every form (``None`` included: a named error)."""
+    """``chunk_size`` must be a positive int in every form (``None`` was resolved before: it means
+    :func:`~fastweights.ops.default_chunk_size`'s choice)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"{op}: `chunk_size` must be a positive int, got {chunk_size!r}")
     if chunk_size <= 0:

@@ -6,7 +6,8 @@ that reaches both (the Triton one imported only when it is chosen).
 
 from __future__ import annotations
 
-from ._backend import CHUNK_SIZE, select_backend
+from ._backend import select_backend
+from ._chunk import resolve_chunk_size
 
 __all__ = ["run_chunk_delta"]
 
@@ -19,7 +20,8 @@ def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", to
     ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
     only ``run_op`` takes (the Triton path packs varlen batches natively).
     """
-    choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
+    kwargs["chunk_size"] = resolve_chunk_size(kwargs.get("chunk_size"), q)
+    choice = select_backend(op, backend, q, v, chunk_size=kwargs["chunk_size"],
                             feature_map=kwargs.get("feature_map"))
     if choice == "triton":
         from ._frontend import autocast_off

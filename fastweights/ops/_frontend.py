@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from ._chunk import resolve_chunk_size
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
 from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
 from .step import divide_by_normalizer, normalizer_column
@@ -186,7 +187,7 @@ def run_op(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
@@ -197,6 +198,7 @@ def run_op(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    chunk_size = resolve_chunk_size(chunk_size, q)
     phi = check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,

@@ -182,7 +182,7 @@ def chunk_linear_attn(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
