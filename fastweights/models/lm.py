@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..config import Config, check_int
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
-from ..ops import check_cu_seqlens
+from ..ops import check_cu_seqlens, checked_cu_seqlens_cpu
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
 
@@ -333,9 +333,12 @@ class LM(nn.Module):
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("LM: give `cu_seqlens` (packed rows) or `attention_mask` (padded rows), not both")
+            # checked once here (one host read); every layer's op finds the offsets checked
             n_seq = check_cu_seqlens("LM", cu_seqlens, B, T, input_ids.device, max_seqlen=max_seqlen)
-            if max_seqlen is None:  # read once here rather than by every layer's op
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if max_seqlen is None:  # from the checked host copy, not read again by every layer's op
+                host = None if torch.compiler.is_compiling() else checked_cu_seqlens_cpu(cu_seqlens)
+                offsets = cu_seqlens if host is None else host
+                max_seqlen = int((offsets[1:] - offsets[:-1]).max())
         elif max_seqlen is not None:
             raise ValueError(f"LM: `max_seqlen`={max_seqlen!r} describes packed sequences and needs `cu_seqlens`")
         if cache is not None:

@@ -214,7 +214,7 @@ def sum_rule_floor(task: RetrievalTask, samples: int = 20_000, seed: int = 0) ->
 
 
 @dataclass
-class TrainConfig:
+class MemoryTrainConfig:
     """How one memory is trained: Adam until the evaluation loss is clean (≤ ``clean_loss``),
     or has not improved by 1% for ``patience`` evaluations, or ``max_steps`` are spent."""
 
@@ -232,17 +232,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("d_key", "batch_size", "max_steps", "eval_every", "eval_batch", "eval_forwards", "patience"):
             value = getattr(self, name)
-            check_int("TrainConfig", name, value)
+            check_int("MemoryTrainConfig", name, value)
         if not self.lr > 0:
-            raise ValueError(f"TrainConfig: `lr` must be > 0, got {self.lr!r}")
+            raise ValueError(f"MemoryTrainConfig: `lr` must be > 0, got {self.lr!r}")
         if self.projections not in PROJECTIONS:
-            raise ValueError(f"TrainConfig: `projections` must be one of {', '.join(PROJECTIONS)}, "
+            raise ValueError(f"MemoryTrainConfig: `projections` must be one of {', '.join(PROJECTIONS)}, "
                              f"got {self.projections!r}")
         if not self.clean_loss > 0:
-            raise ValueError(f"TrainConfig: `clean_loss` must be > 0, got {self.clean_loss!r}")
+            raise ValueError(f"MemoryTrainConfig: `clean_loss` must be > 0, got {self.clean_loss!r}")
 
 
-def train_memory(task: RetrievalTask, rule: str, feature_map: Optional[str], train: TrainConfig, seed: int) -> Dict:
+def train_memory(task: RetrievalTask, rule: str, feature_map: Optional[str], train: MemoryTrainConfig, seed: int) -> Dict:
     """Train one :class:`FastWeightRetriever` on ``task``; bit-identical given ``seed`` (and the thread count).
 
     Returns the final evaluation loss and accuracy, whether it is clean, the steps
@@ -300,7 +300,7 @@ class RetrievalConfig:
 
     root_seed: int = 0
     seeds: int = 3
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: MemoryTrainConfig = field(default_factory=MemoryTrainConfig)
     arms: Tuple[str, ...] = ARMS
     sizes: Tuple[int, ...] = (4, 8, 12, 16, 24, 32, 40, 48, 64)
     sweep_patience: int = 1
@@ -338,7 +338,7 @@ class RetrievalConfig:
         """The paper's sweep: d_key = 64, S = 20..600 by 20, one query per sequence, Adam 1e-3,
         evaluation every 100 steps, up to 200k steps per memory (a GPU job; see docs/studies.md)."""
         settings = dict(
-            train=TrainConfig(d_key=64, lr=1e-3, max_steps=200_000, eval_every=100, eval_batch=256, patience=20,
+            train=MemoryTrainConfig(d_key=64, lr=1e-3, max_steps=200_000, eval_every=100, eval_batch=256, patience=20,
                               projections="paper"),
             sizes=tuple(range(20, 601, 20)), sweep_patience=2, queries=1, setting2_d_key=64, setting2_queries=1,
             setting2_max_steps=200_000, threads=None,
@@ -386,7 +386,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
         bar.close()
 
         setting2_rows: Dict[str, List[Dict]] = {rule: [] for rule in config.setting2_rules}
-        train2 = TrainConfig(**{**asdict(config.train), "d_key": config.setting2_d_key,
+        train2 = MemoryTrainConfig(**{**asdict(config.train), "d_key": config.setting2_d_key,
                                 "max_steps": config.setting2_max_steps})
         task2 = RetrievalTask(2, config.setting2_keys, num_pairs=config.setting2_pairs,
                               num_queries=config.setting2_queries)
@@ -547,7 +547,7 @@ def config_from_args(args) -> RetrievalConfig:
     base = RetrievalConfig.full() if args.full else RetrievalConfig()
     updates = {k: v for k, v in (("d_key", args.d_key), ("max_steps", args.max_steps),
                                  ("projections", getattr(args, "projections", None))) if v is not None}
-    overrides = {"root_seed": args.root_seed, "train": TrainConfig(**{**asdict(base.train), **updates})}
+    overrides = {"root_seed": args.root_seed, "train": MemoryTrainConfig(**{**asdict(base.train), **updates})}
     if args.seeds is not None:
         overrides["seeds"] = args.seeds
     if args.threads is not None:

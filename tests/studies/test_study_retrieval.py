@@ -9,7 +9,7 @@ from fastweights.studies.retrieval import (
     ARMS,
     FastWeightRetriever,
     RetrievalConfig,
-    TrainConfig,
+    MemoryTrainConfig,
     make_feature_map,
     run_retrieval,
     sum_rule_floor,
@@ -125,7 +125,7 @@ def test_evaluation_averages_fresh_favor_draws(monkeypatch):
     draws = []
     original = FavorPlus.redraw
     monkeypatch.setattr(FavorPlus, "redraw", lambda self: (draws.append(1), original(self))[1])
-    train_memory(RetrievalTask(1, 6, num_queries=6), "sum", "favor", TrainConfig(d_key=4, max_steps=1, eval_every=1,
+    train_memory(RetrievalTask(1, 6, num_queries=6), "sum", "favor", MemoryTrainConfig(d_key=4, max_steps=1, eval_every=1,
                                                                                  eval_batch=40), seed=0)
     print("FAVOR+ draws in one step with two evaluations:", len(draws))
     assert len(draws) == 1 + 1 + 2 * 20
@@ -169,7 +169,7 @@ def test_delta_rule_solves_setting_2_where_the_sum_rule_does_not():
     100k steps at lr 1e-3), DPFP's sparse φ(W_q e) and φ(W_k e) start with little overlap, and in a
     600-step budget the read found too little to learn from (0.26 nats with the earlier settings)."""
     task = RetrievalTask(2, 8, num_pairs=16, num_queries=4)
-    train = TrainConfig(d_key=8, max_steps=600, eval_every=50)
+    train = MemoryTrainConfig(d_key=8, max_steps=600, eval_every=50)
     results = {rule: train_memory(task, rule, "dpfp1", train, seed=0) for rule in ("sum", "delta")}
     for rule, r in results.items():
         print(f"{rule}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.3f}, {r['steps']} steps, {r['seconds']:.1f} s")
@@ -180,7 +180,7 @@ def test_delta_rule_solves_setting_2_where_the_sum_rule_does_not():
 def test_dpfp_buys_capacity():
     """At S = 16 keys with d_key = 4: DPFP-2 (d_dot = 16) gets far lower than the linear map (d_dot = 4)."""
     task = RetrievalTask(1, 16, num_queries=16)
-    train = TrainConfig(d_key=4, max_steps=400)
+    train = MemoryTrainConfig(d_key=4, max_steps=400)
     dpfp = train_memory(task, "sum", "dpfp2", train, seed=0)
     linear = train_memory(task, "sum", "linear", train, seed=0)
     print(f"dpfp2: loss {dpfp['loss']:.4f} in {dpfp['steps']} steps; linear: loss {linear['loss']:.4f}")
@@ -197,7 +197,7 @@ def test_sum_rule_floor():
 
 def test_training_is_deterministic():
     task = RetrievalTask(1, 6, num_queries=6)
-    train = TrainConfig(d_key=8, max_steps=20, eval_every=10)
+    train = MemoryTrainConfig(d_key=8, max_steps=20, eval_every=10)
     for rule, fmap in (("delta", "dpfp1"), ("sum", "favor")):
         a = train_memory(task, rule, fmap, train, seed=5)
         b = train_memory(task, rule, fmap, train, seed=5)
@@ -214,14 +214,14 @@ def test_feature_map_widths():
     with pytest.raises(ValueError, match="projections"):
         FastWeightRetriever(4, projections="shared")
     with pytest.raises(ValueError, match="projections"):
-        TrainConfig(projections="shared")
-    assert RetrievalConfig.full().train.projections == "paper" and TrainConfig().projections == "tied"
+        MemoryTrainConfig(projections="shared")
+    assert RetrievalConfig.full().train.projections == "paper" and MemoryTrainConfig().projections == "tied"
 
 
 def test_study_files_and_json_contract(tmp_path):
     config = RetrievalConfig(arms=ARMS, sizes=(2, 64), seeds=2, setting2_keys=4, setting2_pairs=6,
                              setting2_queries=2, setting2_d_key=4, setting2_max_steps=20,
-                             train=TrainConfig(d_key=4, max_steps=20, eval_every=10, eval_batch=16))
+                             train=MemoryTrainConfig(d_key=4, max_steps=20, eval_every=10, eval_batch=16))
     torch.set_num_threads(2)
     try:
         result = run_retrieval(config, out_dir=tmp_path, progress=False)  # trains on config.threads = 1
