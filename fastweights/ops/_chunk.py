@@ -68,7 +68,9 @@ SHORT_CHUNK, LONG_CHUNK, SHORT_CHUNK_MAX_KEY_DIM = 32, 64, 64
 def default_chunk_size(key_dim: int, device: torch.device) -> int:
     """The chunk-length policy, the one place it is decided: C for key size ``key_dim`` on
     ``device`` (see :data:`SHORT_CHUNK`). A chunk op called with ``chunk_size=None`` (its
-    default, and what the layers and ``LMConfig`` pass unless told otherwise) runs this C."""
+    default, and what the layers and ``LMConfig`` pass unless told otherwise) runs this C; a
+    call that insists on ``backend="triton"`` runs the kernels' one length, 64, which is also
+    what this gives on a GPU."""
     if torch.device(device).type == "cpu" and key_dim <= SHORT_CHUNK_MAX_KEY_DIM:
         return SHORT_CHUNK
     return LONG_CHUNK
