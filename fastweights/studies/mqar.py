@@ -47,6 +47,7 @@ convolution settings, Zoology's four rates, 3,000 test examples (a GPU job).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -219,9 +220,14 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, l
             "seconds": round(time.perf_counter() - start, 3), "history": history}
 
 
-def _worker_init() -> None:
+def _worker_init(parent_pid: int) -> None:
     """In a worker process: die with the parent (Linux), so that a study killed by a signal
-    that skips its clean-up (SIGTERM, SIGKILL) leaves no orphaned training run behind."""
+    that skips its clean-up (SIGTERM, SIGKILL) leaves no orphaned training run behind.
+
+    A parent that died while this worker was still starting (importing torch takes seconds on
+    a busy machine) is gone before the death signal could be asked for: the worker then finds
+    itself re-parented and ends at once."""
+    import os
     import sys
 
     if sys.platform.startswith("linux"):
@@ -231,7 +237,9 @@ def _worker_init() -> None:
         try:
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):  # no prctl: the worker ends after its current run instead
-            pass
+            return
+        if os.getppid() != parent_pid:  # the parent died before prctl: no signal will come
+            os._exit(1)
 
 
 def _train_job(mixer: str, d_model: int, task: MQAR, config: MQARConfig, lr: float, seed: int,
@@ -264,7 +272,7 @@ class _Runs:
 
             # spawn, not fork: a forked child inherits the parent's OpenMP/thread-pool state
             self.pool = ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init)
+                                            initializer=_worker_init, initargs=(os.getpid(),))
 
     def _args(self, key: Tuple) -> Tuple:
         conv, d_model, t, kv, mixer, lr, i = key
