@@ -66,7 +66,7 @@ def _round(x: torch.Tensor, digits: int = 6) -> Any:
 INTERFERENCE = {
     "n": Field("int", 24, 1, MAX_PAIRS),
     "d": Field("int", 16, 1, MAX_WIDTH),
-    "geometry": Field("choice", "random", choices=GEOMETRIES),
+    "geometry": Field("choice", "random", choices=GEOMETRIES, aliases={"seed": "example"}),  # its earlier name
     "cosine": Field("float", 0.5, 0.0, 0.99),
     "rule": Field("choice", "sum", choices=RULES),
     "beta": Field("float", examples.OVERWRITE["beta"], 0.01, 1.0),

@@ -264,3 +264,21 @@ def print_examples(examples: Optional[List[WorkedExample]] = None, out: Callable
     n_ok = sum(e.ok for e in examples)
     out(f"\n{n_ok}/{len(examples)} worked examples match docs/worked_examples.md")
     return n_ok == len(examples)
+
+
+# Earlier names of this module's public functions and constants (when it was
+# ``fastweights.examples``); they still resolve, with a DeprecationWarning.
+_RENAMED = {
+    "seed_002": "linear_attention_examples", "seed_001": "fast_weight_examples", "seed_000": "regression_examples",
+    "SEED_002_PAIRS": "LINEAR_PAIRS", "SEED_001_PAIRS": "FAST_WEIGHT_PAIRS", "SEED_001_OVERWRITE": "OVERWRITE",
+}
+
+
+def __getattr__(name: str):
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"fastweights.studies.worked_examples.{name} is now {_RENAMED[name]}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

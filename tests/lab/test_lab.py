@@ -392,3 +392,12 @@ def test_http_malformed_requests_get_json_errors(lab_url, request_bytes, status)
     head, _, body = reply.partition(b"\r\n\r\n")
     print(head.split(b"\r\n")[0], body)
     assert head.startswith(f"HTTP/1.0 {status}".encode()) and json.loads(body)["error"].startswith(str(status))
+
+
+def test_geometry_seed_is_the_earlier_name_of_example():
+    """Requests written before the worked example's geometry was renamed still get its numbers."""
+    old = run("interference", rule="delta", n=3, d=2, geometry="seed", beta=1.0)
+    new = run("interference", rule="delta", n=3, d=2, geometry="example", beta=1.0)
+    assert old == new
+    with pytest.raises(LabInputError, match="`geometry` must be one of"):
+        parse({"geometry": "seeds"}, compute.INTERFERENCE, "interference")

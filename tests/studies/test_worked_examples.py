@@ -52,3 +52,13 @@ def test_streaming_equals_traversal_only_with_z():
     # Without z the read is the unnormalized sum: the same assertion fails.
     with pytest.raises(AssertionError):
         assert (without_z[0, :, 0] - traversal).abs().max().item() < 1e-13
+
+
+def test_earlier_names_still_resolve_with_a_warning():
+    """Code written against ``fastweights.examples.seed_002()`` etc. keeps running."""
+    for old, new in [("seed_002", "linear_attention_examples"), ("seed_001", "fast_weight_examples"),
+                     ("seed_000", "regression_examples"), ("SEED_002_PAIRS", "LINEAR_PAIRS")]:
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(examples, old) is getattr(examples, new)
+    with pytest.raises(AttributeError):
+        examples.seed_003
