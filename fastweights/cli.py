@@ -4,13 +4,13 @@ Subcommands live in their own modules and register themselves here, so each
 part of the library owns its command line::
 
     fastweights bench         time the delta rule's chunk path against its baselines (JSON)
-    fastweights examples      print the seeds' worked examples beside the text's numbers
+    fastweights examples      print the worked examples beside the numbers docs/worked_examples.md gives
     fastweights train         train an LM on a text file or the built-in recall task
     fastweights generate      continue a prompt with a trained checkpoint
     fastweights eval          score a checkpoint on a text file: loss, bits per byte, perplexity
     fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
-    fastweights study NAME    reproduce a seed's experiment (capacity, costs, retrieval, mqar)
-    fastweights lab           the seeds' demos as a local web page (sliders; numbers from the ops)
+    fastweights study NAME    run an experiment (capacity, costs, retrieval, mqar)
+    fastweights lab           interactive demos as a local web page (sliders; numbers from the ops)
     fastweights hf            convert a checkpoint to a transformers folder and back (needs transformers)
 """
 

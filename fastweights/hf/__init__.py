@@ -19,7 +19,7 @@ registers the ``"fastweights"`` model type with ``AutoConfig`` and
 """
 
 try:
-    import transformers  # noqa: F401
+    import transformers  # noqa: F401 -- imported only to fail here, with the install command, when it is missing
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "fastweights.hf needs the transformers package: pip install 'fastweights[hf]'"

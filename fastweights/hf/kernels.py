@@ -221,7 +221,7 @@ def use_fastweights_kernels(enable: bool = True) -> List[str]:
         _originals.clear()
         if _factory_original is not None:
             hub.use_kernel_func_from_hub_with_fallback = _factory_original
-            setattr(integrations, "use_kernel_func_from_hub_with_fallback", _factory_original)
+            integrations.use_kernel_func_from_hub_with_fallback = _factory_original
             _factory_original = None
         return restored
 
@@ -238,7 +238,7 @@ def use_fastweights_kernels(enable: bool = True) -> List[str]:
                                            else decorate(torch_function))
 
         hub.use_kernel_func_from_hub_with_fallback = factory
-        setattr(integrations, "use_kernel_func_from_hub_with_fallback", factory)
+        integrations.use_kernel_func_from_hub_with_fallback = factory
     changed = []
     for mod_name, module in list(sys.modules.items()):
         if mod_name.startswith("transformers.models.") and module is not None:

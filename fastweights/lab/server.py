@@ -6,7 +6,7 @@ path                   method  answer
 ``/``                  GET     the page (``static/index.html``)
 ``/static/<file>``     GET     the page's script and style (a fixed list)
 ``/api/config``        GET     each panel's fields (ranges, choices, defaults),
-                               its "seed's example" settings and its passage
+                               its "worked example" settings and its passage
 ``/api/<panel>``       POST    JSON fields in, the panel's numbers out
                                (``interference``, ``geometry``, ``spotlight``,
                                ``memory``; see :mod:`fastweights.lab.compute`)
@@ -32,7 +32,6 @@ import json
 import socket
 import threading
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Optional, Tuple
@@ -82,8 +81,8 @@ def decode_body(raw: bytes):
 
 def config() -> dict:
     """What the page needs to build its controls."""
-    return {name: {"fields": describe(fields), "seed_example": seed, "passage": compute.PASSAGES[name]}
-            for name, (fields, _, seed) in compute.PANELS.items()}
+    return {name: {"fields": describe(fields), "example": example, "passage": compute.PASSAGES[name]}
+            for name, (fields, _, example) in compute.PANELS.items()}
 
 
 def answer(panel: str, body) -> dict:
@@ -101,7 +100,7 @@ class LabHandler(BaseHTTPRequestHandler):
     compute_lock = threading.Lock()
     quiet = True
 
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+    def log_message(self, format, *args):  # the base class's name
         if not self.quiet:
             super().log_message(format, *args)
 

@@ -34,10 +34,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import Config
+from ..config import Config, check_int
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
-from ..ops import check_cu_seqlens
+from ..ops import check_cu_seqlens, checked_cu_seqlens_cpu
 from .window import CHUNK_FROM, Segment, WINDOW_WIDTH, cuttable, drop_kv_rows, padded_width, rolled_back, window_nbytes
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
@@ -111,16 +111,14 @@ class LMConfig(Config):
             value = getattr(self, name)
             if name == "chunk_size" and value is None:  # chosen per layer (key size, device)
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
+            check_int("LMConfig", name, value)
         for name in ("init_std", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
                     or (name == "norm_eps" and value == 0):
                 raise ValueError(f"LMConfig: `{name}` must be a finite number {'>' if name == 'norm_eps' else '>='} 0, "
                                  f"got {value!r}")
-        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
-            raise ValueError(f"LMConfig: `mlp_hidden` must be a non-negative int (0: no MLP) or None, got {self.mlp_hidden!r}")
+        check_int("LMConfig", "mlp_hidden", self.mlp_hidden, minimum=0, none_ok=True, what="a non-negative int (0: no MLP) or None")
         if self.d_model % self.n_heads:
             raise ValueError(f"LMConfig: `d_model`={self.d_model} must be divisible by `n_heads`={self.n_heads}")
         mixers = self.mixers
@@ -438,9 +436,12 @@ class LM(nn.Module):
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("LM: give `cu_seqlens` (packed rows) or `attention_mask` (padded rows), not both")
+            # checked once here (one host read); every layer's op finds the offsets checked
             n_seq = check_cu_seqlens("LM", cu_seqlens, B, T, input_ids.device, max_seqlen=max_seqlen)
-            if max_seqlen is None:  # read once here rather than by every layer's op
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if max_seqlen is None:  # from the checked host copy, not read again by every layer's op
+                host = None if torch.compiler.is_compiling() else checked_cu_seqlens_cpu(cu_seqlens)
+                offsets = cu_seqlens if host is None else host
+                max_seqlen = int((offsets[1:] - offsets[:-1]).max())
         elif max_seqlen is not None:
             raise ValueError(f"LM: `max_seqlen`={max_seqlen!r} describes packed sequences and needs `cu_seqlens`")
         if cache is not None:
@@ -625,8 +626,7 @@ class LM(nn.Module):
                 f"LM.generate: the prompt has {input_ids.shape[1]} tokens, more than the model allows "
                 f"(`max_seq_len`={self.config.max_seq_len}); shorten it"
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"LM.generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
+        check_int("LM.generate", "max_new_tokens", max_new_tokens, minimum=0)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
                 or temperature < 0:
             raise ValueError(f"LM.generate: `temperature` must be a finite number >= 0 (0: greedy), got {temperature!r}")

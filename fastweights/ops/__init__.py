@@ -35,7 +35,7 @@ forms), ``fused_recurrent_linear_attn`` (recurrent) and ``fused_chunk_linear_att
 defaults differ from ours (docs/fla_compat.md: the gated and KDA ops, argument by argument).
 """
 
-from ._checks import check_cu_seqlens, compute_dtype, finite_checks, value_checks
+from ._checks import check_cu_seqlens, checked_cu_seqlens_cpu, compute_dtype, finite_checks, value_checks
 from ._checks import check_op_inputs as check_inputs
 from ._chunk import default_chunk_size
 from ._frontend import packed_positions
@@ -61,7 +61,7 @@ __all__ = [
     # one token (update + read), for decoding: the recurrent forms' step
     "delta_rule_step", "gated_delta_rule_step", "linear_attn_step",
     # what layers and models built on the ops share with them
-    "compute_dtype", "default_chunk_size", "check_cu_seqlens", "packed_positions",
+    "compute_dtype", "default_chunk_size", "check_cu_seqlens", "checked_cu_seqlens_cpu", "packed_positions",
     # flash-linear-attention's names, with fla's signatures (ops/_fla_aliases.py)
     "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
     "fused_chunk_linear_attn", "fused_recurrent_kda",

@@ -52,9 +52,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from typing import Optional
 
 import torch
+
+from ..config import check_int
 
 __all__ = [
     "check_inputs", "check_op_inputs", "finite_checks", "value_checks", "state_dtype", "compute_dtype",
@@ -232,6 +235,8 @@ def check_cu_seqlens(
     a device sync; ``max_seqlen`` (an int >= the longest sequence) is the padded length.
     Under ``torch.compile`` the checks that read the offsets' values are skipped (a
     data-dependent branch would break the graph): there the caller vouches for them.
+    Offsets checked once are remembered (with their host copy, until the tensor changes or
+    is freed), so the LM's check serves every layer's op: one host read per forward.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{op}: `cu_seqlens` must be a LongTensor of shape [N+1], got {type(cu_seqlens).__name__}")
@@ -252,8 +257,8 @@ def check_cu_seqlens(
                 f"{op}: `cu_seqlens_cpu` must be a CPU tensor of the shape of `cu_seqlens` {_shape(cu_seqlens)}, "
                 f"got {_shape(cu_seqlens_cpu)} on {cu_seqlens_cpu.device}"
             )
-    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen <= 0):
-        raise TypeError(f"{op}: `max_seqlen` must be a positive int (the longest sequence in `cu_seqlens`), got {max_seqlen!r}")
+    check_int(op, "max_seqlen", max_seqlen, none_ok=True, error=TypeError,
+              what="a positive int (the longest sequence in `cu_seqlens`)")
     n = cu_seqlens.numel() - 1
     if torch.compiler.is_compiling():  # reading the offsets would break the graph: asserts instead
         cu = cu_seqlens.long()
@@ -265,8 +270,52 @@ def check_cu_seqlens(
             torch._assert_async(steps.max() <= max_seqlen,
                                 f"{op}: `max_seqlen`={max_seqlen} is smaller than a sequence of `cu_seqlens`")
         return n
+    seen = _CHECKED.get(id(cu_seqlens))
+    if seen is not None and seen.tensor() is cu_seqlens and seen.version == cu_seqlens._version \
+            and seen.seq_len == seq_len and (max_seqlen is None or seen.longest <= max_seqlen) \
+            and (cu_seqlens_cpu is None or cu_seqlens_cpu is seen.host):
+        return n  # these offsets, unchanged since, were checked (and copied to the host) already
+    host = _check_offsets(op, cu_seqlens, cu_seqlens_cpu, seq_len, max_seqlen)
+    _remember(cu_seqlens, host, seq_len)
+    return n
+
+
+class _Checked:
+    """A ``cu_seqlens`` tensor whose offsets :func:`check_cu_seqlens` has checked: the tensor (weakly),
+    its version counter then, the length it was checked against, its host copy, its longest sequence."""
+
+    __slots__ = ("tensor", "version", "seq_len", "host", "longest")
+
+    def __init__(self, tensor: torch.Tensor, host: torch.Tensor, seq_len: int) -> None:
+        self.tensor, self.version, self.seq_len, self.host = weakref.ref(tensor), tensor._version, seq_len, host
+        self.longest = int((host[1:] - host[:-1]).max())
+
+
+_CHECKED: dict = {}  # id(cu_seqlens) -> _Checked, dropped when the tensor is freed
+
+
+def _remember(cu_seqlens: torch.Tensor, host: torch.Tensor, seq_len: int) -> None:
+    key = id(cu_seqlens)
+    if key not in _CHECKED:
+        weakref.finalize(cu_seqlens, _CHECKED.pop, key, None)
+    _CHECKED[key] = _Checked(cu_seqlens, host, seq_len)
+
+
+def checked_cu_seqlens_cpu(cu_seqlens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The host copy of offsets :func:`check_cu_seqlens` has checked (and that have not changed
+    since), or ``None``. The LM checks its ``cu_seqlens`` once per forward; every layer's op then
+    finds them checked, so nothing reads the offsets from the device again."""
+    seen = _CHECKED.get(id(cu_seqlens))
+    if seen is None or seen.tensor() is not cu_seqlens or seen.version != cu_seqlens._version:
+        return None
+    return seen.host
+
+
+def _check_offsets(op: str, cu_seqlens: torch.Tensor, cu_seqlens_cpu, seq_len: int, max_seqlen) -> torch.Tensor:
+    """The value checks of :func:`check_cu_seqlens` (one host read); returns the offsets on the host."""
     name = "cu_seqlens" if cu_seqlens_cpu is None else "cu_seqlens_cpu"
-    offsets = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
+    host = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).to("cpu", torch.long)
+    offsets = host.tolist()
     if offsets[0] != 0:
         raise ValueError(f"{op}: `{name}` must start at 0, got {offsets[0]}")
     steps = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
@@ -283,11 +332,12 @@ def check_cu_seqlens(
             f"{op}: `max_seqlen`={max_seqlen} is smaller than sequence {i} of `{name}` ({steps[i]} tokens); "
             f"pass at least the longest length, {max(steps)}"
         )
-    return n
+    return host
 
 
 def check_chunk_size(op: str, chunk_size) -> None:
-    """``chunk_size`` must be a positive int in every form (``None`` included: a named error)."""
+    """``chunk_size`` must be a positive int in every form (``None`` was resolved before: it means
+    :func:`~fastweights.ops.default_chunk_size`'s choice)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"{op}: `chunk_size` must be a positive int, got {chunk_size!r}")
     if chunk_size <= 0:

@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from ._chunk import resolve_chunk_size
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
 from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
 from .step import divide_by_normalizer, normalizer_column
@@ -192,7 +193,7 @@ def run_op(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
@@ -212,6 +213,7 @@ def run_op(
     Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
     (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
     """
+    chunk_size = resolve_chunk_size(chunk_size, q)
     def check(seq_len=None):
         return check_op_args(
             op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,

@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..config import check_int
+
 VOCAB_SIZE = 256
 
 
@@ -53,8 +55,7 @@ class ByteText:
     vocab_size = VOCAB_SIZE
 
     def __init__(self, source, seq_len: int, val_fraction: float = 0.1, val_source=None) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-            raise ValueError(f"ByteText: `seq_len` must be a positive int, got {seq_len!r}")
+        check_int("ByteText", "seq_len", seq_len)
         if not 0 < val_fraction < 1:
             raise ValueError(f"ByteText: `val_fraction` must be in (0, 1), got {val_fraction!r}")
         tokens, name = read_bytes(source, "data")

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from ..config import check_int
 from ..models import LM
 from ..tasks import IGNORE, ByteText
 from ..tasks.adapters import step_generator
@@ -130,8 +131,7 @@ def evaluate_file(checkpoint: str, data: str, *, tokens: int = 0, seq_len=None, 
     from .precision import check_precision
 
     for name, value, low in (("--tokens", tokens, 0), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"eval: `{name}` must be an int >= {low}, got {value!r}")
+        check_int("eval", name, value, minimum=low, none_ok=True, what=f"an int >= {low}")
     model, ckpt = load_model(checkpoint)
     if precision != "fp32" and next(model.parameters()).dtype != torch.float32:
         raise ValueError(f"eval: --precision {precision} autocasts float32 weights; this checkpoint's are "

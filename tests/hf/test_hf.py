@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'fastweights[hf]')")
 
-import fastweights.hf as fh  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import fastweights.hf as fh
+from transformers import AutoModelForCausalLM
 
 MIXERS = {
     "softmax": "softmax",

@@ -1,4 +1,4 @@
-"""Property-based tests of every linear/delta op (issue 15): random shapes (0 and 1 included),
+"""Property-based tests of every linear/delta op: random shapes (0 and 1 included),
 dtypes, options, packed sequences, bad values. Every case either equals the float64 recurrence
 written out below (independent of the library's front end) or raises the named error the
 case calls for.
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 hypothesis = pytest.importorskip("hypothesis", reason="the property-based suite needs hypothesis (the dev extra)")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from fastweights import ops  # noqa: E402
+from fastweights import ops
 
 FAST_CASES, LONG_CASES = 300, 3000
 FORMS = {
@@ -167,14 +167,14 @@ def check(case):
         COUNTS["refused"] += 1
         return
     o, h = form(**kwargs)
-    K, V, T = case["K"], case["V"], case["T"]
+    K, T = case["K"], case["T"]
     scale = K ** -0.5 if case["scale"] is None else case["scale"]
     cu = case["cu_seqlens"] or [0, T]
     h0 = kwargs.get("initial_state")
     pieces_o, pieces_h = [], []
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # packed sequences: each one on its own
         rows = slice(None) if case["cu_seqlens"] is None else slice(0, 1)
-        take = lambda x: None if x is None else x[rows, a:b]  # noqa: E731
+        take = lambda x: None if x is None else x[rows, a:b]
         o_ref, h_ref = reference(case["rule"], take(kwargs["q"]), take(kwargs["k"]), take(kwargs["v"]),
                                  take(kwargs.get("beta")), take(kwargs.get("g")),
                                  None if h0 is None else (h0 if case["cu_seqlens"] is None else h0[i:i + 1]),

@@ -1,4 +1,4 @@
-"""The costs study (seed 000 Fig. 17.1 audit, seed 002 calculator): formulas against measurements."""
+"""The costs study (the per-solver audit and the memory calculator): formulas against measurements."""
 
 import json
 
