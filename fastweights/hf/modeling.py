@@ -26,6 +26,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..config import is_int
 from ..layers import AttentionState, FastWeightState
 from ..models import LM, LMConfig
 from ..models.lm import LMCache
@@ -256,7 +257,7 @@ class FastWeightsCache(Cache):
         window's), then commits the window; ``crop(0)`` only commits. A positive value (the
         legacy "keep this many tokens") is refused, as transformers' own caches refuse it.
         A bad value raises naming ``tokens_to_remove`` and leaves the cache as it was."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        if not is_int(tokens_to_remove):
             raise TypeError(f"FastWeightsCache.crop: `tokens_to_remove` must be an int <= 0, got {tokens_to_remove!r}")
         if tokens_to_remove > 0:
             raise ValueError(

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import Config, check_int
+from ..config import Config, check_int, is_int
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
 from ..ops import check_cu_seqlens, checked_cu_seqlens_cpu
@@ -278,10 +278,8 @@ class LMCache:
         tokens); the window stays open for a further rollback. A bad ``n`` raises a
         ValueError/TypeError and leaves the cache as it was.
         """
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"LMCache.rollback: `n` must be an int (tokens to remove), got {type(n).__name__} {n!r}")
-        if n < 0:
-            raise ValueError(f"LMCache.rollback: `n` must be >= 0 (tokens to remove), got {n}")
+        check_int("LMCache.rollback", "n", n, minimum=0, error=TypeError if not is_int(n) else ValueError,
+                  what="an int >= 0 (tokens to remove)")
         if n == 0:
             return
         if not self.window:

@@ -21,6 +21,8 @@ from typing import List, Optional
 
 import torch
 
+from ..config import check_int
+
 __all__ = ["SpeculativeStats", "speculative_generate", "lookup_proposals"]
 
 
@@ -56,8 +58,8 @@ def _check(model, prompt_ids: torch.Tensor, prompt_lookup, draft) -> None:
         raise ValueError(f"speculative decoding: one prompt at a time (batch size 1), got batch size {prompt_ids.shape[0]}")
     if (prompt_lookup is None) == (draft is None):
         raise ValueError("speculative decoding: give exactly one of `prompt_lookup` (k) and `draft` (a model)")
-    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1):
-        raise ValueError(f"speculative decoding: `prompt_lookup` must be an int >= 1 (tokens proposed per round), got {prompt_lookup!r}")
+    check_int("speculative decoding", "prompt_lookup", prompt_lookup, none_ok=True,
+              what="an int >= 1 (tokens proposed per round)")
     if draft is not None:
         if not isinstance(draft, type(model)):  # an LM (the model's class; no import of lm.py here)
             raise TypeError(f"speculative decoding: `draft` must be an LM, got {type(draft).__name__}")
@@ -87,8 +89,7 @@ def speculative_generate(
     """
     _check(model, prompt_ids, prompt_lookup, draft)
     k = prompt_lookup if draft is None else draft_tokens
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"speculative decoding: `draft_tokens` must be an int >= 1, got {k!r}")
+    check_int("speculative decoding", "draft_tokens", k, what="an int >= 1")
     stats = SpeculativeStats()
     tokens = prompt_ids[0].tolist()
     logits, cache = model(prompt_ids)

@@ -172,7 +172,7 @@ def test_bad_rollbacks_raise_and_leave_the_cache_unchanged(name, one_thread):
         _, cache = model(torch.randint(0, 40, (1, K)), cache)
         cache.rollback(1)  # a valid one first: the window is then K - 1 tokens
         snap = snapshot(cache)
-        for bad, err, match in [(-1, ValueError, r"`n` must be >= 0.*got -1"),
+        for bad, err, match in [(-1, ValueError, r"`n` must be an int >= 0.*got -1"),
                                 (K, ValueError, rf"`n`={K} is more than the {K - 1} token\(s\) of the open window"),
                                 (1.5, TypeError, r"`n` must be an int.*1\.5"), (True, TypeError, r"`n` must be an int")]:
             with pytest.raises(err, match=match):
