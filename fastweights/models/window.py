@@ -40,8 +40,8 @@ token), and a rolled-back cache is bitwise the cache of a window of the accepted
 only (tests/models/test_rollback.py). The memory runs the chunk form over the P rows
 when ``P >= chunk_from`` (pads get β = 0 and α = 1: no-ops), else the recurrent form
 over the real rows; the replay of a accepted tokens uses the form and width a window of
-a tokens uses. Linear attention always takes the recurrent form in a window (a pad
-cannot be neutral: φ(k) > 0).
+a tokens uses. Linear attention and KDA always take the recurrent form in a window (a
+pad cannot be neutral: φ(k) > 0; KDA's per-channel decay passes through a linear map).
 
 When a window is committed
 --------------------------
