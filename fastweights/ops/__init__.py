@@ -36,6 +36,7 @@ from .delta_rule import chunk_delta_rule, parallel_delta_rule, recurrent_delta_r
 from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReLU, Taylor, get_feature_map, normalize_qk
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
 from .linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
+from .precision import bf16_products, bf16_products_enabled, set_bf16_products
 from .softmax_attn import KVCache, softmax_attn, softmax_attn_reference
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
     "get_feature_map", "normalize_qk", "finite_checks", "value_checks",
+    "bf16_products", "bf16_products_enabled", "set_bf16_products",
     # flash-linear-attention's names, with fla's signatures (fastweights.ops._fla_compat)
     "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
     "fused_chunk_linear_attn",

@@ -43,6 +43,7 @@ import torch
 
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
 from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
+from .precision import product_dtype
 
 Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
@@ -254,9 +255,11 @@ def run_op(
         def head_first(t):
             return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
 
+        # bf16 operands for the products (fastweights.ops.precision): only cores that take them
+        low = product_dtype(out_dtype) if getattr(core, "takes_low_products", False) else None
         o, h_t = core(
             head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g),
-            initial_state, scale, chunk_size,
+            initial_state, scale, chunk_size, **({} if low is None else {"low": low}),
         )
         o = o.transpose(1, 2)  # [N, T, H, V]
         if packing is not None:
