@@ -42,7 +42,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
-from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
+from ._backend import backward_can_follow
+from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map, normalize_qk
 from .precision import product_dtype
 
 Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
@@ -224,10 +225,20 @@ def run_op(
             h_t = q.new_zeros(B, H, phi.output_dim(q.shape[-1]), v.shape[-1] + int(normalize), dtype=state_dtype(out_dtype))
         return v.new_empty(v.shape, dtype=out_dtype), (h_t if output_final_state else None)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # bf16 operands for the products (fastweights.ops.precision): only for cores that take
+    # them, in inference; q, k, v then stay bf16 unless a feature map or norm must run in fp32
+    low = None
+    if getattr(core, "takes_low_products", False) and not backward_can_follow(q, k, v, beta, g, initial_state):
+        low = product_dtype(out_dtype)
+    keep_low = low is not None and isinstance(phi, Identity) and qk_norm is None
+
+    def cast(t):
+        return t if keep_low else t.to(dt)
+
     with autocast_off(q.device):  # fp32 compute and state, whatever autocast would do (module docstring)
-        q = normalize_qk(phi(q.to(dt)), qk_norm, op)
-        k = normalize_qk(phi(k.to(dt)), qk_norm, op)
-        v = v.to(dt)
+        q = normalize_qk(phi(cast(q)), qk_norm, op)
+        k = normalize_qk(phi(cast(k)), qk_norm, op)
+        v = v if low is not None and not normalize else v.to(dt)
         if normalize:
             # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:
             # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.
@@ -255,8 +266,6 @@ def run_op(
         def head_first(t):
             return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
 
-        # bf16 operands for the products (fastweights.ops.precision): only cores that take them
-        low = product_dtype(out_dtype) if getattr(core, "takes_low_products", False) else None
         o, h_t = core(
             head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g),
             initial_state, scale, chunk_size, **({} if low is None else {"low": low}),

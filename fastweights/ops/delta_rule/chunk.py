@@ -73,17 +73,18 @@ class _Chunks:
         if inverse_blocks is None:
             inverse_blocks = diagonal_block_inverses(self.s, beta, UT_BLOCKS)
         self.inverse_blocks = inverse_blocks
-        self.q_decayed = _operand(decay.rows(q, decay.read), low)
-        self.k_decayed = _operand(decay.rows(k, decay.to_end), low)  # a new tensor with a gate, k itself without
+        self.q_decayed = _scaled_rows(q, decay.read, low)
+        self.k_decayed = _scaled_rows(k, decay.to_end, low)  # a new tensor with a gate, k itself without
         self.k, self.v = k, v
         if backward:
             self.a = beta.unsqueeze(-1) * self.s
             self.k_b = decay.rows(k, decay.read)
         else:  # [W | U] = (I + diag(β) S)⁻¹ diag(β) [K_b | V], by blocks with D_j = X_j diag(β_j)
-            rhs = kv if low is None else kv.to(wu.dtype)
-            if decay.read is not None:  # [K_b | V]; kv itself stays as it is (the backward may reuse it)
-                rhs = kv.clone() if low is None else rhs
-                rhs[..., :dk].mul_(decay.read.unsqueeze(-1))
+            rhs = kv
+            if decay.read is not None or low is not None:  # [K_b | V] in wu (the solve runs in place);
+                rhs = wu.copy_(kv)                         # kv stays as it is (the backward may reuse it)
+                if decay.read is not None:
+                    rhs[..., :dk].mul_(decay.read.unsqueeze(-1))
             ut_solve(self.s, beta, self.inverse_blocks, rhs, out=wu)
         self.wu, self.w, self.u = wu, wu[..., :dk], wu[..., dk:]
 
@@ -91,6 +92,15 @@ class _Chunks:
 def _operand(x: torch.Tensor, low: Optional[torch.dtype]) -> torch.Tensor:
     """``x`` as a product operand: itself, or cast to the low precision ``low`` (bf16 products)."""
     return x if low is None or x.dtype == low else x.to(low)
+
+
+def _scaled_rows(x: torch.Tensor, factor: Optional[torch.Tensor], low: Optional[torch.dtype]) -> torch.Tensor:
+    """``x ⊙ factor`` row by row as a product operand (``x`` itself without a factor): in one pass,
+    computed in the factor's precision and written in ``low`` when given."""
+    if factor is None:
+        return _operand(x, low)
+    out = None if low is None else x.new_empty(x.shape, dtype=low)
+    return torch.mul(x, factor.unsqueeze(-1), out=out)
 
 
 def _flat_kv(k, v, chunk_size, c0, c1, kv=None, dtype=None):
@@ -104,14 +114,15 @@ def _flat_kv(k, v, chunk_size, c0, c1, kv=None, dtype=None):
     return kv
 
 
-def _delta_scan(x, h, states, u_prime, low=None):
+def _delta_scan(x, h, states, u_prime, low=None, states_low=None, u_low=None):
     """The one sequential loop: ``U'_c = U_c − W_c h_c`` and ``h_{c+1} = e^{b_C} h_c + K̄_cᵀ U'_c``.
 
     ``h`` is the state entering the first chunk of ``x`` (``[N·H, K, V]``); the state
     entering each chunk is written into ``states [NC, N·H, K, V]`` and U' into
     ``u_prime`` (contiguous, ``[NC·N·H, C, V]``). Returns the state after the last chunk.
-    With ``low`` (bf16 products) the two products take ``low`` operands (h and U' are
-    rounded for the product only); h, U' and the sums stay in the state's dtype.
+    With ``low`` (bf16 products) the two products take ``low`` operands: h and U' are
+    rounded into ``states_low`` and ``u_low`` (shaped like ``states`` and ``u_prime``, kept
+    for the output's products), while h, U' and the sums stay in the state's dtype.
     """
     nc, nh, dk, dv = states.shape
     c = x.w.shape[-2]
@@ -123,16 +134,18 @@ def _delta_scan(x, h, states, u_prime, low=None):
     targets = states.unbind(0)[1:] + (None,)
     states[0] = h
     h = states[0]
+    if low is not None:
+        h_low, u_low = states_low.unbind(0), u_low.view(nc, nh, c, dv).unbind(0)
     for i in range(nc):
         if low is None:
             u_i = u_out[i].baddbmm_(w[i], h, alpha=-1.0)
         else:
-            u_i = u_out[i].sub_(torch.bmm(w[i], h.to(low)))
+            u_i = u_out[i].sub_(torch.bmm(w[i], h_low[i].copy_(h)))
         carried = h if last is None else h * last[i]
         if low is None:
             h = torch.baddbmm(carried, k_t[i], u_i, out=targets[i])
         else:
-            h = torch.add(carried, torch.bmm(k_t[i], u_i.to(low)), out=targets[i])
+            h = torch.add(carried, torch.bmm(k_t[i], u_low[i].copy_(u_i)), out=targets[i])
     return h
 
 
@@ -162,13 +175,14 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
     per = max(1, FORWARD_GROUP // (n * nh))
-    states = v.new_empty(nc, n * nh, dk, dv)
+    acc = beta.dtype  # of the state, the solve and every sum (q, k, v may be bf16 with ``low``)
+    states = v.new_empty(nc, n * nh, dk, dv, dtype=acc)
     rows = nc * n * nh
     if keep:
         q_flat, kv_flat = q.new_empty(rows, chunk_size, dk), k.new_empty(rows, chunk_size, dk + dv)
         wu, inverses = v.new_empty(rows, chunk_size, dk + dv), None
-    o = chunk_buffer(v, n, nh, nc, chunk_size)
-    h = v.new_zeros(n * nh, dk, dv) if h0 is None else h0
+    o = chunk_buffer(v, n, nh, nc, chunk_size)  # in v's dtype: bf16 with bf16 inputs and ``low``
+    h = v.new_zeros(n * nh, dk, dv, dtype=acc) if h0 is None else h0
     for c0 in range(0, nc, per):
         c1 = min(c0 + per, nc)
         r0, r1 = c0 * n * nh, c1 * n * nh
@@ -176,15 +190,17 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
         q_out = q_flat[r0:r1] if keep else (None if low is None else q.new_empty(r1 - r0, chunk_size, dk, dtype=low))
         qg = flat_chunks(q, chunk_size, c0, c1, out=q_out)
         kv = _flat_kv(k, v, chunk_size, c0, c1, kv_flat[r0:r1] if keep else None, dtype=low)
-        wu_g = wu[r0:r1] if keep else v.new_empty(r1 - r0, chunk_size, dk + dv)
+        wu_g = wu[r0:r1] if keep else v.new_empty(r1 - r0, chunk_size, dk + dv, dtype=acc)
         x = _Chunks(qg, kv, bg, gg, scale, backward=False, wu=wu_g, low=low)
-        u_prime = v.new_empty(wu_g.shape[:-1] + (dv,))
-        h = _delta_scan(x, h, states[c0:c1], u_prime, low)
-        entering = states[c0:c1].view(-1, dk, dv)
+        u_prime = wu_g.new_empty(wu_g.shape[:-1] + (dv,))
         if low is None:
-            og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, entering, alpha=scale)
-        else:
-            og = torch.bmm(x.scores, u_prime.to(low)).to(v.dtype).add_(torch.bmm(x.q_decayed, entering.to(low)), alpha=scale)
+            h = _delta_scan(x, h, states[c0:c1], u_prime)
+            og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
+        else:  # bf16 copies of the entering states and of U', made in the loop, serve the output's products
+            states_low = states.new_empty((c1 - c0,) + states.shape[1:], dtype=low)
+            u_low = u_prime.new_empty(u_prime.shape, dtype=low)
+            h = _delta_scan(x, h, states[c0:c1], u_prime, low, states_low, u_low)
+            og = torch.bmm(x.scores, u_low).to(acc).add_(torch.bmm(x.q_decayed, states_low.view(-1, dk, dv)), alpha=scale)
         put_chunks(o, og, c0)
         if keep:  # [W | U'] and X_j for the backward
             wu_g[..., dk:] = u_prime
@@ -330,7 +346,7 @@ def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False
     nc = -(-t_len // chunk_size)
     rows = nc * n * nh
     o = from_chunk_buffer(chunk_buffer(v, n, nh, nc, chunk_size), t_len)
-    out = (o, v.new_empty(n * nh, dk, dv), v.new_empty(nc, n * nh, dk, dv))
+    out = (o, v.new_empty(n * nh, dk, dv, dtype=beta.dtype), v.new_empty(nc, n * nh, dk, dv, dtype=beta.dtype))
     if not keep:
         return out + tuple(q.new_empty(0) for _ in range(4))
     nb = row_blocks(chunk_size, UT_BLOCKS)

@@ -68,7 +68,7 @@ def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, low=None
     inputs) runs :func:`low_products_step` instead, unless a backward may follow.
     """
     n, nh, t_len, dk = k.shape
-    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
+    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1], dtype=beta.dtype)  # bf16 k: fp32 state
     step = delta_rule_step
     if low is not None and not backward_can_follow(q, k, v, beta, g, h0):
         step = functools.partial(low_products_step, low=low)
