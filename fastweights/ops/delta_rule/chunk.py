@@ -67,8 +67,11 @@ class _Chunks:
         c, dk = q.shape[-2:]
         k, v = kv[..., :dk], kv[..., dk:]
         self.decay = decay = ChunkDecay(g, c, q.device, beta.dtype)
-        self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
-        s = k @ k.transpose(-1, -2)
+        k_t = k.transpose(-1, -2)
+        if low is not None:  # a bf16 bmm copies a transposed operand: once here, not in each product
+            k_t = k_t.contiguous()
+        self.scores = decay.mask_(q @ k_t).mul_(scale)
+        s = k @ k_t
         self.s = decay.mask_(s if low is None else s.float(), diagonal=-1)  # the solve stays fp32
         if inverse_blocks is None:
             inverse_blocks = diagonal_block_inverses(self.s, beta, UT_BLOCKS)
