@@ -23,31 +23,13 @@ from .._backend import backward_can_follow
 from .._fla_compat import fla_inputs
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
-
-
-def delta_rule_step(q, k, v, beta, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One token of the (gated) delta rule: ``q, k [..., K]``, ``v [..., V]``, ``beta [...]``,
-    ``g [...]`` or None, state ``h [..., K, V]`` -> ``(o [..., V], h')``.
-
-    :func:`delta_rule_recurrence` runs it token by token; a layer's decoding step
-    (``FastWeightMixer.step``) calls it directly on tensors it has already checked,
-    in the compute dtype (a batched matmul per product, no per-call checks).
-    """
-    shape, (dk, dv) = h.shape, h.shape[-2:]
-    h = h.reshape(-1, dk, dv)
-    if g is not None:
-        h = h * torch.exp(g).reshape(-1, 1, 1)
-    k = k.reshape(-1, 1, dk)
-    u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − hᵀk)
-    h = torch.addcmul(h, k.transpose(1, 2), u)  # h + k uᵀ (broadcast: faster than a bmm of inner size 1)
-    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)
-    return o.view(shape[:-2] + (dv,)), h.view(shape)
+from ..step import delta_update
 
 
 def low_products_step(q, k, v, beta, g, h, scale, low=torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`delta_rule_step` with ``low`` product operands (``fastweights.ops.precision``): the
-    reads hᵀk and hᵀq take k, q and h rounded to ``low``, the write k uᵀ takes k and u rounded
-    to ``low``; every sum and the state stay in h's dtype (a product of two bf16 numbers is exact
+    """:func:`~fastweights.ops.step.delta_update` with ``low`` product operands
+    (``fastweights.ops.precision``): the reads hᵀk and hᵀq take k, q and h rounded to ``low``,
+    the write k uᵀ takes k and u rounded to ``low``; every sum and the state stay in h's dtype (a product of two bf16 numbers is exact
     in fp32, so the write is exactly a bf16-operand product)."""
     shape, (dk, dv) = h.shape, h.shape[-2:]
     h = h.reshape(-1, dk, dv)
@@ -63,13 +45,14 @@ def low_products_step(q, k, v, beta, g, h, scale, low=torch.bfloat16) -> Tuple[t
 
 def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, low=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
+    Each token is the public step's arithmetic (:func:`fastweights.ops.step.delta_update`).
 
     ``low`` (set by the front end under :func:`fastweights.ops.bf16_products` for bf16
     inputs) runs :func:`low_products_step` instead, unless a backward may follow.
     """
     n, nh, t_len, dk = k.shape
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1], dtype=beta.dtype)  # bf16 k: fp32 state
-    step = delta_rule_step
+    step = delta_update
     if low is not None and not backward_can_follow(q, k, v, beta, g, h0):
         step = functools.partial(low_products_step, low=low)
     outputs = []
