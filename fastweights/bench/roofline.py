@@ -118,7 +118,7 @@ def limit_cases(device: str, C: int, K: int, V: int, state_bytes: int, batch: in
 
 def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode_batch: int) -> Dict[str, tuple]:
     """``name -> (fn, work, unit)`` for the ops (see the module docstring)."""
-    from . import ops
+    from .. import ops
 
     gen = torch.Generator().manual_seed(0)
 
