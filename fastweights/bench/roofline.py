@@ -12,10 +12,12 @@ figure is the best of its rounds), it times:
   step's state size;
 - the ops: ``chunk_delta_rule`` and ``chunk_gated_delta_rule`` forward (no grad) and
   forward+backward in fp32, the forward on bf16 inputs under
-  :func:`fastweights.ops.bf16_products`, and one decode step of the gated rule (T = 1
-  through ``recurrent_gated_delta_rule``, the state passed in and returned).
+  :func:`fastweights.ops.bf16_products`, and decode steps: the gated op at T = 1
+  (``recurrent_gated_delta_rule``, the state passed in and a new one returned) and the
+  public steps ``gated_delta_rule_step`` / ``delta_rule_step`` with ``inplace=True``
+  (a decoding loop's call).
 
-Each op row reports GFLOP/s (GB/s for the decode step: it reads and writes the state
+Each op row reports GFLOP/s (GB/s for a decode step: it reads and writes the state
 once) and its fraction of the matching limit: fp32 rows of the fp32 tile rate, the
 bf16 row of the bf16 tile rate (and of the fp32 one), the decode step of the copy
 bandwidth at the state's size.
@@ -165,7 +167,20 @@ def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode
         with torch.no_grad():
             ops.recurrent_gated_delta_rule(sq, sk, sv, sg, sb, initial_state=state, output_final_state=True)
 
-    cases["decode step gated fp32"] = (decode, 2 * state.numel() * 4, "GB/s")
+    live = state.clone()  # the public steps update it in place, as a decoding loop does
+    step_args = [t[:, 0] for t in (sq, sk, sv, sb)]
+
+    def step(gated: bool):
+        with torch.no_grad():
+            if gated:
+                ops.gated_delta_rule_step(*step_args, sg[:, 0], live, inplace=True, backend="torch")
+            else:
+                ops.delta_rule_step(*step_args, live, inplace=True, backend="torch")
+
+    moved = 2 * state.numel() * 4  # the state read and written once
+    cases["decode: recurrent_gated_delta_rule T=1"] = (decode, moved, "GB/s")
+    cases["decode: gated_delta_rule_step inplace"] = ((lambda: step(True)), moved, "GB/s")
+    cases["decode: delta_rule_step inplace"] = ((lambda: step(False)), moved, "GB/s")
     return cases
 
 
