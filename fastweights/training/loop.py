@@ -45,6 +45,7 @@ from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .distributed import Heartbeat, all_reduce_, collective, current_heartbeat, dist_info, maybe_init_distributed, set_heartbeat
 from .errors import CheckpointWriteError, RunFolderError
+from .data_files import check_data_files, data_fingerprints
 from .evaluation import evaluate, token_losses
 from .listing import mark_latest, remove_folder
 from .metrics import rewrite_metrics, write_metrics
@@ -86,6 +87,7 @@ def train(
     progress: Optional[bool] = None,
     log: Callable[[str], None] = print,
     desc: str = "train",
+    allow_data_change: bool = False,
 ) -> TrainResult:
     """Train an LM of ``model_config`` as ``config`` says; checkpoints go to ``out_dir``.
 
@@ -98,6 +100,8 @@ def train(
         overwrite: replace the run ``out_dir`` holds (without it, or ``resume``, a
             folder with another run's checkpoints is refused).
         progress: show a progress bar (``None``: only on a terminal and not under CI).
+        allow_data_change: resume even though the data files differ from the ones the run
+            recorded (:mod:`fastweights.training.data_files`; refused otherwise).
         log: where evaluation lines go.
 
     Raises:
@@ -137,7 +141,8 @@ def train(
         if config.threads:
             torch.set_num_threads(config.threads)
         with StopSignals(on_force=lock.release if lock is not None else lambda: None) as stop:
-            return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop)
+            return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop,
+                          allow_data_change=allow_data_change)
     finally:
         set_heartbeat(None)
         torch.set_num_threads(threads)  # a setting of this run, not of the caller's process
@@ -147,10 +152,12 @@ def train(
             dist.destroy_process_group()
 
 
-def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None) -> TrainResult:
+def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None,
+           allow_data_change=False) -> TrainResult:
     if config.batch_size % world:
         raise ValueError(f"train: `batch_size`={config.batch_size} must be divisible by the number of processes ({world})")
     task = make_task(config)
+    data_files = data_fingerprints(config)  # recorded in every checkpoint, checked on resume
     if model_config.vocab_size != task.vocab_size:
         raise ValueError(
             f"train: the model's `vocab_size`={model_config.vocab_size} does not match the data's "
@@ -170,6 +177,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
 
     if resume:
         ckpt = load_training_checkpoint(out_dir)
+        check_data_files(ckpt.train.get("data_files"), data_files, allow_data_change, log)
         run_id = ckpt.train.get("run_id") or run_id  # checkpoints from before run ids get one now
         check_training_tensors(ckpt, optimizer)
         load_weights(model, ckpt.weights, ckpt.path)
@@ -249,7 +257,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         saved = None
         if out_dir is not None and ((config.save_every and (step + 1) % config.save_every == 0) or last or interrupted):
             if rank == 0:
-                saved = _save(out_dir, model, optimizer, scaler, model_config, config, task, step + 1, history, evals, run_id)
+                saved = _save(out_dir, model, optimizer, scaler, model_config, config, task, step + 1, history, evals, run_id,
+                              data_files)
             if world > 1:
                 collective("the barrier after a checkpoint", dist.barrier)
         if interrupted and not last:
@@ -260,7 +269,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     return TrainResult(model, history, evals, time.perf_counter() - t0, task)
 
 
-def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, history, evals, run_id) -> str:
+def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, history, evals, run_id,
+          data_files=None) -> str:
     """Write ``ckpt-<step>`` (with ``run_id``), point ``latest`` at it, prune this run's older ones."""
     tensors, optimizer_info = optimizer_to_flat(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
@@ -268,6 +278,8 @@ def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, h
         "run_id": run_id, "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
         "optimizer": optimizer_info, "history": history, "evals": evals,
     }
+    if data_files:  # absolute paths and fingerprints of the text files (training/data_files.py)
+        train_state["data_files"] = data_files
     if scaler.is_enabled():  # scale, growth factors and interval, steps since the last overflow: plain numbers
         train_state["grad_scaler"] = scaler.state_dict()
     try:
