@@ -99,12 +99,12 @@ def test_every_in_range_setting_answers_or_names_a_field_long():
 
 
 @pytest.mark.parametrize("body, field", [
-    (b'{"geometry": "seed", "d": 2, "n": 4}', "`n`"),
+    (b'{"geometry": "example", "d": 2, "n": 4}', "`n`"),
     (b'{"n": ' + b"1" * 5000 + b"}", "`n`"),
     (b'{"beta": -' + b"9" * 5000 + b".5}", "`beta`"),
     (b"[" * 30000 + b"]" * 30000, "nest"),
     (b'{"seed": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nest"),
-], ids=["seed-geometry-N4", "5000-digit-int", "5000-digit-float", "deep-array", "deep-field"])
+], ids=["example-geometry-N4", "5000-digit-int", "5000-digit-float", "deep-array", "deep-field"])
 def test_pathological_bodies_get_a_4xx_naming_the_problem(lab, body, field):
     status, answer, _, _ = post(lab, "interference", body)
     assert 400 <= status < 500 and field in answer["error"], (status, answer)
