@@ -68,8 +68,8 @@ def sweep(trials: int, seed: int) -> None:
     """A seeded sweep of in-range values of every panel: a finite JSON answer, or a LabInputError."""
     rng = random.Random(seed)
     small = {"n": 24, "d": 8, "t": 16, "features": 64, "context": 4096}
-    for panel, (fields, fn, _) in compute.PANELS.items():
-        for trial in range(trials):
+    for panel, (fields, _fn, _) in compute.PANELS.items():
+        for _trial in range(trials):
             body = {}
             for name, f in fields.items():
                 if f.kind == "int":
