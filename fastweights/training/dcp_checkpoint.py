@@ -36,7 +36,7 @@ import json
 import os
 import pickle
 import shutil
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, ClassVar
 
 import torch
 
@@ -44,11 +44,18 @@ FORMAT_DCP = "fastweights-dcp-1"
 DCP_METADATA = ".metadata"
 DCP_SUFFIX = ".distcp"
 
-__all__ = ["FORMAT_DCP", "is_sharded_checkpoint", "save_sharded", "load_sharded", "load_full_weights",
-           "verify_sharded_files", "SafeFileSystemReader"]
+__all__ = [
+    "FORMAT_DCP",
+    "SafeFileSystemReader",
+    "is_sharded_checkpoint",
+    "load_full_weights",
+    "load_sharded",
+    "save_sharded",
+    "verify_sharded_files",
+]
 
 
-def is_sharded_checkpoint(path: "str | os.PathLike") -> bool:
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     """Whether the checkpoint folder ``path`` was written by DCP (an FSDP run)."""
     return os.path.isfile(os.path.join(os.fspath(path), DCP_METADATA))
 
@@ -56,7 +63,7 @@ def is_sharded_checkpoint(path: "str | os.PathLike") -> bool:
 def verify_sharded_files(path: str, listed) -> None:
     """Every DCP file in the folder (``.metadata``, ``*.distcp``) must be in the manifest's list ``listed``:
     an extra shard cannot be verified, so it is refused rather than read."""
-    from .checkpoint import CheckpointError, MANIFEST
+    from .checkpoint import MANIFEST, CheckpointError
 
     for name in sorted(os.listdir(path)):
         if (name == DCP_METADATA or name.endswith(DCP_SUFFIX)) and name not in listed:
@@ -66,7 +73,7 @@ def verify_sharded_files(path: str, listed) -> None:
 # -- reading DCP's metadata without running code ----------------------------------------------------
 
 
-def _allowed_globals() -> Dict[Tuple[str, str], Any]:
+def _allowed_globals() -> dict[tuple[str, str], Any]:
     import pathlib
 
     from torch.distributed.checkpoint import filesystem, metadata
@@ -87,7 +94,7 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    allowed: Dict[Tuple[str, str], Any] = {}
+    allowed: ClassVar[dict[tuple[str, str], Any]] = {}
 
     def find_class(self, module: str, name: str):
         found = self.allowed.get((module, name))
@@ -157,10 +164,9 @@ def save_sharded(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     config_json: str,
-    train: Dict[str, Any],
+    train: dict[str, Any],
     *,
     rank: int,
-    barrier: Callable[[str], None],
 ) -> str:
     """Write a sharded checkpoint at ``path`` from every rank (a collective); returns ``path``.
 
@@ -170,8 +176,8 @@ def save_sharded(
         config_json: the model's config as JSON text.
         train: the JSON training state (run id, step, configs, history, evals); the
             optimizer's hyperparameters, the format and the world size are added.
-        rank: this process's rank (rank 0 writes the JSON files and the manifest, and renames).
-        barrier: ``barrier(what)`` waits for every rank (with the run's deadline).
+        rank: this process's rank (rank 0 writes the JSON files and the manifest, and renames; the
+            caller waits for it at a barrier before any rank reads the checkpoint).
 
     Raises:
         CheckpointWriteError: a write failed (a full disk); nothing was replaced.
@@ -196,11 +202,13 @@ def save_sharded(
     error = None
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    except (OSError, RuntimeError, CheckpointException) as e:  # a full disk on any rank: DCP raises on every rank
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP raises on every rank when one fails
         error = _first_failure(e)
     if error is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(error, OSError):  # a rank gone or silent: the caller's collective error names it
+            raise RuntimeError(f"sharded checkpoint {path}: {_reason(error)}") from None
         raise CheckpointWriteError(f"could not write checkpoint {path}: {_reason(error)}") from None
     if rank == 0:
         try:
@@ -232,7 +240,7 @@ def save_sharded(
     return path
 
 
-def _agree(error: Optional[BaseException], rank: int, path: str, tmp: str, what: str) -> None:
+def _agree(error: BaseException | None, rank: int, path: str, tmp: str, what: str) -> None:
     """Every rank learns whether rank 0's step ``what`` failed (a one-number broadcast), and all raise."""
     import torch.distributed as dist
 
@@ -248,7 +256,7 @@ def _agree(error: Optional[BaseException], rank: int, path: str, tmp: str, what:
         raise CheckpointWriteError(f"could not write checkpoint {path}: {reason}")
 
 
-def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: Dict[str, Any]) -> None:
+def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: dict[str, Any]) -> None:
     """Fill the (sharded) ``model`` and ``optimizer`` and the RNG from the sharded checkpoint ``path``
     (a collective; each rank reads the slices it holds, whatever world size wrote them).
 

@@ -24,12 +24,11 @@ does by default is switched off, since the loss is already normalized globally).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelPlan", "plan_parallel", "shard_model", "mixed_precision_policy"]
+__all__ = ["ParallelPlan", "mixed_precision_policy", "plan_parallel", "shard_model"]
 
 
 @dataclass
@@ -46,8 +45,8 @@ class ParallelPlan:
     dp: int
     cp: int
     fsdp: bool = False
-    cp_group: Optional["dist.ProcessGroup"] = None
-    mesh: Optional[object] = None
+    cp_group: dist.ProcessGroup | None = None
+    mesh: object | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -67,7 +66,7 @@ class ParallelPlan:
         per = seq_len // self.cp
         return slice(self.cp_rank * per, (self.cp_rank + 1) * per)
 
-    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``inputs, targets (B, T)`` of the global batch -> this rank's ``(B/dp, T/cp)`` piece."""
         rows, cols = self.rows(inputs.shape[0]), self.columns(inputs.shape[1])
         return inputs[rows, cols], targets[rows, cols]
@@ -127,9 +126,9 @@ def shard_model(model: torch.nn.Module, plan: ParallelPlan, precision: str = "fp
     FSDP2's ``fully_shard`` over ``plan.mesh``; the gradients are reduced as sums. In place;
     returns ``model``. The root unit holds the embedding, the final norm and the (tied) output
     projection."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     import warnings
+
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     # The blocks return their decode state too; its short-convolution tail is a view of the block's
     # input. Nothing changes it in place (training discards it), which is what this warning is about.
@@ -141,4 +140,5 @@ def shard_model(model: torch.nn.Module, plan: ParallelPlan, precision: str = "fp
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sums: the loss is normalized by the global token count
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     return model
