@@ -26,7 +26,8 @@ from ..config import add_config_arguments, overrides_from_args
 # Model defaults of the command line (LMConfig's own defaults are for a larger model).
 MODEL_DEFAULTS = {"d_model": 64, "n_layers": 2, "n_heads": 2, "mixer": "deltanet"}
 # Fields of TrainConfig that may change when a run is resumed.
-RESUMABLE = ("steps", "eval_every", "eval_batches", "eval_tokens", "save_every", "keep_checkpoints", "threads", "ddp_timeout")
+RESUMABLE = ("steps", "eval_every", "eval_batches", "eval_tokens", "save_every", "keep_checkpoints", "threads", "ddp_timeout",
+             "context_parallel")
 # What the help shows for the model fields this command fills in itself.
 MODEL_HELP_DEFAULTS = {**MODEL_DEFAULTS, "vocab_size": "from the data (256 for text)", "max_seq_len": "max(seq_len, 64)"}
 

@@ -51,7 +51,7 @@ __all__ = [
     "load_full_weights",
     "load_sharded",
     "save_sharded",
-    "verify_sharded_files",
+    "is_dcp_file",
 ]
 
 
@@ -60,14 +60,9 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), DCP_METADATA))
 
 
-def verify_sharded_files(path: str, listed) -> None:
-    """Every DCP file in the folder (``.metadata``, ``*.distcp``) must be in the manifest's list ``listed``:
-    an extra shard cannot be verified, so it is refused rather than read."""
-    from .checkpoint import MANIFEST, CheckpointError
-
-    for name in sorted(os.listdir(path)):
-        if (name == DCP_METADATA or name.endswith(DCP_SUFFIX)) and name not in listed:
-            raise CheckpointError(f"{path}: checkpoint file {name} is not listed in {MANIFEST}: it cannot be verified")
+def is_dcp_file(name: str) -> bool:
+    """Whether a file name in a checkpoint folder is one of DCP's (the index or a rank's shards)."""
+    return name == DCP_METADATA or name.endswith(DCP_SUFFIX)
 
 
 # -- reading DCP's metadata without running code ----------------------------------------------------

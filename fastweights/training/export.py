@@ -3,7 +3,8 @@
 The file is a safetensors file whose metadata holds what a checkpoint's
 ``model.safetensors`` holds (the format name, the LMConfig as JSON, the dtype) plus
 ``"tensors_sha256"``: the SHA-256 of every tensor's name, dtype, shape and bytes, in
-name order. Loading (``generate``, ``eval``, ``hf convert``, :func:`load_model_file`)
+name order, and ``"train"``: the run's id, step, tokenizer and training config (JSON; no
+optimizer state: the file is for using the model, not for resuming its training). Loading (``generate``, ``eval``, ``hf convert``, :func:`load_model_file`)
 checks that digest, so a flipped bit is refused as a checkpoint's manifest refuses it.
 Written atomically (a temp file, fsync, rename); read without executing code.
 
@@ -23,6 +24,8 @@ import torch
 __all__ = ["export_model", "is_model_file", "load_model_file", "save_model_file", "tensors_sha256"]
 
 DIGEST_KEY = "tensors_sha256"
+TRAIN_KEY = "train"  # the run's tokenizer and training config, for generate and eval
+RUN_FIELDS = ("run_id", "step", "tokenizer", "train_config")
 
 
 def is_model_file(path: str | os.PathLike) -> bool:
@@ -40,8 +43,9 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_model_file(model, path: str | os.PathLike) -> str:
-    """Write ``model`` (an :class:`~fastweights.models.LM`) as one safetensors file at ``path``, atomically."""
+def save_model_file(model, path: str | os.PathLike, train: dict | None = None) -> str:
+    """Write ``model`` (an :class:`~fastweights.models.LM`) as one safetensors file at ``path``, atomically.
+    ``train``: what the loaders need of the run (``tokenizer``, ``train_config``, ``step``, ``run_id``), as JSON."""
     from safetensors.torch import save_file
 
     from .checkpoint import FORMAT, _weights_of
@@ -51,6 +55,8 @@ def save_model_file(model, path: str | os.PathLike) -> str:
     weights = _weights_of(model)
     metadata = {"format": FORMAT, "config": model.config.to_json(),
                 "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), DIGEST_KEY: tensors_sha256(weights)}
+    if train:
+        metadata[TRAIN_KEY] = json.dumps(train)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -70,7 +76,8 @@ def save_model_file(model, path: str | os.PathLike) -> str:
 
 
 def load_model_file(path: str | os.PathLike):
-    """``(config, weights)`` of a single-file model, its digest checked; :class:`CheckpointError` otherwise."""
+    """``(config, weights, train)`` of a single-file model, its digest checked (``train``: the run's
+    tokenizer and training config, or ``None``); :class:`CheckpointError` otherwise."""
     from ..models import LMConfig
     from .checkpoint import FORMAT, _read_safetensors
     from .errors import CheckpointError
@@ -90,7 +97,13 @@ def load_model_file(path: str | os.PathLike):
         config = LMConfig.from_dict(LMConfig.fill_legacy(json.loads(metadata["config"])), source=f"file {path}")
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: the config in its metadata is invalid: {e}") from None
-    return config, weights
+    try:
+        train = json.loads(metadata[TRAIN_KEY]) if TRAIN_KEY in metadata else None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: the `{TRAIN_KEY}` entry of its metadata is not valid JSON: {e}") from None
+    if train is not None and not isinstance(train, dict):
+        raise CheckpointError(f"{path}: the `{TRAIN_KEY}` entry of its metadata must be a JSON object")
+    return config, weights, train
 
 
 def export_model(source: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype | None = None) -> str:
@@ -101,5 +114,6 @@ def export_model(source: str | os.PathLike, out: str | os.PathLike, dtype: torch
 
     if not os.fspath(out).endswith(".safetensors"):
         raise ValueError(f"export: `--out` must name a .safetensors file, got {os.fspath(out)!r}")
-    model, _ = load_model(source, dtype=dtype)
-    return save_model_file(model, out)
+    model, ckpt = load_model(source, dtype=dtype)
+    train = {k: ckpt.train[k] for k in RUN_FIELDS if k in (ckpt.train or {})}
+    return save_model_file(model, out, train)

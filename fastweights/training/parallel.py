@@ -142,3 +142,12 @@ def shard_model(model: torch.nn.Module, plan: ParallelPlan, precision: str = "fp
             module.set_gradient_divide_factor(1.0)  # sums: the loss is normalized by the global token count
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     return model
+
+
+def init_single_process_group(timeout: float) -> bool:
+    """A gloo process group of this one process (FSDP and DCP need one even then); True once made."""
+    import datetime
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return True

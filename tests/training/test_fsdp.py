@@ -1,0 +1,280 @@
+"""FSDP2 training (``train --fsdp``) on the CPU with gloo: the same steps as one process, sharded
+checkpoints through DCP that resume bitwise on the same world size and on another one, export to one
+file, and a killed or stopped rank ending the job within the deadline without losing what was saved.
+
+Every process is started by torchrun from a subprocess with a timeout: nothing here can hang. The
+default run keeps two 2-rank launches (about 30 s on 2 busy cores); ``-m slow`` adds the 4-rank ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastweights.cli import main as cli_main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--threads", "1", "--recall-keys", "8",
+        "--recall-values", "8", "--recall-pairs", "8", "--recall-active-keys", "4", "--recall-queries", "2",
+        "--eval-every", "0", "--progress", "off", "--batch-size", "8"]
+ENV = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(nproc, *args):
+    """Start ``nproc`` ranks of ``fastweights.cli *args`` as torchrun would (its environment, without its agent)."""
+    port, procs = free_port(), []
+    for rank in range(nproc):
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "fastweights.cli", *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def torchrun(nproc, *args, timeout=240):
+    """Run ``nproc`` ranks to the end (all killed after ``timeout`` s); returncode 0 when every rank exited 0,
+    stderr: every rank's, rank by rank."""
+    procs = spawn(nproc, *args)
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outputs),
+                                       "".join(f"[rank {r}] {e}" for r, (_, e) in enumerate(outputs)))
+
+
+def losses(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+
+
+def rewind(run, copy, step):
+    """A copy of ``run`` as a run killed right after its checkpoint of ``step``: the later checkpoints gone,
+    ``latest`` naming it (the metrics after it are dropped by the resume)."""
+    shutil.copytree(run, copy)
+    for name in os.listdir(copy):
+        if name.startswith("ckpt-") and int(name.split("-")[1]) > step:
+            shutil.rmtree(os.path.join(copy, name))
+    (copy / "latest").write_text(f"ckpt-{step:06d}\n")
+    return copy
+
+
+def final_weights(path):
+    from fastweights.training.checkpoint import load_model
+
+    model, _ = load_model(path)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """A 2-rank FSDP run in float64: 6 steps, a sharded checkpoint every 3 (both kept)."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    args = ["train", "--fsdp", "--dtype", "float64", "--steps", "6", "--save-every", "3", "--keep-checkpoints", "2",
+            *TINY, "--out", str(out)]
+    done = torchrun(2, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, args
+
+
+def test_fsdp_equals_one_process_and_exports_one_file(fsdp_run, tmp_path):
+    out, args = fsdp_run
+    one = tmp_path / "one"
+    plain = [a for a in args if a != "--fsdp"][:-1] + [str(one)]
+    assert cli_main(plain) == 0
+    a, b = losses(one), losses(out)
+    diff = max(abs(x[1] - y[1]) for x, y in zip(a, b))
+    print(f"FSDP on 2 ranks vs one process, float64, 6 steps: max |loss difference| {diff:.2e}; "
+          f"losses {a[0][1]:.4f} -> {a[-1][1]:.4f}")
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
+    assert diff <= 1e-10 and a[0][1] != a[-1][1]
+    assert sorted(n for n in os.listdir(out / "ckpt-000006") if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    model_file = tmp_path / "model.safetensors"
+    assert cli_main(["export", str(out), "--out", str(model_file)]) == 0
+    sharded, single = final_weights(model_file), final_weights(one)
+    worst = max(float((sharded[k] - single[k]).abs().max()) for k in single)
+    print(f"exported FSDP weights vs the one-process run's: max |difference| {worst:.2e}")
+    assert sharded.keys() == single.keys() and worst <= 1e-10
+    assert cli_main(["generate", str(model_file), "--prompt", "a 1 ?", "--max-new-tokens", "3"]) == 0
+
+
+def test_fsdp_resume_is_bitwise_and_reshards_to_one_process(fsdp_run, tmp_path):
+    out, args = fsdp_run
+    same = rewind(out, tmp_path / "same", 3)
+    done = torchrun(2, *args[:-1], str(same), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(same) == losses(out)  # bit for bit: the same shards, the same sums
+
+    other = rewind(out, tmp_path / "other", 3)  # 2 ranks wrote it; one process resumes it (DCP reshards)
+    assert cli_main([*args[:-1], str(other), "--resume"]) == 0
+    diff = max(abs(x[1] - y[1]) for x, y in zip(losses(other), losses(out)))
+    print(f"resumed 2 ranks -> 1 process: max |loss difference| {diff:.2e} (the sums' order changed)")
+    assert [s for s, _ in losses(other)] == list(range(1, 7)) and diff <= 1e-10
+
+
+def test_a_sharded_checkpoint_is_checked_before_it_is_read(fsdp_run, tmp_path, capsys):
+    out, args = fsdp_run
+    run = rewind(out, tmp_path / "run", 6)
+    shard = run / "ckpt-000006" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["export", str(run), "--out", str(tmp_path / "m.safetensors")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "checkpoint file __1_0.distcp fails its SHA-256 check" in err, err
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_dcp_metadata_is_read_without_running_code(fsdp_run, tmp_path):
+    """DCP's .metadata is a pickle: an object outside DCP's metadata classes is refused, not built."""
+    import pickle
+
+    from fastweights.training.dcp_checkpoint import _read_metadata
+    from fastweights.training.errors import CheckpointError
+
+    out, _ = fsdp_run
+    _read_metadata(str(out / "ckpt-000006" / ".metadata"))  # the real one reads
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    bad = tmp_path / ".metadata"
+    bad.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="posix.system is not part of DCP's checkpoint metadata"):
+        _read_metadata(str(bad))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_context_parallel_must_divide_the_world():
+    from fastweights.training.parallel import plan_parallel
+
+    with pytest.raises(ValueError, match=r"--context-parallel 3 does not divide the number of processes \(4\)"):
+        plan_parallel(0, 4, 3)
+    with pytest.raises(ValueError, match=r"`context_parallel` \(--context-parallel\) must be an int >= 1, got 0"):
+        plan_parallel(0, 4, 0)
+    plan = plan_parallel(0, 1, 1)
+    assert (plan.dp, plan.cp) == (1, 1)
+
+
+def test_the_grid_splits_rows_over_dp_and_tokens_over_cp():
+    from fastweights.training.parallel import ParallelPlan
+
+    inputs = torch.arange(4 * 8).view(4, 8)
+    pieces = {}
+    for rank in range(4):  # 2 data-parallel groups of 2 context-parallel ranks
+        plan = ParallelPlan(rank, 4, dp=2, cp=2)
+        pieces[rank] = plan.local_batch(inputs, inputs)[0]
+    assert torch.equal(torch.cat([torch.cat([pieces[0], pieces[1]], 1), torch.cat([pieces[2], pieces[3]], 1)]), inputs)
+    with pytest.raises(ValueError, match="--context-parallel 2 cannot split"):
+        ParallelPlan(0, 4, dp=2, cp=2).check_batch(4, 7)
+
+
+# -- 4 ranks, failures (slow) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_four_ranks_fp32_match_one_process_and_resume_on_two(tmp_path):
+    out = tmp_path / "four"
+    args = ["train", "--fsdp", "--steps", "6", "--save-every", "3", "--keep-checkpoints", "2", *TINY]
+    done = torchrun(4, *args, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = tmp_path / "one"
+    assert cli_main([a for a in args if a != "--fsdp"] + ["--out", str(one)]) == 0
+    a, b = losses(one), losses(out)
+    rel = max(abs(x[1] - y[1]) / abs(x[1]) for x, y in zip(a, b))
+    print(f"FSDP on 4 ranks vs one process, float32: max relative loss difference {rel:.2e}")
+    assert rel <= 1e-5
+
+    same = rewind(out, tmp_path / "same", 3)
+    assert torchrun(4, *args, "--out", str(same), "--resume").returncode == 0
+    assert losses(same) == losses(out)
+    two = rewind(out, tmp_path / "two", 3)
+    done = torchrun(2, *args, "--out", str(two), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rel = max(abs(x[1] - y[1]) / abs(x[1]) for x, y in zip(losses(two), losses(out)))
+    print(f"resumed 4 ranks -> 2: max relative loss difference {rel:.2e}")
+    assert rel <= 1e-5
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_trains(tmp_path):
+    args = ["train", "--fsdp", "--precision", "bf16", "--steps", "30", "--save-every", "0", *TINY, "--lr", "1e-2"]
+    done = torchrun(2, *args, "--out", str(tmp_path / "bf16"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    fp32 = tmp_path / "fp32"
+    assert cli_main([a for a in args if a not in ("--fsdp",)][:-6] + args[-6:] + ["--precision", "fp32", "--out", str(fp32)]) == 0
+    a, b = losses(fp32), losses(tmp_path / "bf16")
+    print(f"bf16 FSDP vs fp32 one process: first loss {b[0][1]:.4f} vs {a[0][1]:.4f}, last {b[-1][1]:.4f} vs {a[-1][1]:.4f}")
+    assert abs(a[0][1] - b[0][1]) < 0.02 and b[-1][1] < b[0][1]
+
+
+def _wait_for(predicate, procs, timeout=180, what="a condition"):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert all(p.poll() is None for p in procs), f"a rank ended before {what}"
+        assert time.time() < deadline, f"no {what} in {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_rank_ends_the_job_and_keeps_the_checkpoints(tmp_path, fault):
+    """One of 4 FSDP ranks is killed (or stopped) after the second checkpoint: every other rank exits with
+    the one-line error within the deadline (--ddp-timeout 6), the checkpoints written before load, and a
+    resume ends on the uninterrupted run's losses."""
+    out = tmp_path / "run"
+    args = ["train", "--fsdp", "--steps", "400", "--save-every", "2", "--keep-checkpoints", "2", "--ddp-timeout", "6",
+            *TINY, "--out", str(out)]
+    procs = spawn(4, *args)
+    try:
+        _wait_for(lambda: (out / "latest").exists() and (out / "latest").read_text().strip() >= "ckpt-000004", procs,
+                  what="the second checkpoint")
+        victim = procs[2]
+        victim.send_signal(getattr(signal, fault))
+        hit = time.time()
+        results = [(p.communicate(timeout=120), p.returncode) for p in (procs[0], procs[1], procs[3])]
+        took = time.time() - hit
+        for (o, err), code in results:
+            print(f"exit {code} after {took:.1f} s: {err.strip().splitlines()[-1] if err.strip() else ''}")
+            assert code == 1 and "Traceback" not in err, err[-2000:]
+            assert "rank 2" in err and "--ddp-timeout" in err, err[-2000:]
+        assert took < 6 + 60
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+    from fastweights.training.checkpoint import load_checkpoint
+
+    saved = [n for n in os.listdir(out) if n.startswith("ckpt-") and ".tmp" not in n]
+    for name in saved:
+        load_checkpoint(out / name)  # every checkpoint written before the fault verifies
+    step = int((out / "latest").read_text().strip().split("-")[1])
+    assert step >= 4
+    resumed = torchrun(4, *args[:3], str(step + 2), *args[4:], "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [s for s, _ in losses(out)] == list(range(1, step + 3))
