@@ -278,3 +278,36 @@ def test_a_lost_rank_ends_the_job_and_keeps_the_checkpoints(tmp_path, fault):
     resumed = torchrun(4, *args[:3], str(step + 2), *args[4:], "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [s for s, _ in losses(out)] == list(range(1, step + 3))
+
+
+def test_a_failure_names_the_rank_whose_pulse_stopped_not_those_that_gave_up():
+    """Rank 2 of 4 is killed: rank 1 fails fast (its connection to rank 2 was reset) and gives up; rank 0
+    then times out. Rank 0 names rank 2 (no pulse, never gave up), not rank 1 (which only gave up)."""
+    from fastweights.training.distributed import Heartbeat
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value.encode()
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def get(self, key):
+            return self[key]
+
+    store, now = Store(), time.time()
+    beats = [Heartbeat(r, 4, interval=60.0, log=lambda _: None, pulse=0.05) for r in range(4)]
+    for hb in beats:
+        hb.store = store
+        hb.beat(4)
+        store.set(Heartbeat.ALIVE.format(hb.rank), str(now))
+    store.set(Heartbeat.ALIVE.format(0), str(now + 1.0))  # rank 0 and 3 are still pulsing
+    store.set(Heartbeat.ALIVE.format(3), str(now + 1.0))
+    store.set(Heartbeat.GAVE_UP.format(1), str(now))  # rank 1 exited for rank 2's sake
+    time.sleep(0.3)  # more than 5 pulses: rank 1's and 2's pulses are stale
+    store.set(Heartbeat.ALIVE.format(3), str(time.time()))
+    error = str(beats[0].failure("the forward pass", RuntimeError("Timed out waiting 6000ms for recv operation")))
+    print(error)
+    named = error.split("waiting for ")[1].split("; the job")[0]
+    assert "rank 2 (silent for" in named and "killed or stopped" in named
+    assert "rank 1" not in named and "rank 3" not in named
