@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,triton]'
-	# test-only oracle of the fla drop-in tests (tests/test_fla_*.py); --no-deps keeps the
+	# test-only oracle of the fla drop-in tests (tests/*/test_fla_*.py); --no-deps keeps the
 	# pinned torch. Those tests skip with a reason if this install fails (e.g. offline).
 	-$(PY) -m pip install --quiet --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0
 	touch $(STAMP)

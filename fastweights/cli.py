@@ -23,7 +23,7 @@ import importlib
 import sys
 from typing import List, Optional
 
-from .allocator import tune_cpu_allocator
+from .training.allocator import tune_cpu_allocator
 
 # name -> module with `add_parser(subparsers)`; each parser sets `func(args) -> int`.
 COMMANDS = {
@@ -76,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if extras:  # argparse only says "unrecognized"; name the flag that was probably meant
         command = getattr(args, "command", None)
         (subcommand_parser(parser, command) if command else parser).error(unknown_flag_message(parser, command, extras))
-    tune_cpu_allocator()  # keep freed memory in the process: see fastweights/allocator.py
+    tune_cpu_allocator()  # keep freed memory in the process: see fastweights/training/allocator.py
     try:
         return int(args.func(args) or 0)
     except ValueError as e:  # bad input (a config, a file, a prompt): the message, not a traceback

@@ -1,4 +1,11 @@
 import os
+import sys
+
+# The tests live in one folder per room (tests/ops, tests/layers, ...); every one of them
+# imports the shared helpers as `from helpers import ...`, so this folder goes on the path.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 # Triton decides when it is first imported whether kernels compile for a GPU or run on
 # numpy (TRITON_INTERPRET=1). Without an NVIDIA driver the interpreter is the only way

@@ -1,12 +1,12 @@
-"""``fastweights bench``: training speed of the delta rule's chunk path (``fastweights/bench.py``);
-``fastweights bench --lm``: the whole LM per mixer, training step and decoding step (``fastweights/lm_bench.py``)."""
+"""``fastweights bench``: training speed of the delta rule's chunk path (``fastweights/bench/chunk_speed.py``);
+``fastweights bench --lm``: the whole LM per mixer, training step and decoding step (``fastweights/bench/lm_speed.py``)."""
 
 from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from ..bench import add_arguments
-    from ..lm_bench import add_arguments as add_lm_arguments
+    from ..bench.chunk_speed import add_arguments
+    from ..bench.lm_speed import add_arguments as add_lm_arguments
 
     p = sub.add_parser(
         "bench",
@@ -15,16 +15,16 @@ def add_parser(sub) -> None:
     )
     add_arguments(p)
     p.add_argument("--lm", action="store_true",
-                   help="time the LM per mixer instead (fastweights/lm_bench.py; JSON to benchmarks/results/lm_speed.json)")
+                   help="time the LM per mixer instead (fastweights/bench/lm_speed.py; JSON to docs/results/lm_speed.json)")
     add_lm_arguments(p, standalone=False)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     if args.lm:
-        from ..lm_bench import run as run_lm
+        from ..bench.lm_speed import run as run_lm
 
         return run_lm(args)
-    from ..bench import run as run_chunk
+    from ..bench.chunk_speed import run as run_chunk
 
     return run_chunk(args)

@@ -35,25 +35,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def split_accuracy(model, data, batches: int, seed: int):
-    """Recall accuracy over fresh sequences: (all, overwritten keys, keys written once, count)."""
-    import torch
-
-    from ..tasks import recall_accuracy
-    from ..train import step_generator
-
-    totals = {"all": [0, 0], "overwritten": [0, 0], "once": [0, 0]}
-    with torch.no_grad():
-        for i in range(batches):
-            b = data.task.sample(64, step_generator(seed, i, stream=2))
-            logits, _ = model(b.inputs, return_cache=False)
-            for name, mask in (("all", None), ("overwritten", b.overwritten), ("once", ~b.overwritten)):
-                c, n = recall_accuracy(logits, b.targets, mask)
-                totals[name][0] += c
-                totals[name][1] += n
-    return {k: c / max(n, 1) for k, (c, n) in totals.items()}, totals["all"][1]
-
-
 def run(args) -> int:
     import torch
 
@@ -68,9 +49,9 @@ def run(args) -> int:
 def _run(args) -> int:
     import torch
 
-    from ..checkpoint import save_checkpoint
     from ..models import LM, LMConfig
-    from ..train import RecallData, TrainConfig, step_generator, train
+    from ..tasks import RecallData, step_generator
+    from ..training import TrainConfig, save_checkpoint, split_accuracy, train
 
     start = time.perf_counter()
     train_config = TrainConfig.from_dict({**DEMO_TRAIN, "steps": args.steps})

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import time
 
 
 def add_parser(sub) -> None:
-    from ..train import PRECISIONS
+    from ..training.precision import PRECISIONS
 
     p = sub.add_parser("eval", help="score a checkpoint on a text file: loss (nats), bits per byte, perplexity",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,46 +40,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def evaluate_file(checkpoint: str, data: str, *, tokens: int = 0, seq_len=None, batch_size: int = 16,
-                  precision: str = "fp32") -> dict:
-    """The numbers ``fastweights eval`` prints, as a dict (see the module docstring)."""
-    import torch
-
-    from ..checkpoint import load_model
-    from ..tasks.text import read_bytes
-    from ..train import check_precision, evaluate_tokens
-
-    for name, value, low in (("--tokens", tokens, 0), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"eval: `{name}` must be an int >= {low}, got {value!r}")
-    model, ckpt = load_model(checkpoint)
-    if precision != "fp32" and next(model.parameters()).dtype != torch.float32:
-        raise ValueError(f"eval: --precision {precision} autocasts float32 weights; this checkpoint's are "
-                         f"{next(model.parameters()).dtype}; use --precision fp32")
-    check_precision(precision, next(model.parameters()).device)
-    train = ckpt.train or {}
-    tokenizer = train.get("tokenizer", "bytes" if ckpt.config.vocab_size == 256 else None)
-    if tokenizer != "bytes":
-        raise ValueError(f"eval: {ckpt.path} was not trained on byte-level text (tokenizer {tokenizer!r}); "
-                         f"`fastweights eval` scores byte-level checkpoints on a text file")
-    if seq_len is None:
-        seq_len = int(train.get("train_config", {}).get("seq_len", 128))
-    if model.has_softmax and seq_len > model.config.max_seq_len:
-        raise ValueError(f"eval: --seq-len {seq_len} is longer than the model's `max_seq_len`={model.config.max_seq_len}")
-    ids, name = read_bytes(data, "--data")
-    if len(ids) < 2:
-        raise ValueError(f"eval: --data {name!r} has {len(ids)} byte(s); at least 2 are needed to score one prediction")
-    t0 = time.perf_counter()
-    r = evaluate_tokens(model, ids, seq_len, batch_size, precision, tokens)
-    seconds = time.perf_counter() - t0
-    return {
-        "checkpoint": ckpt.path, "data": name, "bytes": len(ids), "tokens": r["tokens"], "seq_len": seq_len,
-        "precision": precision, "loss_nats": r["loss"], "bits_per_byte": r["loss"] / math.log(2),
-        "perplexity": math.exp(r["loss"]), "accuracy": r["accuracy"], "seconds": round(seconds, 3),
-        "tok_s": round(r["tokens"] / max(seconds, 1e-9), 1),
-    }
-
-
 def run(args) -> int:
     import torch
 
@@ -89,6 +47,8 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        from ..training.evaluation import evaluate_file
+
         result = evaluate_file(args.checkpoint, args.data, tokens=args.tokens, seq_len=args.seq_len,
                                batch_size=args.batch_size, precision=args.precision)
     finally:

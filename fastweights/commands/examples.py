@@ -9,7 +9,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..examples import print_examples
+    from ..studies.worked_examples import print_examples
 
     print("fastweights: the seeds' worked examples, computed by fastweights.ops (float64)")
     print("(the seeds write S = Σ v kᵀ; where a text prints S we print the op's state transposed)")

@@ -26,24 +26,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def tokenizer_of(ckpt):
-    """(encode, decode) of the data a checkpoint was trained on."""
-    from ..tasks import ByteText
-    from ..train import RecallData, TrainConfig
-
-    kind = (ckpt.train or {}).get("tokenizer", "bytes" if ckpt.config.vocab_size == 256 else None)
-    if kind == "bytes":
-        return ByteText.encode, ByteText.decode
-    if kind == "recall":
-        data = RecallData(TrainConfig.from_dict(ckpt.train["train_config"]))
-        return data.encode, data.decode
-    raise ValueError(f"generate: {ckpt.path} does not say how its tokens were made (no train.json); cannot encode a prompt")
-
-
 def run(args) -> int:
     import torch
 
-    from ..checkpoint import load_model
+    from ..training.checkpoint import load_model, tokenizer_of
 
     model, ckpt = load_model(args.checkpoint)
     encode, decode = tokenizer_of(ckpt)

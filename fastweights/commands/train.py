@@ -1,7 +1,7 @@
 """``fastweights train``: train an LM on a text file or the built-in recall task.
 
 The configuration is two checked dataclasses, :class:`~fastweights.models.LMConfig`
-and :class:`~fastweights.train.TrainConfig`. Values come from, in order of
+and :class:`~fastweights.training.TrainConfig`. Values come from, in order of
 precedence: command-line flags (one per field, e.g. ``--d-model 64 --steps 500``),
 a JSON file given with ``--config`` (``{"model": {...}, "train": {...}}``), the
 defaults. ``--resume`` continues the run in ``--out`` from its latest checkpoint.
@@ -19,7 +19,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..config import add_config_arguments, overrides_from_args
 
@@ -34,7 +33,7 @@ MODEL_HELP_DEFAULTS = {**MODEL_DEFAULTS, "vocab_size": "from the data (256 for t
 
 def add_parser(sub) -> None:
     from ..models import LMConfig
-    from ..train import TrainConfig
+    from ..training.config import TrainConfig
 
     p = sub.add_parser("train", help="train an LM (text file or built-in recall task), with checkpoints and --resume",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,26 +49,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def load_config_file(path: str):
-    """The ``model`` and ``train`` sections of a JSON config file (unknown sections refused)."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a JSON object with 'model' and 'train' sections")
-    unknown = sorted(set(data) - {"model", "train"})
-    if unknown:
-        raise ValueError(f"--config {path}: unknown section(s) {unknown}; expected 'model' and 'train'")
-    return dict(data.get("model", {})), dict(data.get("train", {}))
-
-
 def build_configs(args):
     """(LMConfig, TrainConfig) from defaults, ``--config`` and the flags; resumes read the run's own."""
     from ..models import LMConfig
-    from ..run_folder import load_resume_checkpoint
-    from ..train import TrainConfig, make_task
+    from ..tasks import make_task
+    from ..training import TrainConfig, load_config_file, load_resume_checkpoint
 
     model_flags = overrides_from_args(args, LMConfig)
     train_flags = overrides_from_args(args, TrainConfig)
@@ -100,8 +84,7 @@ def build_configs(args):
 def run(args) -> int:
     import sys
 
-    from ..run_folder import TrainingInterrupted
-    from ..train import DistributedTimeout, train
+    from ..training import DistributedTimeout, TrainingInterrupted, train
 
     model_config, train_config = build_configs(args)
     progress = {"auto": None, "on": True, "off": False}[args.progress]

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..checkpoint import load_model, save_checkpoint
+from ..training.checkpoint import load_model, save_checkpoint
 from ..models import LM
 from .modeling import FastWeightsConfig, FastWeightsForCausalLM
 
@@ -64,6 +64,6 @@ def checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out_dir: Union[str, os
 
 def hf_to_checkpoint(hf_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike]) -> str:
     """A transformers folder of :class:`FastWeightsForCausalLM` -> a fastweights checkpoint
-    folder (loadable by ``fastweights generate`` and :func:`fastweights.checkpoint.load_model`)."""
+    folder (loadable by ``fastweights generate`` and :func:`fastweights.training.checkpoint.load_model`)."""
     model = FastWeightsForCausalLM.from_pretrained(os.fspath(hf_dir))
     return save_checkpoint(out_dir, hf_to_lm(model))

@@ -11,7 +11,7 @@ interference          :func:`fastweights.studies.capacity.read_outs` (the
                       through the chunk ops, softmax_attn or exact RLS), its
                       ``decode``; the state from the same ops'
                       ``output_final_state``; the seeds' examples from
-                      :mod:`fastweights.examples`
+                      :mod:`fastweights.studies.worked_examples`
 geometry (2-D)        ``examples.write``/``examples.read`` (recurrent sum and
                       delta ops), the Householder factor as a delta write of
                       v = 0 into h₀ = I
@@ -33,7 +33,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from .. import examples, ops
+from .. import ops
+from ..studies import worked_examples as examples
 from ..studies import costs as costs_study
 from ..studies.capacity import CapacityConfig, decode, read_outs, recursive_least_squares, unit_vectors
 from .params import Field, LabInputError

@@ -5,7 +5,7 @@ a JSON object into clean Python values or raises :class:`LabInputError`, whose
 message names the field, what was expected and what was received. The server
 answers such an error with 400 and the message; the page shows it in the panel.
 The ranges bound the work one request can ask for (the largest request of each
-endpoint is timed in ``tests/test_lab.py``).
+endpoint is timed in ``tests/lab/test_lab.py``).
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops._checks import compute_dtype
-from ..ops._chunk import default_chunk_size
+from ..ops import compute_dtype, default_chunk_size
 from .common import (
     FastWeightState, GatedRMSNorm, ShortConvolution, cached_weights, check_layer_input, forward_with_mask,
     get_activation,
@@ -49,7 +48,7 @@ class FastWeightMixer(nn.Module):
         use_output_gate: multiply the normalized output by ``silu(W_g x)``.
         norm_eps: epsilon of the output RMSNorm.
         chunk_size: C of the chunk form used for prefill and training; ``None`` (default) picks
-            it per key size and device (:func:`~fastweights.ops._chunk.default_chunk_size`:
+            it per key size and device (:func:`~fastweights.ops.default_chunk_size`:
             32 on the CPU for K <= 64, else 64).
         head_dim: K, the key (and query) size per head; ``None`` means d_model / n_heads.
         expand_v: V = expand_v · K, the value size per head (1 by default).

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import EluPlusOne, Identity, ReLU
-from ..ops._frontend import packed_positions
+from ..ops import EluPlusOne, Identity, ReLU, packed_positions
 
 __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",

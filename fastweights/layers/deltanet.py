@@ -19,8 +19,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..ops import chunk_delta_rule, recurrent_delta_rule
-from ..ops.delta_rule.recurrent import delta_rule_step
+from ..ops import chunk_delta_rule, delta_rule_step, recurrent_delta_rule
 from ..ops.feature_maps import normalize_qk
 from .base import FastWeightMixer, write_strength
 
@@ -71,7 +70,7 @@ class DeltaNet(FastWeightMixer):
 
     def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
         beta = write_strength(extra, self.allow_neg_eigval)  # extra is [N, H]: β's logits
-        return delta_rule_step(*self.step_qkv(qk, v, memory.dtype), beta.to(memory.dtype), None, memory, self.head_dim ** -0.5)
+        return delta_rule_step(*self.step_qkv(qk, v, memory.dtype), beta.to(memory.dtype), memory, self.head_dim ** -0.5)
 
     def step_qkv(self, qk, v, dtype):
         """q, k (``qk [N, 2, H, K]``, normalized together by ``qk_norm``) and v in the state's dtype."""

@@ -19,8 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from ..ops.delta_rule.recurrent import delta_rule_step
+from ..ops import chunk_gated_delta_rule, gated_delta_rule_step, recurrent_gated_delta_rule
 from .base import inverse_softplus, log_uniform, write_strength
 from .deltanet import DeltaNet
 
@@ -72,4 +71,4 @@ class GatedDeltaNet(DeltaNet):
         H, dt = self.n_heads, memory.dtype
         beta = write_strength(extra[:, :H], self.allow_neg_eigval).to(dt)
         g = self.decay_from_projection(extra[:, H:]).to(dt)
-        return delta_rule_step(*self.step_qkv(qk, v, dt), beta, g, memory, self.head_dim ** -0.5)
+        return gated_delta_rule_step(*self.step_qkv(qk, v, dt), beta, g, memory, self.head_dim ** -0.5)

@@ -17,10 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..ops import chunk_linear_attn, get_feature_map, recurrent_linear_attn
+from ..ops import chunk_linear_attn, get_feature_map, linear_attn_step, recurrent_linear_attn
 from ..ops.feature_maps import QK_NORMS, normalize_qk
-from ..ops._frontend import divide_by_normalizer, normalizer_column
-from ..ops.linear_attn.recurrent import linear_attn_step
 from .base import FastWeightMixer
 
 
@@ -66,8 +64,4 @@ class LinearAttention(FastWeightMixer):
     def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
         dt = memory.dtype
         qk = normalize_qk(self.feature_map(qk.to(dt)), self.qk_norm)
-        v = v.to(dt)
-        if self.normalize:
-            v = normalizer_column(v)
-        o, memory = linear_attn_step(qk[:, 0], qk[:, 1], v, None, memory, self.head_dim ** -0.5)
-        return (divide_by_normalizer(o) if self.normalize else o), memory
+        return linear_attn_step(qk[:, 0], qk[:, 1], v.to(dt), memory, None, self.head_dim ** -0.5, normalize=self.normalize)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..config import Config
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
-from ..ops._checks import check_cu_seqlens
+from ..ops import check_cu_seqlens
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
 

@@ -19,17 +19,23 @@ gated delta rule           ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
 Every form of a rule takes the same arguments and returns the same thing; the
 ``recurrent_*`` form is the reference that the others are tested against.
 
+One token at a time (decoding): ``delta_rule_step``, ``gated_delta_rule_step`` and
+``linear_attn_step`` (``ops/step.py``), the recurrent forms' own step; on CUDA the delta
+steps run a fused Triton kernel.
+
 fla drop-in: the delta and gated ops also take fla's options (``use_qk_l2norm_in_kernel``,
 ``use_beta_sigmoid_in_kernel``, ``use_gate_in_kernel`` with ``A_log``/``dt_bias``, grouped
 value heads, ...), and fla's names are aliases with fla's signatures:
 ``fused_recurrent_delta_rule`` and ``fused_recurrent_gated_delta_rule`` (the recurrent
 forms), ``fused_recurrent_linear_attn`` (recurrent) and ``fused_chunk_linear_attn``
-(chunk). :mod:`fastweights.ops._fla_compat` lists every fla argument we accept, ignore
-or refuse, and where fla's defaults differ from ours.
+(chunk). ``ops/_fla_compat.py`` lists every fla argument we accept, ignore or refuse, and
+where fla's defaults differ from ours.
 """
 
-from ._checks import finite_checks, value_checks
-from ._fla_compat import (
+from ._checks import check_cu_seqlens, compute_dtype, finite_checks, value_checks
+from ._chunk import default_chunk_size
+from ._frontend import packed_positions
+from ._fla_aliases import (
     fused_chunk_linear_attn, fused_recurrent_delta_rule, fused_recurrent_gated_delta_rule, fused_recurrent_linear_attn,
 )
 from .delta_rule import chunk_delta_rule, parallel_delta_rule, recurrent_delta_rule
@@ -37,6 +43,7 @@ from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReL
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
 from .linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
 from .softmax_attn import KVCache, softmax_attn, softmax_attn_reference
+from .step import delta_rule_step, gated_delta_rule_step, linear_attn_step
 
 __all__ = [
     "softmax_attn", "softmax_attn_reference", "KVCache",
@@ -45,7 +52,11 @@ __all__ = [
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
     "get_feature_map", "normalize_qk", "finite_checks", "value_checks",
-    # flash-linear-attention's names, with fla's signatures (fastweights.ops._fla_compat)
+    # one token (update + read), for decoding: the recurrent forms' step
+    "delta_rule_step", "gated_delta_rule_step", "linear_attn_step",
+    # what layers and models built on the ops share with them
+    "compute_dtype", "default_chunk_size", "check_cu_seqlens", "packed_positions",
+    # flash-linear-attention's names, with fla's signatures (ops/_fla_aliases.py)
     "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
     "fused_chunk_linear_attn",
 ]

@@ -1,10 +1,11 @@
-"""Which implementation runs a chunk delta op: the one place that decides.
+"""Which implementation runs a chunk delta op: the one place that decides (``_dispatch.py`` then runs it).
 
 The PyTorch chunk form (``delta_rule/chunk.py``, any device and dtype) and the
 Triton kernels (``triton/``, CUDA, fp32/bf16/fp16) are peers: neither imports
 the other. The public ops ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` hand
-their PyTorch solver and their arguments to :func:`run_chunk_delta`, which asks
-:func:`select_backend` and calls one of the two. The Triton package is looked
+their PyTorch solver and their arguments to ``_dispatch.run_chunk_delta``, which asks
+:func:`select_backend` and calls one of the two. This module imports neither, so the
+Triton package imports its limits from here without a circle. The Triton package is looked
 up, not imported, until it is chosen (importing it costs every user time, and
 Triton decides at kernel-definition time whether ``@triton.jit`` compiles for
 the GPU or runs on numpy, ``TRITON_INTERPRET=1``).
@@ -20,7 +21,7 @@ import torch
 
 __all__ = [
     "HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "CHUNK_SIZE", "TRITON_DTYPES", "interpreting", "select_backend",
-    "run_chunk_delta", "backward_can_follow",
+    "backward_can_follow",
 ]
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -76,27 +77,6 @@ def select_backend(op: str, backend: str, q: torch.Tensor, v: Optional[torch.Ten
                 f"use backend='torch'"
             )
     return "triton"
-
-
-def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", torch_kwargs=None, **kwargs):
-    """Run chunk delta op ``op`` on the backend :func:`select_backend` picks; returns ``(o, h_T)``.
-
-    ``torch_solver`` is the PyTorch chunk form's solver (``run_op``'s core), passed in by
-    the public op so that this module imports neither implementation at load time;
-    ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
-    only ``run_op`` takes (the Triton path packs varlen batches natively).
-    """
-    choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
-                            feature_map=kwargs.get("feature_map"))
-    if choice == "triton":
-        from ._frontend import autocast_off
-        from .triton.chunk import chunk_op_triton
-
-        with autocast_off(q.device):  # under torch.autocast the kernels' PyTorch glue stays fp32 too
-            return chunk_op_triton(op, q, k, v, **kwargs)
-    from ._frontend import run_op
-
-    return run_op(op, torch_solver, q, k, v, **kwargs, **(torch_kwargs or {}), requires_beta=True)
 
 
 def backward_can_follow(*inputs) -> bool:

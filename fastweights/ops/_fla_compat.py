@@ -38,10 +38,11 @@ and we have no equivalent): ``gk``/``gv`` (per-channel decays), ``state_v_first`
 / ``transpose_state_layout`` = True on the (ungated) delta rule, ``reverse=True``,
 ``head_first=True``, ``cp_context`` (context parallelism).
 
-Aliases with fla's exact signatures (positional order included):
-:func:`fused_recurrent_delta_rule`, :func:`fused_recurrent_gated_delta_rule`
-(aliases of the recurrent forms), :func:`fused_recurrent_linear_attn` (recurrent
-form) and :func:`fused_chunk_linear_attn` (chunk form).
+Aliases with fla's exact signatures (positional order included), in ``_fla_aliases.py``
+(which imports the ops; this module is imported by them):
+``fused_recurrent_delta_rule``, ``fused_recurrent_gated_delta_rule`` (aliases of the
+recurrent forms), ``fused_recurrent_linear_attn`` (recurrent form) and
+``fused_chunk_linear_attn`` (chunk form).
 
 Where fla's defaults differ from ours (docs: README, "fla compatibility"):
 
@@ -65,17 +66,14 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from typing import Optional, Tuple, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ._checks import state_dtype
 
-__all__ = [
-    "PASS_THROUGH", "fla_inputs", "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule",
-    "fused_recurrent_linear_attn", "fused_chunk_linear_attn",
-]
+__all__ = ["PASS_THROUGH", "accepts_state_v_first", "fla_inputs"]
 
 # Keyword arguments that callers (transformers' models, fla's layers) pass through the
 # ops and that cannot change an op's result: ignored without a word.
@@ -102,7 +100,7 @@ _REFUSED = {
 _warned: set = set()
 
 
-def _refuse_or_ignore(op: str, kwargs: dict) -> None:
+def refuse_or_ignore(op: str, kwargs: dict) -> None:
     """Refuse the fla options we cannot honour; ignore pass-through names; warn once for the rest."""
     for name, value in kwargs.items():
         if name in _REFUSED:
@@ -146,7 +144,7 @@ def fla_inputs(
     β and g come back in the compute dtype when computed here. Shapes are checked
     by the op's own validation afterwards, except the ones only this step knows.
     """
-    _refuse_or_ignore(op, kwargs or {})
+    refuse_or_ignore(op, kwargs or {})
     if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4 and v.dim() == 4):
         return q, k, beta, g, initial_state, cu_seqlens  # the op's validation names the problem
     dt = state_dtype(q.dtype)
@@ -208,133 +206,3 @@ def accepts_state_v_first(op):
         return o, (None if h is None else h.transpose(-1, -2))
 
     return wrapper
-
-
-# -- aliases with fla's signatures -----------------------------------------------------------
-
-
-def fused_recurrent_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Alias of :func:`~fastweights.ops.recurrent_delta_rule` with fla's signature
-    (``beta=None`` means β = 1)."""
-    from .delta_rule import recurrent_delta_rule
-
-    return recurrent_delta_rule(
-        q, k, v, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-    )
-
-
-def fused_recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: Optional[torch.Tensor] = None,
-    gk: Optional[torch.Tensor] = None,
-    gv: Optional[torch.Tensor] = None,
-    beta: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: Optional[torch.Tensor] = None,
-    dt_bias: Optional[torch.Tensor] = None,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    **kwargs,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Alias of :func:`~fastweights.ops.recurrent_gated_delta_rule` with fla's signature.
-
-    Note fla's positional order ``(q, k, v, g, gk, gv, beta, ...)``: pass ``beta`` by
-    name. ``gk``/``gv`` and ``state_v_first=True`` are refused (module docstring).
-    """
-    from .gated_delta_rule import recurrent_gated_delta_rule
-
-    return recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        gk=gk, gv=gv, state_v_first=state_v_first, **kwargs,
-    )
-
-
-FlaLinearState = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None]
-
-
-def _linear_attn_alias(op: str, form, q, k, v, scale, initial_state: FlaLinearState, output_final_state,
-                       normalize, cu_seqlens, reverse=False):
-    """Run our linear attention with fla's state convention: with ``normalize`` the state
-    is the tuple ``(S [N, H, K, V], z [N, 1, H, K])``; a bare S means z = 0."""
-    _refuse_or_ignore(op, {"reverse": reverse})
-    h0 = initial_state
-    if normalize and initial_state is not None:
-        if isinstance(initial_state, (tuple, list)):
-            if len(initial_state) != 2:
-                raise ValueError(f"{op}: `initial_state` must be S or the tuple (S, z), got {len(initial_state)} items")
-            s0, z0 = initial_state
-        else:
-            s0, z0 = initial_state, None
-        if not isinstance(s0, torch.Tensor) or s0.dim() != 4:
-            raise ValueError(f"{op}: `initial_state` S must be a [N, H, K, V] tensor, got {getattr(s0, 'shape', s0)!r}")
-        z_col = s0.new_zeros(s0.shape[:3] + (1,)) if z0 is None else z0.reshape(s0.shape[0], s0.shape[1], s0.shape[2], 1)
-        h0 = torch.cat([s0, z_col.to(s0.dtype)], dim=-1)
-    if isinstance(h0, torch.Tensor) and h0.dtype in (torch.float16, torch.bfloat16) and h0.dtype != state_dtype(q.dtype):
-        h0 = h0.to(state_dtype(q.dtype))
-    o, h = form(q, k, v, scale=scale, initial_state=h0, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, normalize=normalize, eps=1e-10)
-    if h is not None and normalize:
-        n, nh, dk = h.shape[:3]
-        h = (h[..., :-1], h[..., -1].reshape(n, 1, nh, dk))
-    return o, h
-
-
-def fused_recurrent_linear_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: FlaLinearState = None,
-    output_final_state: bool = False,
-    reverse: bool = False,
-    normalize: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-):
-    """Alias of :func:`~fastweights.ops.recurrent_linear_attn` with fla's signature and
-    state convention (``normalize`` default False, ε = 1e-10, state ``(S, z)`` when
-    normalized). ``reverse=True`` is refused."""
-    from .linear_attn import recurrent_linear_attn
-
-    return _linear_attn_alias("fused_recurrent_linear_attn", recurrent_linear_attn, q, k, v, scale,
-                              initial_state, output_final_state, normalize, cu_seqlens, reverse)
-
-
-def fused_chunk_linear_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: FlaLinearState = None,
-    output_final_state: bool = False,
-    normalize: bool = True,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-):
-    """Alias of :func:`~fastweights.ops.chunk_linear_attn` with fla's signature and state
-    convention (``normalize`` default **True**, as in fla; ε = 1e-10; state ``(S, z)``
-    when normalized)."""
-    from .linear_attn import chunk_linear_attn
-
-    return _linear_attn_alias("fused_chunk_linear_attn", chunk_linear_attn, q, k, v, scale,
-                              initial_state, output_final_state, normalize, cu_seqlens)

@@ -43,6 +43,7 @@ import torch
 
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
 from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
+from .step import divide_by_normalizer, normalizer_column
 
 Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
@@ -126,17 +127,6 @@ class Packing(NamedTuple):
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`pad`: ``[N, T_max, ...]`` -> ``[1, T, ...]`` (a gather: static shapes)."""
         return x[self.seq, self.pos].unsqueeze(0)
-
-
-def normalizer_column(v: torch.Tensor) -> torch.Tensor:
-    """``v [..., V]`` -> ``[..., V + 1]`` with a last column of ones: the normalizer
-    z_t = α_t z_{t−1} + φ(k_t) is the state written with value 1, carried as h's last column."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-
-
-def divide_by_normalizer(o: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``o [..., V + 1]`` (a read of [S | z]) -> ``o / (scale·φ(q)ᵀ z + eps)``, ``[..., V]``."""
-    return o[..., :-1] / (o[..., -1:] + eps)
 
 
 def check_op_args(

@@ -4,12 +4,15 @@
 - :class:`ByteText`: any text file as byte-level tokens (``text.py``).
 - :class:`RetrievalTask`: Schlag et al. (2021) retrieval settings 1 and 2 (``retrieval.py``).
 - :class:`MQAR`: multi-query associative recall, Arora et al. (2023) (``mqar.py``).
+- :func:`make_task`: the training loop's data source for a training config (``adapters.py``).
 """
 
 from .recall import IGNORE, SEP, AssociativeRecall, RecallBatch, recall_accuracy
 from .text import ByteText
 from .retrieval import RetrievalBatch, RetrievalTask
 from .mqar import MQAR, MQARBatch
+from .adapters import RecallData, TextData, make_task, step_generator
 
 __all__ = ["AssociativeRecall", "RecallBatch", "recall_accuracy", "ByteText", "IGNORE", "SEP",
-           "RetrievalTask", "RetrievalBatch", "MQAR", "MQARBatch"]
+           "RetrievalTask", "RetrievalBatch", "MQAR", "MQARBatch", "RecallData", "TextData", "make_task",
+           "step_generator"]

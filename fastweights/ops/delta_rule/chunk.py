@@ -23,7 +23,7 @@ diagonal-block inverses and the T/C states entering the chunks, not autograd's
 graph of the loop; its loop is the adjoint of the forward's (dU' and dh, two
 products per chunk).
 ``textbook.py`` holds the plain implementation (row-by-row forward substitution,
-a per-chunk loop, autograd) that ``benchmarks/chunk_speed.py`` measures this one
+a per-chunk loop, autograd) that ``fastweights/bench/chunk_speed.py`` measures this one
 against.
 """
 
@@ -38,7 +38,8 @@ from .._chunk import (
     ChunkDecay, backward_only, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
-from .._backend import backward_can_follow, run_chunk_delta
+from .._backend import backward_can_follow
+from .._dispatch import run_chunk_delta
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off
 from ..feature_maps import FeatureMapLike
@@ -435,7 +436,7 @@ def chunk_delta_rule(
     :func:`~fastweights.ops.recurrent_delta_rule`.
     Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
     double backward is not supported (use the recurrent or parallel form).
-    ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the
+    ``fastweights/bench/chunk_speed.py`` (``fastweights bench``) measures it against the
     textbook chunk implementation and the recurrence.
     """
     q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs

@@ -21,34 +21,17 @@ import torch
 from .._fla_compat import fla_inputs
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
-
-
-def delta_rule_step(q, k, v, beta, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One token of the (gated) delta rule: ``q, k [..., K]``, ``v [..., V]``, ``beta [...]``,
-    ``g [...]`` or None, state ``h [..., K, V]`` -> ``(o [..., V], h')``.
-
-    :func:`delta_rule_recurrence` runs it token by token; a layer's decoding step
-    (``FastWeightMixer.step``) calls it directly on tensors it has already checked,
-    in the compute dtype (a batched matmul per product, no per-call checks).
-    """
-    shape, (dk, dv) = h.shape, h.shape[-2:]
-    h = h.reshape(-1, dk, dv)
-    if g is not None:
-        h = h * torch.exp(g).reshape(-1, 1, 1)
-    k = k.reshape(-1, 1, dk)
-    u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − hᵀk)
-    h = torch.addcmul(h, k.transpose(1, 2), u)  # h + k uᵀ (broadcast: faster than a bmm of inner size 1)
-    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)
-    return o.view(shape[:-2] + (dv,)), h.view(shape)
+from ..step import delta_update
 
 
 def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
+    """Token-by-token (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
+    Each token is the public step's arithmetic (:func:`fastweights.ops.step.delta_update`)."""
     n, nh, t_len, dk = k.shape
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
     outputs = []
     for t in range(t_len):
-        o_t, h = delta_rule_step(
+        o_t, h = delta_update(
             q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], None if g is None else g[:, :, t], h, scale
         )
         outputs.append(o_t)

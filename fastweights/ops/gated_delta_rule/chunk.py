@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._backend import run_chunk_delta
+from .._dispatch import run_chunk_delta
 from .._fla_compat import accepts_state_v_first, fla_inputs
 from ..delta_rule.chunk import delta_rule_chunk
 from ..feature_maps import FeatureMapLike

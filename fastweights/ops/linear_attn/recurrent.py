@@ -19,22 +19,7 @@ import torch
 
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
-
-
-def linear_attn_step(q, k, v, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One token of the sum rule: ``q, k [..., K]``, ``v [..., V]``, ``g [...]`` or None,
-    state ``h [..., K, V]`` -> ``(o [..., V], h')`` (before any normalizer division).
-
-    :func:`linear_attn_recurrence` runs it token by token; a layer's decoding step
-    calls it directly on tensors it has already checked, in the compute dtype.
-    """
-    shape, (dk, dv) = h.shape, h.shape[-2:]
-    h = h.reshape(-1, dk, dv)
-    if g is not None:
-        h = h * torch.exp(g).reshape(-1, 1, 1)
-    h = torch.addcmul(h, k.reshape(-1, dk, 1), v.reshape(-1, 1, dv))  # write φ(k) vᵀ
-    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)  # read hᵀ φ(q)
-    return o.view(shape[:-2] + (dv,)), h.view(shape)
+from ..step import sum_update
 
 
 def linear_attn_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +28,7 @@ def linear_attn_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tupl
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
     outputs = []
     for t in range(t_len):
-        o_t, h = linear_attn_step(q[:, :, t], k[:, :, t], v[:, :, t], None if g is None else g[:, :, t], h, scale)
+        o_t, h = sum_update(q[:, :, t], k[:, :, t], v[:, :, t], None if g is None else g[:, :, t], h, scale)
         outputs.append(o_t)
     o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
     return o, h

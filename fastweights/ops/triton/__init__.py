@@ -10,7 +10,7 @@ file                           what
 =============================  ===============================================
 ``_chunk_kernels.py``          the five kernels (WY, state, state adjoint, 2 × grads)
 ``chunk.py``                   launchers, the ``autograd.Function``, the front end
-``decode.py``                  the fused one-token step and its PyTorch twin
+``decode.py``                  the fused one-token step (``fastweights.ops.delta_rule_step`` on CUDA)
 =============================  ===============================================
 
 The public ops ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` take
@@ -20,17 +20,11 @@ peers, and imports this package's kernels only when it picks them.
 
 from __future__ import annotations
 
-# The backend choice and the kernels' limits live with the dispatcher (``ops/_backend.py``);
-# re-exported here for ``decode.py`` and for users who import them from this package.
+# The backend choice and the kernels' limits live in ``ops/_backend.py`` (which imports nothing
+# of this package); re-exported here for users who import them from this package.
 from .._backend import (  # noqa: F401
     BACKENDS, CHUNK_SIZE, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting, select_backend,
 )
 
-__all__ = ["HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "select_backend", "interpreting", "delta_rule_step"]
+__all__ = ["HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "select_backend", "interpreting"]
 
-
-def delta_rule_step(*args, **kwargs):
-    """One decode step of the (gated) delta rule; see :func:`fastweights.ops.triton.decode.delta_rule_step`."""
-    from .decode import delta_rule_step as step
-
-    return step(*args, **kwargs)

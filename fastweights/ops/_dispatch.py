@@ -1,0 +1,32 @@
+"""Run a chunk delta op on the implementation ``_backend.select_backend`` picks.
+
+The PyTorch chunk form and the Triton kernels are peers; this module is the only one
+that reaches both (the Triton one imported only when it is chosen).
+"""
+
+from __future__ import annotations
+
+from ._backend import CHUNK_SIZE, select_backend
+
+__all__ = ["run_chunk_delta"]
+
+
+def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", torch_kwargs=None, **kwargs):
+    """Run chunk delta op ``op`` on the backend :func:`select_backend` picks; returns ``(o, h_T)``.
+
+    ``torch_solver`` is the PyTorch chunk form's solver (``run_op``'s core), passed in by
+    the public op so that this module imports neither implementation at load time;
+    ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
+    only ``run_op`` takes (the Triton path packs varlen batches natively).
+    """
+    choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
+                            feature_map=kwargs.get("feature_map"))
+    if choice == "triton":
+        from ._frontend import autocast_off
+        from .triton.chunk import chunk_op_triton
+
+        with autocast_off(q.device):  # under torch.autocast the kernels' PyTorch glue stays fp32 too
+            return chunk_op_triton(op, q, k, v, **kwargs)
+    from ._frontend import run_op
+
+    return run_op(op, torch_solver, q, k, v, **kwargs, **(torch_kwargs or {}), requires_beta=True)

@@ -1,0 +1,203 @@
+"""One token of each rule: write ``(k, v)`` into the state, then read it with ``q``.
+
+These are the recurrent forms' step, public: ``recurrent_delta_rule``,
+``recurrent_gated_delta_rule`` and ``recurrent_linear_attn`` run exactly the same
+arithmetic token by token (the PyTorch path below is the function they loop over), so
+the reference of each step is its recurrent form, which the test suite checks it against.
+The layers and the LM decode through these functions.
+
+Shapes (N rows, H heads; no time axis)::
+
+    q, k   [N, H, K]      v   [N, H, V]      beta, g   [N, H]      state   [N, H, K, V]
+
+The state is fp32 (fp64 for a float64 computation); the inputs are cast to its dtype and
+the read ``o [N, H, V]`` comes back in ``v``'s dtype. Per head, with α = exp(g)::
+
+    delta rule         h ← h + β k (v − hᵀk)ᵀ            o = scale · hᵀq
+    gated delta rule   h ← α h, then the delta write     o = scale · hᵀq
+    linear attention   h ← α h + k vᵀ                    o = scale · hᵀq
+
+``k`` and ``q`` are used as given: apply the feature map φ and any q/k normalization
+first, as the layers do (the full ops take ``feature_map`` / ``qk_norm`` and do it
+themselves). The input ``state`` is not modified unless ``inplace=True``.
+
+On CUDA the (gated) delta step runs a fused Triton kernel that reads and writes the state
+once (``backend="auto"`` picks it when Triton is installed, the inputs are fp32/bf16/fp16,
+the state is fp32 and K, V <= 256); elsewhere, and with ``backend="torch"``, the PyTorch
+step runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._backend import BACKENDS, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting
+
+__all__ = ["delta_rule_step", "gated_delta_rule_step", "linear_attn_step"]
+
+
+def delta_update(q, k, v, beta, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (gated) delta rule's token, unchecked, on tensors already in the state's dtype:
+    ``q, k [..., K]``, ``v [..., V]``, ``beta [...]``, ``g [...]`` or None, ``h [..., K, V]``
+    -> ``(o [..., V], h')`` (a new tensor; ``h`` is not modified). The recurrent forms loop over it."""
+    shape, (dk, dv) = h.shape, h.shape[-2:]
+    h = h.reshape(-1, dk, dv)
+    if g is not None:
+        h = h * torch.exp(g).reshape(-1, 1, 1)
+    k = k.reshape(-1, 1, dk)
+    u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − hᵀk)
+    h = torch.addcmul(h, k.transpose(1, 2), u)  # h + k uᵀ (broadcast: faster than a bmm of inner size 1)
+    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)
+    return o.view(shape[:-2] + (dv,)), h.view(shape)
+
+
+def sum_update(q, k, v, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Linear attention's (the sum rule's) token, unchecked: ``q, k [..., K]``, ``v [..., V]``,
+    ``g [...]`` or None, ``h [..., K, V]`` -> ``(o [..., V], h')`` (before any normalizer division)."""
+    shape, (dk, dv) = h.shape, h.shape[-2:]
+    h = h.reshape(-1, dk, dv)
+    if g is not None:
+        h = h * torch.exp(g).reshape(-1, 1, 1)
+    h = torch.addcmul(h, k.reshape(-1, dk, 1), v.reshape(-1, 1, dv))  # write φ(k) vᵀ
+    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)  # read hᵀ φ(q)
+    return o.view(shape[:-2] + (dv,)), h.view(shape)
+
+
+def _check(op: str, q, k, v, state, value_dim: Optional[int] = None, **per_head) -> None:
+    """Types and shapes (cheap: no tensor values are read)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("state", state), *per_head.items()):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"{op}: `q` and `k` must both have shape [N, H, K], got {list(q.shape)} and {list(k.shape)}")
+    n, h, dk = q.shape
+    if v.dim() != 3 or tuple(v.shape[:2]) != (n, h):
+        raise ValueError(f"{op}: `v` must have shape [N, H, V] = [{n}, {h}, V], got {list(v.shape)}")
+    for name, t in per_head.items():
+        if t is not None and tuple(t.shape) != (n, h):
+            raise ValueError(f"{op}: `{name}` must have shape [N, H] = [{n}, {h}], got {list(t.shape)}")
+    dv = v.shape[-1] if value_dim is None else value_dim
+    if tuple(state.shape) != (n, h, dk, dv):
+        raise ValueError(f"{op}: `state` must have shape [N, H, K, V] = [{n}, {h}, {dk}, {dv}], got {list(state.shape)}")
+    if state.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{op}: `state` must be float32 (float64 for a float64 computation), got {state.dtype}")
+
+
+def _scale(scale: Optional[float], key_dim: int) -> float:
+    return key_dim ** -0.5 if scale is None else float(scale)
+
+
+def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+    _check(op, q, k, v, state, beta=beta, g=g)
+    dk, dv = q.shape[-1], v.shape[-1]
+    scale = _scale(scale, dk)
+    fits = q.dtype in TRITON_DTYPES and state.dtype == torch.float32 and max(dk, dv) <= MAX_HEAD_DIM
+    if backend == "auto":
+        backend = "triton" if HAS_TRITON and q.is_cuda and fits else "torch"
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise ImportError(f"{op}: backend='triton' needs the triton package: pip install 'fastweights[triton]'")
+        if not q.is_cuda and not interpreting():
+            raise ValueError(f"{op}: backend='triton' needs CUDA tensors, got `q` on {q.device}")
+        if not fits:
+            raise ValueError(f"{op}: backend='triton' needs fp32/bf16/fp16 inputs, an fp32 state and K, V <= "
+                             f"{MAX_HEAD_DIM}; got {q.dtype}, state {state.dtype}, K={dk}, V={dv}")
+        from .triton.decode import fused_delta_rule_step
+
+        if not inplace or not state.is_contiguous():
+            state = state.clone(memory_format=torch.contiguous_format)
+        o = fused_delta_rule_step(q, k, v, beta, g, state, scale)
+        return o, state
+    dt = state.dtype
+    o, h = delta_update(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), None if g is None else g.to(dt), state, scale)
+    if inplace:
+        state.copy_(h)
+        h = state
+    return o.to(v.dtype), h
+
+
+def delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    scale: Optional[float] = None, *, inplace: bool = False, backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of the delta rule (DeltaNet): ``h ← h + β k (v − hᵀk)ᵀ``, then ``o = scale · hᵀq``.
+
+    Args:
+        q, k: ``[N, H, K]`` (k unit length for a stable rule: normalize it first).
+        v: ``[N, H, V]``.
+        beta: ``[N, H]`` write strengths, in (0, 1) (or (0, 2) with negative eigenvalues allowed).
+        state: ``[N, H, K, V]``, fp32 (fp64 for a float64 computation).
+        scale: read scale; ``None`` means ``K ** -0.5``.
+        inplace: write the new state into ``state`` (and return it) instead of a new tensor.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (the fused kernel; see the module docstring).
+
+    Returns:
+        ``(o [N, H, V] in v's dtype, state [N, H, K, V])``; equal to one token of
+        :func:`~fastweights.ops.recurrent_delta_rule` from ``state``.
+    """
+    return _delta_step("delta_rule_step", q, k, v, beta, None, state, scale, inplace, backend)
+
+
+def gated_delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
+    scale: Optional[float] = None, *, inplace: bool = False, backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule: ``h ← exp(g) h``, the delta write, then ``o = scale · hᵀq``.
+
+    Arguments as :func:`delta_rule_step`, plus ``g [N, H]``, the log decay (<= 0).
+    Equal to one token of :func:`~fastweights.ops.recurrent_gated_delta_rule` from ``state``.
+    """
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"gated_delta_rule_step: `g` must be a torch.Tensor of shape [N, H], got {type(g).__name__}")
+    return _delta_step("gated_delta_rule_step", q, k, v, beta, g, state, scale, inplace, backend)
+
+
+def linear_attn_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None, *, normalize: bool = False, eps: float = 1e-6, inplace: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of linear attention (the sum rule): ``h ← exp(g) h + k vᵀ``, then ``o = scale · hᵀq``.
+
+    Args:
+        q, k: ``[N, H, K]``, already through the feature map φ (and any q/k normalization).
+        v: ``[N, H, V]``.
+        state: ``[N, H, K, V]``, or ``[N, H, K, V + 1]`` with ``normalize`` (the last column
+            holds the normalizer z = Σ φ(k)), fp32 (fp64 for a float64 computation).
+        g: ``[N, H]`` log decay, or ``None`` for none.
+        scale: read scale; ``None`` means ``K ** -0.5`` (with ``normalize`` it cancels).
+        normalize: divide the read by ``scale · φ(q)ᵀ z + eps``.
+        eps: added to the normalizer.
+        inplace: write the new state into ``state`` instead of a new tensor.
+
+    Returns:
+        ``(o [N, H, V] in v's dtype, state)``; equal to one token of
+        :func:`~fastweights.ops.recurrent_linear_attn` (same ``normalize``, ``eps``) from ``state``.
+    """
+    op = "linear_attn_step"
+    _check(op, q, k, v, state, value_dim=v.shape[-1] + int(bool(normalize)) if isinstance(v, torch.Tensor) else None, g=g)
+    dt = state.dtype
+    v_in = v.to(dt)
+    if normalize:
+        v_in = normalizer_column(v_in)
+    o, h = sum_update(q.to(dt), k.to(dt), v_in, None if g is None else g.to(dt), state, _scale(scale, q.shape[-1]))
+    if normalize:
+        o = divide_by_normalizer(o, eps)
+    if inplace:
+        state.copy_(h)
+        h = state
+    return o.to(v.dtype), h
+
+
+def normalizer_column(v: torch.Tensor) -> torch.Tensor:
+    """``v [..., V]`` -> ``[..., V + 1]`` with a last column of ones: the normalizer
+    z_t = α_t z_{t−1} + φ(k_t) is the state written with value 1, carried as h's last column."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def divide_by_normalizer(o: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``o [..., V + 1]`` (a read of [S | z]) -> ``o / (scale·φ(q)ᵀ z + eps)``, ``[..., V]``."""
+    return o[..., :-1] / (o[..., -1:] + eps)

@@ -1,0 +1,304 @@
+"""Checkpoints: safetensors weights plus JSON, written atomically, loaded without executing code.
+
+A checkpoint is a folder::
+
+    ckpt-000200/
+        config.json             the LMConfig (plain JSON)
+        model.safetensors       the weights; its metadata repeats the config and the format
+        train.json              (training only) run id, step, configs, loss history, optimizer hyperparameters,
+                                and (fp16) the gradient scaler's state
+        train_state.safetensors (training only) optimizer moments and RNG state
+        manifest.json           the SHA-256 and size of every other file, written last
+
+A run folder holds several of them and a ``latest`` file naming the newest.
+Writing goes to ``ckpt-000200.tmp-<pid>/`` first and is then renamed into place
+(``os.replace``), and ``latest`` is replaced the same way afterwards: a run killed
+at any instant leaves either the old checkpoint or the new one, never half of one.
+A write that fails (a full disk) removes its temp folder and raises
+:class:`CheckpointWriteError` in one line; what was there before is untouched.
+Every folder that is on its way out (a replaced or pruned checkpoint) is first
+renamed to a ``*.tmp-*`` name, so a kill in the middle of deleting it never
+leaves a half checkpoint under a checkpoint's name; :func:`clean_stray` removes
+such leftovers when the next run takes the folder.
+
+Loading reads only JSON and safetensors (no pickle, no ``torch.load``), checks every
+file against the manifest's SHA-256 (a flipped bit in the weights is refused, not
+trained on), checks that the weights match the config exactly, and checks
+``train.json`` against its schema (:func:`check_train_state`); anything else raises
+:class:`CheckpointError` (a ``ValueError``) in one line saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..models import LM, LMConfig
+from .errors import CheckpointError, CheckpointWriteError
+from .listing import resolve_checkpoint
+
+FORMAT = "fastweights-lm-1"
+MANIFEST = "manifest.json"
+CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_state.safetensors"}
+
+__all__ = [
+    "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
+    "load_weights", "tokenizer_of", "verify_manifest", "FORMAT",
+]
+
+
+@dataclass
+class Checkpoint:
+    """What :func:`load_checkpoint` returns (tensors on the CPU)."""
+
+    path: str
+    config: LMConfig
+    weights: Dict[str, torch.Tensor]
+    train: Optional[Dict[str, Any]] = None
+    train_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _weights_of(model: LM) -> Dict[str, torch.Tensor]:
+    """The state dict without the tied output projection (safetensors refuses shared storage)."""
+    sd = model.state_dict()
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+
+def save_checkpoint(
+    path: "str | os.PathLike",
+    model: LM,
+    *,
+    train: Optional[Dict[str, Any]] = None,
+    train_tensors: Optional[Dict[str, torch.Tensor]] = None,
+) -> str:
+    """Write a checkpoint folder at ``path`` atomically; return its path.
+
+    Args:
+        path: the checkpoint folder to create (replaced if it exists).
+        model: the :class:`~fastweights.models.LM` to save.
+        train: JSON-able training state (step, configs, history...), saved as train.json.
+        train_tensors: tensors of the training state (optimizer moments, RNG), saved
+            as train_state.safetensors.
+    """
+    from safetensors.torch import save_file
+
+    from safetensors import SafetensorError
+
+    path = os.path.abspath(os.fspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(tmp)
+        config_text = model.config.to_json()
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        # "manifest": a checkpoint of this version has one, so a lost manifest.json is refused
+        # on load instead of being taken for a checkpoint from before manifests
+        save_file(_weights_of(model), os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": FORMAT, "config": config_text, "dtype": dtype, "manifest": MANIFEST})
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            f.write(config_text)
+        if train is not None:
+            with open(os.path.join(tmp, "train.json"), "w", encoding="utf-8") as f:
+                json.dump(train, f, indent=1)
+        if train_tensors:
+            save_file({k: v.contiguous().cpu() for k, v in train_tensors.items()},
+                      os.path.join(tmp, "train_state.safetensors"), metadata={"format": FORMAT})
+        files = {name: _file_digest(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "files": files}, f, indent=1)
+        for name in os.listdir(tmp):  # make the bytes durable before the rename publishes them
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+    except (OSError, SafetensorError) as e:  # a full disk, a read-only folder: undo, then say so
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {_reason(e)}") from None
+    except BaseException:  # an interrupt mid-write: leave nothing half-written behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(path):
+        old = f"{path}.tmp-old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f" ({e.filename})" if e.filename else "")
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _file_digest(file: str) -> Dict[str, Any]:
+    """``{"sha256": hex, "bytes": size}`` of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"sha256": digest.hexdigest(), "bytes": os.path.getsize(file)}
+
+
+def verify_manifest(path: str) -> None:
+    """Check every file of a checkpoint against its ``manifest.json`` (SHA-256 and size), and
+    that every checkpoint file in the folder is listed there.
+
+    Checkpoints written before manifests existed have none and are only structurally checked;
+    one whose weights say it was written with a manifest (metadata ``"manifest"``) and has
+    none is refused: a lost manifest must not switch the checksums off.
+    """
+    manifest_file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_file):
+        if _header_metadata(os.path.join(path, "model.safetensors")).get("manifest"):
+            raise CheckpointError(f"{path}: {MANIFEST} is missing, but model.safetensors says the checkpoint was "
+                                  f"written with one: the checkpoint is incomplete (its files cannot be verified)")
+        return
+    try:
+        with open(manifest_file, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        entries = [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from None
+    unlisted = sorted(CHECKPOINT_FILES & set(os.listdir(path)) - {name for name, _, _ in entries})
+    if unlisted:
+        raise CheckpointError(f"{path}: checkpoint file {unlisted[0]} is not listed in {MANIFEST}: it cannot be verified")
+    for name, sha256, size in entries:
+        file = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(file):
+            raise CheckpointError(f"{path}: checkpoint file {name} listed in {MANIFEST} is missing")
+        found = _file_digest(file)
+        if found["bytes"] != size or found["sha256"] != sha256:
+            raise CheckpointError(
+                f"{path}: checkpoint file {name} fails its SHA-256 check ({found['bytes']} bytes, sha256 "
+                f"{found['sha256'][:16]}..., expected {size} bytes, {sha256[:16]}...): the file is corrupt"
+            )
+
+
+def _header_metadata(file: str) -> Dict[str, str]:
+    """The metadata of a safetensors file's header (``{}`` when it cannot be read: the
+    structural checks that follow say what is wrong with the file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return f.metadata() or {}
+    except Exception:  # noqa: BLE001 -- missing, truncated or garbled: reported by _read_safetensors
+        return {}
+
+
+def _read_safetensors(file: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    from safetensors import safe_open
+
+    if not os.path.isfile(file):
+        raise CheckpointError(f"checkpoint file {file!r} is missing")
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated/garbled files
+        raise CheckpointError(f"checkpoint file {file!r} is corrupt or not a safetensors file: {e}") from None
+    return tensors, metadata
+
+
+def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
+    """Read and check a checkpoint (or a run folder's latest); no code is executed."""
+    path = resolve_checkpoint(path)
+    verify_manifest(path)
+    weights, metadata = _read_safetensors(os.path.join(path, "model.safetensors"))
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: model.safetensors has format {metadata.get('format')!r}, expected {FORMAT!r}")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise CheckpointError(f"{path}: config.json is missing")
+    try:  # fields newer than the checkpoint get the values it was trained with (LMConfig.fill_legacy)
+        with open(config_file, encoding="utf-8") as f:
+            config = LMConfig.from_dict(LMConfig.fill_legacy(json.load(f)), source=f"file {config_file}")
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: config.json is invalid: {e}") from None
+    try:
+        saved = LMConfig.fill_legacy(json.loads(metadata.get("config", "null")))
+    except json.JSONDecodeError:
+        saved = None
+    if saved != config.to_dict():
+        raise CheckpointError(
+            f"{path}: config.json does not match the config the weights were saved with "
+            f"({_diff(saved, config.to_dict())})"
+        )
+    train, train_tensors = None, {}
+    if os.path.isfile(os.path.join(path, "train.json")):
+        try:
+            with open(os.path.join(path, "train.json"), encoding="utf-8") as f:
+                train = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: train.json is corrupt: {e}") from None
+        state_file = os.path.join(path, "train_state.safetensors")
+        if os.path.exists(state_file):  # absent for a finished model saved without its optimizer
+            train_tensors, _ = _read_safetensors(state_file)
+    return Checkpoint(path, config, weights, train, train_tensors)
+
+
+def _diff(a, b) -> str:
+    if not isinstance(a, dict):
+        return "the weights carry no config"
+    keys = sorted(set(a) | set(b), key=str)
+    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
+
+
+def load_weights(model: LM, weights: Dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Copy ``weights`` into ``model``, refusing any missing, unexpected or misshapen tensor."""
+    expected = {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shapes = [f"{k}: {list(weights[k].shape)} vs model {list(expected[k].shape)}"
+              for k in sorted(set(expected) & set(weights)) if weights[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            parts.append("shape mismatches " + "; ".join(shapes[:5]))
+        raise CheckpointError(f"{where}: the weights do not match the model config: " + ", ".join(parts))
+    with torch.no_grad():
+        for k, t in expected.items():
+            t.copy_(weights[k])
+
+
+def load_model(path: "str | os.PathLike", dtype: Optional[torch.dtype] = None) -> Tuple[LM, Checkpoint]:
+    """Build the :class:`~fastweights.models.LM` of a checkpoint; returns ``(model, checkpoint)``.
+
+    ``dtype`` defaults to the dtype the weights were saved in.
+    """
+    ckpt = load_checkpoint(path)
+    model = LM(ckpt.config)
+    if dtype is None:
+        dtype = next(iter(ckpt.weights.values())).dtype if ckpt.weights else torch.float32
+    model.to(dtype)
+    load_weights(model, ckpt.weights, ckpt.path)
+    model.eval()
+    return model, ckpt
+
+def tokenizer_of(ckpt):
+    """(encode, decode) of the data a checkpoint was trained on."""
+    from ..tasks import ByteText
+    from ..tasks.adapters import RecallData
+    from .config import TrainConfig
+
+    kind = (ckpt.train or {}).get("tokenizer", "bytes" if ckpt.config.vocab_size == 256 else None)
+    if kind == "bytes":
+        return ByteText.encode, ByteText.decode
+    if kind == "recall":
+        data = RecallData(TrainConfig.from_dict(ckpt.train["train_config"]))
+        return data.encode, data.decode
+    raise ValueError(f"generate: {ckpt.path} does not say how its tokens were made (no train.json); cannot encode a prompt")

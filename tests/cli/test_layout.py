@@ -1,0 +1,187 @@
+"""The package's layout: rooms without import circles, one public way in to the ops, a small
+top level, and the module paths from before the rooms still importing (with a warning)."""
+
+import ast
+import importlib
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import fastweights
+
+PACKAGE = Path(fastweights.__file__).resolve().parent
+
+
+def _modules():
+    """``{dotted name: (path, is_package)}`` of every module of the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name, path, is_package):
+    """``[(imported module or module.name, line)]`` of every import statement of a module:
+    top level, inside functions and inside ``if`` blocks alike; relative imports resolved."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            out += [(f"{module}.{alias.name}", node.lineno) for alias in node.names]
+            out.append((module, node.lineno))
+    return out
+
+
+def _graph():
+    """Module -> the package's modules it imports (a ``from a import b`` counts b if b is a module, else a)."""
+    edges = {m: set() for m in MODULES}
+    for name, (path, is_package) in MODULES.items():
+        for target, _ in _imports(name, path, is_package):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges[name].add(target)
+    return edges
+
+
+def _cycles(edges):
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_joins_the_packages_modules():
+    edges = _graph()
+    assert sum(len(e) for e in edges.values()) > 150, "the import graph looks empty: the parser is broken"
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    """The check above can fail: a circle through a function-level import is found."""
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+    # relative imports resolve against the module's package, function-level ones count
+    targets = {t for t, _ in _imports("fastweights.ops.step", PACKAGE / "ops" / "step.py", False)}
+    assert {"fastweights.ops._backend", "fastweights.ops.triton.decode"} <= targets
+
+
+def test_nothing_outside_ops_imports_a_private_name_of_ops():
+    private = []
+    for name, (path, is_package) in MODULES.items():
+        if name == "fastweights.ops" or name.startswith("fastweights.ops."):
+            continue
+        for target, line in _imports(name, path, is_package):
+            if target.startswith("fastweights.ops.") and any(p.startswith("_") for p in target.split(".")[2:]):
+                private.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert private == []
+
+
+def test_the_top_level_holds_only_the_shared_modules_and_the_rooms():
+    files = sorted(p.name for p in PACKAGE.iterdir() if p.is_file() and not p.name.endswith(".pyc"))
+    assert files == ["__init__.py", "cli.py", "config.py", "py.typed"]
+    rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert rooms == ["bench", "commands", "hf", "lab", "layers", "models", "ops", "studies", "tasks", "training"]
+
+
+OLD_PATHS = {
+    "fastweights.train": ("TrainConfig", "fastweights.training.config"),
+    "fastweights.checkpoint": ("load_model", "fastweights.training.checkpoint"),
+    "fastweights.run_folder": ("RunLock", "fastweights.training.run_folder"),
+    "fastweights.allocator": ("tune_cpu_allocator", "fastweights.training.allocator"),
+    "fastweights.examples": ("all_examples", "fastweights.studies.worked_examples"),
+    "fastweights.lm_bench": ("QUICK_TRAIN_SHAPES", "fastweights.bench.lm_speed"),
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_an_old_module_path_imports_the_new_module_with_a_warning(old):
+    name, home = OLD_PATHS[old]
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"`{old}` moved to"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(home), name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(importlib.import_module(home), name) is not None  # the new path does not warn
+
+
+def test_old_from_imports_work_in_a_fresh_process():
+    """``from fastweights.train import ...`` and friends, as user scripts wrote them, before
+    anything else imported the new rooms."""
+    code = (
+        "import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+        "try:\n    from fastweights.train import TrainConfig\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "from fastweights.train import TrainConfig, train, make_task, evaluate_tokens, PRECISIONS\n"
+        "from fastweights.checkpoint import load_model, save_checkpoint, CheckpointError, FORMAT\n"
+        "from fastweights.run_folder import RunFolderError, StopSignals, prune_checkpoints\n"
+        "from fastweights import examples, lm_bench, tune_cpu_allocator\n"
+        "from fastweights.bench import add_arguments, main\n"
+        "import fastweights.training as t\n"
+        "assert TrainConfig is t.TrainConfig and load_model is t.load_model and FORMAT == 'fastweights-lm-1'\n"
+        "assert examples.all_examples and lm_bench.MIXERS and callable(main) and callable(tune_cpu_allocator)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent, env={**__import__("os").environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warned: `fastweights.train` moved to `fastweights.training`" in proc.stdout
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_the_old_bench_module_names_forward_to_chunk_speed_with_a_warning():
+    import fastweights.bench as bench
+    from fastweights.bench import chunk_speed
+
+    with pytest.warns(DeprecationWarning, match="moved to `fastweights.bench.chunk_speed.add_arguments`"):
+        assert bench.add_arguments is chunk_speed.add_arguments
+    with pytest.raises(AttributeError, match="no_such_name"):
+        bench.no_such_name  # noqa: B018 -- the attribute access is the test
+
+
+def test_every_name_the_training_room_lists_resolves():
+    import fastweights.training as training
+
+    missing = [n for n in training.__all__ if not hasattr(training, n)]
+    assert missing == [] and set(training.__all__) <= set(dir(training))
