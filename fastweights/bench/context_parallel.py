@@ -28,6 +28,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import Dict, List
 
 MODEL = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 2, "mixer": "deltanet"}
@@ -56,7 +58,6 @@ def worker(tokens: int, steps: int, result: str) -> None:
     import torch.nn.functional as F
 
     from ..models import LM, LMConfig
-    from ..ops.context_parallel import count_communication, kv_gather_bytes
     from ..training.parallel import plan_parallel
 
     torch.set_num_threads(1)
@@ -82,8 +83,14 @@ def worker(tokens: int, steps: int, result: str) -> None:
         for p in params:
             p.grad = None
 
+    if world > 1:
+        from ..ops.context_parallel import count_communication, kv_gather_bytes
+
+        counting = count_communication()
+    else:
+        counting = contextlib.nullcontext(SimpleNamespace(records=[]))
     before = _rss_mib()
-    with count_communication() as log:
+    with counting as log:
         step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     times = []

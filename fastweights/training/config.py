@@ -43,6 +43,11 @@ class TrainConfig(Config):
         threads: torch intra-op threads (0: leave torch's default).
         ddp_timeout: seconds a data-parallel collective may wait for the other ranks
             before every rank gives up, naming the silent one.
+        fsdp: shard the weights, gradients and optimizer moments over the processes with
+            FSDP2 (``fully_shard`` per block and on the root); checkpoints are then sharded
+            (``torch.distributed.checkpoint``) and resume on any number of processes.
+        context_parallel: split every sequence's tokens over this many processes (a
+            context-parallel group); the data-parallel size is processes / this. 1: off.
     """
 
     data: str = "recall"
@@ -70,6 +75,8 @@ class TrainConfig(Config):
     precision: str = "fp32"
     threads: int = 0
     ddp_timeout: float = 300.0
+    fsdp: bool = False
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, str) or not self.data:
@@ -79,6 +86,10 @@ class TrainConfig(Config):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
+        if not isinstance(self.fsdp, bool):
+            raise TypeError(f"TrainConfig: `fsdp` (--fsdp) must be true or false, got {self.fsdp!r}")
+        if isinstance(self.context_parallel, bool) or not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+            raise ValueError(f"TrainConfig: `context_parallel` (--context-parallel) must be an int >= 1, got {self.context_parallel!r}")
         for name in ("warmup_steps", "eval_every", "eval_tokens", "save_every", "seed", "threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

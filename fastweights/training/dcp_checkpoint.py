@@ -40,6 +40,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from .errors import CheckpointError, CheckpointWriteError
+from .sealing import publish, reason, write_manifest
+
 FORMAT_DCP = "fastweights-dcp-1"
 DCP_METADATA = ".metadata"
 DCP_SUFFIX = ".distcp"
@@ -102,7 +105,6 @@ def _read_metadata(file: str):
     """DCP's ``Metadata`` from ``file``, built from an allow-list of classes only."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-    from .checkpoint import CheckpointError
 
     if not _MetadataUnpickler.allowed:
         _MetadataUnpickler.allowed = _allowed_globals()
@@ -181,8 +183,6 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .checkpoint import MANIFEST, CheckpointWriteError, _file_digest, _reason
-
     path = os.path.abspath(path)
     tmp = f"{path}.tmp-dcp"  # one name every rank knows; a leftover of a killed run is removed first
     error = None
@@ -203,8 +203,8 @@ def save_sharded(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(error, OSError):  # a rank gone or silent: the caller's collective error names it
-            raise RuntimeError(f"sharded checkpoint {path}: {_reason(error)}") from None
-        raise CheckpointWriteError(f"could not write checkpoint {path}: {_reason(error)}") from None
+            raise RuntimeError(f"sharded checkpoint {path}: {reason(error)}") from None
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {reason(error)}") from None
     if rank == 0:
         try:
             world = dist.get_world_size() if dist.is_initialized() else 1
@@ -213,25 +213,14 @@ def save_sharded(
             with open(os.path.join(tmp, "train.json"), "w", encoding="utf-8") as f:
                 json.dump({**train, "format": FORMAT_DCP, "world_size": world,
                            "optimizer": {"param_groups": _json_groups(groups)}}, f, indent=1)
-            files = {name: _file_digest(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-            with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-                json.dump({"format": FORMAT_DCP, "files": files}, f, indent=1)
-            for name in os.listdir(tmp):  # durable before the rename publishes them
-                with open(os.path.join(tmp, name), "rb") as f:
-                    os.fsync(f.fileno())
+            write_manifest(tmp, FORMAT_DCP)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointWriteError(f"could not write checkpoint {path}: {_reason(e)}") from None
+            raise CheckpointWriteError(f"could not write checkpoint {path}: {reason(e)}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if os.path.isdir(path):
-            old = f"{path}.tmp-old-{os.getpid()}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        publish(tmp, path)
     return path
 
 
@@ -239,16 +228,14 @@ def _agree(error: BaseException | None, rank: int, path: str, tmp: str, what: st
     """Every rank learns whether rank 0's step ``what`` failed (a one-number broadcast), and all raise."""
     import torch.distributed as dist
 
-    from .checkpoint import CheckpointWriteError, _reason
-
     failed = error is not None
     if dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([float(failed)])
         dist.broadcast(flag, 0)
         failed = bool(flag.item())
     if failed:
-        reason = _reason(error) if error is not None else "rank 0 could not " + what + " " + tmp
-        raise CheckpointWriteError(f"could not write checkpoint {path}: {reason}")
+        why = reason(error) if error is not None else f"rank 0 could not {what} {tmp}"
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {why}")
 
 
 def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: dict[str, Any]) -> None:
@@ -260,7 +247,6 @@ def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     """
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from .checkpoint import CheckpointError
 
     state, groups = _dcp_state(model, optimizer)
     _dcp_load(state, path, "this model and optimizer", no_dist=False)
@@ -304,7 +290,6 @@ def _dcp_load(state, path: str, what: str, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .checkpoint import CheckpointError
 
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=no_dist)

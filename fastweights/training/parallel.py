@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelPlan", "mixed_precision_policy", "plan_parallel", "shard_model"]
+__all__ = ["ParallelPlan", "init_single_process_group", "mixed_precision_policy", "plan_parallel", "shard_model"]
 
 
 @dataclass
@@ -74,8 +74,9 @@ class ParallelPlan:
     def check_batch(self, batch_size: int, seq_len: int) -> None:
         """The global batch must split evenly: ``batch_size`` over dp, ``seq_len`` over cp (the same on every rank)."""
         if batch_size % self.dp:
-            raise ValueError(f"train: `batch_size`={batch_size} must be divisible by the number of data-parallel "
-                             f"processes ({self.dp} = {self.world} processes / --context-parallel {self.cp})")
+            groups = (f"the number of processes ({self.world})" if self.cp == 1 else
+                      f"the number of data-parallel groups ({self.dp} = {self.world} processes / --context-parallel {self.cp})")
+            raise ValueError(f"train: `batch_size`={batch_size} must be divisible by {groups}")
         if seq_len % self.cp:
             raise ValueError(f"train: the sequences have {seq_len} tokens, which --context-parallel {self.cp} cannot "
                              f"split into equal contiguous slices; choose a --context-parallel that divides {seq_len}")

@@ -2,19 +2,14 @@
 checkpoints through DCP that resume bitwise on the same world size and on another one, export to one
 file, and a killed or stopped rank ending the job within the deadline without losing what was saved.
 
-Every process is started by torchrun from a subprocess with a timeout: nothing here can hang. The
+Every rank is started as torchrun starts one (``spawn_ranks``), with a timeout: nothing here can hang. The
 default run keeps two 2-rank launches (about 30 s on 2 busy cores); ``-m slow`` adds the 4-rank ones.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,61 +17,13 @@ import torch
 
 from fastweights.cli import main as cli_main
 
+from spawn_ranks import losses, rewind, spawn, torchrun
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--threads", "1", "--recall-keys", "8",
         "--recall-values", "8", "--recall-pairs", "8", "--recall-active-keys", "4", "--recall-queries", "2",
         "--eval-every", "0", "--progress", "off", "--batch-size", "8"]
-ENV = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(nproc, *args):
-    """Start ``nproc`` ranks of ``fastweights.cli *args`` as torchrun would (its environment, without its agent)."""
-    port, procs = free_port(), []
-    for rank in range(nproc):
-        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "fastweights.cli", *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def torchrun(nproc, *args, timeout=240):
-    """Run ``nproc`` ranks to the end (all killed after ``timeout`` s); returncode 0 when every rank exited 0,
-    stderr: every rank's, rank by rank."""
-    procs = spawn(nproc, *args)
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    code = next((p.returncode for p in procs if p.returncode), 0)
-    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outputs),
-                                       "".join(f"[rank {r}] {e}" for r, (_, e) in enumerate(outputs)))
-
-
-def losses(run):
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
-
-
-def rewind(run, copy, step):
-    """A copy of ``run`` as a run killed right after its checkpoint of ``step``: the later checkpoints gone,
-    ``latest`` naming it (the metrics after it are dropped by the resume)."""
-    shutil.copytree(run, copy)
-    for name in os.listdir(copy):
-        if name.startswith("ckpt-") and int(name.split("-")[1]) > step:
-            shutil.rmtree(os.path.join(copy, name))
-    (copy / "latest").write_text(f"ckpt-{step:06d}\n")
-    return copy
 
 
 def final_weights(path):
@@ -225,7 +172,7 @@ def test_fsdp_bf16_trains(tmp_path):
     done = torchrun(2, *args, "--out", str(tmp_path / "bf16"))
     assert done.returncode == 0, done.stderr[-3000:]
     fp32 = tmp_path / "fp32"
-    assert cli_main([a for a in args if a not in ("--fsdp",)][:-6] + args[-6:] + ["--precision", "fp32", "--out", str(fp32)]) == 0
+    assert cli_main([{"bf16": "fp32"}.get(a, a) for a in args if a != "--fsdp"] + ["--out", str(fp32)]) == 0
     a, b = losses(fp32), losses(tmp_path / "bf16")
     print(f"bf16 FSDP vs fp32 one process: first loss {b[0][1]:.4f} vs {a[0][1]:.4f}, last {b[-1][1]:.4f} vs {a[-1][1]:.4f}")
     assert abs(a[0][1] - b[0][1]) < 0.02 and b[-1][1] < b[0][1]
