@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,15 @@ def spawn(nproc, *args):
     return procs
 
 
+def stop_all(procs):
+    """Kill every rank still running (a stopped one is woken first, so that it can die)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
 def torchrun(nproc, *args, timeout=240):
     """Run ``nproc`` ranks to the end (all killed after ``timeout`` s); returncode 0 when every rank exited 0,
     stderr: every rank's, rank by rank."""
@@ -37,10 +47,7 @@ def torchrun(nproc, *args, timeout=240):
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_all(procs)
     code = next((p.returncode for p in procs if p.returncode), 0)
     return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outputs),
                                        "".join(f"[rank {r}] {e}" for r, (_, e) in enumerate(outputs)))

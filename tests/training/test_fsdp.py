@@ -17,7 +17,7 @@ import torch
 
 from fastweights.cli import main as cli_main
 
-from spawn_ranks import losses, rewind, spawn, torchrun
+from spawn_ranks import losses, rewind, spawn, stop_all, torchrun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,11 +210,7 @@ def test_a_lost_rank_ends_the_job_and_keeps_the_checkpoints(tmp_path, fault):
             assert "rank 2" in err and "--ddp-timeout" in err, err[-2000:]
         assert took < 6 + 60
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait()
+        stop_all(procs)
     from fastweights.training.checkpoint import load_checkpoint
 
     saved = [n for n in os.listdir(out) if n.startswith("ckpt-") and ".tmp" not in n]
