@@ -12,6 +12,7 @@ module                   what it measures
 ``form_errors``          how far each fast form is from the float64 recurrence
 ``gpu_chunk_delta``      the Triton chunk kernels and decode step on a GPU
 ``triton_resources``     every Triton kernel config compiled for sm_90 fits the hardware
+``cp_communication``     bytes per layer under context parallelism against all-gathering K, V
 =======================  ==================================================================
 
 Recorded results are in ``docs/results/``; BENCHMARKS.md reads them.

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from ..ops import compute_dtype, default_chunk_size
 from .common import (
-    FastWeightState, GatedRMSNorm, ShortConvolution, cached_weights, check_layer_input, forward_with_mask,
-    get_activation,
+    FastWeightState, GatedRMSNorm, ShortConvolution, cached_weights, check_context_parallel_input, check_layer_input,
+    forward_with_mask, get_activation,
 )
 
 
@@ -119,12 +119,13 @@ class FastWeightMixer(nn.Module):
     def memory(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: torch.Tensor,
         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], recurrent: bool,
-        max_seqlen: Optional[int] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        max_seqlen: Optional[int] = None, cp_group=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Run the op: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``extra [B, T, ·]`` (the
         subclass's own projections of x, in the order of :meth:`step_projections`: β's logits,
         the decay's) -> ``(o [B, T, HV, V], final state [N, HV, K, V])``; ``cu_seqlens`` and
-        ``max_seqlen`` go to the op as they are."""
+        ``max_seqlen`` go to the op as they are. With ``cp_group`` (context parallelism) the
+        chunk op runs on the rank's slice and no final state is asked for (None)."""
         raise NotImplementedError
 
     def memory_step(
@@ -157,7 +158,8 @@ class FastWeightMixer(nn.Module):
         cu_seqlens: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         max_seqlen: Optional[int] = None,
-    ) -> Tuple[torch.Tensor, FastWeightState]:
+        cp_group=None,
+    ) -> Tuple[torch.Tensor, Optional[FastWeightState]]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``.
 
         ``state`` is the :class:`FastWeightState` returned by the previous call (N = B,
@@ -168,9 +170,20 @@ class FastWeightMixer(nn.Module):
         convolution, and its output is 0. ``max_seqlen`` (with ``cu_seqlens``): the longest
         sequence's length, passed to the op so that it need not read the offsets (under
         ``torch.compile`` that read is a graph break).
+
+        Context parallelism: with ``cp_group`` (a ``torch.distributed.ProcessGroup``) ``x`` is
+        this rank's contiguous slice ``[B, L, d_model]`` of the sequence (``cu_seqlens``: the
+        global offsets, the same on every rank); the short convolution takes its W − 1
+        inputs before the slice from the previous rank and the op exchanges state
+        summaries (:mod:`fastweights.ops.context_parallel`). Returns ``(y, None)``: no state
+        (training and prefill of a slice; ``state`` and ``attention_mask`` are refused).
         """
         name = type(self).__name__
-        mask = check_layer_input(name, x, self.d_model, cu_seqlens, attention_mask)
+        if cp_group is not None:
+            check_context_parallel_input(name, x, self.d_model, state, cu_seqlens, attention_mask, cp_group)
+            mask = None
+        else:
+            mask = check_layer_input(name, x, self.d_model, cu_seqlens, attention_mask)
         if state is not None and not isinstance(state, FastWeightState):
             raise TypeError(f"{name}: `state` must be a FastWeightState (as returned by this layer), got {type(state).__name__}")
         if mask is not None:
@@ -186,7 +199,7 @@ class FastWeightMixer(nn.Module):
         gate, extra = rest if gated else (None, rest[0])
         conv_state = None
         if self.conv is not None:
-            qkv, conv_state = self.conv(qkv, None if state is None else state.conv, cu_seqlens)
+            qkv, conv_state = self.conv(qkv, None if state is None else state.conv, cu_seqlens, cp_group=cp_group)
         elif state is not None and state.conv is not None:
             raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
         if self.activation is self.value_activation:  # elementwise: once on all of q, k, v
@@ -198,9 +211,10 @@ class FastWeightMixer(nn.Module):
         v = v.reshape(B, T, self.num_v_heads, self.value_head_dim)
         recurrent = state is not None and T == 1
         o, memory = self.memory(q, k, v, extra, None if state is None else state.memory, cu_seqlens, recurrent,
-                                 max_seqlen=max_seqlen)
+                                 max_seqlen=max_seqlen, cp_group=cp_group)
         o = self.o_norm(o, None if gate is None else gate.reshape(B, T, self.num_v_heads, self.value_head_dim))
-        return self.o_proj(o.reshape(B, T, vw)), FastWeightState(memory, conv_state)
+        y = self.o_proj(o.reshape(B, T, vw))
+        return y, (None if cp_group is not None else FastWeightState(memory, conv_state))
 
     def step(self, x: torch.Tensor, state: FastWeightState) -> Tuple[torch.Tensor, FastWeightState]:
         """One decoding step: ``x [N, 1, d_model]`` and the state -> ``(y [N, 1, d_model], state)``.

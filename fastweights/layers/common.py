@@ -24,7 +24,7 @@ __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
     "get_activation", "check_layer_input", "sequence_positions", "rotary_embedding",
     "check_rope_theta", "check_attention_mask", "pack_rows", "unpack_rows", "forward_with_mask",
-    "align_rows", "unalign_rows", "cached_weights",
+    "align_rows", "unalign_rows", "cached_weights", "check_context_parallel_input",
 ]
 
 
@@ -261,8 +261,11 @@ class ShortConvolution(nn.Module):
         nn.init.uniform_(self.weight, -kernel_size ** -0.5, kernel_size ** -0.5)
 
     def forward(
-        self, x: torch.Tensor, state: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, state: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+        cp_group=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if cp_group is not None:
+            return self._forward_context_parallel(x, state, cu_seqlens, cp_group), None
         B, T, C = x.shape
         W = self.kernel_size
         n = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -292,6 +295,32 @@ class ShortConvolution(nn.Module):
         from_x = x[0, (cu[:-1, None] + rows - (W - 1)).clamp(0, T - 1)]
         from_state = state[torch.arange(n, device=x.device)[:, None], rows.clamp(max=max(W - 2, 0))]
         return y, torch.where((rows >= W - 1)[..., None], from_x, from_state)
+
+    def _forward_context_parallel(self, x: torch.Tensor, state, cu_seqlens, cp_group) -> torch.Tensor:
+        """``y [B, L, C]`` for this rank's slice ``x [B, L, C]`` of a sequence split over ``cp_group``
+        (:mod:`fastweights.ops.context_parallel`): the W − 1 inputs before the slice come from the
+        previous rank (a "halo"; the gradient flows back to it). No state in or out: a slice
+        of a sequence is training or prefill, not decoding. The caller has checked that every
+        rank holds the same L (>= W − 1) and the same global ``cu_seqlens``."""
+        from ..ops.context_parallel import check_cp_group, conv_states_from_halo, exchange_halo, host_offsets, local_segments
+
+        if state is not None:
+            raise ValueError("ShortConvolution: `state` cannot be given with `cp_group` (a slice of a sequence is "
+                             "trained or prefilled; decoding runs on one process)")
+        B, L, C = x.shape
+        W = self.kernel_size
+        if W == 1:
+            return self.forward(x, None, cu_seqlens)[0]
+        if L < W - 1:
+            raise ValueError(f"ShortConvolution: `x` holds L={L} tokens per rank, fewer than the kernel's W - 1 = {W - 1}; "
+                             f"context parallelism needs at least that many per rank")
+        halo = exchange_halo(x[:, L - (W - 1):], cp_group)  # [B, W − 1, C]: the previous rank's last inputs
+        if cu_seqlens is None:
+            return self.forward(x, halo)[0]
+        rank, world = check_cp_group("ShortConvolution", cp_group)
+        segments = local_segments(host_offsets(cu_seqlens), B, L, rank, world)
+        local_cu = torch.tensor(segments.offsets, device=x.device)
+        return self.forward(x, conv_states_from_halo(halo, segments), local_cu)[0]
 
     def check_state(self, state, n: int) -> None:
         W, C = self.kernel_size, self.channels
@@ -371,3 +400,23 @@ def check_layer_input(
     if cu_seqlens is not None and attention_mask is not None:
         raise ValueError(f"{owner}: give `cu_seqlens` (packed rows) or `attention_mask` (padded rows), not both")
     return check_attention_mask(owner, attention_mask, x.shape[0], x.shape[1])
+
+
+def check_context_parallel_input(owner: str, x, d_model: int, state, cu_seqlens, attention_mask, cp_group) -> None:
+    """A layer's checks under context parallelism, passed or failed by every rank of ``cp_group``
+    together (:func:`fastweights.ops.context_parallel.agree_on_slice`): ``x`` is the rank's slice
+    ``[B, L, d_model]`` (the same L everywhere), ``cu_seqlens`` the global offsets; a ``state``
+    or an ``attention_mask`` is refused (a slice is trained or prefilled, not decoded; pack
+    padded rows with ``cu_seqlens`` instead)."""
+    from ..ops.context_parallel import agree_on_slice
+
+    def local() -> None:
+        check_layer_input(owner, x, d_model, None)
+        if state is not None:
+            raise ValueError(f"{owner}: `state` cannot be given with `cp_group`: a context-parallel call trains or "
+                             f"prefills a slice of a sequence; decode on one process")
+        if attention_mask is not None:
+            raise ValueError(f"{owner}: `attention_mask` cannot be given with `cp_group`; pack the rows with "
+                             f"`cu_seqlens` (global offsets) instead")
+
+    agree_on_slice(owner, cp_group, "x", x, cu_seqlens, local)

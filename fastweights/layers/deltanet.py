@@ -56,11 +56,12 @@ class DeltaNet(FastWeightMixer):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.b_proj = nn.Linear(self.d_model, self.num_v_heads, bias=False)  # one β per value head
 
-    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None, cp_group=None):
         beta = write_strength(extra, self.allow_neg_eigval)  # [B, T, HV]: extra is b_proj(x)
         op = recurrent_delta_rule if recurrent else chunk_delta_rule
         return op(
-            q, k, v, beta, initial_state=initial_state, output_final_state=True,
+            q, k, v, beta, initial_state=initial_state, output_final_state=cp_group is None,
+            **({} if cp_group is None else dict(cp_group=cp_group)),
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )

@@ -52,14 +52,15 @@ class GatedDeltaNet(DeltaNet):
         """g from ``a = w_a·x``: −exp(A_log)·softplus(a + dt_bias)."""
         return -torch.exp(self.A_log) * F.softplus(a + self.dt_bias)
 
-    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None, cp_group=None):
         hv = self.num_v_heads  # extra is [b_proj(x) | a_proj(x)]
         b_logits, a = extra.split([hv, hv], dim=-1)
         beta = write_strength(b_logits, self.allow_neg_eigval)  # [B, T, HV]
         g = self.decay_from_projection(a)                       # [B, T, HV]
         op = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         return op(
-            q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=cp_group is None,
+            **({} if cp_group is None else dict(cp_group=cp_group)),
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from ..ops import KVCache, softmax_attn
 from .common import (
-    ShortConvolution, cached_weights, check_layer_input, check_rope_theta, forward_with_mask, rotary_embedding,
-    sequence_positions,
+    ShortConvolution, cached_weights, check_context_parallel_input, check_layer_input, check_rope_theta,
+    forward_with_mask, rotary_embedding, sequence_positions,
 )
 
 
@@ -104,11 +104,20 @@ class SoftmaxAttention(nn.Module):
         cu_seqlens: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         max_seqlen: Optional[int] = None,
-    ) -> Tuple[torch.Tensor, Union[KVCache, AttentionState]]:
+        cp_group=None,
+    ) -> Tuple[torch.Tensor, Union[KVCache, AttentionState, None]]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], state)``: a KVCache with keys
         ``[N, H, L + T, K]``, wrapped with the convolution's inputs in an
         :class:`AttentionState` when the layer has a short convolution. ``max_seqlen``
-        (with ``cu_seqlens``): the longest sequence's length, passed to the op."""
+        (with ``cu_seqlens``): the longest sequence's length, passed to the op.
+
+        Context parallelism: with ``cp_group`` ``x`` is this rank's contiguous slice of the
+        sequence (``cu_seqlens``: the global offsets). Keys and values are all-gathered
+        (:func:`~fastweights.ops.context_parallel.softmax_attn_context_parallel`), RoPE uses
+        global positions, the short convolution takes its halo from the previous rank.
+        Returns ``(y, None)``."""
+        if cp_group is not None:
+            return self._forward_context_parallel(x, state, cu_seqlens, attention_mask, cp_group)
         mask = check_layer_input("SoftmaxAttention", x, self.d_model, cu_seqlens, attention_mask)
         want = KVCache if self.conv is None else AttentionState
         if state is not None and not isinstance(state, want):
@@ -119,13 +128,7 @@ class SoftmaxAttention(nn.Module):
             return forward_with_mask(self, x, state, mask)
         B, T, _ = x.shape
         kv_state = state if self.conv is None or state is None else state.kv
-        if self.conv is not None:  # one matmul, then the convolution over q, k, v together (depthwise)
-            params = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-            weight = cached_weights(self, "_qkv_weight_cache", params, lambda: (torch.cat(params),))[0]  # [3·d_model, d_model]
-            qkv, conv_state = self.conv(F.linear(x, weight), None if state is None else state.conv, cu_seqlens)
-            q, k, v = (t.reshape(B, T, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
-        else:
-            q, k, v = (p(x).reshape(B, T, self.n_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v, conv_state = self._qkv(x, None if self.conv is None or state is None else state.conv, cu_seqlens)
         if self.rope_theta is not None:
             seq, pos = sequence_positions(B, T, cu_seqlens, x.device)  # [B, T] each
             if kv_state is not None:  # continue after the rows each sequence has cached
@@ -135,6 +138,32 @@ class SoftmaxAttention(nn.Module):
                                 max_seqlen=max_seqlen)
         y = self.o_proj(o.reshape(B, T, self.d_model))
         return (y, cache) if self.conv is None else (y, AttentionState(cache, conv_state))
+
+    def _qkv(self, x: torch.Tensor, conv_state, cu_seqlens, cp_group=None):
+        """``(q, k, v [B, T, H, K], conv state)``: the projections, through the short convolution if any."""
+        B, T, _ = x.shape
+        if self.conv is None:
+            q, k, v = (p(x).reshape(B, T, self.n_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+            return q, k, v, None
+        # one matmul, then the convolution over q, k, v together (depthwise)
+        params = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        weight = cached_weights(self, "_qkv_weight_cache", params, lambda: (torch.cat(params),))[0]  # [3·d_model, d_model]
+        qkv, conv_state = self.conv(F.linear(x, weight), conv_state, cu_seqlens, cp_group=cp_group)
+        q, k, v = (t.reshape(B, T, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
+        return q, k, v, conv_state
+
+    def _forward_context_parallel(self, x, state, cu_seqlens, attention_mask, cp_group) -> Tuple[torch.Tensor, None]:
+        """:meth:`forward` on this rank's slice of a sequence split over ``cp_group``."""
+        from ..ops.context_parallel import global_positions, softmax_attn_context_parallel
+
+        check_context_parallel_input("SoftmaxAttention", x, self.d_model, state, cu_seqlens, attention_mask, cp_group)
+        B, T, _ = x.shape
+        q, k, v, _ = self._qkv(x, None, cu_seqlens, cp_group)
+        if self.rope_theta is not None:
+            _, pos = global_positions(B, T, cu_seqlens, cp_group, x.device)  # positions in the whole sequence
+            q, k = rotary_embedding(q, pos, self.rope_theta), rotary_embedding(k, pos, self.rope_theta)
+        o = softmax_attn_context_parallel(q, k, v, cp_group, cu_seqlens)
+        return self.o_proj(o.reshape(B, T, self.d_model)), None
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:

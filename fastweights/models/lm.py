@@ -200,8 +200,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.hidden_size else None
         self.mlp = SwiGLU(config.d_model, config.hidden_size) if config.hidden_size else None
 
-    def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None):
-        h, state = self.mixer(self.mixer_norm(x), state, cu_seqlens, max_seqlen=max_seqlen)  # (B, T, D), the layer's new state
+    def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                cp_group=None):
+        extra = {} if cp_group is None else {"cp_group": cp_group}  # context parallelism (LM.forward)
+        h, state = self.mixer(self.mixer_norm(x), state, cu_seqlens, max_seqlen=max_seqlen, **extra)  # (B, T, D), new state
         x = x + h
         return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state
 
@@ -301,6 +303,7 @@ class LM(nn.Module):
         cu_seqlens: Optional[torch.Tensor] = None,
         max_seqlen: Optional[int] = None,
         return_cache: bool = True,
+        cp_group=None,
     ) -> Tuple[torch.Tensor, Optional[LMCache]]:
         """``input_ids (B, T)`` -> ``(logits (B, T, V), cache)``.
 
@@ -322,11 +325,23 @@ class LM(nn.Module):
                 FlashAttention's varlen API; without it the offsets are read once here (under
                 ``torch.compile``: one graph break).
             return_cache: ``False`` (training) skips building the cache.
+            cp_group: context parallelism: a ``torch.distributed.ProcessGroup`` whose ranks each
+                hold one contiguous slice of the sequence, in rank order: ``input_ids (B, L)`` is
+                this rank's slice (L the same on every rank), ``cu_seqlens`` the *global* offsets
+                (the same on every rank; sequences may cross ranks). The logits are the slice's
+                ``(B, L, V)``, equal to those rows of a single-process call; gradients too, once
+                each rank's parameter gradients are summed over the group (each rank's loss
+                covers its own tokens). Fast-weight layers exchange fixed-size state summaries
+                and their convolutions a halo; softmax layers all-gather keys and values
+                (:mod:`fastweights.ops.context_parallel`). Training only: ``cache`` and
+                ``attention_mask`` are refused and ``return_cache`` must be False.
 
         Under ``torch.compile`` with ``return_cache=False``, ``attention_mask`` moves each row's
         real tokens to its front instead of packing them (:func:`~fastweights.layers.common.align_rows`:
         static shapes, no graph break); the logits are the packed run's up to rounding.
         """
+        if cp_group is not None:
+            return self._forward_context_parallel(input_ids, cache, attention_mask, cu_seqlens, return_cache, cp_group)
         self._check_ids(input_ids)
         B, T = input_ids.shape
         if self.has_softmax and T > self.config.max_seq_len:
@@ -375,6 +390,36 @@ class LM(nn.Module):
             return logits, None
         length = T + (0 if cache is None else cache.length)
         return logits, LMCache(states, length=length, batch_size=n_seq, mixers=list(self.config.mixers))
+
+    def _forward_context_parallel(self, input_ids, cache, attention_mask, cu_seqlens, return_cache, cp_group):
+        """:meth:`forward` on this rank's slice of a sequence split over ``cp_group`` -> ``(logits, None)``."""
+        from ..ops.context_parallel import agree_on_slice, check_cp_group
+
+        _, world = check_cp_group("LM", cp_group)
+
+        def local() -> None:
+            self._check_ids(input_ids)
+            if cache is not None or attention_mask is not None:
+                which = "cache" if cache is not None else "attention_mask"
+                raise ValueError(f"LM: `{which}` cannot be given with `cp_group` (context parallelism trains on "
+                                 f"slices of sequences; pack padded rows with `cu_seqlens`)")
+            if return_cache:
+                raise ValueError("LM: `return_cache` must be False with `cp_group` (no decode cache is built "
+                                 "from slices of a sequence)")
+            total = world * input_ids.shape[1]
+            if self.has_softmax and total > self.config.max_seq_len:
+                raise ValueError(f"LM: `input_ids` holds {total} tokens over the {world} ranks of `cp_group`, "
+                                 f"more than `max_seq_len`={self.config.max_seq_len} of this model")
+
+        agree_on_slice("LM", cp_group, "input_ids", input_ids, cu_seqlens, local)
+        x = self.embed(input_ids)  # (B, L, D)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            if recompute:  # the recomputation repeats the block's collectives, in the same order on every rank
+                x, _ = torch.utils.checkpoint.checkpoint(block, x, None, cu_seqlens, None, cp_group, use_reentrant=False)
+            else:
+                x, _ = block(x, None, cu_seqlens, None, cp_group)
+        return self.lm_head(self.norm(x)), None
 
     @staticmethod
     def _mask(attention_mask, batch: int, length: int, cache: Optional[LMCache]) -> Optional[torch.Tensor]:

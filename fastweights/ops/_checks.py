@@ -286,13 +286,15 @@ def check_inputs(
     allow_neg_eigval: bool = False,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
+    seq_len: Optional[int] = None,
 ) -> int:
     """Check the arguments of an op; return N, the number of sequences.
 
     ``state_key_dim``/``state_value_dim`` are the state's K and V after any
     feature map or normalizer column; they default to q's and v's last sizes.
     ``chunk_size`` is checked unless it is left at ``NO_CHUNKS`` (an op without one);
-    ``allow_neg_eigval`` widens β's range to [0, 2].
+    ``allow_neg_eigval`` widens β's range to [0, 2]. ``seq_len`` is the length that
+    ``cu_seqlens`` must end at, when it is not T (context parallelism: the global length).
     """
     _check_tensor(op, "q", q, 4, "[B, T, H, K]")
     _check_tensor(op, "k", k, 4, "[B, T, H, K]")
@@ -327,7 +329,7 @@ def check_inputs(
     check_scale(op, scale)
     n = B
     if cu_seqlens is not None:
-        n = check_cu_seqlens(op, cu_seqlens, B, T, q.device, cu_seqlens_cpu, max_seqlen)
+        n = check_cu_seqlens(op, cu_seqlens, B, T if seq_len is None else seq_len, q.device, cu_seqlens_cpu, max_seqlen)
     elif cu_seqlens_cpu is not None or max_seqlen is not None:
         which = "cu_seqlens_cpu" if cu_seqlens_cpu is not None else "max_seqlen"
         raise ValueError(f"{op}: `{which}` describes packed sequences and needs `cu_seqlens`, which is None")

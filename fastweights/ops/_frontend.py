@@ -149,6 +149,7 @@ def check_op_args(
     allow_neg_eigval: bool = False,
     cu_seqlens_cpu=None,
     max_seqlen=None,
+    seq_len=None,
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
 
@@ -167,7 +168,7 @@ def check_op_args(
     check_inputs(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
         state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
-        allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
+        allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len,
     )
     check_autocast(op, q.device, q=q, k=k, v=v, beta=beta, g=g)
     return phi
@@ -196,13 +197,27 @@ def run_op(
     allow_neg_eigval: bool = False,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
+    cp_group=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    phi = check_op_args(
-        op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
-        requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
-        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
-    )
+    def check(seq_len=None):
+        return check_op_args(
+            op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
+            requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
+            cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len,
+        )
+
+    segments = None
+    if cp_group is None:
+        phi = check()
+    else:  # context parallelism: every rank passes the checks or every rank raises (context_parallel.py)
+        from .context_parallel import checked_segments
+
+        phi, segments = checked_segments(
+            op, cp_group, check, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, output_final_state=output_final_state,
+            normalize=normalize,
+        )
     out_dtype = q.dtype
     dt = compute_dtype(out_dtype)
     if q.shape[1] == 0:  # T = 0: nothing to solve (and the solvers index the last token)
@@ -213,6 +228,34 @@ def run_op(
             h_t = q.new_zeros(B, H, phi.output_dim(q.shape[-1]), v.shape[-1] + int(normalize), dtype=state_dtype(out_dtype))
         return v.new_empty(v.shape, dtype=out_dtype), (h_t if output_final_state else None)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    form = op.split("_", 1)[0]
+    # The memory check asks the OS (os.sysconf), which torch.compile cannot trace: it runs in eager mode.
+    check_memory = not torch.compiler.is_compiling()
+
+    def head_first(t):
+        return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
+
+    def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None):
+        """The form's solver on packed compute-dtype ``[B, T, H, ·]`` tensors -> ``(o [B, T, H, V], h_T)``."""
+        packing = None
+        if cu_seqlens is not None:
+            packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
+            q, k, v, beta, g = (packing.pad(t) for t in (q, k, v, beta, g))
+        n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
+        size = chunk_size
+        if form == "chunk":
+            size = effective_chunk_size(chunk_size, t_len)
+            if check_memory:
+                check_score_memory(op, n, heads, -(-t_len // size) * size, size, dt, q.device,
+                                   f"the [C, C] chunk matrices at T={t_len}, C={size}")
+        elif form == "parallel" and check_memory:
+            check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
+        o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size)
+        o = o.transpose(1, 2)  # [N, T, H, V]
+        if packing is not None:
+            o = packing.unpad(o)
+        return o, h_t
+
     with autocast_off(q.device):  # fp32 compute and state, whatever autocast would do (module docstring)
         q = normalize_qk(phi(q.to(dt)), qk_norm, op)
         k = normalize_qk(phi(k.to(dt)), qk_norm, op)
@@ -223,34 +266,13 @@ def run_op(
             v = normalizer_column(v)
         beta = None if beta is None else beta.to(dt)
         g = None if g is None else g.to(dt)
+        if segments is None:
+            o, h_t = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu)
+        else:
+            from .context_parallel import run_context_parallel
 
-        packing = None
-        if cu_seqlens is not None:
-            packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
-            q, k, v, beta, g = (packing.pad(t) for t in (q, k, v, beta, g))
-
-        form = op.split("_", 1)[0]
-        n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
-        # The memory check asks the OS (os.sysconf), which torch.compile cannot trace: it runs in eager mode.
-        check_memory = not torch.compiler.is_compiling()
-        if form == "chunk":
-            chunk_size = effective_chunk_size(chunk_size, t_len)
-            if check_memory:
-                check_score_memory(op, n, heads, -(-t_len // chunk_size) * chunk_size, chunk_size, dt, q.device,
-                                   f"the [C, C] chunk matrices at T={t_len}, C={chunk_size}")
-        elif form == "parallel" and check_memory:
-            check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
-
-        def head_first(t):
-            return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
-
-        o, h_t = core(
-            head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g),
-            initial_state, scale, chunk_size,
-        )
-        o = o.transpose(1, 2)  # [N, T, H, V]
-        if packing is not None:
-            o = packing.unpad(o)
+            o, h_t = run_context_parallel(solve, segments, cp_group, q, k, v, beta, g, initial_state, output_final_state,
+                                          scale, sum_rule=op.endswith("linear_attn"))
         if normalize:
             o = divide_by_normalizer(o, eps)
         return o.to(out_dtype), (h_t if output_final_state else None)

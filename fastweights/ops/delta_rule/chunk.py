@@ -409,6 +409,7 @@ def chunk_delta_rule(
     *,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     max_seqlen: Optional[int] = None,
+    cp_group=None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The delta rule, chunkwise parallel: the fast path for training.
@@ -438,6 +439,14 @@ def chunk_delta_rule(
     double backward is not supported (use the recurrent or parallel form).
     ``fastweights/bench/chunk_speed.py`` (``fastweights bench``) measures it against the
     textbook chunk implementation and the recurrence.
+    Context parallelism: ``cp_group`` (a ``torch.distributed.ProcessGroup``; None: off)
+    splits T over the group's ranks, each holding one contiguous slice ``[B, L, ...]`` in
+    rank order (``cu_seqlens``, if given, holds the *global* offsets, the same on every
+    rank; a sequence may cross rank boundaries); ``chunk_size`` must divide L. The ranks
+    exchange one ``[H, K, K + V]`` state summary per row instead of the sequence; ``o`` is
+    the slice's output, final states come back on every rank, and ``initial_state[i]``
+    is read (and gets its gradient) on the rank holding sequence i's first token
+    (:mod:`fastweights.ops.context_parallel`, ``docs/context_parallel.md``).
     """
     q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
         "chunk_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
@@ -448,4 +457,4 @@ def chunk_delta_rule(
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
     return run_chunk_delta("chunk_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
-                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen), **kwargs)
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group), **kwargs)

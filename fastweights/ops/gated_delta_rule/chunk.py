@@ -47,13 +47,15 @@ def chunk_gated_delta_rule(
     dt_bias: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     max_seqlen: Optional[int] = None,
+    cp_group=None,
     **extra,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
 
     Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_rule` (same
     arguments and returns), called as ``(q, k, v, g, beta, ...)`` like
-    flash-linear-attention. ``chunk_size`` and ``backend`` as in :func:`chunk_delta_rule`.
+    flash-linear-attention. ``chunk_size``, ``backend`` and ``cp_group`` (context
+    parallelism) as in :func:`chunk_delta_rule`.
     """
     q, k, beta, g, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
         "chunk_gated_delta_rule", q, k, v, beta, g, initial_state, cu_seqlens, gated=True,
@@ -67,4 +69,4 @@ def chunk_gated_delta_rule(
         allow_neg_eigval=allow_neg_eigval,
     )
     return run_chunk_delta("chunk_gated_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
-                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen), **kwargs)
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group), **kwargs)

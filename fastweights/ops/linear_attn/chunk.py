@@ -189,6 +189,7 @@ def chunk_linear_attn(
     eps: float = 1e-6,
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     max_seqlen: Optional[int] = None,
+    cp_group=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Causal linear attention, chunkwise parallel: the fast path for training.
 
@@ -202,10 +203,16 @@ def chunk_linear_attn(
     supported (use the recurrent or parallel form). Forward and backward are
     ``torch.library`` custom ops (``fastweights::chunk_linear_attn_fwd``/``_bwd``), opaque
     to ``torch.compile``.
+
+    Context parallelism: ``cp_group`` (a ``torch.distributed.ProcessGroup``; None: off)
+    splits T over the group's ranks as in :func:`~fastweights.ops.chunk_delta_rule`; here
+    a slice's summary is its decayed sum ``[H, K, V]`` (with the normalizer column when
+    ``normalize``) and, with ``g``, one decay per head.
     """
     return run_op(
         "chunk_linear_attn", linear_attn_chunk, q, k, v, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,
+        cp_group=cp_group,
     )
