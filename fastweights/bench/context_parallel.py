@@ -8,12 +8,14 @@ on ``[1, T]`` tokens, rank r holding tokens ``[r·T/N, (r+1)·T/N)``, and report
 - ``step_rss_mib``: that peak less the resident memory just before the step (what the step
   itself added: activations, gradients, buffers), which should fall about as 1/N;
 - ``tokens_per_s``: T / the median wall time of the timed steps (the whole group's rate);
-- ``cp_bytes_per_layer``: bytes one rank hands to the context-parallel collectives in one step
-  (forward and backward, counted by :func:`fastweights.ops.context_parallel.count_communication`),
-  per layer; ``kv_bytes_per_layer``: what the same rank would contribute all-gathering its keys
-  and values instead (forward) and reduce-scattering their gradients (backward),
-  ``2·(T/N)·H·(K + V)`` numbers, computed by ``kv_gather_bytes``; ``grad_bytes``: the gradient
-  all-reduce of the parameters (the same for any T).
+- ``cp_bytes_per_layer``: bytes one rank hands to the context-parallel collectives in one step,
+  forward and backward, per layer (the state summaries and their gradients, the short
+  convolution's halo and its gradient, the argument check), counted by
+  :func:`fastweights.ops.context_parallel.count_communication` (its convention: an all-gather's
+  input, a reduce-scatter's input); ``kv_bytes_per_layer``: the same count for all-gathering one
+  layer's keys and values instead and passing their gradients back (``gather_sequence``, as the
+  softmax layers do), measured on tensors of the layer's shape; ``grad_bytes``: the parameters'
+  gradient all-reduce (the same for any T).
 
 Every configuration runs in fresh processes (``torchrun``), so each peak is its own. With more
 processes than cores the ranks share cores: tokens/s then measures the oversubscribed machine,
@@ -84,7 +86,7 @@ def worker(tokens: int, steps: int, result: str) -> None:
             p.grad = None
 
     if world > 1:
-        from ..ops.context_parallel import count_communication, kv_gather_bytes
+        from ..ops.context_parallel import count_communication, gather_sequence
 
         counting = count_communication()
     else:
@@ -101,15 +103,22 @@ def worker(tokens: int, steps: int, result: str) -> None:
         step()
         times.append(time.perf_counter() - t0)
     head = config.d_model // config.n_heads
-    cp_bytes = sum(r[2] for r in log.records if r[1] != "fingerprint")
+    kv_bytes = 0
+    if world > 1:  # what one layer would send all-gathering its keys and values instead, forward and backward
+        k, v = (torch.randn(1, tokens // world, config.n_heads, head, requires_grad=True) for _ in range(2))
+        with count_communication() as kv_log:
+            (gather_sequence(k, plan.cp_group).sum() + gather_sequence(v, plan.cp_group).sum()).backward()
+        kv_bytes = kv_log.sent_bytes
+    by_label: Dict[str, int] = {}
+    for _, what, payload, _ in log.records:
+        by_label[what] = by_label.get(what, 0) + payload // config.n_layers
     record = {
         "tokens": tokens, "procs": world, "rank": rank, "peak_rss_mib": round(peak, 1),
         "step_rss_mib": round(peak - before, 1), "seconds": [round(t, 3) for t in times],
         "tokens_per_s": round(tokens / statistics.median(times), 1),
-        "cp_bytes_per_layer": cp_bytes // config.n_layers if world > 1 else 0,
-        "kv_bytes_per_layer": 2 * kv_gather_bytes(1, tokens // world, config.n_heads, head, head) if world > 1 else 0,
+        "cp_bytes_per_layer": sum(by_label.values()), "cp_bytes_by_label": by_label,
+        "kv_bytes_per_layer": kv_bytes,
         "grad_bytes": 4 * sum(p.numel() for p in params) if world > 1 else 0,
-        "cp_records": sorted({r[1] for r in log.records}),
     }
     records: List[Dict] = [record]
     if world > 1:
