@@ -82,13 +82,15 @@ class ParallelPlan:
                              f"split into equal contiguous slices; choose a --context-parallel that divides {seq_len}")
 
 
-def plan_parallel(rank: int, world: int, context_parallel: int = 1, fsdp: bool = False) -> ParallelPlan:
+def plan_parallel(rank: int, world: int, context_parallel: int = 1, fsdp: bool = False,
+                  device_type: str = "cpu") -> ParallelPlan:
     """The grid of ``world`` processes for ``--context-parallel`` and ``--fsdp``.
 
     Checks first, with no collective (so every rank raises the same error, and none waits):
     ``context_parallel`` must divide ``world``. Then (P > 1) makes the context-parallel groups
     (``dist.new_group`` is a collective over the world: every rank calls it for every group)
-    and, for FSDP, the device mesh.
+    and, for FSDP, the device mesh over ``device_type`` (where the model lives: the training loop
+    keeps it on the CPU).
     """
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
         raise ValueError(f"train: `context_parallel` (--context-parallel) must be an int >= 1, got {context_parallel!r}")
@@ -105,7 +107,7 @@ def plan_parallel(rank: int, world: int, context_parallel: int = 1, fsdp: bool =
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
-        plan.mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (world,), mesh_dim_names=("world",))
+        plan.mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
     return plan
 
 
