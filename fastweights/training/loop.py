@@ -21,6 +21,12 @@ deadlocked) ends the job on every other rank with a message naming it, from the
 per-step heartbeats the ranks leave in the process group's store; rank 0 also logs
 a heartbeat line while the job runs.
 
+FSDP2 and context parallelism (``--fsdp``, ``--context-parallel``; :mod:`.parallel`): the
+processes form a ``dp × cp`` grid, each keeps its rows and, within its context-parallel
+group, its contiguous token slice of them; gradients are summed over all ranks, by FSDP's
+reduce-scatter when the model is sharded. A sharded model's checkpoints are written by every
+rank through DCP (:mod:`.dcp_checkpoint`) and resume on any number of processes.
+
 The run folder belongs to one run at a time (``run_folder.py``: lock, run id,
 pruning within the run; ``signals.py``: SIGINT/SIGTERM saving a checkpoint before exiting).
 """
