@@ -69,3 +69,21 @@ def rewind(run, copy, step):
     return copy
 
 
+
+
+def write_words(path):
+    """About 6 KB of words from a small vocabulary (byte-level text to train on) at ``path``; returns it."""
+    import random
+
+    rng = random.Random(0)
+    words = ["memory", "delta", "rule", "state", "key", "value", "query", "write", "read", "fast", "weight"]
+    path.write_text(" ".join(rng.choice(words) for _ in range(1000)))
+    return path
+
+
+def text_args(text):
+    """A tiny hybrid LM (DeltaNet: the state exchange and the short convolution's halo; softmax attention:
+    the K,V all-gather) on ``text``, 32-token windows in chunks of 8, so that 2 or 4 ranks can split them."""
+    return ["--data", str(text), "--seq-len", "32", "--chunk-size", "8", "--batch-size", "4", "--eval-every", "0",
+            "--eval-tokens", "256", "--progress", "off", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
+            "--mixer", '["deltanet", "softmax"]', "--threads", "1", "--lr", "1e-2"]

@@ -2,40 +2,31 @@
 the one-process step (float64), with data parallelism and FSDP around it; a --context-parallel that does not
 divide the world stops every rank at once with the same one-line error.
 
-Ranks are started from a subprocess with a timeout (nothing can hang): one 2-rank launch in the default run,
-the 4-rank ones in ``-m slow``.
+Ranks are started from a subprocess with a timeout (nothing can hang). The default run trains with
+``--context-parallel 2 --fsdp`` on 2 ranks in test_fsdp.py; here, in ``-m slow``, context parallelism alone
+on 2 ranks, with data parallelism and FSDP on 4, and the refused sizes.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
 
 from fastweights.cli import main as cli_main
 
-from spawn_ranks import losses, torchrun
+from spawn_ranks import losses, text_args, torchrun, write_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
-    """About 6 KB of words from a small vocabulary (byte-level text to train on)."""
-    rng = random.Random(0)
-    words = ["memory", "delta", "rule", "state", "key", "value", "query", "write", "read", "fast", "weight"]
-    path = tmp_path_factory.mktemp("text") / "words.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(1000)))
-    return path
+    return write_words(tmp_path_factory.mktemp("text") / "words.txt")
 
 
 def args_for(text, out, *extra):
-    # a hybrid: DeltaNet (the state exchange and the short convolution's halo) and softmax attention
-    return ["train", "--data", str(text), "--seq-len", "32", "--chunk-size", "8", "--batch-size", "4", "--dtype", "float64",
-            "--steps", "3", "--save-every", "3", "--eval-every", "0", "--eval-tokens", "256", "--progress", "off",
-            "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--mixer", '["deltanet", "softmax"]', "--threads", "1",
-            "--lr", "1e-2", *extra, "--out", str(out)]
+    return ["train", *text_args(text), "--dtype", "float64", "--steps", "3", "--save-every", "3", *extra,
+            "--out", str(out)]
 
 
 def weights(run):
@@ -55,6 +46,7 @@ def compare(one, many, what):
     assert diff <= 1e-10 and worst <= 1e-10 and a[0][1] != a[-1][1]
 
 
+@pytest.mark.slow  # the default run has it with --fsdp (test_fsdp.py)
 def test_context_parallel_step_equals_one_process(text, tmp_path):
     one, two = tmp_path / "one", tmp_path / "cp2"
     done = torchrun(2, *args_for(text, two, "--context-parallel", "2"))

@@ -3,7 +3,8 @@ checkpoints through DCP that resume bitwise on the same world size and on anothe
 file, and a killed or stopped rank ending the job within the deadline without losing what was saved.
 
 Every rank is started as torchrun starts one (``spawn_ranks``), with a timeout: nothing here can hang. The
-default run keeps two 2-rank launches (about 30 s on 2 busy cores); ``-m slow`` adds the 4-rank ones.
+default run keeps two 2-rank launches (FSDP and context parallelism together); ``-m slow`` adds FSDP alone on
+4 ranks, bf16, and the failures.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from fastweights.cli import main as cli_main
 
-from spawn_ranks import losses, rewind, spawn, stop_all, torchrun
+from spawn_ranks import losses, rewind, spawn, stop_all, text_args, torchrun, write_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,24 +36,37 @@ def final_weights(path):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """A 2-rank FSDP run in float64: 6 steps, a sharded checkpoint every 3 (both kept)."""
-    out = tmp_path_factory.mktemp("fsdp") / "run"
-    args = ["train", "--fsdp", "--dtype", "float64", "--steps", "6", "--save-every", "3", "--keep-checkpoints", "2",
-            *TINY, "--out", str(out)]
+    """The default run's one 2-rank job: FSDP over both ranks, which also form one context-parallel group
+    (each sequence split in two), a hybrid DeltaNet + softmax LM on text, float64: 6 steps, a sharded
+    checkpoint every 3 (both kept)."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    out = folder / "run"
+    args = ["train", "--fsdp", "--context-parallel", "2", "--dtype", "float64", "--steps", "6", "--save-every", "3",
+            "--keep-checkpoints", "2", *text_args(write_words(folder / "words.txt")), "--out", str(out)]
     done = torchrun(2, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, args
 
 
+def one_process(args):
+    """The same run's arguments for one process: no FSDP, no context parallelism."""
+    drop = {"--fsdp": 1, "--context-parallel": 2}
+    kept, i = [], 0
+    while i < len(args):
+        skip = drop.get(args[i], 0)
+        kept += [] if skip else [args[i]]
+        i += skip or 1
+    return kept
+
+
 def test_fsdp_equals_one_process_and_exports_one_file(fsdp_run, tmp_path):
     out, args = fsdp_run
     one = tmp_path / "one"
-    plain = [a for a in args if a != "--fsdp"][:-1] + [str(one)]
-    assert cli_main(plain) == 0
+    assert cli_main(one_process(args)[:-1] + [str(one)]) == 0
     a, b = losses(one), losses(out)
     diff = max(abs(x[1] - y[1]) for x, y in zip(a, b))
-    print(f"FSDP on 2 ranks vs one process, float64, 6 steps: max |loss difference| {diff:.2e}; "
-          f"losses {a[0][1]:.4f} -> {a[-1][1]:.4f}")
+    print(f"FSDP and context parallelism on 2 ranks vs one process, float64, 6 steps: max |loss difference| "
+          f"{diff:.2e}; losses {a[0][1]:.4f} -> {a[-1][1]:.4f}")
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
     assert diff <= 1e-10 and a[0][1] != a[-1][1]
     assert sorted(n for n in os.listdir(out / "ckpt-000006") if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -63,7 +77,7 @@ def test_fsdp_equals_one_process_and_exports_one_file(fsdp_run, tmp_path):
     worst = max(float((sharded[k] - single[k]).abs().max()) for k in single)
     print(f"exported FSDP weights vs the one-process run's: max |difference| {worst:.2e}")
     assert sharded.keys() == single.keys() and worst <= 1e-10
-    assert cli_main(["generate", str(model_file), "--prompt", "a 1 ?", "--max-new-tokens", "3"]) == 0
+    assert cli_main(["generate", str(model_file), "--prompt", "the ", "--max-new-tokens", "3"]) == 0
 
 
 def test_fsdp_resume_is_bitwise_and_reshards_to_one_process(fsdp_run, tmp_path):
@@ -74,7 +88,7 @@ def test_fsdp_resume_is_bitwise_and_reshards_to_one_process(fsdp_run, tmp_path):
     assert losses(same) == losses(out)  # bit for bit: the same shards, the same sums
 
     other = rewind(out, tmp_path / "other", 3)  # 2 ranks wrote it; one process resumes it (DCP reshards)
-    assert cli_main([*args[:-1], str(other), "--resume"]) == 0
+    assert cli_main([*args[:-1], str(other), "--resume", "--context-parallel", "1"]) == 0
     diff = max(abs(x[1] - y[1]) for x, y in zip(losses(other), losses(out)))
     print(f"resumed 2 ranks -> 1 process: max |loss difference| {diff:.2e} (the sums' order changed)")
     assert [s for s, _ in losses(other)] == list(range(1, 7)) and diff <= 1e-10
@@ -254,3 +268,36 @@ def test_a_failure_names_the_rank_whose_pulse_stopped_not_those_that_gave_up():
     named = error.split("waiting for ")[1].split("; the job")[0]
     assert "rank 2 (silent for" in named and "killed or stopped" in named
     assert "rank 1" not in named and "rank 3" not in named
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_whole_job_at_random_moments_resumes_bitwise(tmp_path):
+    """Both ranks of an FSDP job SIGKILLed at random moments (a checkpoint every step, so most kills land
+    in or near a sharded save), resumed each time: every checkpoint folder left loads, and the finished run's
+    losses equal the uninterrupted run's bit for bit."""
+    import random
+
+    from fastweights.training.checkpoint import load_checkpoint
+
+    args = ["train", "--fsdp", "--steps", "12", "--save-every", "1", "--keep-checkpoints", "2", *TINY]
+    whole = torchrun(2, *args, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out, rng = tmp_path / "killed", random.Random(0)
+    for _ in range(3):
+        procs = spawn(2, *args, "--out", str(out), *(["--resume"] if (out / "latest").exists() else []))
+        try:
+            deadline = time.time() + 180
+            while not (out / "latest").exists() and time.time() < deadline and all(p.poll() is None for p in procs):
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 1.5))
+        finally:
+            for p in procs:
+                p.kill()
+            stop_all(procs)
+        for name in os.listdir(out):  # after every kill: whole checkpoints only
+            if name.startswith("ckpt-") and ".tmp" not in name:
+                load_checkpoint(out / name)
+    done = torchrun(2, *args, "--out", str(out), *(["--resume"] if (out / "latest").exists() else ["--overwrite"]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(out) == losses(tmp_path / "whole")
+    assert not [n for n in os.listdir(out) if ".tmp" in n or n == "lock"]
