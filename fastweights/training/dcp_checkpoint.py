@@ -270,8 +270,12 @@ def load_full_weights(path: str, model: torch.nn.Module) -> None:
     """Fill an unsharded ``model`` (one process, no process group) with the full weights of the
     sharded checkpoint ``path``, reassembled from every rank's shards (for export, generate, eval)."""
 
+    import warnings
+
     state = {"model": model.state_dict()}
-    _dcp_load(state, path, "the model of its config.json", no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _dcp_load(state, path, "the model of its config.json", no_dist=True)
     model.load_state_dict(state["model"])
 
 
