@@ -14,6 +14,8 @@ Examples::
     fastweights train --out runs/hybrid --data notes.txt --mixer '["deltanet", "softmax"]' --eval-tokens 20000
     fastweights train --out runs/recall --resume                  # after a crash or kill
     torchrun --nproc_per_node=2 -m fastweights.cli train --out runs/ddp --steps 100
+    torchrun --nproc_per_node=4 -m fastweights.cli train --out runs/fsdp --fsdp --precision bf16
+    torchrun --nproc_per_node=4 -m fastweights.cli train --out runs/cp --data notes.txt --seq-len 8192 --context-parallel 2
 """
 
 from __future__ import annotations
