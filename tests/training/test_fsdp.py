@@ -108,6 +108,26 @@ def test_a_sharded_checkpoint_is_checked_before_it_is_read(fsdp_run, tmp_path, c
     assert not (tmp_path / "m.safetensors").exists()
 
 
+def test_an_exported_file_is_checked_when_loaded(fsdp_run, tmp_path, capsys):
+    """The single file carries a SHA-256 of its tensors: a flipped bit is refused naming the file; `--out`
+    must name a .safetensors file."""
+    from fastweights.training.checkpoint import load_checkpoint
+    from fastweights.training.errors import CheckpointError
+
+    out, _ = fsdp_run
+    model_file = tmp_path / "model.safetensors"
+    assert cli_main(["export", str(out / "ckpt-000003"), "--out", str(model_file)]) == 0
+    assert load_checkpoint(model_file).train["step"] == 3
+    data = bytearray(model_file.read_bytes())
+    data[-7] ^= 0x04  # inside the last tensor's bytes
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="the tensors fail their SHA-256 check"):
+        load_checkpoint(model_file)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["export", str(out), "--out", str(tmp_path / "model.bin")])
+    assert exit_info.value.code == 2 and "`--out` must name a .safetensors file" in capsys.readouterr().err
+
+
 def test_dcp_metadata_is_read_without_running_code(fsdp_run, tmp_path):
     """DCP's .metadata is a pickle: an object outside DCP's metadata classes is refused, not built."""
     import pickle
