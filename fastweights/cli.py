@@ -4,14 +4,14 @@ Subcommands live in their own modules and register themselves here, so each
 part of the library owns its command line::
 
     fastweights bench         time the delta rule's chunk path against its baselines (JSON)
-    fastweights examples      print the seeds' worked examples beside the text's numbers
+    fastweights examples      print the worked examples beside the numbers docs/worked_examples.md gives
     fastweights train         train an LM on a text file or the built-in recall task
     fastweights generate      continue a prompt with a trained checkpoint
     fastweights eval          score a checkpoint on a text file: loss, bits per byte, perplexity
     fastweights export        write a run's model (single-process or FSDP-sharded) as one safetensors file
     fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
-    fastweights study NAME    reproduce a seed's experiment (capacity, costs, retrieval, mqar)
-    fastweights lab           the seeds' demos as a local web page (sliders; numbers from the ops)
+    fastweights study NAME    run an experiment (capacity, costs, retrieval, mqar)
+    fastweights lab           interactive demos as a local web page (sliders; numbers from the ops)
     fastweights hf            convert a checkpoint to a transformers folder and back (needs transformers)
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import math
 import sys
 from typing import List, Optional
 
@@ -40,13 +41,65 @@ COMMANDS = {
 }
 
 
+# Integer flags that may be negative (seeds); every other int flag of every command is a
+# size, a count or a port, where a negative value is always a mistake.
+SIGNED_INTS = frozenset({"seed", "root_seed"})
+
+
+def _finite_float(parse):
+    def finite(text: str) -> float:
+        value = parse(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        return value
+    finite.__name__ = "finite number"  # argparse says "invalid finite number value: 'x'" for unparsable text
+    return finite
+
+
+def _non_negative_int(parse):
+    def non_negative(text: str) -> int:
+        value = parse(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+        return value
+    non_negative.__name__ = "int"
+    return non_negative
+
+
+def guard_numbers(parser: argparse.ArgumentParser) -> None:
+    """Every ``type=float`` flag of ``parser`` and its subcommands refuses NaN and ±inf, and every
+    ``type=int`` flag but the seeds refuses negatives: argparse's one line and exit code 2."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                guard_numbers(sub)
+        elif action.type is float:
+            action.type = _finite_float(float)
+        elif action.type is int and action.dest not in SIGNED_INTS:
+            action.type = _non_negative_int(int)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastweights", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
+    guard_numbers(parser)
     return parser
+
+
+# What torch and Python say when settings ask for more memory than there is, or for a
+# tensor size that cannot exist: bad values, answered in one line.
+_TOO_BIG = ("can't allocate memory", "out of memory", "Storage size calculation overflowed",
+            "negative dimension", "invalid size", "numel: integer multiplication overflow")
+
+
+def too_big(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation failure caused by the sizes asked for."""
+    if isinstance(e, (MemoryError, OverflowError)):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _TOO_BIG)
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -81,6 +134,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(args.func(args) or 0)
     except ValueError as e:  # bad input (a config, a file, a prompt): the message, not a traceback
         parser.exit(2, f"fastweights {args.command}: error: {e}\n")
+    except (MemoryError, OverflowError, RuntimeError) as e:
+        if not too_big(e):
+            raise  # a bug: its traceback
+        what = " ".join(str(e).split())[:200] or type(e).__name__
+        parser.exit(1, f"fastweights {args.command}: error: the settings ask for more memory than this machine "
+                       f"has, or for an impossible size ({what}); use smaller values\n")
     except KeyboardInterrupt:  # Ctrl-C outside a loop that handles it: one line, the shell's code
         parser.exit(130, f"fastweights {args.command}: interrupted\n")
 

@@ -23,7 +23,47 @@ from typing import Any, Dict, Type, TypeVar
 
 C = TypeVar("C", bound="Config")
 
-__all__ = ["Config", "add_config_arguments", "overrides_from_args", "atomic_write_text"]
+__all__ = ["Config", "add_config_arguments", "overrides_from_args", "atomic_write_text", "check_int", "check_ints", "is_int"]
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (a Python or numpy int; ``True``/``False`` are not)."""
+    return not isinstance(value, bool) and isinstance(value, (int, np_integer()))
+
+
+def np_integer():
+    """numpy's integer base class when numpy is importable, else ``int`` (numpy is optional here)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        return int
+    return np.integer
+
+
+def _int_rule(minimum: int) -> str:
+    return "a positive int" if minimum == 1 else "an int >= 0" if minimum == 0 else f"an int >= {minimum}"
+
+
+def check_int(where: str, name: str, value: Any, *, minimum: int = 1, none_ok: bool = False,
+              what: "str | None" = None, error: type = ValueError) -> None:
+    """The one integer check: ``value`` must be an int (not a bool) >= ``minimum`` (or ``None``
+    when ``none_ok``); otherwise ``error("<where>: `<name>` must be <what>, got <value>")``.
+
+    ``what`` defaults to "a positive int" (minimum 1), "an int >= 0" (minimum 0) or
+    "an int >= <minimum>"; ``where`` (e.g. ``"TrainConfig"``) may be empty.
+    """
+    if value is None and none_ok:
+        return
+    if not is_int(value) or value < minimum:
+        rule = what or _int_rule(minimum) + (" or None" if none_ok else "")
+        raise error(f"{where + ': ' if where else ''}`{name}` must be {rule}, got {value!r}")
+
+
+def check_ints(where: str, name: str, values: Any, *, minimum: int = 1, what: "str | None" = None) -> None:
+    """:func:`check_int` for every item of a non-empty sequence (``ValueError`` naming the sequence)."""
+    if not values or not all(is_int(v) and v >= minimum for v in values):
+        rule = what or ("positive ints" if minimum == 1 else f"ints >= {minimum}")
+        raise ValueError(f"{where + ': ' if where else ''}`{name}` must hold {rule}, got {values!r}")
 
 
 class Config:

@@ -13,8 +13,8 @@ if _TESTS not in sys.path:
 if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/proc/driver/nvidia/version"):
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,7 @@ def _child(fn: Callable, rank: int, world: int, store: str, timeout: float, resu
             results.put((rank, "ok", fn(rank, world, *args)))
         finally:
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 -- every failure goes back to the test
+    except BaseException:  # every failure goes back to the test
         results.put((rank, "error", traceback.format_exc()))
 
 

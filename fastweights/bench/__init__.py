@@ -10,8 +10,11 @@ module                   what it measures
 ``compile_speed``        ``torch.compile`` against eager, and its graph breaks
 ``grad_checkpointing``   memory and time of a training step with and without checkpointing
 ``form_errors``          how far each fast form is from the float64 recurrence
+``kda_speed``            Kimi Delta Attention: chunk vs recurrent speed, every form's errors
 ``gpu_chunk_delta``      the Triton chunk kernels and decode step on a GPU
 ``triton_resources``     every Triton kernel config compiled for sm_90 fits the hardware
+``check_cost``           the ops' input checks per call, eager and under ``torch.compile``
+``data_memory``          peak RSS of ``eval --tokens N`` and ``train --data`` against the file size
 ``cp_communication``     bytes per layer under context parallelism against all-gathering K, V
 =======================  ==================================================================
 

@@ -57,7 +57,7 @@ from ..config import atomic_write_text
 from ..training.allocator import tune_cpu_allocator
 
 IMPLEMENTATIONS = ("recurrent", "textbook", "fast")
-TARGETS = {  # issue 3, at T = 2048 (memory at T = 8192)
+TARGETS = {  # what the fast chunk path must reach, at T = 2048 (memory at T = 8192)
     "fwd_vs_textbook": 3.0,
     "fwd_bwd_vs_textbook": 5.0,
     "fwd_bwd_vs_recurrent": 50.0,
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
     ratio = ratios(rows, args.T)
     print_table(rows, matmul, ratio, meta)
     targets = check_targets(ratio)
-    print("\nTargets (issue 3):")
+    print("\nTargets:")
     for t in targets:
         got = "n/a" if t["got"] is None else f"{t['got']:.1f}x"
         print(f"  {t['target']} at T={t['T']}: want >= {t['want_at_least']:g}x, got {got}"

@@ -42,13 +42,13 @@ import time
 from pathlib import Path
 
 
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch._dynamo
+import torch.nn.functional as F
 
-from .. import ops  # noqa: E402
-from ..models import LM, LMConfig  # noqa: E402
-from ..config import atomic_write_text  # noqa: E402
+from .. import ops
+from ..models import LM, LMConfig
+from ..config import atomic_write_text
 
 HYBRID = ["deltanet", "gated_deltanet", "linear", "softmax"]
 OPS = ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_linear_attn", "recurrent_delta_rule",
@@ -104,7 +104,7 @@ def _aot_eager(fn, inputs) -> str:
         if "unexpected keyword" in str(e):
             return "n/a"
         return f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
-    except Exception as e:  # noqa: BLE001 -- report whatever the compiler raised
+    except Exception as e:  # report whatever the compiler raised
         return f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
     finally:
         torch._dynamo.reset()

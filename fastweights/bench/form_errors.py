@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the test suite's shapes and forms
-from helpers import RULES, call, make_inputs, rel_err  # noqa: E402
+from helpers import RULES, call, make_inputs, rel_err
 
-from ..config import atomic_write_text  # noqa: E402
+from ..config import atomic_write_text
 
 SHAPES = [(2, 1, 2, 8, 8, 16), (2, 63, 2, 60, 20, 16), (1, 100, 3, 16, 24, 32), (2, 257, 2, 12, 10, 64), (3, 100, 1, 60, 60, 64)]
 

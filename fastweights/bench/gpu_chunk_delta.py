@@ -81,24 +81,24 @@ if ARGS.dry_run:
 if not ARGS.autotune:  # one config per kernel (ops/triton/_tuning.py): the run fits in minutes
     os.environ["FASTWEIGHTS_TRITON_AUTOTUNE"] = "0"
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from .. import ops  # noqa: E402
-from ..config import atomic_write_text  # noqa: E402
-from ..ops.triton import HAS_TRITON  # noqa: E402
+from .. import ops
+from ..config import atomic_write_text
+from ..ops.triton import HAS_TRITON
 
 if not HAS_TRITON:
     sys.exit("gpu_chunk_delta.py needs triton: pip install 'fastweights[triton]'")
-import triton  # noqa: E402
+import triton
 
 try:  # fla, when its wheels are carried (BENCHMARKS.md)
-    import fla  # noqa: F401
+    import fla
     from fla.ops.delta_rule import chunk_delta_rule as fla_chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
     FLA_VERSION = getattr(fla, "__version__", "unknown")
-except Exception as exc:  # noqa: BLE001 - any import failure means "not carried"
+except Exception as exc:  # any import failure means "not carried"
     fla_chunk_delta_rule = fla_chunk_gated_delta_rule = None
     FLA_VERSION = f"absent ({type(exc).__name__})"
 
@@ -214,7 +214,7 @@ def time_chunk(path, gated, B, T, H, D, dtype, device, cap):
                     torch.autograd.grad(fn(x), leaves, do, allow_unused=True)
 
                 ms = bench_ms(step, device)
-        except Exception as exc:  # noqa: BLE001 - e.g. fla's gated backward on Hopper (fla issue #640)
+        except Exception as exc:  # e.g. fla's gated backward on Hopper (a known fla bug)
             rows.append(dict(row, ms=None, note=f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
             continue
         f = flops * (1 if mode == "fwd" else 1 + bwd_factor)

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the package (the child imports it from there)
+from ..config import atomic_write_text
+from ..models import LM, LMConfig
+from .chunk_speed import _reset_peak_rss, _status_kib
 
-from .chunk_speed import _reset_peak_rss, _status_kib  # noqa: E402
-from ..config import atomic_write_text  # noqa: E402
-from ..models import LM, LMConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the package (the child imports it from there)
 
 
 def child(args) -> dict:

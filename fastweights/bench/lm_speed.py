@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from ..config import atomic_write_text
 from ..training.allocator import tune_cpu_allocator
 
-MIXERS = ("deltanet", "gated_deltanet", "linear", "softmax")
+MIXERS = ("deltanet", "gated_deltanet", "kda", "linear", "softmax")
 TRAIN_SHAPES = ((256, 8), (2048, 1), (8192, 1))  # (T, B)
 DECODE_CONTEXTS = (256, 4096, 32768)
 QUICK_TRAIN_SHAPES = ((64, 2), (128, 1))
@@ -61,7 +61,7 @@ QUICK_DECODE_CONTEXTS = (32, 128)
 DEFAULT_JSON = "docs/results/lm_speed.json"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
-#: Issue 16's targets: time ratio DeltaNet / softmax (<=), and flatness of every
+#: The targets: time ratio DeltaNet / softmax (<=), and flatness of every
 #: fast-weight mixer's decode step (time at the longest context / at the shortest, <=).
 TRAIN_TARGETS = {256: 1.3, 2048: 0.8}
 DECODE_TARGETS = {256: 1.0, 4096: 0.5}
@@ -225,7 +225,7 @@ def print_table(meta: Dict, train: List[Dict], decode: List[Dict], targets: List
         by = {r["mixer"]: r for r in decode if r["context"] == L}
         print(f"{f'decode ms, after {L} tokens':34} " + " ".join(cell(by.get(m)) for m in MIXERS))
         print(f"{'  tokens/s':34} " + " ".join(f"{by[m]['tokens_per_s']:>22.0f}" if m in by else f"{'-':>22}" for m in MIXERS))
-    print("\nTargets (issue 16):")
+    print("\nTargets:")
     for t in targets:
         got = "n/a" if t["got"] is None else f"{t['got']:.2f}"
         verdict = "" if t["met"] is None else (" (met)" if t["met"] else " (MISSED)")

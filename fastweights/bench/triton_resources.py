@@ -41,7 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (results are written under it)
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret

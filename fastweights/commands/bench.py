@@ -20,7 +20,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# Flags that are sizes or counts: each must be >= 1 (negatives are refused by the parser).
+POSITIVE = ("T", "batch", "heads", "head_dim", "chunk_size", "threads", "repeats", "recurrent_max_t", "piece",
+            "long_tokens", "decode_steps", "real_prefill_max", "d_model", "layers", "lm_heads", "vocab")
+
+
 def run(args) -> int:
+    for name in POSITIVE:
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and v < 1:
+                raise ValueError(f"bench: `--{name.replace('_', '-')}` must be >= 1, got {v}")
     if args.lm:
         from ..bench.lm_speed import run as run_lm
 

@@ -7,7 +7,7 @@ into keys written once and keys overwritten, shows that their decode state does
 not grow with the context, and generates answers from the trained models.
 
 The sum rule can only add: an overwritten key reads back a blend of its old and
-new values. The delta rule retrieves the old value and replaces it (seed 001, ch. 4).
+new values. The delta rule retrieves the old value and replaces it (Schlag et al. 2021).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ def run(args) -> int:
     import torch
 
     threads = torch.get_num_threads()
+    if args.threads < 0:
+        raise ValueError(f"eval: `--threads` must be >= 0 (0: torch's choice), got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

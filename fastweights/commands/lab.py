@@ -1,4 +1,4 @@
-"""``fastweights lab``: the seeds' demos as a local web page (see :mod:`fastweights.lab`)."""
+"""``fastweights lab``: interactive demos as a local web page (see :mod:`fastweights.lab`)."""
 
 from __future__ import annotations
 

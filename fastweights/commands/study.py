@@ -15,7 +15,7 @@ import time
 def add_parser(sub) -> None:
     from ..studies import STUDIES, get_study
 
-    p = sub.add_parser("study", help="reproduce the seeds' experiments: print a table, write JSON/CSV and PNG plots")
+    p = sub.add_parser("study", help="run the experiments: print a table, write JSON/CSV and PNG plots")
     studies = p.add_subparsers(dest="study", metavar="STUDY")
     studies.required = True
     for name in STUDIES:
@@ -40,7 +40,7 @@ def run(args) -> int:
     try:
         config = module.config_from_args(args)
     except ValueError as e:
-        raise SystemExit(f"fastweights study {args.study_name}: {e}")
+        raise SystemExit(f"fastweights study {args.study_name}: {e}") from None
     start = time.perf_counter()
     result = module.run(config, out_dir=args.out, progress=not args.quiet, resume=args.resume)
     print(module.report(result))

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run that --out holds (without it, or --resume, a used --out is refused)")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: continue even if --data/--val-data is not the file the run recorded "
+                        "(another file, or the same path edited); refused without it")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress bar (auto: on a terminal and not under CI)")
     add_config_arguments(p, LMConfig, "model (LMConfig)", MODEL_HELP_DEFAULTS)
@@ -92,7 +95,7 @@ def run(args) -> int:
     progress = {"auto": None, "on": True, "off": False}[args.progress]
     try:
         result = train(model_config, train_config, args.out, resume=args.resume, overwrite=args.overwrite,
-                       progress=progress)
+                       progress=progress, allow_data_change=args.allow_data_change)
     except TrainingInterrupted as e:  # SIGINT/SIGTERM: saved, then 130/143 as a shell expects
         print(e, file=sys.stderr)
         return e.exit_code

@@ -31,7 +31,8 @@ from ..models import LM, LMConfig
 from ..models.lm import LMCache
 from ..ops import KVCache
 
-__all__ = ["FastWeightsConfig", "FastWeightsForCausalLM", "FastWeightsCache", "MODEL_TYPE"]
+__all__ = ["FastWeightsConfig", "FastWeightsForCausalLM", "FastWeightsCache", "MODEL_TYPE", "WeightsMismatchError",
+           "load_pretrained"]
 
 MODEL_TYPE = "fastweights"
 
@@ -108,6 +109,51 @@ FastWeightsConfig = type("FastWeightsConfig", (_FastWeightsConfigBase, Pretraine
         ['deltanet', 'softmax']
     """,
 })
+
+
+class WeightsMismatchError(ValueError):
+    """A transformers folder whose weights do not match its config: tensors missing or unexpected."""
+
+
+def _names(keys, most: int = 4) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def check_loading_info(info: dict, source) -> None:
+    """Refuse a load that left tensors missing or unused (``info``: transformers' loading info)."""
+    problems = []
+    missing, unexpected = info.get("missing_keys") or (), info.get("unexpected_keys") or ()
+    mismatched = [k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys") or ()]
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the config needs are missing from the weights: {_names(missing)} "
+                        f"(a config with more layers, or an untied head, than the weights were saved with?)")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s) the model has no place for: {_names(unexpected)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) of the wrong shape: {_names(mismatched)}")
+    if problems:
+        raise WeightsMismatchError(f"FastWeightsForCausalLM.from_pretrained({str(source)!r}): " + "; ".join(problems)
+                                   + "; refusing to fill them with uninitialised memory")
+
+
+def load_pretrained(folder) -> "FastWeightsForCausalLM":
+    """:meth:`FastWeightsForCausalLM.from_pretrained` of a local folder, every failure a one-line
+    ``ValueError`` naming the file (a missing, truncated or garbled weights file, a bad config)."""
+    import os
+
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder!r} is not a folder (expected a transformers folder written by save_pretrained)")
+    try:
+        return FastWeightsForCausalLM.from_pretrained(folder, local_files_only=True)
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' and transformers' own error types for unreadable files
+        text = " ".join(str(e).split()) or type(e).__name__
+        weights = os.path.join(folder, "model.safetensors")
+        what = weights if os.path.isfile(weights) else folder
+        raise ValueError(f"cannot load {what}: {text} (a truncated or corrupt file?)") from None
 
 
 class FastWeightsCache(Cache):
@@ -255,16 +301,26 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained``, then every parameter copied into its own
-        allocation: the loaded tensors sit at arbitrary offsets of the file's buffer, and
+    def from_pretrained(cls, *args, output_loading_info: bool = False, **kwargs):
+        """``PreTrainedModel.from_pretrained``, refusing incomplete weights, then every
+        parameter copied into its own allocation.
+
+        Refused with a :class:`WeightsMismatchError` (a ``ValueError``) naming them:
+        tensors the config needs that the folder lacks (a config asking for more layers,
+        or an untied head, than the weights were saved with) and tensors the model has no
+        place for. transformers would call the missing ones "newly initialized", but
+        with this model they hold whatever memory they were given; a load either
+        reproduces the saved model exactly or fails.
+
+        The copy: the loaded tensors sit at arbitrary offsets of the file's buffer, and
         vectorized reductions over unaligned memory round differently (5e-17 in float64),
-        so without the copy a round trip would change logits in the last bit."""
-        model = super().from_pretrained(*args, **kwargs)
+        so without it a round trip would change logits in the last bit."""
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        check_loading_info(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
         with torch.no_grad():
             for param in model.parameters():  # a tied weight is one Parameter: copied once
                 param.data = param.data.clone()
-        return model
+        return (model, info) if output_loading_info else model
 
     # transformers: which cache generate() starts with. None: ours is made by forward().
     @classmethod

@@ -10,7 +10,7 @@ interference          :func:`fastweights.studies.capacity.read_outs` (the
                       capacity study's write-then-read of every stored key
                       through the chunk ops, softmax_attn or exact RLS), its
                       ``decode``; the state from the same ops'
-                      ``output_final_state``; the seeds' examples from
+                      ``output_final_state``; the worked examples from
                       :mod:`fastweights.studies.worked_examples`
 geometry (2-D)        ``examples.write``/``examples.read`` (recurrent sum and
                       delta ops), the Householder factor as a delta write of
@@ -21,8 +21,8 @@ memory calculator     :func:`fastweights.studies.costs.calculator` (the same
                       function ``fastweights study costs`` reports)
 ====================  ==========================================================
 
-Layouts: the ops keep ``h`` as keys × values. Seed 002 prints its S in that layout
-(``S = Σ k vᵀ``); seed 001 prints ``W = Σ v kᵀ = hᵀ``. Each panel says which one it
+Layouts: the ops keep ``h`` as keys × values. The linear-attention worked example prints its S in that
+layout (``S = Σ k vᵀ``); the fast-weight examples print ``W = Σ v kᵀ = hᵀ``. Each panel says which one it
 draws, and matches its seed.
 """
 
@@ -43,7 +43,7 @@ DTYPE = torch.float64
 RULES = ("sum", "delta", "gated_delta", "softmax", "rls")
 #: the capacity study's arm that runs each rule of the interference panel
 RULE_ARMS = {"sum": "sum", "delta": "delta", "gated_delta": "fading", "softmax": "softmax", "rls": "rls"}
-GEOMETRIES = ("random", "correlated", "orthogonal", "seed")
+GEOMETRIES = ("random", "correlated", "orthogonal", "example")
 ORDERS = ("forward", "reverse", "shuffled")
 FEATURE_MAPS = ("identity", "elu", "dpfp", "favor+")
 RLS_RIDGE = 1e-6
@@ -66,17 +66,17 @@ def _round(x: torch.Tensor, digits: int = 6) -> Any:
 INTERFERENCE = {
     "n": Field("int", 24, 1, MAX_PAIRS),
     "d": Field("int", 16, 1, MAX_WIDTH),
-    "geometry": Field("choice", "random", choices=GEOMETRIES),
+    "geometry": Field("choice", "random", choices=GEOMETRIES, aliases={"seed": "example"}),  # its earlier name
     "cosine": Field("float", 0.5, 0.0, 0.99),
     "rule": Field("choice", "sum", choices=RULES),
-    "beta": Field("float", examples.SEED_001_OVERWRITE["beta"], 0.01, 1.0),
+    "beta": Field("float", examples.OVERWRITE["beta"], 0.01, 1.0),
     "alpha": Field("float", 0.95, 0.5, 1.0),
     "sharpness": Field("float", 10.0, 0.1, 1000.0),
     "order": Field("choice", "forward", choices=ORDERS),
     "seed": Field("int", 0, 0, 2**31 - 1),
 }
-#: "reset to the seed's example": seed 002 §4.1's memory, d = 2, its two perpendicular writes
-INTERFERENCE_SEED = {"n": 2, "d": 2, "geometry": "seed", "rule": "sum", "order": "forward"}
+#: "reset to the worked example": the linear-attention worked example's memory, d = 2, its two perpendicular writes
+INTERFERENCE_EXAMPLE = {"n": 2, "d": 2, "geometry": "example", "rule": "sum", "order": "forward"}
 
 
 def _capacity_config(p: Dict) -> CapacityConfig:
@@ -88,12 +88,12 @@ def _capacity_config(p: Dict) -> CapacityConfig:
 def _pairs(p: Dict, n_max: int) -> Dict[str, torch.Tensor]:
     """Keys and values ``[R, n_max, d]`` in draw order; point N of the curve stores the first N of each trial."""
     d, geometry = p["d"], p["geometry"]
-    if geometry == "seed":
-        if d != 2 or n_max > len(examples.SEED_002_PAIRS):
-            raise LabInputError(f"interference: the seed's example (seed 002 §4.1) has d = 2 and at most "
-                                f"{len(examples.SEED_002_PAIRS)} pairs; got d = {d}, N = {p['n']}")
-        keys = torch.tensor([k for k, _ in examples.SEED_002_PAIRS], dtype=DTYPE)[None, :n_max]
-        values = torch.tensor([v for _, v in examples.SEED_002_PAIRS], dtype=DTYPE)[None, :n_max]
+    if geometry == "example":
+        if d != 2 or n_max > len(examples.LINEAR_PAIRS):
+            raise LabInputError(f"interference: the worked example (docs/worked_examples.md) has d = 2 and at most "
+                                f"{len(examples.LINEAR_PAIRS)} pairs; got d = {d}, N = {p['n']}")
+        keys = torch.tensor([k for k, _ in examples.LINEAR_PAIRS], dtype=DTYPE)[None, :n_max]
+        values = torch.tensor([v for _, v in examples.LINEAR_PAIRS], dtype=DTYPE)[None, :n_max]
         return {"keys": keys, "values": values}
     gen = torch.Generator().manual_seed(p["seed"])
     values = unit_vectors((TRIALS, n_max, d), gen)
@@ -106,7 +106,7 @@ def _pairs(p: Dict, n_max: int) -> Dict[str, torch.Tensor]:
         keys = torch.nn.functional.normalize(math.sqrt(c) * shared + math.sqrt(1 - c) * private, dim=-1)
     else:  # orthogonal: the first N columns of a random orthogonal matrix
         if p["n"] > d:
-            raise LabInputError(f"interference: orthogonal keys exist only while N <= d; got N = {p['n']}, d = {d}")
+            raise LabInputError(f"interference: orthogonal keys exist only while `n` <= `d`; got n = {p['n']}, d = {d}")
         q, _ = torch.linalg.qr(torch.randn(TRIALS, d, d, generator=gen, dtype=DTYPE))
         keys = q.transpose(1, 2)[:, :n_max]
     return {"keys": keys, "values": values}
@@ -150,10 +150,13 @@ def _score(p: Dict, pool: Dict[str, torch.Tensor], n: int, config: CapacityConfi
 
 
 def interference(p: Dict) -> Dict:
-    """Recall and retrieval error against the number of stored pairs N, at width d (seed 002 §4.3)."""
+    """Recall and retrieval error against the number of stored pairs N, at width d (docs/worked_examples.md)."""
     n, d = p["n"], p["d"]
-    if p["geometry"] == "seed":
-        n_max = len(examples.SEED_002_PAIRS)
+    if p["geometry"] == "example":
+        n_max = len(examples.LINEAR_PAIRS)
+        if n > n_max or d != 2:
+            raise LabInputError(f"interference: the worked example (docs/worked_examples.md) has d = 2 and at most "
+                                f"{n_max} pairs; `n` must be in [1, {n_max}] and `d` = 2 there, got n = {n}, d = {d}")
         ns = list(range(1, n_max + 1))
     else:
         n_max = min(MAX_PAIRS, max(2 * d, (3 * n + 1) // 2))  # room on both sides of N and of d
@@ -175,7 +178,7 @@ def interference(p: Dict) -> Dict:
         heat = {"title": f"softmax keeps every row: its key cache, N × d = {n} × {d}",
                 "rows": "stored pair", "cols": "key coordinate", "matrix": _round(state.keys[0, 0, :n], 4)}
     else:
-        heat = {"title": f"state S = Σ k vᵀ (keys × values, seed 002's layout), {d} × {d}",
+        heat = {"title": f"state S = Σ k vᵀ (keys × values, the ops' layout), {d} × {d}",
                 "rows": "key coordinate", "cols": "value coordinate", "matrix": _round(state, 4)}
     cos = keys[0] @ keys[0].T
     off = cos[~torch.eye(n, dtype=torch.bool)]
@@ -195,9 +198,9 @@ def interference(p: Dict) -> Dict:
 
 
 def _overwrite(p: Dict) -> Dict:
-    """Seed 001 ch. 4: from W = [[5, 3], [2, 7]], write k₁ -> (11, 4) with the panel's rule."""
-    (k1, v1), (k2, v2), _ = examples.SEED_001_PAIRS
-    over = examples.SEED_001_OVERWRITE
+    """docs/worked_examples.md §2: from W = [[5, 3], [2, 7]], write k₁ -> (11, 4) with the panel's rule."""
+    (k1, v1), (k2, v2), _ = examples.FAST_WEIGHT_PAIRS
+    over = examples.OVERWRITE
     rule, beta = p["rule"], p["beta"]
     keys, vals = [k1, k2, over["key"]], [v1, v2, over["value"]]
     if rule == "softmax":  # no matrix: the cache holds all three rows; read each key over them
@@ -224,14 +227,14 @@ def _overwrite(p: Dict) -> Dict:
 
 
 def worked_examples(p: Dict) -> Dict:
-    """The seeds' worked examples this panel illustrates (text vs ops), and the overwrite under the panel's rule."""
+    """The worked examples this panel illustrates (text vs ops), and the overwrite under the panel's rule."""
     def rows(items):
-        return [{"seed": e.seed, "name": e.name, "computed": _round(e.computed),
+        return [{"where": e.where, "name": e.name, "computed": _round(e.computed),
                  "expected": None if e.expected is None else _round(e.expected), "ok": e.ok} for e in items]
 
     return {
-        "seed_002": rows(examples.seed_002()),
-        "seed_001_overwrite": rows(e for e in examples.seed_001() if e.seed == "001 ch. 4"),
+        "linear_attention": rows(examples.linear_attention_examples()),
+        "delta_rule": rows(e for e in examples.fast_weight_examples() if e.where == "§2 delta rule"),
         "overwrite": _overwrite(p),
     }
 
@@ -241,14 +244,14 @@ def worked_examples(p: Dict) -> Dict:
 
 
 GEOMETRY = {
-    "keys": Field("vectors", [list(k) for k, _ in examples.SEED_001_PAIRS] + [list(examples.SEED_001_OVERWRITE["key"])],
+    "keys": Field("vectors", [list(k) for k, _ in examples.FAST_WEIGHT_PAIRS] + [list(examples.OVERWRITE["key"])],
                   -20.0, 20.0, width=2, most=8),
-    "values": Field("vectors", [list(v) for _, v in examples.SEED_001_PAIRS] + [list(examples.SEED_001_OVERWRITE["value"])],
+    "values": Field("vectors", [list(v) for _, v in examples.FAST_WEIGHT_PAIRS] + [list(examples.OVERWRITE["value"])],
                     -20.0, 20.0, width=2, most=8),
-    "beta": Field("float", examples.SEED_001_OVERWRITE["beta"], 0.0, 1.0),
+    "beta": Field("float", examples.OVERWRITE["beta"], 0.0, 1.0),
     "probe": Field("vectors", [[3.0, 5.0]], -20.0, 20.0, width=2, most=1),
 }
-GEOMETRY_SEED: Dict[str, Any] = {}  # the defaults are seed 001's writes (ch. 2-4) and its probe (3, 5) (ch. 6)
+GEOMETRY_EXAMPLE: Dict[str, Any] = {}  # the defaults are the fast-weight worked examples' writes and the probe (3, 5)
 CIRCLE = 48
 
 
@@ -296,13 +299,21 @@ SPOTLIGHT = {
     "features": Field("int", 32, 1, 256),
     "seed": Field("int", 0, 0, 2**31 - 1),
 }
-SPOTLIGHT_SEED: Dict[str, Any] = {}
+SPOTLIGHT_EXAMPLE: Dict[str, Any] = {}
 
 
-def _spread(weights: torch.Tensor, target: int) -> Dict[str, float]:
-    """How focused a read is: the target's share of |weight| and the effective number of tokens 1/Σ p²."""
-    share = weights.abs() / weights.abs().sum()
+def _spread(weights: torch.Tensor, target: int) -> Dict[str, Any]:
+    """How focused a read is: the target's share of |weight| and the effective number of tokens 1/Σ p²
+    (both ``None`` when every weight is 0: there is no share to speak of)."""
+    total = weights.abs().sum()
+    if total == 0:
+        return {"target_share": None, "effective_tokens": None}
+    share = weights.abs() / total
     return {"target_share": share[target].item(), "effective_tokens": (1.0 / (share**2).sum()).item()}
+
+
+ZERO_NORMALISER = ("the normaliser φ(q)ᵀ Σ φ(k) is 0: φ(q) shares no nonzero feature with any key, so the "
+                   "normalized read-out is 0/0; it is shown as 0 for every token")
 
 
 def spotlight(p: Dict) -> Dict:
@@ -333,8 +344,14 @@ def spotlight(p: Dict) -> Dict:
         # identity scores are signed, so no positive normalizer exists: show φ(q)ᵀφ(k_τ) as they are
         normalize = name != "identity"
         o, _ = ops.recurrent_linear_attn(q, k, onehot, scale=1.0, feature_map=fmap, normalize=normalize, eps=0.0)
-        methods.append({"name": labels[name], "kind": name, "weights": o[0, -1, 0],
-                        "feature_dim": fmap.output_dim(d)})
+        method = {"name": labels[name], "kind": name, "weights": o[0, -1, 0], "feature_dim": fmap.output_dim(d)}
+        if normalize:
+            # one-hot values: the unnormalized read-out holds the scores φ(q)ᵀφ(k_τ), their sum is the normaliser
+            scores, _ = ops.recurrent_linear_attn(q, k, onehot, scale=1.0, feature_map=fmap, normalize=False)
+            if scores[0, -1, 0].sum() == 0:
+                method["weights"] = torch.zeros(t, dtype=DTYPE)
+                method["note"] = ZERO_NORMALISER
+        methods.append(method)
     for m in methods:
         m.update(_spread(m["weights"], target))
         m["weights"] = _round(m["weights"])
@@ -357,11 +374,11 @@ MEMORY = {
     "budget_gib": Field("float", 80.0, 1e-3, 1e6),
     "softmax_layers": Field("int", 4, 0, 1024),
 }
-MEMORY_SEED: Dict[str, Any] = {}  # the defaults are `fastweights study costs`'s
+MEMORY_EXAMPLE: Dict[str, Any] = {}  # the defaults are `fastweights study costs`'s
 
 
 def memory(p: Dict) -> Dict:
-    """Seed 002's calculator: KV cache vs fixed state per session, sessions that fit (``study costs``'s numbers)."""
+    """The memory calculator: KV cache vs fixed state per session, sessions that fit (``study costs``'s numbers)."""
     fields = {k: p[k] for k in ("layers", "heads", "head_dim_k", "head_dim_v", "kv_dtype", "state_dtype",
                                 "softmax_layers", "budget_gib")}
     try:
@@ -382,21 +399,21 @@ def memory(p: Dict) -> Dict:
 
 
 PANELS = {
-    "interference": (INTERFERENCE, interference, INTERFERENCE_SEED),
-    "geometry": (GEOMETRY, geometry, GEOMETRY_SEED),
-    "spotlight": (SPOTLIGHT, spotlight, SPOTLIGHT_SEED),
-    "memory": (MEMORY, memory, MEMORY_SEED),
+    "interference": (INTERFERENCE, interference, INTERFERENCE_EXAMPLE),
+    "geometry": (GEOMETRY, geometry, GEOMETRY_EXAMPLE),
+    "spotlight": (SPOTLIGHT, spotlight, SPOTLIGHT_EXAMPLE),
+    "memory": (MEMORY, memory, MEMORY_EXAMPLE),
 }
 
-#: the passage of the seeds each panel illustrates (short quotes credited, or our paraphrase)
+#: the passage each panel illustrates (short quotes credited, or our paraphrase)
 PASSAGES = {
-    "interference": ("Seed 002 §4.3, quoting Songlin Yang: “Store more than ~d associations on a d-dimensional "
-                     "whiteboard and their representations overlap.”"),
-    "geometry": ("Seed 001 ch. 6 (our paraphrase): the delta rule multiplies the memory by I − βkkᵀ, which removes "
+    "interference": ("A d × d state holds about d associations cleanly; store more and their traces overlap, so "
+                     "every read picks up some of the others (Schlag et al. 2021, on the capacity of linear attention)."),
+    "geometry": ("Yang et al. 2024 (our paraphrase): the delta rule multiplies the memory by I − βkkᵀ, which removes "
                  "the component along k and leaves every direction orthogonal to k alone, then writes the new value; "
                  "the sum rule only adds."),
-    "spotlight": ("Seed 002 §4.3 (our paraphrase): softmax can act like a spotlight that puts almost all weight on "
+    "spotlight": ("Katharopoulos et al. 2020 (our paraphrase): softmax can act like a spotlight that puts almost all weight on "
                   "one earlier token; additive linear attention is closer to a floodlight that mixes several."),
-    "memory": ("Seed 002 §4.2: “The ch. 03 calculator's runaway bar becomes a flat line”: one d×d matrix per head, "
-               "whatever the context length."),
+    "memory": ("A KV cache grows with every token; a fixed state is one d×d matrix per head, whatever the context "
+               "length (Katharopoulos et al. 2020)."),
 }

@@ -28,13 +28,15 @@ class Field:
     lo: Optional[float] = None
     hi: Optional[float] = None
     choices: Sequence[str] = ()
+    #: for ``"choice"``: earlier spellings still accepted, each mapped to its current choice
+    aliases: Optional[Dict[str, str]] = None
     #: for ``"vectors"``: the length of each vector and the most vectors allowed
     width: int = 0
     most: int = 0
 
 
 def _number(name: str, value: Any, field: Field) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):  # a HugeNumber too: its repr says so
         raise LabInputError(f"`{name}` must be a number in [{field.lo:g}, {field.hi:g}], got {value!r}")
     if not math.isfinite(value):
         raise LabInputError(f"`{name}` must be a finite number in [{field.lo:g}, {field.hi:g}], got {value!r}")
@@ -57,6 +59,8 @@ def _one(name: str, value: Any, field: Field) -> Any:
             raise LabInputError(f"`{name}` must be true or false, got {value!r}")
         return value
     if field.kind == "choice":
+        if field.aliases and isinstance(value, str):
+            value = field.aliases.get(value, value)
         if value not in field.choices:
             raise LabInputError(f"`{name}` must be one of {', '.join(field.choices)}; got {value!r}")
         return value

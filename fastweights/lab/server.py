@@ -6,14 +6,19 @@ path                   method  answer
 ``/``                  GET     the page (``static/index.html``)
 ``/static/<file>``     GET     the page's script and style (a fixed list)
 ``/api/config``        GET     each panel's fields (ranges, choices, defaults),
-                               its "seed's example" settings and its passage
+                               its "worked example" settings and its passage
 ``/api/<panel>``       POST    JSON fields in, the panel's numbers out
                                (``interference``, ``geometry``, ``spotlight``,
                                ``memory``; see :mod:`fastweights.lab.compute`)
 =====================  ======  ==================================================
 
 Bad input never reaches a traceback: a field out of range, NaN, an unknown rule or
-panel, a malformed or oversized body gets a 4xx with ``{"error": message}``. Each
+panel, a malformed or oversized body, JSON nested deeper than Python's parser goes,
+a number with more than ``MAX_DIGITS`` digits gets a 4xx with ``{"error": message}``
+naming the field where there is one. Every answer closes its connection (one request
+per connection, ``Connection: close``). The listen backlog holds a burst of
+``BACKLOG`` connections; past ``MAX_ACTIVE`` requests in progress a new one is
+answered 503 at once instead of queueing without bound. Each
 request is bounded in size (``MAX_BODY`` bytes) and in time: a client that sends
 its request slower than ``REQUEST_TIMEOUT`` seconds is answered 408 and dropped
 (each connection has its own thread, so a slow one does not hold up the others),
@@ -27,7 +32,6 @@ import json
 import socket
 import threading
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Optional, Tuple
@@ -37,6 +41,9 @@ from .params import LabInputError, describe, parse
 
 MAX_BODY = 64 * 1024
 REQUEST_TIMEOUT = 5.0
+MAX_DIGITS = 100  # longer integers are refused (Python refuses to convert past 4300 digits anyway)
+BACKLOG = 1024  # connections the OS queues before accept(): a burst of page loads fits
+MAX_ACTIVE = 256  # requests in progress (one thread each) before new ones are answered 503
 STATIC = {"index.html": "text/html; charset=utf-8", "lab.js": "text/javascript; charset=utf-8",
           "lab.css": "text/css; charset=utf-8"}
 
@@ -45,18 +52,37 @@ def _reject_constant(name: str):
     raise LabInputError(f"the request body holds {name}, which is not a number JSON allows")
 
 
+class HugeNumber:
+    """An integer literal of more than ``MAX_DIGITS`` digits, kept as text: the field check
+    that meets it names the field ("`n` must be a number ..., got a 5000-digit number")."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit number"
+
+
+def _parse_int(text: str):
+    return HugeNumber(text) if len(text) > MAX_DIGITS else int(text)
+
+
 def decode_body(raw: bytes):
-    """Parse a request body as strict JSON (NaN and Infinity refused)."""
+    """Parse a request body as strict JSON (NaN and Infinity refused, huge integers kept as
+    :class:`HugeNumber`, floats past the float range as ±inf: the field checks refuse both)."""
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LabInputError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise LabInputError("the request body nests arrays or objects too deeply to parse; the lab's fields "
+                            "are numbers, strings and lists of number lists") from None
 
 
 def config() -> dict:
     """What the page needs to build its controls."""
-    return {name: {"fields": describe(fields), "seed_example": seed, "passage": compute.PASSAGES[name]}
-            for name, (fields, _, seed) in compute.PANELS.items()}
+    return {name: {"fields": describe(fields), "example": example, "passage": compute.PASSAGES[name]}
+            for name, (fields, _, example) in compute.PANELS.items()}
 
 
 def answer(panel: str, body) -> dict:
@@ -74,13 +100,15 @@ class LabHandler(BaseHTTPRequestHandler):
     compute_lock = threading.Lock()
     quiet = True
 
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+    def log_message(self, format, *args):  # the base class's name
         if not self.quiet:
             super().log_message(format, *args)
 
     # --- replies -----------------------------------------------------------
     def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.close_connection = True  # one request per connection: closed right after this answer
         self.send_response(status)
+        self.send_header("Connection", "close")
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
@@ -100,7 +128,6 @@ class LabHandler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(payload, allow_nan=False).encode(), "application/json")
 
     def _error(self, status: int, message: str) -> None:
-        self.close_connection = status >= 408 or status == 413
         self._json(status, {"error": message})
 
     # --- GET -----------------------------------------------------------------
@@ -166,7 +193,11 @@ class LabHandler(BaseHTTPRequestHandler):
             return self._error(400, str(e))
         except Exception as e:  # a bug, not bad input: say so without a traceback on the page
             return self._error(500, f"{panel}: internal error ({type(e).__name__}: {e})")
-        self._json(200, result)
+        try:
+            payload = json.dumps(result, allow_nan=False).encode()
+        except ValueError as e:  # a NaN or Inf in an answer is a bug: say so, never drop the socket
+            return self._error(500, f"{panel}: internal error (a non-finite number in the answer: {e})")
+        self._send(200, payload, "application/json")
 
     # The whole request (line, headers, body) must arrive within REQUEST_TIMEOUT: the
     # socket timeout alone bounds each recv, not a client that drips a byte at a time.
@@ -200,6 +231,31 @@ class LabHandler(BaseHTTPRequestHandler):
 class LabServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = BACKLOG  # listen() backlog (the standard library's default is 5)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._active = threading.BoundedSemaphore(MAX_ACTIVE)
+
+    def process_request(self, request, client_address):
+        """One thread per request, at most ``MAX_ACTIVE`` at once; past that a 503, then close."""
+        if not self._active.acquire(blocking=False):
+            body = json.dumps({"error": f"the lab is busy ({MAX_ACTIVE} requests in progress); retry"}).encode()
+            try:
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+                                + str(len(body)).encode() + b"\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._active.release()
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0, quiet: bool = True) -> LabServer:

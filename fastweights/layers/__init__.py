@@ -20,14 +20,16 @@ layer                  op                                 state
 ``LinearAttention``    ``chunk_/recurrent_linear_attn``   ``FastWeightState`` (fixed)
 ``DeltaNet``           ``chunk_/recurrent_delta_rule``    ``FastWeightState`` (fixed)
 ``GatedDeltaNet``      ``chunk_/recurrent_gated_...``     ``FastWeightState`` (fixed)
+``KimiDeltaAttention`` ``chunk_kda`` / ``kda_step``       ``FastWeightState`` (fixed)
 =====================  ================================  =========================
 """
 
 from .base import FastWeightMixer
-from .common import FastWeightState, GatedRMSNorm, RMSNorm, ShortConvolution
+from .common import FastWeightState, GatedRMSNorm, RMSNorm, ShortConvolution, causal_conv1d
 from .deltanet import DeltaNet
 from .fla_weights import load_fla_state_dict
 from .gated_deltanet import GatedDeltaNet
+from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
 from .softmax_attention import AttentionState, SoftmaxAttention
 
@@ -36,9 +38,11 @@ MIXERS = {
     "linear": LinearAttention,
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
+    "kda": KimiDeltaAttention,
 }
 
 __all__ = [
-    "SoftmaxAttention", "AttentionState", "LinearAttention", "DeltaNet", "GatedDeltaNet", "FastWeightMixer",
-    "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
+    "SoftmaxAttention", "AttentionState", "LinearAttention", "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention",
+    "FastWeightMixer",
+    "FastWeightState", "ShortConvolution", "causal_conv1d", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
 ]

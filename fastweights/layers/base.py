@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import check_int
 from ..ops import compute_dtype, default_chunk_size
 from .common import (
     FastWeightState, GatedRMSNorm, ShortConvolution, cached_weights, check_context_parallel_input, check_layer_input,
@@ -102,8 +103,7 @@ class FastWeightMixer(nn.Module):
         self.d_model, self.n_heads = d_model, n_heads
         self.head_dim, self.value_head_dim, self.num_v_heads = key_dim, int(value_dim), value_heads
         self.key_width, self.value_width = n_heads * key_dim, value_heads * int(value_dim)  # H·K, HV·V
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
-            raise ValueError(f"{name}: `chunk_size` must be a positive int or None (chosen per key size), got {chunk_size!r}")
+        check_int(name, "chunk_size", chunk_size, none_ok=True, what="a positive int or None (chosen per key size)")
         self.chunk_size = chunk_size
         self.activation = get_activation(activation, name)
         self.value_activation = get_activation(value_activation, name)
@@ -137,8 +137,9 @@ class FastWeightMixer(nn.Module):
         raise NotImplementedError
 
     def chunk_length(self, like: torch.Tensor) -> int:
-        """C for a chunk-op call on tensors like ``like``: ``chunk_size``, or the default for
-        this key size and ``like``'s device when it is None."""
+        """C of this layer's chunk-op calls on tensors like ``like``: ``chunk_size``, or when it is
+        None what the op itself picks (:func:`~fastweights.ops.default_chunk_size`; the layer passes
+        None down, so the op decides)."""
         return self.chunk_size if self.chunk_size is not None else default_chunk_size(self.head_dim, like.device)
 
     def memory_shape(self, n: int) -> Tuple[int, ...]:

@@ -238,6 +238,21 @@ class _CausalConv(torch.autograd.Function):
         return dx, dstate, dweight
 
 
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, state: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The short convolution as a function: ``y_t = Σ_j weight[:, W−1−j] · x_{t−j}`` (+ bias).
+
+    ``x [B, T, C]``, ``weight [C, W]``, ``state [B, W−1, C]`` (the inputs before x; zeros if
+    None) -> ``y [B, T, C]``; the hand-written backward of ``_CausalConv``. :class:`ShortConvolution`
+    runs it, and ``fastweights.hf`` routes transformers' ``causal_conv1d_fn`` to it.
+    """
+    if state is None:
+        state = x.new_zeros(x.shape[0], weight.shape[1] - 1, x.shape[2])
+    y = _CausalConv.apply(x, state, weight)
+    return y if bias is None else y + bias
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time, with a decode state.
 
@@ -274,9 +289,7 @@ class ShortConvolution(nn.Module):
         else:
             self.check_state(state, n)
         if cu_seqlens is None:  # one sequence per row: shifted views of [state | x], W products
-            y = _CausalConv.apply(x, state, self.weight)
-            if self.bias is not None:
-                y = y + self.bias
+            y = causal_conv1d(x, self.weight, self.bias, state)
             # The last W − 1 inputs, from x alone when it is long enough (no copy of [state | x]).
             new_state = x[:, T - (W - 1):].clone() if T >= W - 1 else torch.cat([state[:, T:], x], dim=1)
             return y, new_state

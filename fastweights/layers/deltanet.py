@@ -2,10 +2,10 @@
 
 Symbols (code -> paper): ``q, k, v`` the query, key and value of token t; ``beta``
 β_t, the write strength; the state h [K, V] is the fast-weight matrix (the
-transpose of the seeds' W = Σ v kᵀ, read as hᵀq). Per head and token::
+transpose of the papers' W = Σ v kᵀ, read as hᵀq). Per head and token::
 
     β_t = sigmoid(w_β · x_t)                          (0, 1); 2·sigmoid with allow_neg_eigval
-    h_t = h_{t−1} + β_t k_t (v_t − h_{t−1}ᵀ k_t)ᵀ      write the correction (seed 001, ch. 4)
+    h_t = h_{t−1} + β_t k_t (v_t − h_{t−1}ᵀ k_t)ᵀ      write the correction (Schlag et al. 2021)
     o_t = scale · h_tᵀ q_t
 
 with q, k normalized (l2 by default, so the transition I − β k kᵀ is a contraction).
@@ -62,7 +62,7 @@ class DeltaNet(FastWeightMixer):
         return op(
             q, k, v, beta, initial_state=initial_state, output_final_state=cp_group is None,
             **({} if cp_group is None else dict(cp_group=cp_group)),
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

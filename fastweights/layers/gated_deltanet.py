@@ -61,7 +61,7 @@ class GatedDeltaNet(DeltaNet):
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=cp_group is None,
             **({} if cp_group is None else dict(cp_group=cp_group)),
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

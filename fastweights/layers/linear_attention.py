@@ -1,6 +1,6 @@
 """Linear attention (Katharopoulos et al. 2020) as a token mixer: the sum rule.
 
-Per head and token (seed 002, ch. 4; seed 000, "Solver 2")::
+Per head and token (Katharopoulos et al. 2020; Wang, Shi & Fox 2025)::
 
     h_t = h_{t−1} + φ(k_t) v_tᵀ,   z_t = z_{t−1} + φ(k_t)        (z only with normalize)
     o_t = scale · h_tᵀ φ(q_t)   [ / (scale · φ(q_t)ᵀ z_t + eps) ]
@@ -8,7 +8,7 @@ Per head and token (seed 002, ch. 4; seed 000, "Solver 2")::
 φ and the normalizer are those of :func:`fastweights.ops.chunk_linear_attn`: the
 layer passes ``feature_map``, ``qk_norm`` and ``normalize`` through, and with
 ``normalize=True`` the state carries z as its last value column ``[N, H, D, V + 1]``.
-Nothing is ever erased, which is why overwriting a key fails (seed 001, ch. 3).
+Nothing is ever erased, which is why overwriting a key fails (Schlag et al. 2021).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class LinearAttention(FastWeightMixer):
         return op(
             q, k, v, initial_state=initial_state, output_final_state=cp_group is None, cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen, **({} if cp_group is None else dict(cp_group=cp_group)),
-            chunk_size=self.chunk_length(q), feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
+            chunk_size=self.chunk_size, feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
         )
 
     def memory_shape(self, n: int):

@@ -1,4 +1,4 @@
-"""Softmax attention as a token mixer: the keep-every-row memory (seed 000, "Solver 1").
+"""Softmax attention as a token mixer: the keep-every-row memory (Wang, Shi & Fox 2025, solver 1).
 
 Per head: ``o_t = Σ_{τ≤t} softmax_τ(scale · q_t·k_τ) v_τ``. Its decode state is the
 :class:`fastweights.ops.KVCache`, which grows by one row per token -- the contrast

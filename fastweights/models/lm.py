@@ -5,7 +5,7 @@ The whole model in one file. Glossary (code name -> meaning):
 - ``B, T``: batch size and number of tokens of this call; ``V``: vocabulary size;
   ``D``: ``d_model``; ``L``: ``n_layers``.
 - mixer: the per-layer token mixer, one of :data:`fastweights.layers.MIXERS`
-  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``).
+  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``).
 - cache: :class:`LMCache`, every layer's decode state. A softmax layer's state is
   a KV cache that grows by one row per token; a fast-weight layer's state is a
   fixed ``[B, H, K, V]`` matrix plus W − 1 convolution inputs, whatever the context.
@@ -26,6 +26,7 @@ token at a time from the carried state with the recurrent form (see
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -33,12 +34,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import Config
+from ..config import Config, check_int
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
-from ..ops import check_cu_seqlens
+from ..ops import check_cu_seqlens, checked_cu_seqlens_cpu
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM (2**62 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 @dataclass
@@ -47,7 +56,8 @@ class LMConfig(Config):
 
     Args:
         vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
-        mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, or
+        mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``
+            (Kimi Delta Attention: per-key-channel decays), or
             a list with one of these per layer (a hybrid).
         max_seq_len: the longest input (prompt) one call accepts, for models with a softmax
             layer (its KV cache grows with the context); models without one take any length.
@@ -57,11 +67,11 @@ class LMConfig(Config):
             0 means no MLP at all (attention-only blocks, as in Zoology's MQAR models).
         tie_embeddings: share the input embedding and the output projection.
         use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
-            fast-weight mixers (linear, deltanet, gated_deltanet).
+            fast-weight mixers (linear, deltanet, gated_deltanet, kda).
         softmax_short_conv: the same convolution (width ``conv_size``) on the softmax layers'
             q, k, v; off by default, so a softmax layer is plain attention unless asked
             (the MQAR study turns it on to give every mixer the convolution).
-        qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet options
+        qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet / KDA options
             (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
         use_output_gate: gate the normalized output of the fast-weight mixers.
         feature_map, normalize: linear attention's φ and normalizer.
@@ -100,10 +110,14 @@ class LMConfig(Config):
             value = getattr(self, name)
             if name == "chunk_size" and value is None:  # chosen per layer (key size, device)
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LMConfig: `{name}` must be a positive int, got {value!r}")
-        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0):
-            raise ValueError(f"LMConfig: `mlp_hidden` must be a non-negative int (0: no MLP) or None, got {self.mlp_hidden!r}")
+            check_int("LMConfig", name, value)
+        for name in ("init_std", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                    or (name == "norm_eps" and value == 0):
+                raise ValueError(f"LMConfig: `{name}` must be a finite number {'>' if name == 'norm_eps' else '>='} 0, "
+                                 f"got {value!r}")
+        check_int("LMConfig", "mlp_hidden", self.mlp_hidden, minimum=0, none_ok=True, what="a non-negative int (0: no MLP) or None")
         if self.d_model % self.n_heads:
             raise ValueError(f"LMConfig: `d_model`={self.d_model} must be divisible by `n_heads`={self.n_heads}")
         mixers = self.mixers
@@ -350,9 +364,12 @@ class LM(nn.Module):
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("LM: give `cu_seqlens` (packed rows) or `attention_mask` (padded rows), not both")
+            # checked once here (one host read); every layer's op finds the offsets checked
             n_seq = check_cu_seqlens("LM", cu_seqlens, B, T, input_ids.device, max_seqlen=max_seqlen)
-            if max_seqlen is None:  # read once here rather than by every layer's op
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if max_seqlen is None:  # from the checked host copy, not read again by every layer's op
+                host = None if torch.compiler.is_compiling() else checked_cu_seqlens_cpu(cu_seqlens)
+                offsets = cu_seqlens if host is None else host
+                max_seqlen = int((offsets[1:] - offsets[:-1]).max())
         elif max_seqlen is not None:
             raise ValueError(f"LM: `max_seqlen`={max_seqlen!r} describes packed sequences and needs `cu_seqlens`")
         if cache is not None:
@@ -479,10 +496,14 @@ class LM(nn.Module):
                 f"LM.generate: the prompt has {input_ids.shape[1]} tokens, more than the model allows "
                 f"(`max_seq_len`={self.config.max_seq_len}); shorten it"
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"LM.generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"LM.generate: `temperature` must be a number >= 0, got {temperature!r}")
+        check_int("LM.generate", "max_new_tokens", max_new_tokens, minimum=0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+                or temperature < 0:
+            raise ValueError(f"LM.generate: `temperature` must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        need = input_ids.shape[0] * (input_ids.shape[1] + max_new_tokens) * input_ids.element_size()
+        if need > _physical_memory():
+            raise ValueError(f"LM.generate: `max_new_tokens`={max_new_tokens} needs {need:.3g} bytes for the token ids "
+                             f"alone, more than this machine's {_physical_memory():.3g} bytes of memory")
         if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
             raise ValueError(f"LM.generate: `top_k` must be a positive int or None, got {top_k!r}")
         if attention_mask is not None and attention_mask.dim() == 1 and squeeze:

@@ -14,6 +14,8 @@ delta rule                 ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
                            ``delta_rule``
 gated delta rule           ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
                            ``gated_delta_rule``
+per-channel gated delta    ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
+rule (Kimi Delta Attn.)    ``kda``
 =========================  ==============================  ========================
 
 Every form of a rule takes the same arguments and returns the same thing; the
@@ -28,11 +30,13 @@ fla drop-in: the delta and gated ops also take fla's options (``use_qk_l2norm_in
 value heads, ...), and fla's names are aliases with fla's signatures:
 ``fused_recurrent_delta_rule`` and ``fused_recurrent_gated_delta_rule`` (the recurrent
 forms), ``fused_recurrent_linear_attn`` (recurrent) and ``fused_chunk_linear_attn``
-(chunk). ``ops/_fla_compat.py`` lists every fla argument we accept, ignore or refuse, and
-where fla's defaults differ from ours.
+(chunk); ``chunk_kda`` and ``fused_recurrent_kda`` (Kimi Delta Attention, ``ops/kda/fla.py``).
+``ops/_fla_compat.py`` lists every fla argument we accept, ignore or refuse, and where fla's
+defaults differ from ours (docs/fla_compat.md: the gated and KDA ops, argument by argument).
 """
 
-from ._checks import check_cu_seqlens, compute_dtype, finite_checks, value_checks
+from ._checks import check_cu_seqlens, checked_cu_seqlens_cpu, compute_dtype, finite_checks, value_checks
+from ._checks import check_op_inputs as check_inputs
 from ._chunk import default_chunk_size
 from ._frontend import packed_positions
 from ._fla_aliases import (
@@ -41,6 +45,7 @@ from ._fla_aliases import (
 from .delta_rule import chunk_delta_rule, parallel_delta_rule, recurrent_delta_rule
 from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReLU, Taylor, get_feature_map, normalize_qk
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
+from .kda import chunk_kda, fused_recurrent_kda, kda_gate, kda_step, parallel_kda, recurrent_kda
 from .linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
 from .softmax_attn import KVCache, softmax_attn, softmax_attn_reference
 from .step import delta_rule_step, gated_delta_rule_step, linear_attn_step
@@ -50,13 +55,14 @@ __all__ = [
     "recurrent_linear_attn", "parallel_linear_attn", "chunk_linear_attn",
     "recurrent_delta_rule", "parallel_delta_rule", "chunk_delta_rule",
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
+    "recurrent_kda", "parallel_kda", "chunk_kda", "kda_step", "kda_gate",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
-    "get_feature_map", "normalize_qk", "finite_checks", "value_checks",
+    "get_feature_map", "normalize_qk", "finite_checks", "value_checks", "check_inputs",
     # one token (update + read), for decoding: the recurrent forms' step
     "delta_rule_step", "gated_delta_rule_step", "linear_attn_step",
     # what layers and models built on the ops share with them
-    "compute_dtype", "default_chunk_size", "check_cu_seqlens", "packed_positions",
+    "compute_dtype", "default_chunk_size", "check_cu_seqlens", "checked_cu_seqlens_cpu", "packed_positions",
     # flash-linear-attention's names, with fla's signatures (ops/_fla_aliases.py)
     "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
-    "fused_chunk_linear_attn",
+    "fused_chunk_linear_attn", "fused_recurrent_kda",
 ]

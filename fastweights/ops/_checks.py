@@ -26,6 +26,19 @@ smaller than q); on CUDA they are queued with ``torch._assert_async`` instead of
 read back, so they never wait for the device. ``fastweights.ops.value_checks(False)``
 turns them off for users who mean to step outside those ranges.
 
+Under ``torch.compile`` the value checks stay: the NaN/Inf checks, the β and g range
+checks and the ``cu_seqlens`` offset checks (starts at 0, strictly increasing, ends at
+T, no sequence longer than ``max_seqlen``) become ``torch._assert_async`` calls, which
+the compiler keeps in the graph (no graph break; Inductor and AOTAutograd both run
+them). A bad value then raises ``RuntimeError`` (not ``ValueError``) at the call, with
+the same words: the op and the argument, without the count or the extreme value. The
+switches are read when the function is traced: compile inside ``value_checks(False)``
+for a graph without them. Checked only in eager mode: the memory check of the score
+matrices (:func:`check_score_memory`, it asks the OS) and, without ``max_seqlen``, the
+padded length (read from ``cu_seqlens``: the documented graph break).
+:func:`check_op_inputs` (``fastweights.ops.check_inputs``) runs every check by hand,
+reading the results back on any device.
+
 Sizes: B, H, K and V must be positive; T = 0 is a valid empty sequence (the ops
 return an empty output and a copy of the state). ``chunk_size`` must be a positive
 int for every form (the recurrent and parallel forms accept it so that all forms
@@ -39,12 +52,15 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from typing import Optional
 
 import torch
 
+from ..config import check_int
+
 __all__ = [
-    "check_inputs", "finite_checks", "value_checks", "state_dtype", "compute_dtype",
+    "check_inputs", "check_op_inputs", "finite_checks", "value_checks", "state_dtype", "compute_dtype",
     "effective_chunk_size", "check_score_memory",
 ]
 
@@ -104,17 +120,21 @@ def _check_tensor(op: str, name: str, t, rank: int, layout: str) -> None:
         raise ValueError(f"{op}: `{name}` must have rank {rank} with layout {layout}, got shape {_shape(t)}")
 
 
+_READ_BACK = False  # set by check_op_inputs: read every check's result back, on any device
+
+
 def _checked_on_host(t: torch.Tensor) -> bool:
-    """Whether the NaN/Inf check of ``t`` may wait for its values: CPU tensors only."""
-    return t.device.type == "cpu"
+    """Whether a check of ``t`` may wait for its values (CPU tensors, or an explicit
+    :func:`check_op_inputs`); otherwise it is queued with ``torch._assert_async``."""
+    return (t.device.type == "cpu" or _READ_BACK) and not torch.compiler.is_compiling()
 
 
 def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
     if not _CHECK_FINITE or t.numel() == 0:
         return
-    if torch.compiler.is_compiling():  # a data-dependent branch would break the graph
-        return
-    if not _checked_on_host(t):  # no host sync: the device checks it in stream order (module docstring)
+    # compiled (a data-dependent branch would break the graph) or on a device (no host sync):
+    # an assert the compiler keeps / the device runs in stream order (module docstring)
+    if not _checked_on_host(t):
         torch._assert_async(torch.isfinite(t).all(), f"{op}: `{name}` contains non-finite values (NaN or Inf)")
         return
     # One reduction, no temporaries: a sum is finite only if every entry is (NaN and ±Inf
@@ -135,7 +155,7 @@ def _check_range(op: str, t: torch.Tensor, low: Optional[float], high: float, ru
     """Refuse entries of ``t`` outside [low, high] (``low=None``: no lower bound, one reduction
     less); ``rule`` says so in words ("`beta` must lie in [0, 1]"). On CUDA the comparison is
     queued (``torch._assert_async``), never read back."""
-    if not _CHECK_VALUES or t.numel() == 0 or torch.compiler.is_compiling():
+    if not _CHECK_VALUES or t.numel() == 0:
         return
     t = t.detach()
     lo, hi = torch.aminmax(t) if low is not None else (None, t.amax())
@@ -215,6 +235,8 @@ def check_cu_seqlens(
     a device sync; ``max_seqlen`` (an int >= the longest sequence) is the padded length.
     Under ``torch.compile`` the checks that read the offsets' values are skipped (a
     data-dependent branch would break the graph): there the caller vouches for them.
+    Offsets checked once are remembered (with their host copy, until the tensor changes or
+    is freed), so the LM's check serves every layer's op: one host read per forward.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{op}: `cu_seqlens` must be a LongTensor of shape [N+1], got {type(cu_seqlens).__name__}")
@@ -235,13 +257,65 @@ def check_cu_seqlens(
                 f"{op}: `cu_seqlens_cpu` must be a CPU tensor of the shape of `cu_seqlens` {_shape(cu_seqlens)}, "
                 f"got {_shape(cu_seqlens_cpu)} on {cu_seqlens_cpu.device}"
             )
-    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen <= 0):
-        raise TypeError(f"{op}: `max_seqlen` must be a positive int (the longest sequence in `cu_seqlens`), got {max_seqlen!r}")
+    check_int(op, "max_seqlen", max_seqlen, none_ok=True, error=TypeError,
+              what="a positive int (the longest sequence in `cu_seqlens`)")
     n = cu_seqlens.numel() - 1
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # reading the offsets would break the graph: asserts instead
+        cu = cu_seqlens.long()
+        steps = cu[1:] - cu[:-1]
+        torch._assert_async(cu[0] == 0, f"{op}: `cu_seqlens` must start at 0")
+        torch._assert_async((steps > 0).all(), f"{op}: `cu_seqlens` must be strictly increasing")
+        torch._assert_async(cu[-1] == seq_len, f"{op}: `cu_seqlens` must end at the sequence length T={seq_len}")
+        if max_seqlen is not None:
+            torch._assert_async(steps.max() <= max_seqlen,
+                                f"{op}: `max_seqlen`={max_seqlen} is smaller than a sequence of `cu_seqlens`")
         return n
+    seen = _CHECKED.get(id(cu_seqlens))
+    if seen is not None and seen.tensor() is cu_seqlens and seen.version == cu_seqlens._version \
+            and seen.seq_len == seq_len and (max_seqlen is None or seen.longest <= max_seqlen) \
+            and (cu_seqlens_cpu is None or cu_seqlens_cpu is seen.host):
+        return n  # these offsets, unchanged since, were checked (and copied to the host) already
+    host = _check_offsets(op, cu_seqlens, cu_seqlens_cpu, seq_len, max_seqlen)
+    _remember(cu_seqlens, host, seq_len)
+    return n
+
+
+class _Checked:
+    """A ``cu_seqlens`` tensor whose offsets :func:`check_cu_seqlens` has checked: the tensor (weakly),
+    its version counter then, the length it was checked against, its host copy, its longest sequence."""
+
+    __slots__ = ("tensor", "version", "seq_len", "host", "longest")
+
+    def __init__(self, tensor: torch.Tensor, host: torch.Tensor, seq_len: int) -> None:
+        self.tensor, self.version, self.seq_len, self.host = weakref.ref(tensor), tensor._version, seq_len, host
+        self.longest = int((host[1:] - host[:-1]).max())
+
+
+_CHECKED: dict = {}  # id(cu_seqlens) -> _Checked, dropped when the tensor is freed
+
+
+def _remember(cu_seqlens: torch.Tensor, host: torch.Tensor, seq_len: int) -> None:
+    key = id(cu_seqlens)
+    if key not in _CHECKED:
+        weakref.finalize(cu_seqlens, _CHECKED.pop, key, None)
+    _CHECKED[key] = _Checked(cu_seqlens, host, seq_len)
+
+
+def checked_cu_seqlens_cpu(cu_seqlens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The host copy of offsets :func:`check_cu_seqlens` has checked (and that have not changed
+    since), or ``None``. The LM checks its ``cu_seqlens`` once per forward; every layer's op then
+    finds them checked, so nothing reads the offsets from the device again."""
+    seen = _CHECKED.get(id(cu_seqlens))
+    if seen is None or seen.tensor() is not cu_seqlens or seen.version != cu_seqlens._version:
+        return None
+    return seen.host
+
+
+def _check_offsets(op: str, cu_seqlens: torch.Tensor, cu_seqlens_cpu, seq_len: int, max_seqlen) -> torch.Tensor:
+    """The value checks of :func:`check_cu_seqlens` (one host read); returns the offsets on the host."""
     name = "cu_seqlens" if cu_seqlens_cpu is None else "cu_seqlens_cpu"
-    offsets = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
+    host = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).to("cpu", torch.long)
+    offsets = host.tolist()
     if offsets[0] != 0:
         raise ValueError(f"{op}: `{name}` must start at 0, got {offsets[0]}")
     steps = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
@@ -258,11 +332,12 @@ def check_cu_seqlens(
             f"{op}: `max_seqlen`={max_seqlen} is smaller than sequence {i} of `{name}` ({steps[i]} tokens); "
             f"pass at least the longest length, {max(steps)}"
         )
-    return n
+    return host
 
 
 def check_chunk_size(op: str, chunk_size) -> None:
-    """``chunk_size`` must be a positive int in every form (``None`` included: a named error)."""
+    """``chunk_size`` must be a positive int in every form (``None`` was resolved before: it means
+    :func:`~fastweights.ops.default_chunk_size`'s choice)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"{op}: `chunk_size` must be a positive int, got {chunk_size!r}")
     if chunk_size <= 0:
@@ -287,6 +362,9 @@ def check_inputs(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
     seq_len: Optional[int] = None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    gk_name: str = "gk",
 ) -> int:
     """Check the arguments of an op; return N, the number of sequences.
 
@@ -295,6 +373,8 @@ def check_inputs(
     ``chunk_size`` is checked unless it is left at ``NO_CHUNKS`` (an op without one);
     ``allow_neg_eigval`` widens β's range to [0, 2]. ``seq_len`` is the length that
     ``cu_seqlens`` must end at, when it is not T (context parallelism: the global length).
+    ``gk`` [B, T, H, K] and ``gv`` [B, T, H, V] are per-channel log decays (``gk_name``: the
+    name the caller gave the key gate, ``g`` in fla's KDA call form), checked like ``g``.
     """
     _check_tensor(op, "q", q, 4, "[B, T, H, K]")
     _check_tensor(op, "k", k, 4, "[B, T, H, K]")
@@ -324,6 +404,16 @@ def check_inputs(
             raise ValueError(f"{op}: `{name}` must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(t)}")
         if t.device != q.device:
             raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
+    for name, t, width, layout in ((gk_name, gk, K, "[B, T, H, K]"), ("gv", gv, v.shape[-1], "[B, T, H, V]")):
+        if t is None:
+            continue
+        _check_tensor(op, name, t, t.dim(), layout)  # a tensor of floats; the shape (rank included) below
+        if t.shape != q.shape[:3] + (width,):
+            raise ValueError(
+                f"{op}: `{name}` (a per-channel log decay) must have shape {layout} = [{B}, {T}, {H}, {width}], got {_shape(t)}"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
     if chunk_size is not NO_CHUNKS:
         check_chunk_size(op, chunk_size)
     check_scale(op, scale)
@@ -349,8 +439,45 @@ def check_inputs(
             )
         if initial_state.device != q.device:
             raise ValueError(f"{op}: `initial_state` is on {initial_state.device}, expected the device of `q` ({q.device})")
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("initial_state", initial_state)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), (gk_name, gk), ("gv", gv),
+                    ("initial_state", initial_state)):
         if t is not None:
             _check_finite(op, name, t)
     check_values(op, beta, g, allow_neg_eigval)
+    for name, t in ((gk_name, gk), ("gv", gv)):
+        if t is not None:
+            _check_range(op, t, None, 0.0, f"`{name}` (a per-channel log decay) must be <= 0",
+                         "; a decay exp(gk) above 1 makes the state grow. If that is intended, disable this "
+                         "check with fastweights.ops.value_checks(False)")
     return n
+
+
+def check_op_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: Optional[torch.Tensor] = None,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    allow_neg_eigval: bool = False,
+    max_seqlen: Optional[int] = None,
+    op: str = "check_inputs",
+) -> int:
+    """Every check an op makes on ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``,
+    ``initial_state [N, H, K, V]`` and ``cu_seqlens [N + 1]``, by hand; returns N.
+
+    Public as ``fastweights.ops.check_inputs``. Unlike the ops' own checks it reads every
+    result back on any device (a ``ValueError`` naming the argument, here and now, instead
+    of a queued device assertion), so call it outside compiled code, where you want to
+    know. The switches :func:`finite_checks` / :func:`value_checks` apply.
+    """
+    global _READ_BACK
+    previous, _READ_BACK = _READ_BACK, True
+    try:
+        return check_inputs(op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                            scale=scale, allow_neg_eigval=allow_neg_eigval, max_seqlen=max_seqlen)
+    finally:
+        _READ_BACK = previous

@@ -66,10 +66,22 @@ SHORT_CHUNK, LONG_CHUNK, SHORT_CHUNK_MAX_KEY_DIM = 32, 64, 64
 
 
 def default_chunk_size(key_dim: int, device: torch.device) -> int:
-    """The chunk length for a layer with key size ``key_dim`` on ``device`` (see :data:`SHORT_CHUNK`)."""
-    if device.type == "cpu" and key_dim <= SHORT_CHUNK_MAX_KEY_DIM:
+    """The chunk-length policy, the one place it is decided: C for key size ``key_dim`` on
+    ``device`` (see :data:`SHORT_CHUNK`). A chunk op called with ``chunk_size=None`` (its
+    default, and what the layers and ``LMConfig`` pass unless told otherwise) runs this C; a
+    call that insists on ``backend="triton"`` runs the kernels' one length, 64, which is also
+    what this gives on a GPU."""
+    if torch.device(device).type == "cpu" and key_dim <= SHORT_CHUNK_MAX_KEY_DIM:
         return SHORT_CHUNK
     return LONG_CHUNK
+
+
+def resolve_chunk_size(chunk_size: Optional[int], q) -> Optional[int]:
+    """``chunk_size``, or :func:`default_chunk_size` for ``q [B, T, H, K]``'s K and device when it
+    is None (a malformed ``q`` leaves it None, for the input checks to name)."""
+    if chunk_size is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        return default_chunk_size(q.shape[-1], q.device)
+    return chunk_size
 
 
 def causal_mask(length: int, device, diagonal: int = 0) -> torch.Tensor:

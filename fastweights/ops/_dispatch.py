@@ -7,6 +7,7 @@ that reaches both (the Triton one imported only when it is chosen).
 from __future__ import annotations
 
 from ._backend import BACKENDS, CHUNK_SIZE, select_backend
+from ._chunk import resolve_chunk_size
 
 __all__ = ["run_chunk_delta"]
 
@@ -19,13 +20,16 @@ def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", to
     ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
     only ``run_op`` takes (the Triton path packs varlen batches natively).
     """
+    if kwargs.get("chunk_size") is None and backend == "triton":
+        kwargs["chunk_size"] = CHUNK_SIZE  # the kernels' one length (what the policy gives on CUDA, too)
+    kwargs["chunk_size"] = resolve_chunk_size(kwargs.get("chunk_size"), q)
     if (torch_kwargs or {}).get("cp_group") is not None:  # context parallelism runs the PyTorch chunk form
         if backend == "triton":
             raise ValueError(f"{op}: `backend`='triton' does not run with `cp_group` (context parallelism runs "
                              f"the PyTorch chunk form); use backend='auto' or 'torch'")
         choice = "torch" if backend in BACKENDS else select_backend(op, backend, q, v)
     else:
-        choice = select_backend(op, backend, q, v, chunk_size=kwargs.get("chunk_size", CHUNK_SIZE),
+        choice = select_backend(op, backend, q, v, chunk_size=kwargs["chunk_size"],
                                 feature_map=kwargs.get("feature_map"))
     if choice == "triton":
         from ._frontend import autocast_off

@@ -1,7 +1,8 @@
 """flash-linear-attention's names for our ops, with fla's exact signatures (positional order included).
 
 ``fused_recurrent_delta_rule`` and ``fused_recurrent_gated_delta_rule`` are the recurrent
-forms, ``fused_recurrent_linear_attn`` the recurrent and ``fused_chunk_linear_attn`` the
+forms (``fused_recurrent_gated_delta_rule`` with ``gk``/``gv``: ``recurrent_kda``),
+``fused_recurrent_linear_attn`` the recurrent and ``fused_chunk_linear_attn`` the
 chunk form of linear attention (with fla's defaults: ``normalize=True``, ε = 1e-10, the
 normalized state as fla's tuple ``(S, z)``). ``_fla_compat.py`` lists every fla argument
 the ops accept, ignore or refuse.
@@ -17,6 +18,7 @@ from ._checks import state_dtype
 from ._fla_compat import refuse_or_ignore
 from .delta_rule import recurrent_delta_rule
 from .gated_delta_rule import recurrent_gated_delta_rule
+from .kda import recurrent_kda
 from .linear_attn import chunk_linear_attn, recurrent_linear_attn
 
 __all__ = ["fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
@@ -66,8 +68,31 @@ def fused_recurrent_gated_delta_rule(
     """Alias of :func:`~fastweights.ops.recurrent_gated_delta_rule` with fla's signature.
 
     Note fla's positional order ``(q, k, v, g, gk, gv, beta, ...)``: pass ``beta`` by
-    name. ``gk``/``gv`` and ``state_v_first=True`` are refused (module docstring).
+    name. With ``gk`` [B, T, HV, K] and/or ``gv`` [B, T, HV, V] (per-channel log decays) it is
+    :func:`~fastweights.ops.recurrent_kda` instead: h ← diag(exp(gk)) h diag(exp(gv)), then the
+    delta write. ``g`` together with ``gk`` is refused (one key-side gate: pass
+    ``gk + g[..., None]``); ``g`` with ``gv`` alone is the key-side gate broadcast over K.
     """
+    if gk is not None or gv is not None:
+        op = "fused_recurrent_gated_delta_rule"
+        if g is not None and gk is not None:
+            raise ValueError(
+                f"{op}: got both `g` (per head) and `gk` (per key channel); pass one key-side log decay, "
+                f"e.g. gk + g[..., None] [B, T, HV, K]"
+            )
+        if use_gate_in_kernel:
+            raise ValueError(f"{op}: `use_gate_in_kernel=True` computes a per-head `g`; it cannot be combined "
+                             f"with `gk`/`gv` (compute the gate first, or use chunk_kda's per-channel gate)")
+        if g is not None:
+            if not isinstance(g, torch.Tensor) or g.dim() != 3:
+                raise ValueError(f"{op}: `g` must be a per-head log decay [B, T, HV], got {getattr(g, 'shape', g)!r}")
+            gk = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
+        return recurrent_kda(
+            q, k, v, beta=beta, gk=gk, gv=gv, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, **kwargs,
+        )
     return recurrent_gated_delta_rule(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -30,11 +30,16 @@ bf16/fp16 ``initial_state``     cast to the state dtype (fp32, fp64 for fp64 inp
 ``cu_seqlens_cpu``              a host copy of ``cu_seqlens``; used when ``cu_seqlens`` is None
 ``chunk_indices``               ignored (fla's precomputed chunk table; we derive our own)
 ``**kwargs``                    names in :data:`PASS_THROUGH` are ignored silently; any other
-                                name is ignored with one ``UserWarning`` per name
+                                name is refused with a ``TypeError`` ("did you mean
+                                `cu_seqlens`?" when it is close to an argument of the op)
 ==============================  ============================================================
 
+Per-channel decays: ``fused_recurrent_gated_delta_rule(..., gk=, gv=)`` runs
+:func:`~fastweights.ops.recurrent_kda` (Kimi Delta Attention; fla's KDA options are in
+:mod:`fastweights.ops.kda.fla`); the other ops refuse ``gk``/``gv``.
+
 Refused with a ``ValueError`` naming the argument (they would change the result
-and we have no equivalent): ``gk``/``gv`` (per-channel decays), ``state_v_first``
+and we have no equivalent): ``gk``/``gv`` outside the KDA ops, ``state_v_first``
 / ``transpose_state_layout`` = True on the (ungated) delta rule, ``reverse=True``,
 ``head_first=True``, ``cp_context`` (context parallelism).
 
@@ -63,8 +68,10 @@ q/k feature map, ``qk_norm``           none                   ``feature_map``, `
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
+import sys
 import warnings
 from typing import Optional
 
@@ -88,8 +95,10 @@ PASS_THROUGH = frozenset({
 
 # fla arguments that select a computation we do not have: refused while "on".
 _REFUSED = {
-    "gk": "per-key-channel decays (gk) are not supported; pass a per-head log decay `g` [B, T, H]",
-    "gv": "per-value-channel decays (gv) are not supported; pass a per-head log decay `g` [B, T, H]",
+    "gk": "this op takes a per-head log decay `g` [B, T, H]; per-key-channel decays are Kimi Delta Attention: "
+          "use recurrent_kda / chunk_kda (or fused_recurrent_gated_delta_rule(..., gk=...))",
+    "gv": "this op takes a per-head log decay `g` [B, T, H]; a per-value-channel decay is accepted by "
+          "recurrent_kda and fused_recurrent_gated_delta_rule(..., gv=...) only",
     "state_v_first": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
     "transpose_state_layout": "the delta rule's state is stored [N, H, K, V] (keys first); the gated ops accept it",
     "reverse": "reverse-time scans are not supported",
@@ -97,22 +106,41 @@ _REFUSED = {
     "cp_context": "context parallelism is not supported",
 }
 
+# Names accepted as before (ignored, with one warning) while their real argument is being added.
+_PENDING = frozenset({"cp_group"})
 _warned: set = set()
 
 
+def _known_arguments(op: str) -> list:
+    """The keyword arguments of the public op named ``op`` (for "did you mean")."""
+    ops = sys.modules.get(__name__.rsplit(".", 1)[0])  # fastweights.ops: imported by now (it called us)
+    fn = inspect.unwrap(getattr(ops, op, None) or (lambda: None))
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    return names + ["state_v_first", "transpose_state_layout"] * ("gated" in op)
+
+
+def unknown_keyword(op: str, name: str, known) -> TypeError:
+    """The TypeError for an unknown keyword argument, with the closest known name when one is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    return TypeError(f"{op}() got an unexpected keyword argument `{name}`{hint} (accepted: the op's arguments, "
+                     f"and the pass-through names in fastweights.ops._fla_compat.PASS_THROUGH)")
+
+
 def refuse_or_ignore(op: str, kwargs: dict) -> None:
-    """Refuse the fla options we cannot honour; ignore pass-through names; warn once for the rest."""
+    """Refuse the fla options we cannot honour and unknown names; ignore pass-through names."""
     for name, value in kwargs.items():
         if name in _REFUSED:
             if value is not None and value is not False:
-                raise ValueError(f"{op}: `{name}`={value!r} is not supported: {_REFUSED[name]}")
-        elif name not in PASS_THROUGH and (op, name) not in _warned:
-            _warned.add((op, name))
-            warnings.warn(
-                f"{op}: ignoring unknown keyword argument `{name}` (not an option of this op; "
-                f"see fastweights.ops._fla_compat for the arguments taken from fla)",
-                UserWarning, stacklevel=4,
-            )
+                shown = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+                raise ValueError(f"{op}: `{name}`={shown} is not supported: {_REFUSED[name]}")
+        elif name in _PENDING:
+            if (op, name) not in _warned:
+                _warned.add((op, name))
+                warnings.warn(f"{op}: ignoring `{name}` (not an option of this op yet)", UserWarning, stacklevel=4)
+        elif name not in PASS_THROUGH:
+            raise unknown_keyword(op, name, _known_arguments(op))
 
 
 def _head_param(op: str, name: str, t, heads: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from ._chunk import resolve_chunk_size
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
 from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
 from .step import divide_by_normalizer, normalizer_column
@@ -150,6 +151,9 @@ def check_op_args(
     cu_seqlens_cpu=None,
     max_seqlen=None,
     seq_len=None,
+    gk=None,
+    gv=None,
+    gk_name: str = "gk",
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
 
@@ -169,8 +173,10 @@ def check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
         state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
         allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len,
+        gk=gk, gv=gv, gk_name=gk_name,
     )
-    check_autocast(op, q.device, q=q, k=k, v=v, beta=beta, g=g)
+    check_autocast(op, q.device, **{"q": q, "k": k, "v": v, "beta": beta, "g": g, gk_name: gk if gk is not None else g,
+                                    "gv": gv})
     return phi
 
 
@@ -187,7 +193,7 @@ def run_op(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
@@ -198,13 +204,22 @@ def run_op(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
     cp_group=None,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    gk_name: str = "gk",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Check, cast, normalize, unpack; call ``core``; undo (module docstring). Returns ``(o, h_T or None)``.
+
+    Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
+    (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
+    """
+    chunk_size = resolve_chunk_size(chunk_size, q)
     def check(seq_len=None):
         return check_op_args(
             op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
             scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
             requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
-            cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len,
+            cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len, gk=gk, gv=gv, gk_name=gk_name,
         )
 
     segments = None
@@ -235,12 +250,12 @@ def run_op(
     def head_first(t):
         return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
 
-    def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None):
+    def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None, gv=None):
         """The form's solver on packed compute-dtype ``[B, T, H, ·]`` tensors -> ``(o [B, T, H, V], h_T)``."""
         packing = None
         if cu_seqlens is not None:
             packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
-            q, k, v, beta, g = (packing.pad(t) for t in (q, k, v, beta, g))
+            q, k, v, beta, g, gv = (packing.pad(t) for t in (q, k, v, beta, g, gv))
         n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
         size = chunk_size
         if form == "chunk":
@@ -250,7 +265,8 @@ def run_op(
                                    f"the [C, C] chunk matrices at T={t_len}, C={size}")
         elif form == "parallel" and check_memory:
             check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
-        o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size)
+        o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size,
+                      **({} if gv is None else {"gv": head_first(gv)}))
         o = o.transpose(1, 2)  # [N, T, H, V]
         if packing is not None:
             o = packing.unpad(o)
@@ -265,9 +281,11 @@ def run_op(
             # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.
             v = normalizer_column(v)
         beta = None if beta is None else beta.to(dt)
+        g = g if gk is None else gk  # a per-channel key decay takes the per-head one's place
         g = None if g is None else g.to(dt)
+        gv = None if gv is None else gv.to(dt)
         if segments is None:
-            o, h_t = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu)
+            o, h_t = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu, gv=gv)
         else:
             from .context_parallel import run_context_parallel
 

@@ -2,7 +2,7 @@
 
 A feature map turns a kernel into a dot product, ``κ(q, k) ≈ φ(q)ᵀφ(k)``, which is
 what lets a linear-attention state keep sufficient statistics instead of every
-key-value row (seed 000, "Solver 2"; seed 001, chapter 1). Every map here acts on
+key-value row (Wang, Shi & Fox 2025, solver 2; Schlag et al. 2021). Every map here acts on
 the last dimension and keeps the leading ones, so ``[B, T, H, K] -> [B, T, H, D]``
 with ``D = map.output_dim(K)``.
 
@@ -33,6 +33,8 @@ from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from ..config import check_int
 
 __all__ = [
     "FeatureMap",
@@ -67,7 +69,7 @@ class FeatureMap:
 
 
 class Identity(FeatureMap):
-    """φ(x) = x: the plain sum rule of seed 001, chapter 1."""
+    """φ(x) = x: the plain sum rule of Schlag et al. 2021."""
 
     name = "identity"
 
@@ -76,7 +78,7 @@ class Identity(FeatureMap):
 
 
 class EluPlusOne(FeatureMap):
-    """φ(x) = elu(x) + 1 > 0 (Katharopoulos et al. 2020; seed 002 §4.1)."""
+    """φ(x) = elu(x) + 1 > 0 (Katharopoulos et al. 2020)."""
 
     name = "elu"
 
@@ -87,7 +89,7 @@ class EluPlusOne(FeatureMap):
 
 
 class ReLU(FeatureMap):
-    """φ(x) = max(x, 0): positive, but with dead gradients for negative inputs (seed 001, ch. 1)."""
+    """φ(x) = max(x, 0): positive, but with dead gradients for negative inputs (Schlag et al. 2021)."""
 
     name = "relu"
 
@@ -100,14 +102,13 @@ class DPFP(FeatureMap):
 
     ``x̃ = [relu(x), relu(−x)]`` (2K entries), then ``φ = concat_{j=1..ν} x̃ ⊙ roll(x̃, j)``,
     so D = 2Kν. Different sign patterns of x light disjoint entries of φ, which is
-    how DPFP buys near-orthogonal features from non-orthogonal keys (seed 001, ch. 3).
+    how DPFP buys near-orthogonal features from non-orthogonal keys (Schlag et al. 2021).
     """
 
     name = "dpfp"
 
     def __init__(self, nu: int = 1) -> None:
-        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
-            raise ValueError(f"DPFP: `nu` must be a positive int, got {nu!r}")
+        check_int("DPFP", "nu", nu)
         self.nu = nu
 
     def __call__(self, x):
@@ -142,11 +143,9 @@ class FavorPlus(FeatureMap):
     name = "favor+"
 
     def __init__(self, dim: int, num_features: Optional[int] = None, seed: int = 0, input_scale: Optional[float] = None):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"FavorPlus: `dim` must be a positive int, got {dim!r}")
+        check_int("FavorPlus", "dim", dim)
         num_features = dim if num_features is None else num_features
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"FavorPlus: `num_features` must be a positive int, got {num_features!r}")
+        check_int("FavorPlus", "num_features", num_features)
         self.dim = dim
         self.num_features = num_features
         self.input_scale = dim ** -0.25 if input_scale is None else float(input_scale)
@@ -185,7 +184,7 @@ class FavorPlus(FeatureMap):
 class Taylor(FeatureMap):
     """Second-order Taylor features: φ(q)ᵀφ(k) = 1 + qᵀk + (qᵀk)²/2 > 0.
 
-    The even-order truncation of exp(qᵀk) (seed 000, footnote 1) is positive for
+    The even-order truncation of exp(qᵀk) (Wang, Shi & Fox 2025) is positive for
     every qᵀk, so it may be used with the normalizer. ``input_scale`` as in
     :class:`FavorPlus`. D = 1 + K + K².
     """

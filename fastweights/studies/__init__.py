@@ -1,16 +1,17 @@
-"""Experiments that reproduce the seeds, each a library function with a command line.
+"""Experiments on the memories, each a library function with a command line.
 
-=============  ==========================================  ===============================
-study          what it reproduces                          entry point
-=============  ==========================================  ===============================
-``capacity``   seed 000: recall under a fixed capacity      :func:`capacity.run_capacity`
-               (sealed protocol, more arms, width sweep)
-``costs``      seed 000 Fig. 17.1 and its audit; seed 002   :func:`costs.run_costs`
-               memory-per-session calculator
-``retrieval``  seed 001: Schlag et al. (2021) settings 1/2  :func:`retrieval.run_retrieval`
-``mqar``       multi-query associative recall (Arora et     :func:`mqar.run_mqar`
-               al. 2023) on :class:`fastweights.models.LM`
-=============  ==========================================  ===============================
+=============  ===============================================  ===============================
+study          what it runs                                     entry point
+=============  ===============================================  ===============================
+``capacity``   recall under a fixed capacity (the reference     :func:`capacity.run_capacity`
+               protocol of docs/worked_examples.md §5, more
+               arms, a width sweep)
+``costs``      the per-solver audit (state, update and query    :func:`costs.run_costs`
+               cost) and the memory-per-session calculator
+``retrieval``  Schlag et al. (2021) retrieval settings 1 and 2  :func:`retrieval.run_retrieval`
+``mqar``       multi-query associative recall (Arora et al.     :func:`mqar.run_mqar`
+               2023) on :class:`fastweights.models.LM`
+=============  ===============================================  ===============================
 
 Every study is deterministic given its root seed, has a quick default and a
 ``full`` setting, prints a table (``report(result)``), and with an output folder

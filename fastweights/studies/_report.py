@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequ
 import numpy as np
 import torch
 
-from ..config import atomic_write_text
+from ..config import atomic_write_text, check_int
 
 BRANCHES = ("dev1", "dev2", "heldout")
 
@@ -38,8 +38,7 @@ def branch_seed_sequence(root_seed: int, branch: str, *key: int) -> np.random.Se
     example with a cell's width and load), so every cell of every branch draws from
     its own stream, and adding a cell never shifts another cell's numbers.
     """
-    if isinstance(root_seed, bool) or not isinstance(root_seed, (int, np.integer)) or root_seed < 0:
-        raise ValueError(f"`root_seed` must be a non-negative int, got {root_seed!r}")
+    check_int("", "root_seed", root_seed, minimum=0, what="a non-negative int")
     if branch not in BRANCHES:
         raise ValueError(f"`branch` must be one of {', '.join(BRANCHES)}, got {branch!r}")
     return np.random.SeedSequence(int(root_seed), spawn_key=(BRANCHES.index(branch),) + tuple(int(k) for k in key))
@@ -51,8 +50,7 @@ def keyed_seed(root_seed: int, *key: int) -> int:
     Studies without development branches (retrieval, MQAR) key their runs by
     their settings, so every run is deterministic and independent of the others.
     """
-    if isinstance(root_seed, bool) or not isinstance(root_seed, (int, np.integer)) or root_seed < 0:
-        raise ValueError(f"`root_seed` must be a non-negative int, got {root_seed!r}")
+    check_int("", "root_seed", root_seed, minimum=0, what="a non-negative int")
     state = np.random.SeedSequence(int(root_seed), spawn_key=tuple(int(k) for k in key)).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
 
@@ -73,8 +71,7 @@ def torch_threads(threads: Optional[int]):
     """
     before = torch.get_num_threads()
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"`threads` must be a positive int or None, got {threads!r}")
+        check_int("", "threads", threads, what="a positive int or None")
         torch.set_num_threads(threads)
     try:
         yield

@@ -1,6 +1,6 @@
-"""Recall under a fixed capacity: seed 000's sealed mechanism test, and its exercise.
+"""Recall under a fixed capacity: a sealed mechanism test, and its exercise.
 
-Seed 000 ("Mechanism test: recall under a fixed capacity") stores N random unit
+The reference protocol ("recall under a fixed capacity", docs/worked_examples.md §5) stores N random unit
 key-value pairs in a memory, queries every stored key, decodes each read-out to
 the nearest stored value, and compares three arms that share keys, values, order,
 queries and decoder. Its frozen protocol, which this module runs unchanged:
@@ -22,7 +22,7 @@ Glossary (code name: seed symbol):
   the unit sphere of R^d, written in draw order τ = 1..N; R = repetitions.
 - ``eta``: η. ``ordinary_gate``: the 0.10 factor. ``gamma``: γ, the history weight
   of the fading-memory and least-squares arms (w_{t,τ} = γ^{t−τ}).
-- state ``h [R, 1, d, d]``: the ops' K×V state, the transpose of the seed's
+- state ``h [R, 1, d, d]``: the ops' K×V state, the transpose of the reference's
   ``H`` (``S = Σ v kᵀ`` for the sum rule); a read is ``o = hᵀ q``.
 
 Arms (each reads every stored key after all N writes):
@@ -45,13 +45,13 @@ Arms (each reads every stored key after all N writes):
     change its decoding).
 ``fading``
     the fading-memory delta, ``h ← γ (I − η k kᵀ) h + η k vᵀ``
-    (``chunk_gated_delta_rule`` with g = log γ): seed 000's "writing γH_{t−1} into a
+    (``chunk_gated_delta_rule`` with g = log γ): the "writing γH_{t−1} into a
     one-step delta recurrence", a solver choice, not the minimizer below.
 ``rls``
     the exact minimizer of exponentially weighted least squares,
     ``M_t = argmin_M Σ_{τ≤t} γ^{t−τ} |M k_τ − v_τ|² + λ γ^t |M|²``, kept by recursive
     least squares (:func:`recursive_least_squares`): a covariance state P (d×d)
-    beside the map, the "recursive least-squares covariance state" seed 000 says
+    beside the map, the "recursive least-squares covariance state" that
     the exact minimizer needs. Not an op of the library (no layer uses it), so it
     lives here.
 
@@ -80,7 +80,7 @@ Seeds: the cell (d, N/d) of branch b draws its pairs and priority bits from
 heldout are disjoint by construction, each is deterministic, and adding widths or
 loads never moves another cell's numbers.
 
-The headline (seed 000, held-out branch, N/d = 8, averaged over d): priority gain
+The headline (reference, held-out branch, N/d = 8, averaged over d): priority gain
 +0.387, ordinary loss 0.124, gated overall 0.138, delta overall 0.134. Each of ours
 is a mean over repetitions of the d-average, with its standard error over the R
 repetitions.
@@ -97,6 +97,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..config import check_int, check_ints
 from ..ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_linear_attn, softmax_attn
 from ._report import BRANCHES, CellCache, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, save_result, torch_generator, torch_threads
 
@@ -117,7 +118,7 @@ TABLE_COLUMNS = ("d", "load", "N", "arm", "recall", "recall_se", "priority", "pr
 
 @dataclass
 class CapacityConfig:
-    """Settings of the capacity study; the defaults are seed 000's frozen protocol.
+    """Settings of the capacity study; the defaults are the reference protocol (docs/worked_examples.md §5).
 
     ``dims`` and ``loads`` are the protocol grid (the headline averages over
     ``dims`` at ``headline_load``); ``sweep_widths`` adds the widths of the exercise
@@ -144,8 +145,7 @@ class CapacityConfig:
     def __post_init__(self) -> None:
         if self.branch not in BRANCHES:
             raise ValueError(f"CapacityConfig: `branch` must be one of {', '.join(BRANCHES)}, got {self.branch!r}")
-        if isinstance(self.root_seed, bool) or not isinstance(self.root_seed, int) or self.root_seed < 0:
-            raise ValueError(f"CapacityConfig: `root_seed` must be a non-negative int, got {self.root_seed!r}")
+        check_int("CapacityConfig", "root_seed", self.root_seed, minimum=0, what="a non-negative int")
         if not 0 < self.eta <= 1:
             raise ValueError(f"CapacityConfig: `eta` must be in (0, 1], got {self.eta!r}")
         if not 0 < self.priority_rate < 1:
@@ -158,8 +158,8 @@ class CapacityConfig:
             raise ValueError(f"CapacityConfig: `repetitions` must be >= 2 (standard errors), got {self.repetitions!r}")
         for name in ("dims", "sweep_widths"):
             widths = getattr(self, name)
-            if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in widths):
-                raise ValueError(f"CapacityConfig: `{name}` must hold positive ints, got {widths!r}")
+            if widths:
+                check_ints("CapacityConfig", name, widths)
         if not self.dims:
             raise ValueError("CapacityConfig: `dims` must not be empty")
         if not self.loads or any(not load > 0 for load in self.loads):
@@ -215,7 +215,7 @@ def recursive_least_squares(
         P_t = (P_{t−1} − g_t k_tᵀ P_{t−1}) / γ
 
     The update has the delta rule's shape; the covariance state P (K×K) is what
-    turns its one gradient step into the exact minimizer (seed 000, "Solver 3").
+    turns its one gradient step into the exact minimizer (Wang, Shi & Fox 2025, solver 3).
 
     Args:
         keys: ``[B, T, K]``; values: ``[B, T, V]``; computed in float64.
@@ -364,7 +364,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
                  plots: bool = True, resume: bool = False) -> Dict:
     """Run the capacity study; return its result and, with ``out_dir``, write its files.
 
-    Files: ``capacity.json`` (config, headline beside seed 000's numbers, the full
+    Files: ``capacity.json`` (config, headline beside the reference numbers, the full
     table, the width sweep), ``capacity.csv`` (the table), ``capacity_recall.png``
     (recall against N/d per protocol width, with the priority/ordinary split) and
     ``capacity_widths.png`` (the delta arm's recall against N and against N/d for
@@ -378,7 +378,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
     cells = [(d, load) for d in config.widths for load in config.loads]
     scores: Dict[Tuple[int, float], Dict] = {}
     cache = CellCache(out_dir, "capacity", asdict(config), resume)
-    as_arrays = lambda by_arm: {arm: {k: np.asarray(x) for k, x in s.items()} for arm, s in by_arm.items()}  # noqa: E731
+    as_arrays = lambda by_arm: {arm: {k: np.asarray(x) for k, x in s.items()} for arm, s in by_arm.items()}
     with torch_threads(config.threads):
         for d, load in tqdm(cells, desc="capacity", disable=not progress, leave=False):
             scores[(d, load)] = cache.get((d, load), lambda: score_cell(config, d, load, config.arms), as_arrays)
@@ -396,7 +396,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
 
     result = {
         "study": "capacity",
-        "seed_text": "seed 000, 'Mechanism test: recall under a fixed capacity'",
+        "source": "recall under a fixed capacity (reference protocol: docs/worked_examples.md §5)",
         "config": {**asdict(config), "widths": list(config.widths)},
         "headline": headline(config, scores),
         "published_headline": dict(PUBLISHED_HEADLINE),
@@ -412,7 +412,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
 
 
 def headline(config: CapacityConfig, scores) -> Dict[str, Dict[str, float]]:
-    """Seed 000's four numbers at N/d = ``headline_load``, averaged over ``dims``, with SEs over repetitions."""
+    """The four headline numbers at N/d = ``headline_load``, averaged over ``dims``, with SEs over repetitions."""
     load = config.headline_load
     per_d = [scores[(d, load)] for d in config.dims]
 
@@ -532,18 +532,18 @@ def plot_capacity(result: Dict, out: Path) -> List[str]:
 
 
 def report(result: Dict) -> str:
-    """The printed summary: the headline beside seed 000's numbers, then the protocol table."""
+    """The printed summary: the headline beside the reference numbers, then the protocol table."""
     h = result["headline"]
     cfg = result["config"]
-    lines = [f"capacity study: seed 000 protocol, branch {cfg['branch']}, root seed {cfg['root_seed']}, "
+    lines = [f"capacity study: reference protocol, branch {cfg['branch']}, root seed {cfg['root_seed']}, "
              f"{cfg['repetitions']} repetitions, η={cfg['eta']}, gate {cfg['ordinary_gate']}, "
              f"priority rate {cfg['priority_rate']}"]
     rows = []
     for name in ("priority_gain", "ordinary_loss", "gated_overall", "delta_overall", "softmax_overall"):
         if name in h:
             rows.append({"quantity": name, "ours": h[name]["mean"], "se": h[name]["se"],
-                         "seed 000": h[name].get("published"), "z": h[name].get("z")})
-    lines.append(format_table(rows, ("quantity", "ours", "se", "seed 000", "z"),
+                         "reference": h[name].get("published"), "z": h[name].get("z")})
+    lines.append(format_table(rows, ("quantity", "ours", "se", "reference", "z"),
                               title=f"headline at N/d = {h['load']:g}, averaged over d in {h['dims']}"))
     proto = [r for r in result["table"] if r["d"] in cfg["dims"]]
     lines.append("")
@@ -560,7 +560,7 @@ def report(result: Dict) -> str:
 # ---------------------------------------------------------------------------
 # command line (``fastweights study capacity``)
 
-HELP = "seed 000: recall under a fixed capacity (sealed protocol, more arms, width sweep)"
+HELP = "recall under a fixed capacity (sealed protocol, more arms, width sweep)"
 Config = CapacityConfig
 run = run_capacity
 

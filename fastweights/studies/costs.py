@@ -1,8 +1,8 @@
-"""What each memory keeps and what it costs: seed 000's Figure 17.1 and audit, seed 002's calculator.
+"""What each memory keeps and what it costs: the per-solver audit, and the memory calculator.
 
 Two parts.
 
-**Per-solver audit** (seed 000, Figure 17.1 "retained state and per-token work",
+**Per-solver audit** (the solver families of Wang, Shi & Fox 2025: "retained state and per-token work",
 and the exercise "for each solver in the cost diagram, record state size, update
 cost, query cost, and information that cannot be reconstructed"). For one head
 with key width K, value width V (feature width D = K for the identity map) and a
@@ -31,7 +31,7 @@ each step's time as a ratio to the delta rule's step measured in the same run. A
 K = V = 64 a fixed-state step is ~10⁴ FLOPs, far below what a torch op call costs,
 so the times measure op overhead, not work: the figure plots per-token FLOPs.
 
-**Calculator** (seed 002, §4.2 "the calculator's runaway bar becomes a flat
+**Calculator** ("the calculator's runaway bar becomes a flat
 line"): for a model config (layers, heads, head dims, dtypes) the memory one
 session holds against context length: a softmax model's KV cache,
 ``layers · heads · T · (d_k + d_v) · bytes(kv dtype)``, against a fixed-state model,
@@ -56,6 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..config import check_int, check_ints
 from ..ops import (
     KVCache,
     chunk_delta_rule,
@@ -140,12 +141,10 @@ class CostsConfig:
         for name in ("key_dim", "value_dim", "repeats", "layers", "heads", "head_dim_k", "head_dim_v", "d_model",
                      "d_ff", "vocab_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CostsConfig: `{name}` must be a positive int, got {value!r}")
+            check_int("CostsConfig", name, value)
         for name in ("contexts", "calc_contexts"):
             values = getattr(self, name)
-            if not values or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in values):
-                raise ValueError(f"CostsConfig: `{name}` must hold positive ints, got {values!r}")
+            check_ints("CostsConfig", name, values)
         for name in ("kv_dtype", "state_dtype", "weight_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"CostsConfig: `{name}` must be one of {', '.join(DTYPE_BYTES)}, got {getattr(self, name)!r}")
@@ -224,7 +223,7 @@ def model_weight_params(layers: int, heads: int, head_dim_k: int, head_dim_v: in
 def memory_per_session(context: int, layers: int, heads: int, head_dim_k: int, head_dim_v: int,
                        kv_dtype: str = "bfloat16", state_dtype: Optional[str] = None,
                        softmax_layers: int = 0) -> Dict[str, int]:
-    """Seed 002's calculator: bytes one session holds at ``context`` tokens.
+    """The memory calculator: bytes one session holds at ``context`` tokens.
 
     ``softmax``: every layer keeps a KV cache; ``fixed_state``: every layer keeps one
     ``d_k × d_v`` matrix per head; ``hybrid``: ``softmax_layers`` KV-cache layers and
@@ -439,7 +438,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
     k, v = config.key_dim, config.value_dim
     result = {
         "study": "costs",
-        "seed_text": "seed 000 Figure 17.1 and its audit exercise; seed 002 §4.2 calculator",
+        "source": "the per-solver audit exercise; memory calculator",
         "config": asdict(config),
         "threads": threads_used,
         "formulas": {s: dict(zip(("state", "update", "query"), f)) for s, f in FORMULAS.items()},
@@ -619,7 +618,7 @@ def report(result: Dict) -> str:
 # ---------------------------------------------------------------------------
 # command line (``fastweights study costs``)
 
-HELP = "seed 000 Fig. 17.1 audit (state, update and query cost per solver) and seed 002's memory calculator"
+HELP = "the per-solver audit (state, update and query cost per solver) and the memory calculator"
 Config = CostsConfig
 run = run_costs
 

@@ -47,6 +47,7 @@ convolution settings, Zoology's four rates, 3,000 test examples (a GPU job).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +56,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..config import check_int
 from ..tasks.mqar import MQAR
 from ..tasks.recall import IGNORE
 from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
@@ -102,16 +104,14 @@ class MQARConfig:
     workers: int = 2
 
     def __post_init__(self) -> None:
-        if isinstance(self.root_seed, bool) or not isinstance(self.root_seed, int) or self.root_seed < 0:
-            raise ValueError(f"MQARConfig: `root_seed` must be a non-negative int, got {self.root_seed!r}")
+        check_int("MQARConfig", "root_seed", self.root_seed, minimum=0, what="a non-negative int")
         unknown = [m for m in self.mixers if m not in MIXERS]
         if unknown or not self.mixers:
             raise ValueError(f"MQARConfig: unknown `mixers` {unknown}; expected a subset of {MIXERS}")
         for name in ("n_layers", "n_heads", "seeds", "max_steps", "batch_size", "eval_every", "val_size", "test_size",
                      "workers"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MQARConfig: `{name}` must be a positive int, got {value!r}")
+            check_int("MQARConfig", name, value)
         for d in self.d_models:
             if d % self.n_heads:
                 raise ValueError(f"MQARConfig: `d_models` entry {d} is not divisible by `n_heads`={self.n_heads}")
@@ -125,9 +125,7 @@ class MQARConfig:
             raise ValueError(f"MQARConfig: `short_conv` must list True and/or False, got {self.short_conv!r}")
         if not 0 < self.early_stop <= 1:
             raise ValueError(f"MQARConfig: `early_stop` must be in (0, 1], got {self.early_stop!r}")
-        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(self.patience, int)
-                                          or self.patience < 1):
-            raise ValueError(f"MQARConfig: `patience` must be a positive int (evaluations) or None, got {self.patience!r}")
+        check_int("MQARConfig", "patience", self.patience, none_ok=True, what="a positive int (evaluations) or None")
         if isinstance(self.init_std, bool) or not isinstance(self.init_std, (int, float)) or not self.init_std > 0:
             raise ValueError(f"MQARConfig: `init_std` must be a positive number, got {self.init_std!r}")
         if not 0 <= self.min_delta < 1:
@@ -222,9 +220,14 @@ def train_mqar_model(mixer: str, d_model: int, task: MQAR, config: MQARConfig, l
             "seconds": round(time.perf_counter() - start, 3), "history": history}
 
 
-def _worker_init() -> None:
+def _worker_init(parent_pid: int) -> None:
     """In a worker process: die with the parent (Linux), so that a study killed by a signal
-    that skips its clean-up (SIGTERM, SIGKILL) leaves no orphaned training run behind."""
+    that skips its clean-up (SIGTERM, SIGKILL) leaves no orphaned training run behind.
+
+    A parent that died while this worker was still starting (importing torch takes seconds on
+    a busy machine) is gone before the death signal could be asked for: the worker then finds
+    itself re-parented and ends at once."""
+    import os
     import sys
 
     if sys.platform.startswith("linux"):
@@ -234,7 +237,9 @@ def _worker_init() -> None:
         try:
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):  # no prctl: the worker ends after its current run instead
-            pass
+            return
+        if os.getppid() != parent_pid:  # the parent died before prctl: no signal will come
+            os._exit(1)
 
 
 def _train_job(mixer: str, d_model: int, task: MQAR, config: MQARConfig, lr: float, seed: int,
@@ -267,7 +272,7 @@ class _Runs:
 
             # spawn, not fork: a forked child inherits the parent's OpenMP/thread-pool state
             self.pool = ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init)
+                                            initializer=_worker_init, initargs=(os.getpid(),))
 
     def _args(self, key: Tuple) -> Tuple:
         conv, d_model, t, kv, mixer, lr, i = key

@@ -1,4 +1,4 @@
-"""Trainable associative retrieval at the protocol of Schlag et al. (2021, §6.1; seed 001 ch. 3 and 5).
+"""Trainable associative retrieval at the protocol of Schlag et al. (2021, §6.1).
 
 A single-layer memory learns keys it can write S key-value pairs with and read
 back. Setting 1 sweeps S to find the largest S a memory retrieves *cleanly* (its
@@ -21,7 +21,7 @@ The protocol is the paper's (glossary code name: paper symbol)::
 
 The ops return the final state; the read is ``φ(q)`` against it (one product).
 
-Feature maps (seed 001, ch. 3): ``linear`` is φ(x) = elu(x) + 1 (d_dot = d_key);
+Feature maps (Schlag et al. 2021): ``linear`` is φ(x) = elu(x) + 1 (d_dot = d_key);
 ``dpfp1..3`` are DPFP(ν) (d_dot = 2·d_key·ν); ``favor``, ``favor2``, ``favor8`` are
 FAVOR+ with m = 1, 2, 8 × d_key random features (d_dot = 2m; the paper's 64, 128,
 512 at d_key = 64). As in the paper's code, FAVOR+ is φ(x) = [exp(ωᵀx − |x|²/2),
@@ -66,6 +66,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import check_int, is_int
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..ops.feature_maps import normalize_qk
 from ..tasks.retrieval import RetrievalBatch, RetrievalTask
@@ -81,7 +82,7 @@ RULES = ("sum", "delta", "softmax")
 PROJECTIONS = ("paper", "tied")
 SETTING2_RULES = ("delta", "sum")
 CLEAN_LOSS = 1e-3
-# What the paper's logs give at d_key = 64 (issue 13, read from Schlag et al.'s logs): for setting 1 the
+# What the paper's logs give at d_key = 64 (read from Schlag et al.'s published logs): for setting 1 the
 # largest S that was clean and the first S that was not (None: never clean / clean to the end of the
 # sweep, S = 600); for setting 2 the final loss at S = 20.
 PUBLISHED = {
@@ -213,7 +214,7 @@ def sum_rule_floor(task: RetrievalTask, samples: int = 20_000, seed: int = 0) ->
 
 
 @dataclass
-class TrainConfig:
+class MemoryTrainConfig:
     """How one memory is trained: Adam until the evaluation loss is clean (≤ ``clean_loss``),
     or has not improved by 1% for ``patience`` evaluations, or ``max_steps`` are spent."""
 
@@ -231,18 +232,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("d_key", "batch_size", "max_steps", "eval_every", "eval_batch", "eval_forwards", "patience"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
+            check_int("MemoryTrainConfig", name, value)
         if not self.lr > 0:
-            raise ValueError(f"TrainConfig: `lr` must be > 0, got {self.lr!r}")
+            raise ValueError(f"MemoryTrainConfig: `lr` must be > 0, got {self.lr!r}")
         if self.projections not in PROJECTIONS:
-            raise ValueError(f"TrainConfig: `projections` must be one of {', '.join(PROJECTIONS)}, "
+            raise ValueError(f"MemoryTrainConfig: `projections` must be one of {', '.join(PROJECTIONS)}, "
                              f"got {self.projections!r}")
         if not self.clean_loss > 0:
-            raise ValueError(f"TrainConfig: `clean_loss` must be > 0, got {self.clean_loss!r}")
+            raise ValueError(f"MemoryTrainConfig: `clean_loss` must be > 0, got {self.clean_loss!r}")
 
 
-def train_memory(task: RetrievalTask, rule: str, feature_map: Optional[str], train: TrainConfig, seed: int) -> Dict:
+def train_memory(task: RetrievalTask, rule: str, feature_map: Optional[str], train: MemoryTrainConfig, seed: int) -> Dict:
     """Train one :class:`FastWeightRetriever` on ``task``; bit-identical given ``seed`` (and the thread count).
 
     Returns the final evaluation loss and accuracy, whether it is clean, the steps
@@ -300,7 +300,7 @@ class RetrievalConfig:
 
     root_seed: int = 0
     seeds: int = 3
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: MemoryTrainConfig = field(default_factory=MemoryTrainConfig)
     arms: Tuple[str, ...] = ARMS
     sizes: Tuple[int, ...] = (4, 8, 12, 16, 24, 32, 40, 48, 64)
     sweep_patience: int = 1
@@ -317,9 +317,8 @@ class RetrievalConfig:
     def __post_init__(self) -> None:
         for name in ("root_seed", "seeds", "sweep_patience", "setting2_d_key", "setting2_max_steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "root_seed" else 1):
-                raise ValueError(f"RetrievalConfig: `{name}` must be a {'non-negative' if name == 'root_seed' else 'positive'}"
-                                 f" int, got {value!r}")
+            check_int("RetrievalConfig", name, value, minimum=0 if name == "root_seed" else 1,
+                      what="a non-negative int" if name == "root_seed" else None)
         for arm in self.arms:
             if arm not in ARMS:
                 raise ValueError(f"RetrievalConfig: unknown arm {arm!r} in `arms`; expected one of {ARMS}")
@@ -329,8 +328,7 @@ class RetrievalConfig:
                                  f"expected one of {SETTING2_RULES}")
         if self.setting2_feature_map not in FEATURE_MAPS:
             raise ValueError(f"RetrievalConfig: unknown `setting2_feature_map` {self.setting2_feature_map!r}")
-        if not self.sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.sizes) \
-                or list(self.sizes) != sorted(set(self.sizes)):
+        if not self.sizes or not all(is_int(x) and x >= 1 for x in self.sizes) or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"RetrievalConfig: `sizes` must be increasing positive ints, got {self.sizes!r}")
         # Setting 2 must be a valid task.
         RetrievalTask(2, self.setting2_keys, num_pairs=self.setting2_pairs, num_queries=self.setting2_queries)
@@ -340,7 +338,7 @@ class RetrievalConfig:
         """The paper's sweep: d_key = 64, S = 20..600 by 20, one query per sequence, Adam 1e-3,
         evaluation every 100 steps, up to 200k steps per memory (a GPU job; see docs/studies.md)."""
         settings = dict(
-            train=TrainConfig(d_key=64, lr=1e-3, max_steps=200_000, eval_every=100, eval_batch=256, patience=20,
+            train=MemoryTrainConfig(d_key=64, lr=1e-3, max_steps=200_000, eval_every=100, eval_batch=256, patience=20,
                               projections="paper"),
             sizes=tuple(range(20, 601, 20)), sweep_patience=2, queries=1, setting2_d_key=64, setting2_queries=1,
             setting2_max_steps=200_000, threads=None,
@@ -388,7 +386,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
         bar.close()
 
         setting2_rows: Dict[str, List[Dict]] = {rule: [] for rule in config.setting2_rules}
-        train2 = TrainConfig(**{**asdict(config.train), "d_key": config.setting2_d_key,
+        train2 = MemoryTrainConfig(**{**asdict(config.train), "d_key": config.setting2_d_key,
                                 "max_steps": config.setting2_max_steps})
         task2 = RetrievalTask(2, config.setting2_keys, num_pairs=config.setting2_pairs,
                               num_queries=config.setting2_queries)
@@ -425,7 +423,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
                           "history": [r["history"] for r in rs]}
     result = {
         "study": "retrieval",
-        "seed_text": "seed 001, ch. 3 and 5 (Schlag et al. 2021, section 6.1, settings 1 and 2)",
+        "source": "Schlag et al. 2021, section 6.1, settings 1 and 2",
         "config": asdict(config),
         "headline": {"setting1": setting1, "setting2": setting2},
         "published": PUBLISHED,
@@ -507,7 +505,7 @@ def plot_retrieval(result: Dict, out: Path) -> List[str]:
 def report(result: Dict) -> str:
     cfg = result["config"]
     t = cfg["train"]
-    lines = [f"retrieval study (seed 001; Schlag et al. 2021 §6.1): d_key = {t['d_key']}, frozen one-hot values, "
+    lines = [f"retrieval study (Schlag et al. 2021 §6.1): d_key = {t['d_key']}, frozen one-hot values, "
              f"loss 0.5‖onehot − ŷ‖², clean ≤ {t['clean_loss']}, Adam lr {t['lr']}, batch {t['batch_size']}, "
              f"{cfg['seeds']} seeds"]
     rows = [{"arm": arm, **h, "S* ± se": f"{h['s_star']:.1f} ± {h['s_star_se']:.1f}",
@@ -530,7 +528,7 @@ def report(result: Dict) -> str:
 # ---------------------------------------------------------------------------
 # command line (``fastweights study retrieval``)
 
-HELP = "seed 001: trainable associative retrieval (Schlag et al. 2021 settings 1 and 2), capacity sweep over S"
+HELP = "trainable associative retrieval (Schlag et al. 2021 settings 1 and 2), capacity sweep over S"
 Config = RetrievalConfig
 run = run_retrieval
 
@@ -549,7 +547,7 @@ def config_from_args(args) -> RetrievalConfig:
     base = RetrievalConfig.full() if args.full else RetrievalConfig()
     updates = {k: v for k, v in (("d_key", args.d_key), ("max_steps", args.max_steps),
                                  ("projections", getattr(args, "projections", None))) if v is not None}
-    overrides = {"root_seed": args.root_seed, "train": TrainConfig(**{**asdict(base.train), **updates})}
+    overrides = {"root_seed": args.root_seed, "train": MemoryTrainConfig(**{**asdict(base.train), **updates})}
     if args.seeds is not None:
         overrides["seeds"] = args.seeds
     if args.threads is not None:

@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..config import check_int
 from .recall import IGNORE
 
 __all__ = ["MQAR", "MQARBatch"]
@@ -67,8 +68,7 @@ class MQAR:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_kv_pairs"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MQAR: `{name}` must be a positive int, got {value!r}")
+            check_int("MQAR", name, value)
         if self.vocab_size // 2 - 1 < self.num_kv_pairs or self.vocab_size - self.vocab_size // 2 < self.num_kv_pairs:
             raise ValueError(f"MQAR: `vocab_size`={self.vocab_size} has {self.vocab_size // 2 - 1} key ids, fewer than "
                              f"`num_kv_pairs`={self.num_kv_pairs}")
@@ -91,8 +91,7 @@ class MQAR:
 
     def sample(self, batch_size: int, generator: Optional[torch.Generator] = None) -> MQARBatch:
         """Draw ``batch_size`` sequences (deterministic given the generator's state)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"MQAR.sample: `batch_size` must be a positive int, got {batch_size!r}")
+        check_int("MQAR.sample", "batch_size", batch_size)
         b, d, t = batch_size, self.num_kv_pairs, self.seq_len
         half = self.vocab_size // 2
         keys = 1 + torch.rand(b, half - 1, generator=generator).argsort(dim=1)[:, :d]     # distinct keys

@@ -11,7 +11,7 @@ right answer is the value written to that key *last*::
 Tokens: 0 is the separator ``?``; keys are 1..n_keys (printed a, b, c, ...);
 values are n_keys+1 .. n_keys+n_values (printed 0, 1, 2, ...).
 
-This is what separates the memories (seed 001, ch. 3–4): the sum rule of linear
+This is what separates the memories (Schlag et al. 2021): the sum rule of linear
 attention adds the new value on top of the old one, so an overwritten key reads
 back a blend; the delta rule first retrieves the old value and replaces it.
 The generator is a plain function of a ``torch.Generator``, reusable by studies
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+
+from ..config import check_int
 
 SEP = 0
 IGNORE = -100  # target id that the loss and the accuracy skip
@@ -67,8 +69,7 @@ class AssociativeRecall:
     def __post_init__(self) -> None:
         for name in ("n_keys", "n_values", "n_pairs", "n_active_keys", "n_queries"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"AssociativeRecall: `{name}` must be a positive int, got {value!r}")
+            check_int("AssociativeRecall", name, value)
         if self.n_active_keys > self.n_keys:
             raise ValueError(f"AssociativeRecall: `n_active_keys`={self.n_active_keys} exceeds `n_keys`={self.n_keys}")
         if self.n_active_keys > self.n_pairs:

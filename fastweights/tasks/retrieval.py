@@ -1,16 +1,16 @@
-"""Synthetic associative retrieval, settings 1 and 2 of Schlag et al. (2021, §6.1; seed 001).
+"""Synthetic associative retrieval, settings 1 and 2 of Schlag et al. (2021, §6.1).
 
 A sequence writes key-value pairs into a memory, then asks for the value of keys
 it wrote. Keys and values are symbols (ids), not vectors: a model learns their
 embeddings, so what it must learn is keys that its memory can keep apart.
 
-- Setting 1 (capacity, seed 001 ch. 3): a pool of S unique keys; each sequence
+- Setting 1 (capacity, Schlag et al. 2021): a pool of S unique keys; each sequence
   writes every one of the S keys exactly once, in random order, each with its own
   value (values drawn *without* replacement, as in the paper, so a read cannot be
   right by sharing a value with another key), then queries stored keys. S grows until the memory can no longer hold S
   associations (the paper's thresholds: S ≈ 60 for linear attention at
   d_dot = 64; 128/256/384 for DPFP ν = 1/2/3).
-- Setting 2 (update, seed 001 ch. 5): keys are drawn *with replacement* from a
+- Setting 2 (update, Schlag et al. 2021): keys are drawn *with replacement* from a
   pool of S keys (the paper: 20 keys, 40 pairs), so keys are re-assigned; the
   answer to a query is the value written to that key *last*.
 
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+
+from ..config import check_int
 
 __all__ = ["RetrievalTask", "RetrievalBatch"]
 
@@ -68,8 +70,7 @@ class RetrievalTask:
             value = getattr(self, name)
             if value is None and name in ("num_values", "num_pairs"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RetrievalTask: `{name}` must be a positive int, got {value!r}")
+            check_int("RetrievalTask", name, value)
         if self.num_values is None:
             self.num_values = self.num_keys
         if self.num_pairs is None:
@@ -87,8 +88,7 @@ class RetrievalTask:
 
     def sample(self, batch_size: int, generator: Optional[torch.Generator] = None) -> RetrievalBatch:
         """Draw ``batch_size`` sequences (deterministic given the generator's state)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"RetrievalTask.sample: `batch_size` must be a positive int, got {batch_size!r}")
+        check_int("RetrievalTask.sample", "batch_size", batch_size)
         b, s, n, q = batch_size, self.num_keys, self.num_pairs, self.num_queries
         if self.setting == 1:
             values = torch.rand(b, self.num_values, generator=generator).argsort(dim=1)[:, :n]  # no repeats

@@ -2,6 +2,11 @@
 
 No tokenizer, no download. The last ``val_fraction`` of the bytes is held out for
 evaluation; training windows are drawn uniformly from the rest.
+
+A file is memory-mapped, never read whole: its tokens are a read-only ``uint8`` view of
+the file's pages (:func:`read_bytes`), and a batch converts only its own windows to
+int64. Memory therefore grows with what is read (the OS pages the file in and out), not
+with the file: ``benchmarks/data_memory.py`` measures it.
 """
 
 from __future__ import annotations
@@ -11,22 +16,30 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..config import check_int
+
 VOCAB_SIZE = 256
 
 
 def read_bytes(source, what: str = "data") -> Tuple[torch.Tensor, str]:
-    """(a file's bytes as int64 tokens ``[N]``, its name); ``source`` may be the bytes themselves."""
+    """(a file's bytes as ``uint8`` tokens ``[N]``, its name); ``source`` may be the bytes themselves.
+
+    A file is memory-mapped (``torch.from_file``, a private read-only use of the mapping):
+    nothing is read until a slice of it is used, so a 600 MB file costs no 600 MB of RAM.
+    Convert the slices you use with ``.long()``.
+    """
     if isinstance(source, (bytes, bytearray)):
-        data, name = bytes(source), "<bytes>"
-    else:
-        name = os.fspath(source)
-        if not os.path.isfile(name):
-            raise ValueError(f"ByteText: {what} file {name!r} does not exist (or is not a file)")
-        with open(name, "rb") as f:
-            data = f.read()
-    if not data:  # frombuffer refuses an empty buffer
-        return torch.zeros(0, dtype=torch.long), name
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), name
+        data = bytes(source)
+        if not data:  # frombuffer refuses an empty buffer
+            return torch.zeros(0, dtype=torch.uint8), "<bytes>"
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), "<bytes>"
+    name = os.fspath(source)
+    if not os.path.isfile(name):
+        raise ValueError(f"ByteText: {what} file {name!r} does not exist (or is not a file)")
+    size = os.path.getsize(name)
+    if size == 0:
+        return torch.zeros(0, dtype=torch.uint8), name
+    return torch.from_file(name, shared=False, size=size, dtype=torch.uint8), name
 
 
 class ByteText:
@@ -42,8 +55,7 @@ class ByteText:
     vocab_size = VOCAB_SIZE
 
     def __init__(self, source, seq_len: int, val_fraction: float = 0.1, val_source=None) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-            raise ValueError(f"ByteText: `seq_len` must be a positive int, got {seq_len!r}")
+        check_int("ByteText", "seq_len", seq_len)
         if not 0 < val_fraction < 1:
             raise ValueError(f"ByteText: `val_fraction` must be in (0, 1), got {val_fraction!r}")
         tokens, name = read_bytes(source, "data")
@@ -71,7 +83,7 @@ class ByteText:
         """Random windows: ``(inputs [B, seq_len], targets [B, seq_len])``, targets shifted by one."""
         data = self.train if split == "train" else self.val
         starts = torch.randint(0, len(data) - self.seq_len, (batch_size,), generator=generator)
-        windows = data[starts[:, None] + torch.arange(self.seq_len + 1)]
+        windows = data[starts[:, None] + torch.arange(self.seq_len + 1)].long()  # only these bytes are read
         return windows[:, :-1], windows[:, 1:]
 
     @staticmethod

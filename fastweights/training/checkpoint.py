@@ -174,7 +174,7 @@ def _header_metadata(file: str) -> Dict[str, str]:
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             return f.metadata() or {}
-    except Exception:  # noqa: BLE001 -- missing, truncated or garbled: reported by _read_safetensors
+    except Exception:  # missing, truncated or garbled: reported by _read_safetensors
         return {}
 
 

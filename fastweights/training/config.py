@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..config import Config
+from ..config import Config, check_int
 from .precision import DTYPES, PRECISIONS
 
 __all__ = ["TrainConfig", "load_config_file"]
@@ -83,17 +83,12 @@ class TrainConfig(Config):
             raise ValueError(f"TrainConfig: `data` must be 'recall' or a text file path, got {self.data!r}")
         for name in ("seq_len", "steps", "batch_size", "eval_batches", "keep_checkpoints",
                      "recall_keys", "recall_values", "recall_pairs", "recall_active_keys", "recall_queries"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TrainConfig: `{name}` must be a positive int, got {value!r}")
+            check_int("TrainConfig", name, getattr(self, name))
         if not isinstance(self.fsdp, bool):
             raise TypeError(f"TrainConfig: `fsdp` (--fsdp) must be true or false, got {self.fsdp!r}")
-        if isinstance(self.context_parallel, bool) or not isinstance(self.context_parallel, int) or self.context_parallel < 1:
-            raise ValueError(f"TrainConfig: `context_parallel` (--context-parallel) must be an int >= 1, got {self.context_parallel!r}")
+        check_int("TrainConfig", "context_parallel", self.context_parallel, what="an int >= 1 (--context-parallel)")
         for name in ("warmup_steps", "eval_every", "eval_tokens", "save_every", "seed", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"TrainConfig: `{name}` must be an int >= 0, got {value!r}")
+            check_int("TrainConfig", name, getattr(self, name), minimum=0)
         if isinstance(self.ddp_timeout, bool) or not isinstance(self.ddp_timeout, (int, float)) \
                 or not math.isfinite(self.ddp_timeout) or self.ddp_timeout <= 0:
             raise ValueError(f"TrainConfig: `ddp_timeout` must be a finite number of seconds > 0, got {self.ddp_timeout!r}")

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from ..config import check_int
 from ..models import LM
 from ..tasks import IGNORE, ByteText
 from ..tasks.adapters import step_generator
@@ -47,7 +48,9 @@ def evaluate_tokens(
     one (window i reads tokens ``[i·L, (i+1)·L)`` and predicts ``[i·L + 1, (i+1)·L]``), so
     each of the ``N − 1`` predicted tokens is scored exactly once, with the context of its
     own window; the last window may be shorter. ``max_tokens`` > 0 scores only the first
-    that many predictions.
+    that many predictions. ``tokens`` may be a memory-mapped ``uint8`` file
+    (:func:`~fastweights.tasks.text.read_bytes`): each batch of windows is converted to
+    int64 on its own, so memory does not grow with the stream.
 
     Returns ``{"loss": mean nats per token, "accuracy", "tokens": how many were scored}``.
     """
@@ -57,15 +60,19 @@ def evaluate_tokens(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    tokens = tokens.to(device=device, dtype=torch.long)
     full = n // seq_len
     totals = [0.0, 0, 0]
-    windows_in, windows_out = tokens[:full * seq_len].view(full, seq_len), tokens[1:full * seq_len + 1].view(full, seq_len)
+
+    def window(a: int, b: int) -> torch.Tensor:  # tokens [a, b) as int64 on the model's device: a copy of b - a
+        return tokens[a:b].to(device=device, dtype=torch.long)
+
     for i in range(0, full, batch_size):
-        _score(model, windows_in[i:i + batch_size], windows_out[i:i + batch_size], precision, totals)
+        rows = min(batch_size, full - i)
+        a, b = i * seq_len, (i + rows) * seq_len
+        _score(model, window(a, b).view(rows, seq_len), window(a + 1, b + 1).view(rows, seq_len), precision, totals)
     if n > full * seq_len:  # the last, shorter window
         a = full * seq_len
-        _score(model, tokens[a:n][None], tokens[a + 1:n + 1][None], precision, totals)
+        _score(model, window(a, n)[None], window(a + 1, n + 1)[None], precision, totals)
     model.train(was_training)
     return {"loss": totals[0] / totals[2], "accuracy": totals[1] / totals[2], "tokens": totals[2]}
 
@@ -125,8 +132,7 @@ def evaluate_file(checkpoint: str, data: str, *, tokens: int = 0, seq_len=None, 
     from .precision import check_precision
 
     for name, value, low in (("--tokens", tokens, 0), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"eval: `{name}` must be an int >= {low}, got {value!r}")
+        check_int("eval", name, value, minimum=low, none_ok=True, what=f"an int >= {low}")
     model, ckpt = load_model(checkpoint)
     if precision != "fp32" and next(model.parameters()).dtype != torch.float32:
         raise ValueError(f"eval: --precision {precision} autocasts float32 weights; this checkpoint's are "
@@ -145,7 +151,7 @@ def evaluate_file(checkpoint: str, data: str, *, tokens: int = 0, seq_len=None, 
     if len(ids) < 2:
         raise ValueError(f"eval: --data {name!r} has {len(ids)} byte(s); at least 2 are needed to score one prediction")
     t0 = time.perf_counter()
-    r = evaluate_tokens(model, ids, seq_len, batch_size, precision, tokens)
+    r = evaluate_tokens(model, ids, seq_len, batch_size, precision, tokens)  # reads only the windows it scores
     seconds = time.perf_counter() - t0
     return {
         "checkpoint": ckpt.path, "data": name, "bytes": len(ids), "tokens": r["tokens"], "seq_len": seq_len,

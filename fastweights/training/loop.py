@@ -52,6 +52,7 @@ from .config import TrainConfig
 from .dcp_checkpoint import load_sharded, save_sharded
 from .distributed import Heartbeat, all_reduce_, collective, current_heartbeat, dist_info, maybe_init_distributed, set_heartbeat
 from .errors import CheckpointWriteError, RunFolderError
+from .data_files import check_data_files, data_fingerprints
 from .evaluation import evaluate, token_losses
 from .listing import mark_latest, remove_folder
 from .metrics import rewrite_metrics, write_metrics
@@ -94,6 +95,7 @@ def train(
     progress: Optional[bool] = None,
     log: Callable[[str], None] = print,
     desc: str = "train",
+    allow_data_change: bool = False,
 ) -> TrainResult:
     """Train an LM of ``model_config`` as ``config`` says; checkpoints go to ``out_dir``.
 
@@ -106,6 +108,8 @@ def train(
         overwrite: replace the run ``out_dir`` holds (without it, or ``resume``, a
             folder with another run's checkpoints is refused).
         progress: show a progress bar (``None``: only on a terminal and not under CI).
+        allow_data_change: resume even though the data files differ from the ones the run
+            recorded (:mod:`fastweights.training.data_files`; refused otherwise).
         log: where evaluation lines go.
 
     Raises:
@@ -150,7 +154,8 @@ def train(
         if config.threads:
             torch.set_num_threads(config.threads)
         with StopSignals(on_force=lock.release if lock is not None else lambda: None) as stop:
-            return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop, plan=plan)
+            return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop,
+                          allow_data_change=allow_data_change, plan=plan)
     finally:
         if current_heartbeat() is not None:
             current_heartbeat().stop_pulse()
@@ -162,10 +167,12 @@ def train(
             dist.destroy_process_group()
 
 
-def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None, plan=None) -> TrainResult:
+def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None,
+           allow_data_change=False, plan=None) -> TrainResult:
     plan = plan or ParallelPlan(rank, world, dp=world, cp=1)
     task = make_task(config)
     plan.check_batch(config.batch_size, task.seq_len)
+    data_files = data_fingerprints(config)  # recorded in every checkpoint, checked on resume
     if model_config.vocab_size != task.vocab_size:
         raise ValueError(
             f"train: the model's `vocab_size`={model_config.vocab_size} does not match the data's "
@@ -187,6 +194,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
 
     if resume:
         ckpt = load_training_checkpoint(out_dir)
+        check_data_files(ckpt.train.get("data_files"), data_files, allow_data_change, log)
         run_id = ckpt.train.get("run_id") or run_id  # checkpoints from before run ids get one now
         if ckpt.sharded != plan.fsdp:
             kind = "with" if ckpt.sharded else "without"
@@ -278,9 +286,10 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         if out_dir is not None and ((config.save_every and (step + 1) % config.save_every == 0) or last or interrupted):
             if plan.fsdp:  # every rank writes its shards
                 saved = _save_sharded(out_dir, model, optimizer, model_config, config, task, step + 1, history, evals,
-                                      run_id, rank)
+                                      run_id, rank, data_files)
             elif rank == 0:
-                saved = _save(out_dir, model, optimizer, scaler, model_config, config, task, step + 1, history, evals, run_id)
+                saved = _save(out_dir, model, optimizer, scaler, model_config, config, task, step + 1, history, evals, run_id,
+                              data_files)
             if world > 1:
                 collective("the barrier after a checkpoint", dist.barrier)
         if interrupted and not last:
@@ -291,17 +300,21 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     return TrainResult(model, history, evals, time.perf_counter() - t0, task)
 
 
-def _train_json(config, task, step, history, evals, run_id) -> Dict[str, Any]:
-    return {"run_id": run_id, "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
-            "history": history, "evals": evals}
+def _train_json(config, task, step, history, evals, run_id, data_files=None) -> Dict[str, Any]:
+    state = {"run_id": run_id, "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
+             "history": history, "evals": evals}
+    if data_files:  # absolute paths and fingerprints of the text files (training/data_files.py)
+        state["data_files"] = data_files
+    return state
 
 
-def _save_sharded(out_dir, model, optimizer, model_config, config, task, step, history, evals, run_id, rank) -> Optional[str]:
+def _save_sharded(out_dir, model, optimizer, model_config, config, task, step, history, evals, run_id, rank,
+                  data_files=None) -> Optional[str]:
     """Every rank writes its shards of ``ckpt-<step>``; rank 0 then marks it ``latest`` and prunes."""
     try:
         path = collective("writing a sharded checkpoint", save_sharded, os.path.join(out_dir, f"ckpt-{step:06d}"), model,
-                          optimizer, model_config.to_json(), _train_json(config, task, step, history, evals, run_id),
-                          rank=rank)
+                          optimizer, model_config.to_json(),
+                          _train_json(config, task, step, history, evals, run_id, data_files), rank=rank)
     except CheckpointWriteError as e:  # a full disk: one line; nothing was replaced
         raise CheckpointWriteError(f"train: {e}; {describe_latest(out_dir)}") from None
     if rank != 0:
@@ -310,11 +323,12 @@ def _save_sharded(out_dir, model, optimizer, model_config, config, task, step, h
     return path
 
 
-def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, history, evals, run_id) -> str:
+def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, history, evals, run_id,
+          data_files=None) -> str:
     """Write ``ckpt-<step>`` (with ``run_id``), point ``latest`` at it, prune this run's older ones."""
     tensors, optimizer_info = optimizer_to_flat(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
-    train_state = {**_train_json(config, task, step, history, evals, run_id), "optimizer": optimizer_info}
+    train_state = {**_train_json(config, task, step, history, evals, run_id, data_files), "optimizer": optimizer_info}
     if scaler.is_enabled():  # scale, growth factors and interval, steps since the last overflow: plain numbers
         train_state["grad_scaler"] = scaler.state_dict()
     try:

@@ -1,4 +1,4 @@
-"""The training flags of issue 11 and ``fastweights eval``: --precision (bf16 autocast on the
+"""The training flags (--precision, --val-data, --eval-tokens) and ``fastweights eval``: --precision (bf16 autocast on the
 CPU; fp16's gradient scaler; the errors), --val-data / --eval-tokens, tok/s and elapsed time
 in metrics.jsonl and the log lines, eval's numbers (text and --json), the help's defaults
 and the nearest-flag hint for a mistyped flag."""

@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'fastweights[hf]')")
 
-import fastweights.hf as fh  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import fastweights.hf as fh
+from transformers import AutoModelForCausalLM
 
 MIXERS = {
     "softmax": "softmax",
@@ -237,7 +237,7 @@ def test_use_fastweights_kernels_routes_qwen3_next_to_our_ops():
         for n in names:
             setattr(qwen, n, decorated[n])
         changed = fh.use_fastweights_kernels()
-        assert sorted(changed) == sorted(f"{qwen.__name__}.{n}" for n in names)
+        assert {f"{qwen.__name__}.{n}" for n in names} <= set(changed)  # (and its causal convolution)
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             logits, ours = model(ids).logits, model.generate(ids, **kw)
@@ -252,7 +252,7 @@ def test_use_fastweights_kernels_routes_qwen3_next_to_our_ops():
     print(f"Qwen3-Next, our ops vs torch fallback: prefill logits {prefill:.1e}, cached decode logits {decode:.1e}")
     assert torch.equal(ours.sequences, ref.sequences)
     assert prefill < 1e-5 and decode < 1e-5
-    assert len(restored) == 2
+    assert {f"{qwen.__name__}.{n}" for n in names} <= set(restored)
 
 
 def test_core_package_does_not_import_transformers():

@@ -42,16 +42,16 @@ def seq(x):
 
 
 def test_interference_seed_example_is_the_text():
-    r = run("interference", **compute.INTERFERENCE_SEED)
-    s = examples.seed_002()
+    r = run("interference", **compute.INTERFERENCE_EXAMPLE)
+    s = examples.linear_attention_examples()
     print("S after two writes:", r["heat"]["matrix"], "reads:", r["reads"])
     assert r["heat"]["matrix"] == s[0].expected.tolist() == [[3, 1], [-2, 4]]
     assert r["reads"] == [[3, 1], [-2, 4]]  # k₁ and k₂ read back v₁ and v₂ exactly
     assert r["recall"] == 1.0 and r["error"] == 0.0
-    three = run("interference", **dict(compute.INTERFERENCE_SEED, n=3))
-    assert three["heat"]["matrix"] == [[3, -3], [-2, 1]]  # seed 002: "S becomes [[3, -3], [-2, 1]]"
+    three = run("interference", **dict(compute.INTERFERENCE_EXAMPLE, n=3))
+    assert three["heat"]["matrix"] == [[3, -3], [-2, 1]]  # "S becomes [[3, -3], [-2, 1]]"
     assert three["reads"] == [[3, -3], [-2, 1], [1.2, -1.8]]
-    assert all(e["ok"] for e in r["worked"]["seed_002"])
+    assert all(e["ok"] for e in r["worked"]["linear_attention"])
 
 
 def _reference_state(rule, keys, values, p):
@@ -86,7 +86,7 @@ CASES = [
     dict(rule="gated_delta", n=9, d=6, geometry="correlated", cosine=0.7, alpha=0.9, order="shuffled"),
     dict(rule="softmax", n=20, d=5, geometry="random", sharpness=7.0),
     dict(rule="rls", n=7, d=8, geometry="orthogonal"),
-    dict(rule="delta", n=3, d=2, geometry="seed", beta=1.0, order="reverse"),
+    dict(rule="delta", n=3, d=2, geometry="example", beta=1.0, order="reverse"),
 ]
 
 
@@ -124,17 +124,17 @@ def test_interference_recall_drops_past_d():
 
 
 @pytest.mark.parametrize("rule, w, k1, k2", [
-    ("delta", [[9.8, 3], [3.6, 7]], [9.8, 3.6], [3, 7]),  # seed 001 ch. 4, β = 0.8
+    ("delta", [[9.8, 3], [3.6, 7]], [9.8, 3.6], [3, 7]),  # Schlag et al. 2021, β = 0.8
     ("sum", [[16, 3], [6, 7]], [16, 6], [3, 7]),  # "sum rule instead: W k₁ = (16, 6)"
     ("rls", None, [8, 3], [3, 7]),  # the least-squares fit of two observations of k₁: their mean
 ])
 def test_overwrite_example(rule, w, k1, k2):
-    o = run("interference", **dict(compute.INTERFERENCE_SEED, rule=rule))["worked"]["overwrite"]
+    o = run("interference", **dict(compute.INTERFERENCE_EXAMPLE, rule=rule))["worked"]["overwrite"]
     print(rule, o)
     if w is not None:
         assert o["W"] == w
     assert o["read_k1"] == pytest.approx(k1, abs=1e-5) and o["read_k2"] == pytest.approx(k2, abs=1e-5)
-    text = {e["name"]: e for e in run("interference")["worked"]["seed_001_overwrite"]}
+    text = {e["name"]: e for e in run("interference")["worked"]["delta_rule"]}
     assert all(e["ok"] for e in text.values())
 
 
@@ -154,9 +154,9 @@ def test_overwrite_gated_and_softmax():
 
 def test_geometry_frames_are_the_ops():
     r = run("geometry")
-    keys = [list(k) for k, _ in examples.SEED_001_PAIRS] + [list(examples.SEED_001_OVERWRITE["key"])]
-    vals = [list(v) for _, v in examples.SEED_001_PAIRS] + [list(examples.SEED_001_OVERWRITE["value"])]
-    beta = examples.SEED_001_OVERWRITE["beta"]
+    keys = [list(k) for k, _ in examples.FAST_WEIGHT_PAIRS] + [list(examples.OVERWRITE["key"])]
+    vals = [list(v) for _, v in examples.FAST_WEIGHT_PAIRS] + [list(examples.OVERWRITE["value"])]
+    beta = examples.OVERWRITE["beta"]
     t = torch.tensor
     k, v = seq(t(keys, dtype=torch.float64)), seq(t(vals, dtype=torch.float64))
     b = torch.full((1, len(keys), 1), beta, dtype=torch.float64)
@@ -165,9 +165,9 @@ def test_geometry_frames_are_the_ops():
     last = r["frames"][-1]
     assert torch.allclose(t(last["W"]["sum"], dtype=torch.float64), h_sum[0, 0].T, atol=1e-9)
     assert torch.allclose(t(last["W"]["delta"], dtype=torch.float64), h_delta[0, 0].T, atol=1e-9)
-    assert r["frames"][2]["W"]["sum"] == [[5, 3], [2, 7]]  # seed 001 ch. 2
+    assert r["frames"][2]["W"]["sum"] == [[5, 3], [2, 7]]  # Schlag et al. 2021
     assert r["frames"][3]["reads"]["sum"][0] == pytest.approx([10.4, 2.6])  # ch. 3 crosstalk
-    # the Householder picture: k = (1, 0), β = 1 maps (3, 5) to (0, 5) (seed 001 ch. 6)
+    # the Householder picture: k = (1, 0), β = 1 maps (3, 5) to (0, 5) (Yang et al. 2024)
     h = run("geometry", keys=[[1, 0]], values=[[0, 0]], beta=1.0, probe=[[3, 5]])["frames"][1]["householder"]
     print("householder:", h["matrix"], h["probe_image"])
     assert h["matrix"] == [[0, 0], [0, 1]] and h["probe_image"] == [0, 5]
@@ -229,8 +229,8 @@ def test_memory_equals_study_costs():
     ("interference", {"beta": float("inf")}, "finite"),
     ("interference", {"rule": "hebb"}, "`rule` must be one of sum, delta, gated_delta, softmax, rls"),
     ("interference", {"n": "12"}, "`n` must be an integer"),
-    ("interference", {"n": 9, "d": 8, "geometry": "orthogonal"}, "N <= d"),
-    ("interference", {"d": 3, "geometry": "seed"}, "d = 2"),
+    ("interference", {"n": 9, "d": 8, "geometry": "orthogonal"}, "`n` <= `d`"),
+    ("interference", {"d": 3, "geometry": "example"}, "d = 2"),
     ("interference", {"size": 3}, "unknown field"),
     ("geometry", {"keys": [[1, 0], [0, 1]], "values": [[1, 0]]}, "same length"),
     ("geometry", {"keys": [[1, 0, 2]]}, "`keys[0]` must be a list of 2 numbers"),
@@ -392,3 +392,12 @@ def test_http_malformed_requests_get_json_errors(lab_url, request_bytes, status)
     head, _, body = reply.partition(b"\r\n\r\n")
     print(head.split(b"\r\n")[0], body)
     assert head.startswith(f"HTTP/1.0 {status}".encode()) and json.loads(body)["error"].startswith(str(status))
+
+
+def test_geometry_seed_is_the_earlier_name_of_example():
+    """Requests written before the worked example's geometry was renamed still get its numbers."""
+    old = run("interference", rule="delta", n=3, d=2, geometry="seed", beta=1.0)
+    new = run("interference", rule="delta", n=3, d=2, geometry="example", beta=1.0)
+    assert old == new
+    with pytest.raises(LabInputError, match="`geometry` must be one of"):
+        parse({"geometry": "seeds"}, compute.INTERFERENCE, "interference")

@@ -2,8 +2,8 @@
 
 Starts ``fastweights lab`` on a free local port, loads the page, moves the N slider
 past d and checks that the displayed recall drops, switches the rule to delta and
-checks the seed's overwrite numbers, types a bad N and checks the page shows the
-server's message, resets to the seed's example, and saves a screenshot of each
+checks the overwrite numbers, types a bad N and checks the page shows the
+server's message, resets to the worked example, and saves a screenshot of each
 panel (into pytest's temporary folder; set ``FASTWEIGHTS_LAB_FIGURES=docs/figures`` to
 refresh the README's screenshots, so a plain test run never rewrites tracked files). It prints the page's load
 time and the time of a slider update (input event to redrawn page).
@@ -36,10 +36,10 @@ if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
     pytest.skip("no browser: Debian's chromium and chromium-driver are not installed "
                 "(apt-get install -y chromium chromium-driver; .ci/run does this as root)", allow_module_level=True)
 
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_lab_in_chromium(lab, tmp_path):
     assert "`n` must be in [1, 256], got 0" in message
     assert driver.execute_script("return document.getElementById('interference').dataset.status") == "400"
 
-    # reset: the seed's two-key example, exactly
+    # reset: the two-key worked example, exactly
     panel_update(driver, "interference", lambda: driver.find_element(By.CSS_SELECTOR, "#interference .reset").click())
     cells = [t.text for t in driver.find_elements(By.CSS_SELECTOR, "#heat text")]
     print("reset: state cells", cells)
@@ -155,7 +155,7 @@ def test_lab_in_chromium(lab, tmp_path):
     driver.find_element(By.ID, "geometry").screenshot(str(FIGURES / "lab_geometry.png"))
     driver.find_element(By.CSS_SELECTOR, "#geometry .prev").click()
     assert text(driver, "#geometry output[data-for=step]") == "3 / 4"
-    assert "Sum rule W = [[10.4, 10.2], [2.6, 7.8]]" in text(driver, "#geometry-readout")  # seed 001 ch. 3's W_new
+    assert "Sum rule W = [[10.4, 10.2], [2.6, 7.8]]" in text(driver, "#geometry-readout")  # Schlag et al. 2021's W_new
     memory_row = text(driver, "#memory-table tr[data-kind=softmax]")
     assert "64.0 GiB" in memory_row  # 32 layers × 32 heads × 131072 tokens × 256 × 2 bytes
     driver.find_element(By.ID, "memory").screenshot(str(FIGURES / "lab_memory.png"))

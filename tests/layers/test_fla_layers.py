@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from fastweights.layers import DeltaNet, GatedDeltaNet, load_fla_state_dict
 
 fla_layers = pytest.importorskip("fla.layers", reason="flash-linear-attention not installed (test-only oracle)")
-import fla.layers.delta_net as fla_dn  # noqa: E402
-import fla.layers.gated_deltanet as fla_gdn  # noqa: E402
-from fla.ops.delta_rule.naive import delta_rule_recurrence  # noqa: E402
-from fla.ops.gated_delta_rule.gate import naive_gdn_gate  # noqa: E402
-from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule  # noqa: E402
+import fla.layers.delta_net as fla_dn
+import fla.layers.gated_deltanet as fla_gdn
+from fla.ops.delta_rule.naive import delta_rule_recurrence
+from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
 
 def l2norm(x):

@@ -1,4 +1,4 @@
-"""The fast-weight layers' training paths (issue 16) against plain references in float64:
+"""The fast-weight layers' training paths (the CPU-fast short convolution and chunk choices) against plain references in float64:
 the short convolution's hand-written backward against autograd through ``F.conv1d``,
 and the per-key-size default chunk length against token-by-token decoding (the
 recurrent op's one-token update), outputs and gradients."""

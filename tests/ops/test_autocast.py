@@ -150,6 +150,7 @@ def _recurrent_softmax(q, k, v, **kwargs):
 RECURRENT_FORMS = {  # module attribute -> the recurrent form that replaces the fast op there
     ("fastweights.layers.deltanet", "chunk_delta_rule"): ops.recurrent_delta_rule,
     ("fastweights.layers.gated_deltanet", "chunk_gated_delta_rule"): ops.recurrent_gated_delta_rule,
+    ("fastweights.layers.kda", "chunk_kda"): ops.recurrent_kda,
     ("fastweights.layers.linear_attention", "chunk_linear_attn"): ops.recurrent_linear_attn,
     ("fastweights.layers.softmax_attention", "softmax_attn"): _recurrent_softmax,
 }
@@ -187,6 +188,7 @@ def _judge(label, runs, out_dtype):
 LAYERS = {
     "deltanet": lambda: layers.DeltaNet(32, 2, chunk_size=16),
     "gated_deltanet": lambda: layers.GatedDeltaNet(32, 2, chunk_size=16),
+    "kda": lambda: layers.KimiDeltaAttention(32, 2, chunk_size=16),
     "linear": lambda: layers.LinearAttention(32, 2, chunk_size=16),
     "softmax": lambda: layers.SoftmaxAttention(32, 2),
 }

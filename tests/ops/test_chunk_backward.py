@@ -174,7 +174,7 @@ def test_inference_keeps_nothing_for_a_backward(rule_name, mode, monkeypatch):
     rule = RULES[rule_name]
     x = make_inputs(rule, 1, 130, 2, 16, 8, dtype=torch.float32, initial_state=True)
     x = {n: t.float().requires_grad_(True) for n, t in x.items()}
-    run = lambda: call(rule.forms[2], rule, x, output_final_state=True, backend="torch")  # noqa: E731
+    run = lambda: call(rule.forms[2], rule, x, output_final_state=True, backend="torch")
     with getattr(torch, mode)():
         kept = saved_by_function(monkeypatch, run)
     trained = saved_by_function(monkeypatch, run)

@@ -144,7 +144,7 @@ def test_softmax_rejects_a_bad_cache():
         ops.softmax_attn(q, q, q[:, :2])
 
 
-# -- values, sizes and chunk sizes (issue 15: bad values used to pass, empty inputs crashed) -------
+# -- values, sizes and chunk sizes (bad values used to pass, empty inputs crashed) -------------------
 
 
 def value_cases(rule):
@@ -164,7 +164,8 @@ def value_cases(rule):
         "V-zero": (ValueError, r"`v` must have size V > 0, got shape \[1, 12, 2, 0\]",
                    dict(v=x["v"][..., :0], initial_state=None)),
         "q-0d": (ValueError, r"`q` must have rank 4 with layout \[B, T, H, K\], got shape \[\]", dict(q=torch.tensor(1.0, dtype=torch.float64))),
-        "chunk-none": (TypeError, r"`chunk_size` must be a positive int, got None", dict(chunk_size=None)),
+        # (chunk_size=None is the default: the policy of fastweights.ops.default_chunk_size picks C)
+        "chunk-float": (TypeError, r"`chunk_size` must be a positive int, got 2.5", dict(chunk_size=2.5)),
     }
     if "beta" in x:
         cases["beta-above-1"] = (ValueError, r"`beta` must lie in \[0, 1\] \(\[0, 2\] with allow_neg_eigval=True\), got values up to 3",

@@ -9,7 +9,7 @@ from fastweights import ops
 
 
 def test_dpfp_dimension_and_quadrant_orthogonality():
-    """Seed 001 ch. 3: keys in different quadrants map to orthogonal features."""
+    """Schlag et al. 2021: keys in different quadrants map to orthogonal features."""
     phi = ops.DPFP(nu=1)
     keys = torch.tensor([[0.9, 0.2], [-0.3, 0.8], [-0.5, -0.6], [0.4, -0.7]], dtype=torch.float64)
     f = phi(keys)

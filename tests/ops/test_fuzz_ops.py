@@ -1,4 +1,4 @@
-"""Property-based tests of every linear/delta op (issue 15): random shapes (0 and 1 included),
+"""Property-based tests of every linear/delta op: random shapes (0 and 1 included),
 dtypes, options, packed sequences, bad values. Every case either equals the float64 recurrence
 written out below (independent of the library's front end) or raises the named error the
 case calls for.
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 hypothesis = pytest.importorskip("hypothesis", reason="the property-based suite needs hypothesis (the dev extra)")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from fastweights import ops  # noqa: E402
+from fastweights import ops
 
 FAST_CASES, LONG_CASES = 300, 3000
 FORMS = {
@@ -167,14 +167,14 @@ def check(case):
         COUNTS["refused"] += 1
         return
     o, h = form(**kwargs)
-    K, V, T = case["K"], case["V"], case["T"]
+    K, T = case["K"], case["T"]
     scale = K ** -0.5 if case["scale"] is None else case["scale"]
     cu = case["cu_seqlens"] or [0, T]
     h0 = kwargs.get("initial_state")
     pieces_o, pieces_h = [], []
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # packed sequences: each one on its own
         rows = slice(None) if case["cu_seqlens"] is None else slice(0, 1)
-        take = lambda x: None if x is None else x[rows, a:b]  # noqa: E731
+        take = lambda x: None if x is None else x[rows, a:b]
         o_ref, h_ref = reference(case["rule"], take(kwargs["q"]), take(kwargs["k"]), take(kwargs["v"]),
                                  take(kwargs.get("beta")), take(kwargs.get("g")),
                                  None if h0 is None else (h0 if case["cu_seqlens"] is None else h0[i:i + 1]),
@@ -210,3 +210,118 @@ def test_ops_fuzz_fast(case):
 def test_ops_fuzz_long(case):
     check(case)
 
+
+
+# -- compiled ops: the same cases through torch.compile ------------------------------------------
+
+COMPILED_FAST, COMPILED_LONG = 4, 200
+VALUE_FAULTS = {"nan": "v", "beta-range": "beta", "g-positive": "g"}  # checked by asserts the compiler keeps
+
+
+@st.composite
+def compiled_cases(draw):
+    case = draw(cases())
+    case["form"] = draw(st.sampled_from([f for f in FORMS[case["rule"]] if not f.__name__.startswith("parallel")]))
+    if case["T"] > 12:  # the recurrent forms are unrolled when traced: keep T small
+        case["T"], case["cu_seqlens"] = case["T"] % 12 + 1, None
+        case["B"] = max(case["B"], 1)
+        if case["fault"] == "packed-batch" and case["B"] == 1:
+            case["fault"] = None
+    return case
+
+
+def check_compiled(case):
+    """The op compiled (AOTAutograd, no code generation) equals the reference; a bad value fails
+    as a RuntimeError naming the op and the argument, other faults as in eager mode."""
+    import torch._dynamo
+
+    form = case["form"]
+    kwargs, error = build(case)
+    torch._dynamo.reset()
+    compiled = torch.compile(form, backend="aot_eager")
+    if error is not None:
+        if case["fault"] in VALUE_FAULTS:
+            error = (RuntimeError, rf"`{VALUE_FAULTS[case['fault']]}`")
+        with pytest.raises(error[0], match=rf"{form.__name__}.*{error[1]}"):
+            compiled(**kwargs)
+        return
+    o, h = compiled(**kwargs)
+    o_e, h_e = form(**kwargs)
+    tol = TOLERANCE[case["dtype"]]
+    for got, want in ((o, o_e), (h, h_e)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert (got.double() - want.double()).abs().max().item() <= tol if got.numel() else True
+    check(case)  # and the eager op against the float64 recurrence
+
+
+@settings(max_examples=COMPILED_FAST, **COMMON)
+@given(compiled_cases())
+def test_compiled_ops_fuzz_fast(case):
+    check_compiled(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=COMPILED_LONG, **COMMON)
+@given(compiled_cases())
+def test_compiled_ops_fuzz_long(case):
+    check_compiled(case)
+
+
+# -- keyword arguments: unknown names refused, pass-through names inert --------------------------
+
+KWARG_OPS = FORMS["delta"] + FORMS["gated_delta"]
+
+
+def _mutations(name: str):
+    """Typos of ``name``: a letter dropped, doubled, or two neighbours swapped."""
+    out = {name[:i] + name[i + 1:] for i in range(len(name))} | {name[:i] + name[i] + name[i:] for i in range(len(name))}
+    out |= {name[:i] + name[i + 1] + name[i] + name[i + 2:] for i in range(len(name) - 1)}
+    return sorted(out - {name})
+
+
+@st.composite
+def kwarg_cases(draw):
+    import inspect
+
+    from fastweights.ops._fla_compat import PASS_THROUGH
+
+    form = draw(st.sampled_from(KWARG_OPS))
+    real = [p for p in inspect.signature(inspect.unwrap(form)).parameters if p not in ("extra", "kwargs")]
+    kind = draw(st.sampled_from(["typo", "pass-through", "random"]))
+    if kind == "typo":
+        name = draw(st.sampled_from(_mutations(draw(st.sampled_from([r for r in real if len(r) > 4])))))
+    elif kind == "pass-through":
+        name = draw(st.sampled_from(sorted(PASS_THROUGH)))
+    else:
+        name = draw(st.from_regex(r"[a-z][a-z_]{2,15}", fullmatch=True))
+    return form, name, real
+
+
+def check_kwarg(form, name, real):
+    import difflib
+
+    from fastweights.ops._fla_compat import _PENDING, _REFUSED, PASS_THROUGH
+
+    gen = torch.Generator().manual_seed(0)
+    q, v = torch.randn(1, 6, 2, 4, generator=gen, dtype=torch.float64), torch.randn(1, 6, 2, 3, generator=gen, dtype=torch.float64)
+    k = F.normalize(torch.randn(1, 6, 2, 4, generator=gen, dtype=torch.float64), dim=-1)
+    beta = torch.rand(1, 6, 2, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, 6, 2, generator=gen, dtype=torch.float64)
+    args = (q, k, v, g, beta) if "gated" in form.__name__ else (q, k, v, beta)
+    if name in real or name in _REFUSED or name in _PENDING or name.startswith("state_v") \
+            or name == "transpose_state_layout":
+        return  # a real, refused-when-on or pending argument: another test's business
+    if name in PASS_THROUGH:
+        assert torch.equal(form(*args, **{name: 1})[0], form(*args)[0])
+        return
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument `{name}`") as e:
+        form(*args, **{name: 1})
+    close = difflib.get_close_matches(name, real, n=1, cutoff=0.75)
+    if close:
+        assert f"did you mean `{close[0]}`" in str(e.value)
+
+
+@settings(max_examples=60, **COMMON)
+@given(kwarg_cases())
+def test_keyword_arguments_fuzz(case):
+    check_kwarg(*case)

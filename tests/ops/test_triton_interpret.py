@@ -19,19 +19,19 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton's kernels are defined (see the docstring)
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import subprocess
+import sys
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from fastweights import ops  # noqa: E402
-from fastweights.ops.triton import select_backend  # noqa: E402
-from fastweights.ops.triton import _chunk_kernels  # noqa: E402
-from helpers import RULES, assert_close, call, make_inputs, rel_err  # noqa: E402
+from fastweights import ops
+from fastweights.ops.triton import select_backend
+from fastweights.ops.triton import _chunk_kernels
+from helpers import RULES, assert_close, call, make_inputs, rel_err
 
 if type(_chunk_kernels._wy_fwd_kernel).__name__ != "InterpretedFunction":  # pragma: no cover
     pytest.skip("the kernels were compiled for the GPU before this module set TRITON_INTERPRET=1",
@@ -245,7 +245,7 @@ def test_inference_keeps_nothing_for_a_backward(mode, monkeypatch):
     flags = []
     forward = triton_chunk.chunk_fwd
     monkeypatch.setattr(triton_chunk, "chunk_fwd", lambda *a: flags.append(a[-1]) or forward(*a))
-    run = lambda: call(_triton(rule), rule, x, output_final_state=True)  # noqa: E731
+    run = lambda: call(_triton(rule), rule, x, output_final_state=True)
     with getattr(torch, mode)():
         kept = saved_by_function(monkeypatch, run)
     trained = saved_by_function(monkeypatch, run)

@@ -1,4 +1,4 @@
-"""The capacity study (seed 000): its claims, its seeds and its files, on small runs."""
+"""The capacity study (docs/worked_examples.md §5): its claims, its seeds and its files, on small runs."""
 
 import json
 
@@ -65,13 +65,13 @@ def test_gate_trades_ordinary_for_priority_recall(grid):
                 assert moved < 0.05  # "total recall barely moves"
 
 
-def test_headline_is_close_to_seed_000():
+def test_headline_is_close_to_the_reference():
     """The frozen protocol (30 repetitions, d = 8/16/32) on the held-out branch, protocol arms only."""
     config = CapacityConfig(arms=("delta", "selective"), sweep_widths=())
     result = run_capacity(config, progress=False)
     h = result["headline"]
     for name, published in PUBLISHED_HEADLINE.items():
-        print(f"{name}: ours {h[name]['mean']:.3f} ± {h[name]['se']:.3f}, seed 000 {published}")
+        print(f"{name}: ours {h[name]['mean']:.3f} ± {h[name]['se']:.3f}, reference {published}")
         assert abs(h[name]["mean"] - published) < max(0.03, 4 * h[name]["se"])
 
 

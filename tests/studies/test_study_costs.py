@@ -1,4 +1,4 @@
-"""The costs study (seed 000 Fig. 17.1 audit, seed 002 calculator): formulas against measurements."""
+"""The costs study (the per-solver audit and the memory calculator): formulas against measurements."""
 
 import json
 
@@ -60,7 +60,7 @@ def test_calculator_formula_equals_the_models_measured_cache():
     rows = check_lm_calculator(contexts=(5, 33))
     for r in rows:
         print(r)
-    assert {r["mixer"] for r in rows} == {"softmax", "linear", "deltanet", "gated_deltanet"}
+    assert {r["mixer"] for r in rows} == {"softmax", "linear", "deltanet", "gated_deltanet", "kda"}
     assert all(r["predicted"] == r["measured"] for r in rows)
 
 

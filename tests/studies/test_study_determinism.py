@@ -1,4 +1,4 @@
-"""Issue 13 item 3: the same root seed gives bit-identical tables for every study.
+"""The same root seed gives bit-identical tables for every study.
 
 Each study runs twice on a tiny configuration, in one process, and every table
 entry that is not a wall-clock measurement must be equal bit for bit (floats
@@ -13,7 +13,7 @@ import pytest
 from fastweights.studies.capacity import CapacityConfig, run_capacity
 from fastweights.studies.costs import CostsConfig, run_costs
 from fastweights.studies.mqar import MQARConfig, run_mqar
-from fastweights.studies.retrieval import RetrievalConfig, TrainConfig, run_retrieval
+from fastweights.studies.retrieval import RetrievalConfig, MemoryTrainConfig, run_retrieval
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
@@ -28,7 +28,7 @@ def _numbers(rows):
 def _retrieval(seed):
     config = RetrievalConfig(root_seed=seed, seeds=2, sizes=(4, 8), arms=("dpfp1", "favor", "softmax"),
                              setting2_keys=6, setting2_pairs=12, setting2_queries=2, setting2_d_key=8,
-                             setting2_max_steps=40, train=TrainConfig(d_key=4, max_steps=40, eval_every=20, eval_batch=16))
+                             setting2_max_steps=40, train=MemoryTrainConfig(d_key=4, max_steps=40, eval_every=20, eval_batch=16))
     return run_retrieval(config, progress=False, plots=False)["table"]
 
 

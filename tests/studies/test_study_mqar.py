@@ -127,7 +127,7 @@ def test_patience_stops_a_run_that_stopped_improving(monkeypatch):
 def test_worker_processes_give_the_serial_results_bit_for_bit():
     """Runs in 2 spawned worker processes equal the runs in this process (every number but wall time)."""
     config = dict(mixers=("gated_deltanet", "softmax"), short_conv=(False, True), max_steps=4)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
     serial = run_mqar(tiny_config(**config), progress=False, plots=False)
     parallel = run_mqar(tiny_config(**config, workers=2), progress=False, plots=False)
     print(f"{len(serial['table'])} runs; first {strip(serial['table'])[0]}")
@@ -193,7 +193,7 @@ def quick_default():
 
 @pytest.mark.slow
 def test_quick_default_softmax_learns_and_linear_falls_short(quick_default):
-    """Issue 13: softmax attention (with the short convolution and RoPE) reaches >= 0.99 in the quick
+    """Softmax attention (with the short convolution and RoPE) reaches >= 0.99 in the quick
     default (T = 128, 8 pairs); plain linear attention falls short."""
     assert quick_default["softmax"]["accuracy"] >= 0.99
     assert quick_default["linear"]["accuracy"] < 0.99
@@ -202,7 +202,7 @@ def test_quick_default_softmax_learns_and_linear_falls_short(quick_default):
 @pytest.mark.slow
 @pytest.mark.parametrize("mixer", ["deltanet", "gated_deltanet"])
 def test_quick_default_fast_weight_mixers_reach_099(quick_default, mixer):
-    """Issue 13: DeltaNet and Gated DeltaNet reach >= 0.99 in the quick default."""
+    """DeltaNet and Gated DeltaNet reach >= 0.99 in the quick default."""
     assert quick_default[mixer]["accuracy"] >= 0.99
 
 

@@ -1,4 +1,4 @@
-"""Studies lose nothing when something goes wrong late (issue 15, failure 3): the JSON and CSV are
+"""Studies lose nothing when something goes wrong late (a failure late in a run): the JSON and CSV are
 written before any plot, a missing matplotlib skips the plots with one line, every finished cell is
 saved at once, Ctrl-C leaves the partial results, and ``--resume`` continues from them."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fastweights.cli import main as cli_main
-from fastweights.studies import _report, mqar
+from fastweights.studies import mqar
 from fastweights.studies._report import CellCache, pyplot, save_figure, save_result
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,7 +80,7 @@ def test_ctrl_c_leaves_the_finished_cells_and_resume_continues_exactly(tmp_path,
     whole = mqar.run_mqar(mqar.MQARConfig(mixers=("deltanet", "linear", "gated_deltanet"), d_models=(16,),
                                           cells=((16, 2),), vocab_size=32, lrs=(1e-3,), seeds=1, short_conv=(False,),
                                           max_steps=3, workers=1), progress=False)["table"]
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
     assert strip(resumed) == strip(whole)
 
 

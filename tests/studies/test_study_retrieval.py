@@ -1,4 +1,4 @@
-"""The retrieval study (seed 001; Schlag et al. 2021 settings 1 and 2) on small runs."""
+"""The retrieval study (Schlag et al. 2021 settings 1 and 2) on small runs."""
 
 import json
 
@@ -9,7 +9,7 @@ from fastweights.studies.retrieval import (
     ARMS,
     FastWeightRetriever,
     RetrievalConfig,
-    TrainConfig,
+    MemoryTrainConfig,
     make_feature_map,
     run_retrieval,
     sum_rule_floor,
@@ -94,8 +94,10 @@ def test_reads_match_the_written_memory(rule, fmap, projections):
                 pk, pq = model.phi(k[b]), model.phi(q[b])
                 want = (pq @ pk.T @ v[b]) / (pq @ pk.sum(0) + 1e-6)[:, None]  # the read's eps
             else:
-                pk = model.phi(k[b]); pk = pk / pk.sum(-1, keepdim=True)
-                pq = model.phi(q[b]); pq = pq / pq.sum(-1, keepdim=True)
+                pk = model.phi(k[b])
+                pk = pk / pk.sum(-1, keepdim=True)
+                pq = model.phi(q[b])
+                pq = pq / pq.sum(-1, keepdim=True)
                 beta = torch.sigmoid(model.beta_proj(x[b]))[:, 0]
                 w = torch.zeros(6, pk.shape[1], dtype=torch.float64)
                 for t in range(6):
@@ -123,7 +125,7 @@ def test_evaluation_averages_fresh_favor_draws(monkeypatch):
     draws = []
     original = FavorPlus.redraw
     monkeypatch.setattr(FavorPlus, "redraw", lambda self: (draws.append(1), original(self))[1])
-    train_memory(RetrievalTask(1, 6, num_queries=6), "sum", "favor", TrainConfig(d_key=4, max_steps=1, eval_every=1,
+    train_memory(RetrievalTask(1, 6, num_queries=6), "sum", "favor", MemoryTrainConfig(d_key=4, max_steps=1, eval_every=1,
                                                                                  eval_batch=40), seed=0)
     print("FAVOR+ draws in one step with two evaluations:", len(draws))
     assert len(draws) == 1 + 1 + 2 * 20
@@ -131,7 +133,7 @@ def test_evaluation_averages_fresh_favor_draws(monkeypatch):
 
 def test_favor_features_estimate_the_unscaled_kernel():
     """The paper's FAVOR+ feeds the key itself to exp(ωᵀk − |k|²/2): E[φ(q)·φ(k)] = exp(qᵀk), with no
-    1/√d_key inside (ours scaled the input by d_key^(-1/4) before issue 13's FAVOR+ check)."""
+    1/√d_key inside (ours once scaled the input by d_key^(-1/4) instead)."""
     phi = make_feature_map("favor8", 4, seed=3)
     q = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=torch.float64)
     k = torch.tensor([0.4, 0.1, 0.6, -0.3], dtype=torch.float64)
@@ -165,9 +167,9 @@ def test_delta_rule_solves_setting_2_where_the_sum_rule_does_not():
     """Setting 2 at 8 keys, 16 writes, DPFP-1 (d_dot = 16): the delta rule is clean, the sum rule is not.
     Tied projections (the quick default). With a separate W_q, as in the paper's code (which trains up to
     100k steps at lr 1e-3), DPFP's sparse φ(W_q e) and φ(W_k e) start with little overlap, and in a
-    600-step budget the read found too little to learn from (0.26 nats before issue 13)."""
+    600-step budget the read found too little to learn from (0.26 nats with the earlier settings)."""
     task = RetrievalTask(2, 8, num_pairs=16, num_queries=4)
-    train = TrainConfig(d_key=8, max_steps=600, eval_every=50)
+    train = MemoryTrainConfig(d_key=8, max_steps=600, eval_every=50)
     results = {rule: train_memory(task, rule, "dpfp1", train, seed=0) for rule in ("sum", "delta")}
     for rule, r in results.items():
         print(f"{rule}: loss {r['loss']:.4f}, accuracy {r['accuracy']:.3f}, {r['steps']} steps, {r['seconds']:.1f} s")
@@ -178,7 +180,7 @@ def test_delta_rule_solves_setting_2_where_the_sum_rule_does_not():
 def test_dpfp_buys_capacity():
     """At S = 16 keys with d_key = 4: DPFP-2 (d_dot = 16) gets far lower than the linear map (d_dot = 4)."""
     task = RetrievalTask(1, 16, num_queries=16)
-    train = TrainConfig(d_key=4, max_steps=400)
+    train = MemoryTrainConfig(d_key=4, max_steps=400)
     dpfp = train_memory(task, "sum", "dpfp2", train, seed=0)
     linear = train_memory(task, "sum", "linear", train, seed=0)
     print(f"dpfp2: loss {dpfp['loss']:.4f} in {dpfp['steps']} steps; linear: loss {linear['loss']:.4f}")
@@ -195,7 +197,7 @@ def test_sum_rule_floor():
 
 def test_training_is_deterministic():
     task = RetrievalTask(1, 6, num_queries=6)
-    train = TrainConfig(d_key=8, max_steps=20, eval_every=10)
+    train = MemoryTrainConfig(d_key=8, max_steps=20, eval_every=10)
     for rule, fmap in (("delta", "dpfp1"), ("sum", "favor")):
         a = train_memory(task, rule, fmap, train, seed=5)
         b = train_memory(task, rule, fmap, train, seed=5)
@@ -212,14 +214,14 @@ def test_feature_map_widths():
     with pytest.raises(ValueError, match="projections"):
         FastWeightRetriever(4, projections="shared")
     with pytest.raises(ValueError, match="projections"):
-        TrainConfig(projections="shared")
-    assert RetrievalConfig.full().train.projections == "paper" and TrainConfig().projections == "tied"
+        MemoryTrainConfig(projections="shared")
+    assert RetrievalConfig.full().train.projections == "paper" and MemoryTrainConfig().projections == "tied"
 
 
 def test_study_files_and_json_contract(tmp_path):
     config = RetrievalConfig(arms=ARMS, sizes=(2, 64), seeds=2, setting2_keys=4, setting2_pairs=6,
                              setting2_queries=2, setting2_d_key=4, setting2_max_steps=20,
-                             train=TrainConfig(d_key=4, max_steps=20, eval_every=10, eval_batch=16))
+                             train=MemoryTrainConfig(d_key=4, max_steps=20, eval_every=10, eval_batch=16))
     torch.set_num_threads(2)
     try:
         result = run_retrieval(config, out_dir=tmp_path, progress=False)  # trains on config.threads = 1
@@ -230,7 +232,7 @@ def test_study_files_and_json_contract(tmp_path):
     s1, s2 = saved["headline"]["setting1"], saved["headline"]["setting2"]
     assert set(s1) == {"linear", "dpfp1", "dpfp2", "dpfp3", "favor", "favor2", "favor8", "softmax"}
     assert set(s2) == {"delta", "sum"}
-    for arm, h in s1.items():
+    for h in s1.values():
         assert {"s_star", "s_star_se", "d_dot", "s_star_over_d_dot", "clean"} <= set(h)
         assert 0 <= h["s_star"] <= 2  # S = 64 is far past every memory at d_key = 4 and 20 steps
         assert h["clean"] == (h["s_star"] > 0)
@@ -257,7 +259,7 @@ def test_bad_config_names_the_argument(bad, match):
 
 @pytest.mark.slow
 def test_quick_default_meets_the_acceptance_lines():
-    """Issue 13 item 1 on the quick default (about 1 CPU minute alone): S* <= d_dot for every φ; FAVOR+ never
+    """The capacity claim on the quick default (about 1 CPU minute alone): S* <= d_dot for every φ; FAVOR+ never
     clean; linear < DPFP-1 < DPFP-2 < DPFP-3 < softmax in mean S*; setting 2: delta clean, sum not."""
     result = run_retrieval(progress=False, plots=False)
     s1, s2 = result["headline"]["setting1"], result["headline"]["setting2"]

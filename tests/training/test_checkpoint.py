@@ -121,7 +121,7 @@ def test_corrupt_weights_file(tmp_path, damage, manifest):
 
 @pytest.mark.parametrize("file", ["model.safetensors", "train_state.safetensors", "train.json", "config.json"])
 def test_a_flipped_bit_is_refused_naming_the_file(tmp_path, file):
-    """Issue 15, failure 5: a flipped exponent bit in the weights used to load and train silently."""
+    """A flipped exponent bit in the weights used to load and train silently."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 23, (2, 5)))[0].sum().backward()

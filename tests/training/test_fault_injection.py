@@ -1,4 +1,4 @@
-"""Fault injection into the trainer (issue 15): crashes at every file operation of a run (pruning
+"""Fault injection into the trainer: crashes at every file operation of a run (pruning
 included), real SIGKILLs at random moments and in the middle of pruning, two trainers at once,
 corrupted files, a full disk and stop signals. After each fault: every folder under a checkpoint's
 name loads, ``latest`` loads, and resuming gives exactly the uninterrupted trajectory.
@@ -26,7 +26,7 @@ import time
 import pytest
 import safetensors.torch
 
-from fastweights.training import CheckpointError, load_checkpoint, load_training_checkpoint
+from fastweights.training import load_checkpoint, load_training_checkpoint
 from fastweights.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -170,7 +170,7 @@ def wait_for_checkpoint(proc, out, timeout=120):
 def sigkill_chain(tmp_path, reference, kills, seed):
     """Kill one run folder's trainer `kills` times at random moments, resuming after each."""
     rng, out, survived = random.Random(seed), tmp_path / "chain", 0
-    for i in range(kills):
+    for _ in range(kills):
         proc = popen(out, *(["--resume"] if (out / "latest").exists() else []))
         if wait_for_checkpoint(proc, out):
             time.sleep(rng.uniform(0.0, 0.6))  # somewhere in a step, a save, a prune

@@ -1,7 +1,7 @@
-"""A run owns its --out (issue 15): lock, run ids, pruning by step within the run, refusing a used
+"""A run owns its --out: lock, run ids, pruning by step within the run, refusing a used
 folder, damaged train.json, a full disk, SIGINT/SIGTERM, a silent data-parallel rank.
 
-Each test names the failure of issue 15 it covers. In-process runs keep them fast; the
+Each group of tests names the failure it covers. In-process runs keep them fast; the
 signal and data-parallel tests need real processes.
 """
 
@@ -66,7 +66,7 @@ def rehash(folder):
         json.dump({"format": ckpt_module.FORMAT, "files": files}, f)
 
 
-# -- failure 1: a new run in a used --out ------------------------------------------------------------
+# -- a new run in a used --out ------------------------------------------------------------
 
 
 def _resume_fails_in_one_line(capsys, out, steps):
@@ -127,7 +127,7 @@ def test_every_checkpoint_carries_the_run_id_and_a_resume_keeps_it(tmp_path):
     assert len(ids) == 1 and ids_after == ids and checkpoints(out) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]
 
 
-# -- failure 2: two trainers on one --out ------------------------------------------------------------
+# -- two trainers on one --out ------------------------------------------------------------
 
 
 def start_cli(out, *extra, steps=100000):
@@ -173,7 +173,7 @@ def test_the_lock_is_released_when_a_run_fails(tmp_path):
     assert not (out / "lock").exists()
 
 
-# -- failure 4: a kill while pruning ------------------------------------------------------------------
+# -- a kill while pruning ------------------------------------------------------------------
 
 
 class Killed(BaseException):
@@ -218,7 +218,7 @@ def test_stray_temp_folders_are_cleaned_at_start(tmp_path):
     assert "removed 2 temp file(s)" in lines[0]
 
 
-# -- failure 8: a damaged but valid train.json ----------------------------------------------------------
+# -- a damaged but valid train.json ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -309,7 +309,7 @@ def test_damaged_training_tensors_are_refused_in_one_line(tmp_path, capsys, thre
     assert f"ckpt-000003/{file}.safetensors: " in err and pytest.importorskip("re").search(message, err)
 
 
-# -- failure 9: disk full ----------------------------------------------------------------------------
+# -- disk full ----------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -346,7 +346,7 @@ def test_disk_full_is_one_line_and_keeps_latest(small_disk, tmp_path, capsys):
     assert all(torch.equal(saved.weights[k], whole.weights[k]) for k in whole.weights)
 
 
-# -- failure 13: SIGINT / SIGTERM --------------------------------------------------------------------
+# -- SIGINT / SIGTERM --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -382,7 +382,7 @@ def test_a_second_signal_exits_at_once(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
 
-# -- failure 10: a silent data-parallel rank -----------------------------------------------------------
+# -- a silent data-parallel rank -----------------------------------------------------------
 
 
 class FakeStore:

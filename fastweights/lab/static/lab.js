@@ -225,7 +225,7 @@ function wire(name) {
     });
   }
   $(".reset", section).addEventListener("click", () => {
-    setValues(name, Object.assign(defaults(name), LAB.config[name].seed_example));
+    setValues(name, Object.assign(defaults(name), LAB.config[name].example));
     if (PANELS[name].reset) PANELS[name].reset();
     update(name);
   });
@@ -277,8 +277,8 @@ function drawInterference(r) {
   }));
 
   const wk = r.worked;
-  fillWorked($("#worked-002"), wk.seed_002);
-  fillWorked($("#worked-001"), wk.seed_001_overwrite);
+  fillWorked($("#worked-002"), wk.linear_attention);
+  fillWorked($("#worked-001"), wk.delta_rule);
   const o = wk.overwrite;
   $("#overwrite-W").textContent = o.W ? mat(o.W) : "(softmax keeps the three rows; no matrix)";
   $("#overwrite-k1").textContent = vec(o.read_k1);
@@ -287,11 +287,11 @@ function drawInterference(r) {
 }
 
 function fillWorked(table, rows) {
-  table.innerHTML = "<tr><th>where</th><th>example</th><th>ops compute</th><th>text says</th><th></th></tr>";
+  table.innerHTML = "<tr><th>where</th><th>example</th><th>ops compute</th><th>docs say</th><th></th></tr>";
   for (const e of rows) {
     const tr = document.createElement("tr");
     const show = (x) => (x === null ? "–" : Array.isArray(x[0]) ? mat(x) : Array.isArray(x) ? vec(x) : num(x));
-    for (const [text, cls] of [[e.seed, ""], [e.name, ""], [show(e.computed), ""], [e.expected === null ? "(must differ)" : show(e.expected), ""], [e.ok ? "✓" : "✗", e.ok ? "ok" : "bad"]]) {
+    for (const [text, cls] of [[e.where, ""], [e.name, ""], [show(e.computed), ""], [e.expected === null ? "(must differ)" : show(e.expected), ""], [e.ok ? "✓" : "✗", e.ok ? "ok" : "bad"]]) {
       const td = document.createElement("td");
       td.textContent = text;
       if (cls) td.className = cls;
@@ -402,7 +402,7 @@ function drawSpotlight(r) {
   for (const m of r.methods) {
     const fig = document.createElement("figure");
     const cap = document.createElement("figcaption");
-    cap.textContent = `${m.name}: target's share ${num(m.target_share, 3)}, effective tokens ${num(m.effective_tokens, 3)}` + (m.feature_dim ? ` (φ has ${m.feature_dim} features)` : "");
+    cap.textContent = `${m.name}: target's share ${num(m.target_share, 3)}, effective tokens ${num(m.effective_tokens, 3)}` + (m.feature_dim ? ` (φ has ${m.feature_dim} features)` : "") + (m.note ? `. Note: ${m.note}` : "");
     fig.appendChild(cap);
     const svg = el("svg", { width: 360, height: 130 }, fig);
     svg.dataset.kind = m.kind;

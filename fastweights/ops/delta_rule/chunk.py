@@ -1,4 +1,4 @@
-"""The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024; seed 001, ch. 7).
+"""The delta rule, chunk form: the WY/UT algorithm (Yang et al. 2024).
 
 For chunks of C tokens with incoming state h (docs/design.md, "The chunk form"):
 
@@ -400,7 +400,7 @@ def chunk_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
@@ -422,6 +422,8 @@ def chunk_delta_rule(
     Args beyond the reference's:
         chunk_size: C, tokens per chunk (T need not be a multiple of C). The
             intra-chunk work is O(T·C·(K+V) + T·C²); the sequential loop has T/C steps.
+            ``None`` (the default, and what the layers pass) runs
+            :func:`fastweights.ops.default_chunk_size` of K and the device.
         backend: ``"auto"`` (Triton kernels for CUDA tensors when ``fastweights[triton]``
             is installed, PyTorch otherwise), ``"torch"`` or ``"triton"``
             (``fastweights/ops/triton/``: fp32/bf16/fp16, K, V <= 256, chunk size 64).

@@ -1,8 +1,8 @@
 """The delta rule, recurrent form: the float64 ground truth for every delta op.
 
-Per head, state h stored K×V (the transpose of the seeds' W = Σ v kᵀ):
+Per head, state h stored K×V (the transpose of the papers' W = Σ v kᵀ):
 
-    v̄_t = h_{t−1}ᵀ k_t                               retrieve (seed 001, ch. 4, step 1)
+    v̄_t = h_{t−1}ᵀ k_t                               retrieve (Schlag et al. 2021)
     h_t = h_{t−1} + β_t k_t (v_t − v̄_t)ᵀ             write the correction (step 3)
         = (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ   (a generalized Householder transition, ch. 6)
     o_t = scale · h_tᵀ q_t                           read after the write

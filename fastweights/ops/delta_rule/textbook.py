@@ -1,10 +1,10 @@
 """The delta rule's chunk form as the textbook writes it: the benchmark's baseline.
 
 Same algorithm as ``chunk.py`` (docs/design.md, "The chunk form"), written the way a
-first implementation reads off the paper (Yang et al. 2024, §3; seed 001, ch. 7):
+first implementation reads off the paper (Yang et al. 2024, §3):
 
 1. the UT transform by row-by-row forward substitution, one row of every chunk at
-   a time (C Python steps), exactly the seed's ``w_r``/``u_r`` recursion;
+   a time (C Python steps), exactly the paper's ``w_r``/``u_r`` recursion;
 2. a per-chunk loop of matmuls, ``U' = U − W h; O = Q h + P U'; h ← h + Kᵀ U'``
    (:func:`~fastweights.ops._chunk.chunk_scan`, four matmuls per chunk);
 3. autograd for the backward, which keeps the graph of both loops.
@@ -27,7 +27,7 @@ from .._frontend import run_op
 def forward_substitution_ut(
     k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, b: Optional[torch.Tensor]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``W, U`` of ``wy.ut_transform``, one row at a time (seed 001, ch. 7).
+    """``W, U`` of ``wy.ut_transform``, one row at a time (Yang et al. 2024).
 
     Row r: ``[w_r | u_r] = β_r ([k_r e^{b_r} | v_r] − Σ_{i<r} (k_r·k_i) Γ[r, i] [w_i | u_i])``.
     """

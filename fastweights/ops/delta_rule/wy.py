@@ -16,8 +16,8 @@ triangular ``A = tril(diag(β) (K Kᵀ ⊙ Γ), −1)``. So, with
 
 the pseudo-values given any incoming state are ``U − W h``. T, W and U depend only
 on the block's own keys, so they are computed for every block at once; only
-``U − W h`` needs the state. Seed 001 ch. 7 computes the same rows one at a time
-(its ``w_r``, ``u_r`` recursion); ``tests/studies/test_golden_seeds.py`` checks its C = 2
+``U − W h`` needs the state. Yang et al. 2024 compute the same rows one at a time
+(its ``w_r``, ``u_r`` recursion); ``tests/studies/test_worked_examples.py`` checks its C = 2
 numbers. Without decay (g = 0) every e^{·} factor is 1.
 """
 

@@ -34,7 +34,7 @@ def chunk_gated_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,

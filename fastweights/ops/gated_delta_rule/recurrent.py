@@ -3,7 +3,7 @@
     h_t = α_t (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ,   α_t = exp(g_t) ≤ 1
     o_t = scale · h_tᵀ q_t
 
-The decay fades every association a little (seed 000's "fading-memory solver
+The decay fades every association a little (the "fading-memory solver
 choice"), the delta step corrects only along k_t. The solver is shared with the
 plain rule: :func:`fastweights.ops.delta_rule.recurrent.delta_rule_recurrence`.
 """

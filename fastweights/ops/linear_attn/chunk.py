@@ -1,4 +1,4 @@
-"""Linear attention, chunk form (seed 001, ch. 6, "What chunkwise already means").
+"""Linear attention, chunk form (Yang et al. 2024).
 
 Split T into chunks of C tokens. Inside a chunk the work is the parallel form;
 across chunks only the state is carried:
@@ -182,7 +182,7 @@ def chunk_linear_attn(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,

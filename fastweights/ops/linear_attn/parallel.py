@@ -1,6 +1,6 @@
 """Linear attention, parallel form: one masked T×T product, no state in the loop.
 
-    O = scale · tril(Q Kᵀ ⊙ Γ) V + scale · (Q ⊙ e^b) h_0          (seed 001, ch. 1)
+    O = scale · tril(Q Kᵀ ⊙ Γ) V + scale · (Q ⊙ e^b) h_0          (Schlag et al. 2021)
     h_T = e^{b_T} h_0 + (K ⊙ e^{b_T − b})ᵀ V
 
 with b the cumulative log decay and Γ[t, s] = exp(b_t − b_s) (``_chunk.py``). It

@@ -1,12 +1,12 @@
 """Linear attention (the sum rule), recurrent form: the float64 ground truth.
 
-Per head, with the state h stored K×V (the transpose of the seeds' S = Σ v kᵀ,
-which is V×K; we read hᵀq where the seeds read S q):
+Per head, with the state h stored K×V (the transpose of the papers' S = Σ v kᵀ,
+which is V×K; we read hᵀq where the papers read S q):
 
-    h_t = α_t h_{t−1} + φ(k_t) v_tᵀ           (seed 001, ch. 1: S_i = S_{i−1} + v_i ⊗ k_i)
+    h_t = α_t h_{t−1} + φ(k_t) v_tᵀ           (Schlag et al. 2021)
     o_t = scale · h_tᵀ φ(q_t)                 (read after the write)
 
-and, with ``normalize=True``, the normalizer of seeds 000 and 002,
+and, with ``normalize=True``, the normalizer of Katharopoulos et al. 2020,
 ``z_t = α_t z_{t−1} + φ(k_t)``, ``o_t ← o_t / (scale · φ(q_t)ᵀ z_t + eps)``.
 α_t = exp(g_t) is an optional decay (``g=None`` means α = 1).
 """
@@ -72,7 +72,7 @@ def recurrent_linear_attn(
             ``"relu"``, ``"dpfp"``, ``"taylor"`` or a :class:`~fastweights.ops.FeatureMap`
             such as ``DPFP(nu=3)`` or ``FavorPlus(K, m, seed)``.
         qk_norm: ``None``, ``"l2"`` or ``"sum"``, applied to φ(q) and φ(k).
-        normalize: divide each read by ``φ(q_t)ᵀ z_t + eps`` (seed 000's sufficient pair (S, z)).
+        normalize: divide each read by ``φ(q_t)ᵀ z_t + eps`` (the sufficient pair (S, z)).
         eps: added to the normalizer's denominator.
         cu_seqlens_cpu: the same offsets as a CPU tensor, so the checks read them without a device sync.
         max_seqlen: the longest of the packed sequences (FlashAttention's varlen hint). With it nothing

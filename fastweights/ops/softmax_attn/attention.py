@@ -1,4 +1,4 @@
-"""Causal softmax attention: the keep-the-dataset solver (seed 000, "Solver 1").
+"""Causal softmax attention: the keep-the-dataset solver (Wang, Shi & Fox 2025, solver 1).
 
 For a query q_t, softmax attention is the local-constant fit over every stored
 pair, the kernel-weighted average
@@ -7,7 +7,7 @@ pair, the kernel-weighted average
 
 It keeps every key-value row because a later query may weigh each row
 differently; during decoding that dataset is the KV cache, and it grows by one
-row per token (seed 000, "attention's memory is a dataset, not a hidden box").
+row per token (attention's memory is a dataset, not a hidden box).
 
 The "state" of this op is therefore a :class:`KVCache`, not a fixed matrix.
 """

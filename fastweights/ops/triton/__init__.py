@@ -22,9 +22,9 @@ from __future__ import annotations
 
 # The backend choice and the kernels' limits live in ``ops/_backend.py`` (which imports nothing
 # of this package); re-exported here for users who import them from this package.
-from .._backend import (  # noqa: F401
+from .._backend import (
     BACKENDS, CHUNK_SIZE, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting, select_backend,
 )
 
-__all__ = ["HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "select_backend", "interpreting"]
+__all__ = ["HAS_TRITON", "BACKENDS", "CHUNK_SIZE", "MAX_HEAD_DIM", "TRITON_DTYPES", "select_backend", "interpreting"]
 

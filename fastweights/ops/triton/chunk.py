@@ -37,7 +37,7 @@ import triton
 from .._backend import backward_can_follow
 from .._frontend import check_op_args
 from ..feature_maps import FeatureMapLike, Identity, normalize_qk
-from . import CHUNK_SIZE, interpreting
+from . import CHUNK_SIZE
 from . import _chunk_kernels as kernels
 from ._tuning import autotuned, capped
 

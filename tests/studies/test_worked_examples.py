@@ -1,8 +1,8 @@
-"""Golden tests: every worked example of the three seeds, asserted with the text's own numbers.
+"""Golden tests: every worked example of docs/worked_examples.md, asserted with the numbers it states.
 
 The examples are computed through ``fastweights.ops`` in ``fastweights/studies/worked_examples.py``
-(the same table ``fastweights examples`` prints); the expected values there are
-typed in from the texts.
+(the same table ``fastweights examples`` prints); the expected values there are the
+hand-derived numbers of docs/worked_examples.md.
 """
 
 import pytest
@@ -14,26 +14,26 @@ from fastweights.studies import worked_examples as examples
 ALL = examples.all_examples()
 
 
-@pytest.mark.parametrize("example", ALL, ids=[f"{e.seed}: {e.name}" for e in ALL])
+@pytest.mark.parametrize("example", ALL, ids=[f"{e.where}: {e.name}" for e in ALL])
 def test_worked_example(example):
     if example.expected is not None:
         err = (example.computed - example.expected).abs().max().item()
-        print(f"{example.seed} {example.name}: max |error| {err:.2e}")
+        print(f"{example.where} {example.name}: max |error| {err:.2e}")
         assert err <= example.tol
     if example.must_differ_from is not None:
         gap = (example.computed - example.must_differ_from).abs().max().item()
-        print(f"{example.seed} {example.name}: differs by {gap:.2e}, as the text says")
+        print(f"{example.where} {example.name}: differs by {gap:.2e}, as the docs say")
         assert gap > 1e-6
 
 
-def test_every_seed_is_covered():
-    seeds = {e.seed.split()[0] for e in ALL}
-    assert seeds == {"000", "001", "002"}
+def test_every_section_is_covered():
+    sections = {e.where.split()[0] for e in ALL}
+    assert sections == {"§1", "§2", "§3", "§4"}
     assert len(ALL) >= 35
 
 
 def test_streaming_equals_traversal_only_with_z():
-    """Seed 000's exercise: assert streaming == traversal for every prefix; which assertion fails without z?"""
+    """The regression example's exercise: assert streaming == traversal for every prefix; which assertion fails without z?"""
     gen = torch.Generator().manual_seed(3)
     n, d = 30, 5
     keys, values, queries = (torch.randn(n, d, generator=gen, dtype=torch.float64) for _ in range(3))
@@ -52,3 +52,13 @@ def test_streaming_equals_traversal_only_with_z():
     # Without z the read is the unnormalized sum: the same assertion fails.
     with pytest.raises(AssertionError):
         assert (without_z[0, :, 0] - traversal).abs().max().item() < 1e-13
+
+
+def test_earlier_names_still_resolve_with_a_warning():
+    """Code written against ``fastweights.examples.seed_002()`` etc. keeps running."""
+    for old, new in [("seed_002", "linear_attention_examples"), ("seed_001", "fast_weight_examples"),
+                     ("seed_000", "regression_examples"), ("SEED_002_PAIRS", "LINEAR_PAIRS")]:
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(examples, old) is getattr(examples, new)
+    with pytest.raises(AttributeError):
+        examples.seed_003

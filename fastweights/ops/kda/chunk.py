@@ -1,0 +1,229 @@
+"""Kimi Delta Attention, chunk form: the UT transform per chunk, in the relative-decay form.
+
+For chunks of C tokens (README.md in this folder derives every line; ``parallel.py`` holds
+the state-free terms, :func:`~.parallel.block_terms`):
+
+    b = cumsum(gk) inside the chunk                    [C, K], one column per key channel
+    S, P = decayed key products and scores             relative form: every exp(·) ≤ 1
+    [W | U] = (I + diag(β) S)⁻¹ diag(β) [K ⊙ e^b | V]   } one batched computation
+                                                        } over all chunks
+    U' = U − W h                                       ] T/C sequential steps
+    h ← diag(e^{b_C}) h + (K ⊙ e^{b_C − b})ᵀ U'         ]
+    O  = scale·(Q ⊙ e^b) h + P U'                      batched again, from the saved states
+
+The cumulative decays are measured from inside the chunk (b starts at 0 at every chunk),
+and every exponential taken is of a number ≤ 0, so neither e^b, e^{b_C − b} nor the
+relative factors of S and P can overflow, however strong the decay and however long
+the chunk (tested with α = 1e-3 per token and C = 128).
+
+The backward is written by hand: the adjoint of the loop runs last chunk first,
+``dU'_c = Pᵀ dO_c + K̄_c dh_{c+1}``, ``dh_c = diag(e^{b_C}) dh_{c+1} + Q̂ᵀ dO_c − W_cᵀ dU'_c``,
+then :func:`~.parallel.block_terms_backward` takes the cotangents of W, U, P, Q̂, K̄ and
+e^{b_C} back to q, k, v, β and gk for all chunks at once. The forward keeps only the
+inputs and the T/C states entering the chunks; the backward recomputes the rest. Forward
+and backward are ``torch.library`` custom ops, opaque to ``torch.compile`` (no graph break).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
+from .._frontend import autocast_off
+from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
+from .fla import kda_form
+from .parallel import block_terms, block_terms_backward
+
+#: Row blocks of the UT solve (``delta_rule/wy.py``'s block substitution).
+UT_BLOCKS = 4
+
+
+def _solve_blocks(s, beta, rhs):
+    """The UT transform by block substitution; keeps the diagonal-block inverses for the adjoint."""
+    inverses = diagonal_block_inverses(s, beta, UT_BLOCKS)
+    return ut_solve(s, beta, inverses, rhs), inverses
+
+
+def _solve_blocks_adjoint(a, inverses, dy):
+    """``(I + A)⁻ᵀ dY`` with the forward's diagonal-block inverses."""
+    return block_substitution(a, inverses, dy, transpose=True)
+
+
+#: Chunk-heads per group: the forward and the backward work through the chunks in groups of
+#: this many (chunk, head) pairs, so the transient tensors (the sub-block decay factors are
+#: O(C·(s + C/s)·K) per chunk-head) stay bounded, independent of T.
+GROUP = 64
+
+
+def _groups(nc: int, rows: int):
+    """``(c0, c1)`` ranges of chunks, about :data:`GROUP` chunk-heads each."""
+    per = max(1, GROUP // rows)
+    return [(c0, min(c0 + per, nc)) for c0 in range(0, nc, per)]
+
+
+def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1):
+    """Chunks ``c0 .. c1 − 1`` flattened (``[NC'·N·H, C, ·]``, chunk-major) and their
+    :class:`~.parallel.BlockTerms`."""
+    flat = [flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, beta, gk)]
+    return flat, block_terms(*flat, scale, solve=_solve_blocks)
+
+
+def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int):
+    """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
+
+    Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``, ``states[c]`` the
+    state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
+    of the loop, its outputs.
+    """
+    n, nh, t_len, dk = k.shape
+    dv = v.shape[-1]
+    nc, rows = -(-t_len // chunk_size), n * nh
+    states = v.new_empty(nc, rows, dk, dv)
+    out = chunk_buffer(v, n, nh, nc, chunk_size)
+    h = v.new_zeros(rows, dk, dv) if h0 is None else h0
+    for c0, c1 in _groups(nc, rows):
+        _, x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1)
+        w, u = x.wu[..., :dk], x.wu[..., dk:]
+        u_prime = torch.empty_like(u)
+        k_write_t, last = x.k_write.transpose(-1, -2), x.last.unsqueeze(-1)
+        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk
+            r = slice(c * rows, (c + 1) * rows)
+            states[c0 + c] = h
+            torch.baddbmm(u[r], w[r], h, alpha=-1.0, out=u_prime[r])
+            h = torch.baddbmm(last[r] * h, k_write_t[r], u_prime[r])
+        entering = states[c0:c1].view(-1, dk, dv)
+        put_chunks(out, torch.bmm(x.scores, u_prime).baddbmm_(x.q_read, entering), c0)
+    return from_chunk_buffer(out, t_len), h, states
+
+
+def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int):
+    """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring).
+
+    Group by group, last group first: recompute the group's block terms and U' (from the saved
+    states), run the group's part of the adjoint loop, then its input gradients."""
+    n, nh, t_len, dk = k.shape
+    nc, rows, _, dv = states.shape
+    buffers = [chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, gk)]
+    dh = dh_final
+    for c0, c1 in reversed(_groups(nc, rows)):
+        (qf, kf, vf, bf, _), x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1)
+        w, u = x.wu[..., :dk], x.wu[..., dk:]
+        entering = states[c0:c1].view(-1, dk, dv)
+        u_prime = torch.baddbmm(u, w, entering, alpha=-1.0)
+        do_ = flat_chunks(do, chunk_size, c0, c1)
+        du = x.scores.transpose(-1, -2) @ do_  # Pᵀ dO, then dU' in the loop
+        from_outputs = torch.bmm(x.q_read.transpose(-1, -2), do_)  # Q̂ᵀ dO: each chunk's own pull on its state
+        dh_next = states.new_empty((c1 - c0,) + states.shape[1:])
+        w_t, last = w.transpose(-1, -2), x.last.unsqueeze(-1)
+        for c in range(c1 - c0 - 1, -1, -1):  # adjoint of the loop, last chunk first
+            r = slice(c * rows, (c + 1) * rows)
+            dh_next[c] = dh
+            du[r].baddbmm_(x.k_write[r], dh)
+            dh = torch.baddbmm(last[r] * dh + from_outputs[r], w_t[r], du[r], alpha=-1.0)
+        leaving = dh_next.view(-1, dk, dv)
+        d_wu = torch.cat([-(du @ entering.transpose(-1, -2)), du], dim=-1)  # dW = −dU' hᵀ, dU = dU'
+        d_scores = do_ @ u_prime.transpose(-1, -2)
+        d_q_read = do_ @ entering.transpose(-1, -2)
+        d_k_write = u_prime @ leaving.transpose(-1, -2)
+        d_last = (entering * leaving).sum(-1)
+        grads = block_terms_backward(qf, kf, vf, bf, x, d_wu, d_scores, d_q_read, d_k_write, d_last, scale,
+                                     _solve_blocks_adjoint)
+        for buffer, grad in zip(buffers, grads):
+            put_chunks(buffer, grad, c0)
+    return (*(from_chunk_buffer(b, t_len) for b in buffers), dh)
+
+
+# -- custom ops: torch.compile calls the forward and the backward as they are ---------------------
+
+
+@torch.library.custom_op("fastweights::chunk_kda_fwd", mutates_args=())
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor],
+            scale: float, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    n, nh, _, dk = k.shape
+    h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+    with autocast_off(q.device):
+        return chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size)
+
+
+def _like_chunks(x, n, nh, nc, chunk_size, t_len, tail=None):
+    return from_chunk_buffer(chunk_buffer(x, n, nh, nc, chunk_size, tail), t_len)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size):
+    n, nh, t_len, dk = k.shape
+    dv, nc = v.shape[-1], -(-t_len // chunk_size)
+    return _like_chunks(v, n, nh, nc, chunk_size, t_len), v.new_empty(n * nh, dk, dv), v.new_empty(nc, n * nh, dk, dv)
+
+
+@torch.library.custom_op("fastweights::chunk_kda_bwd", mutates_args=())
+def _bwd_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, states: Tensor, do: Tensor,
+            dh_final: Tensor, scale: float, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with autocast_off(do.device):
+        return chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
+    n, nh, t_len, dk = k.shape
+    nc = states.shape[0]
+    grads = tuple(_like_chunks(t, n, nh, nc, chunk_size, t_len) for t in (q, k, v, beta, gk))
+    return grads + (torch.empty_like(dh_final),)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, beta, gk, h0, scale, chunk_size = inputs
+    states = output[2]
+    ctx.save_for_backward(q, k, v, beta, gk, states)
+    backward_only(ctx, states)
+    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+
+
+def _backward(ctx, do, dh_final, _states):
+    q, k, v, beta, gk, states = ctx.saved_tensors
+    if dh_final is None:
+        dh_final = states.new_zeros(states.shape[1:])
+    if do is None:  # only h_T was used
+        do = v.new_zeros(v.shape)
+    dq, dk, dv, dbeta, dgk, dh0 = _bwd_op(q, k, v, beta, gk, states, do, dh_final, ctx.scale, ctx.chunk_size)
+    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
+    return dq, dk, dv, dbeta, dgk, dh0, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk form with its hand-written backward on head-first compute-dtype tensors; returns ``(o, h_T)``."""
+    o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size))
+    return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
+
+
+chunk_kda = kda_form("chunk_kda", kda_chunk, gv_supported=False, doc="""
+    Kimi Delta Attention, chunkwise parallel: the fast path for training (module docstring).
+
+    Equivalent to :func:`~fastweights.ops.recurrent_kda` (same arguments and returns; see its
+    docstring), to ~1e-12 relative in float64, with fla 0.6.0's name and positional order
+    ``(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, ...)``.
+    ``gv`` is refused (the recurrent form has it).
+
+    Args beyond the reference's:
+        chunk_size: C, tokens per chunk (any positive int; fla allows 32 or 64). The
+            intra-chunk work is O(T·C·(K + V) + T·16·K) per head; the loop has T/C steps.
+
+    Gradients reach q, k, v, beta, g and initial_state through a hand-written backward
+    (README.md in this folder) that keeps the inputs and the T/C chunk-entry states and
+    recomputes the rest; double backward is not supported (use the parallel form).
+    Under ``torch.autocast`` it computes in fp32 and returns the inputs' dtype.
+
+    Example::
+
+        >>> B, T, H, K, V = 2, 1000, 4, 64, 64
+        >>> q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+        >>> g = -torch.rand(B, T, H, K) * 7          # α down to 1e-3 per token and channel
+        >>> o, h = chunk_kda(q, k, v, g, torch.rand(B, T, H), use_qk_l2norm_in_kernel=True,
+        ...                  output_final_state=True, chunk_size=128)
+""")
