@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import check_int
+
 __all__ = ["ParallelPlan", "init_single_process_group", "mixed_precision_policy", "plan_parallel", "shard_model"]
 
 
@@ -92,8 +94,7 @@ def plan_parallel(rank: int, world: int, context_parallel: int = 1, fsdp: bool =
     and, for FSDP, the device mesh over ``device_type`` (where the model lives: the training loop
     keeps it on the CPU).
     """
-    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
-        raise ValueError(f"train: `context_parallel` (--context-parallel) must be an int >= 1, got {context_parallel!r}")
+    check_int("train", "context_parallel", context_parallel, what="an int >= 1 (--context-parallel)")
     if world % context_parallel:
         raise ValueError(f"train: --context-parallel {context_parallel} does not divide the number of processes "
                          f"({world}); the data-parallel size is processes / --context-parallel, so use a divisor "

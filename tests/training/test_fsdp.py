@@ -154,7 +154,7 @@ def test_context_parallel_must_divide_the_world():
 
     with pytest.raises(ValueError, match=r"--context-parallel 3 does not divide the number of processes \(4\)"):
         plan_parallel(0, 4, 3)
-    with pytest.raises(ValueError, match=r"`context_parallel` \(--context-parallel\) must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"`context_parallel` must be an int >= 1 \(--context-parallel\), got 0"):
         plan_parallel(0, 4, 0)
     plan = plan_parallel(0, 1, 1)
     assert (plan.dp, plan.cp) == (1, 1)
