@@ -238,7 +238,7 @@ def test_a_lost_rank_ends_the_job_and_keeps_the_checkpoints(tmp_path, fault):
         hit = time.time()
         results = [(p.communicate(timeout=120), p.returncode) for p in (procs[0], procs[1], procs[3])]
         took = time.time() - hit
-        for (o, err), code in results:
+        for (_, err), code in results:
             print(f"exit {code} after {took:.1f} s: {err.strip().splitlines()[-1] if err.strip() else ''}")
             assert code == 1 and "Traceback" not in err, err[-2000:]
             assert "rank 2" in err and "--ddp-timeout" in err, err[-2000:]
