@@ -8,6 +8,7 @@ part of the library owns its command line::
     fastweights train         train an LM on a text file or the built-in recall task
     fastweights generate      continue a prompt with a trained checkpoint
     fastweights eval          score a checkpoint on a text file: loss, bits per byte, perplexity
+    fastweights export        write a run's model (single-process or FSDP-sharded) as one safetensors file
     fastweights demo          the main job: DeltaNet vs linear attention on recall with overwrites
     fastweights study NAME    run an experiment (capacity, costs, retrieval, mqar)
     fastweights lab           interactive demos as a local web page (sliders; numbers from the ops)
@@ -33,6 +34,7 @@ COMMANDS = {
     "train": "fastweights.commands.train",
     "generate": "fastweights.commands.generate",
     "eval": "fastweights.commands.eval",
+    "export": "fastweights.commands.export",
     "demo": "fastweights.commands.demo",
     "lab": "fastweights.commands.lab",
     "hf": "fastweights.commands.hf",

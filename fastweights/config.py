@@ -193,9 +193,10 @@ def add_config_arguments(
         kind = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
         about = f.metadata.get("help", "")
         text = f"{about + ' ' if about else ''}({kind}; default: {default})"
+        flag = {"nargs": "?", "const": "true"} if hint is bool else {}  # a bare --fsdp means true
         group.add_argument(
             "--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", default=argparse.SUPPRESS,
-            metavar=f.name.upper(), help=text.replace("%", "%%"),
+            metavar=f.name.upper(), help=text.replace("%", "%%"), **flag,
         )
 
 

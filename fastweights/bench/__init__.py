@@ -5,6 +5,8 @@ module                   what it measures
 =======================  ==================================================================
 ``chunk_speed``          the delta rule's chunk path: recurrent vs textbook chunk vs fast chunk
                          (``fastweights bench``)
+``roofline``             the machine's matmul and copy limits, and the chunk ops' and a decode
+                         step's share of them (the end of ``fastweights bench``)
 ``lm_speed``             the LM per mixer: a training step and a decoding step
                          (``fastweights bench --lm``)
 ``compile_speed``        ``torch.compile`` against eager, and its graph breaks

@@ -35,6 +35,13 @@ backward (``saved_tensors_hooks``; distinct storages). On CUDA:
 ``--long`` streams 1,000,000 tokens through the fast forward in pieces that
 carry the state (``initial_state`` -> ``final_state``), in a child process, and
 reports time, tokens/s and the resident high-water mark growth.
+
+The same run ends with the roofline (:mod:`.roofline`; ``--no-roofline`` skips it,
+``--roofline-only`` runs nothing else): the machine's matmul rate at the kernels' tile
+shapes (fp32, and bf16 where the CPU has it) and its copy bandwidth, measured
+interleaved with the plain and gated chunk ops (fp32 forward, forward+backward, the
+bf16-products forward) and a decode step, each as a fraction of its limit
+(JSON key ``roofline``).
 """
 
 from __future__ import annotations
@@ -370,6 +377,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--lm: docs/results/lm_speed.json)")
     p.add_argument("--default-allocator", action="store_true",
                    help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/training/allocator.py)")
+    p.add_argument("--no-roofline", action="store_true", help="skip the roofline (fastweights/bench/roofline.py)")
+    p.add_argument("--roofline-only", action="store_true", help="run only the roofline")
+    p.add_argument("--roofline-heads", type=int, default=8, help="H of the roofline's ops (B = 1)")
+    p.add_argument("--roofline-head-dim", type=int, default=128, help="K = V of the roofline's ops")
+    p.add_argument("--roofline-T", type=int, default=2048, help="T of the roofline's ops")
+    p.add_argument("--decode-batch", type=int, default=16,
+                   help="sequences of the roofline's decode step (state B·H·K·V·4 bytes: 16 MiB by default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -395,6 +409,9 @@ def run(args: argparse.Namespace) -> int:
                 allocator="glibc mmap/trim thresholds raised in the timing process (fastweights/training/allocator.py), "
                 "the same for every contender" if tuned else "the platform's default malloc settings",
                 time_s=time.strftime("%Y-%m-%d %H:%M:%S"))
+    if getattr(args, "roofline_only", False):
+        result = dict(meta=meta, roofline=_roofline(args))
+        return _write(args, result)
     batched = (B * H * (-(-2048 // C)), C, C)
     matmul = matmul_rates(args.device, batched)
     rows = time_all(args.T, B, H, K, V, C, args.device, args.repeats, args.recurrent_max_t)
@@ -419,6 +436,24 @@ def run(args: argparse.Namespace) -> int:
         long = long_child(args.long_tokens, args.piece, H, K, V, C, args.threads, args.device)
         result["long"] = long
         print(f"\nLong input: {json.dumps(long)}")
+    if not getattr(args, "no_roofline", False):
+        result["roofline"] = _roofline(args)
+    return _write(args, result)
+
+
+def _roofline(args: argparse.Namespace) -> Dict:
+    """The roofline section of the run (:func:`.roofline.run_roofline`), printed and returned."""
+    from .roofline import print_roofline, run_roofline
+
+    d = args.roofline_head_dim
+    result = run_roofline(B=1, H=args.roofline_heads, T=args.roofline_T, K=d, V=d, C=args.chunk_size,
+                          decode_batch=args.decode_batch, repeats=args.repeats, device=args.device,
+                          clock=getattr(args, "clock", "wall"))
+    print_roofline(result)
+    return result
+
+
+def _write(args: argparse.Namespace, result: Dict) -> int:
     if args.json:
         path = Path(args.json)
         atomic_write_text(path, json.dumps(result, indent=2, default=str))
@@ -440,6 +475,8 @@ def _cpu_name() -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(p)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="the roofline's timer: wall time, or the process's CPU time (use with --threads 1 on a busy machine)")
     return run(p.parse_args(argv))
 
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fastweights import ops  # noqa: E402
-from fastweights.config import atomic_write_text  # noqa: E402
+from fastweights import ops
+from fastweights.config import atomic_write_text
 
 FORMS = {
     "recurrent": (ops.recurrent_kda, {}),

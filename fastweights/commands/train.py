@@ -14,6 +14,8 @@ Examples::
     fastweights train --out runs/hybrid --data notes.txt --mixer '["deltanet", "softmax"]' --eval-tokens 20000
     fastweights train --out runs/recall --resume                  # after a crash or kill
     torchrun --nproc_per_node=2 -m fastweights.cli train --out runs/ddp --steps 100
+    torchrun --nproc_per_node=4 -m fastweights.cli train --out runs/fsdp --fsdp --precision bf16
+    torchrun --nproc_per_node=4 -m fastweights.cli train --out runs/cp --data notes.txt --seq-len 8192 --context-parallel 2
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from ..config import add_config_arguments, overrides_from_args
 # Model defaults of the command line (LMConfig's own defaults are for a larger model).
 MODEL_DEFAULTS = {"d_model": 64, "n_layers": 2, "n_heads": 2, "mixer": "deltanet"}
 # Fields of TrainConfig that may change when a run is resumed.
-RESUMABLE = ("steps", "eval_every", "eval_batches", "eval_tokens", "save_every", "keep_checkpoints", "threads", "ddp_timeout")
+RESUMABLE = ("steps", "eval_every", "eval_batches", "eval_tokens", "save_every", "keep_checkpoints", "threads", "ddp_timeout",
+             "context_parallel")
 # What the help shows for the model fields this command fills in itself.
 MODEL_HELP_DEFAULTS = {**MODEL_DEFAULTS, "vocab_size": "from the data (256 for text)", "max_seq_len": "max(seq_len, 64)"}
 

@@ -87,7 +87,7 @@ def causal_conv1d_update(hidden_states: torch.Tensor, conv_state: torch.Tensor, 
     name = "causal_conv1d_update"
     act = _activation(name, activation)
     _check_conv_kwargs(name, kwargs)
-    width, state_len, seq_len = weight.shape[-1], conv_state.shape[-1], hidden_states.shape[-1]
+    width, state_len = weight.shape[-1], conv_state.shape[-1]
     if state_len < width - 1:
         raise ValueError(f"{name}: `conv_state` must hold at least W − 1 = {width - 1} inputs, got {state_len}")
     x = hidden_states.to(weight.dtype)

@@ -47,6 +47,7 @@ from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReL
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
 from .kda import chunk_kda, fused_recurrent_kda, kda_gate, kda_step, parallel_kda, recurrent_kda
 from .linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
+from .precision import bf16_products, bf16_products_enabled, set_bf16_products
 from .softmax_attn import KVCache, softmax_attn, softmax_attn_reference
 from .step import delta_rule_step, gated_delta_rule_step, linear_attn_step
 
@@ -58,6 +59,7 @@ __all__ = [
     "recurrent_kda", "parallel_kda", "chunk_kda", "kda_step", "kda_gate",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
     "get_feature_map", "normalize_qk", "finite_checks", "value_checks", "check_inputs",
+    "bf16_products", "bf16_products_enabled", "set_bf16_products",
     # one token (update + read), for decoding: the recurrent forms' step
     "delta_rule_step", "gated_delta_rule_step", "linear_attn_step",
     # what layers and models built on the ops share with them

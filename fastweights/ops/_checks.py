@@ -194,10 +194,19 @@ def check_scale(op: str, scale) -> None:
         raise ValueError(f"{op}: `scale` must be a finite number > 0, got {scale!r} (None means K ** -0.5)")
 
 
+#: The shortest chunk :func:`effective_chunk_size` caps a chunk to: chunk lengths up to this one
+#: never depend on T, which keeps every sequence's result the same alone, in a batch and packed.
+MIN_CAPPED_CHUNK = 64
+
+
 def effective_chunk_size(chunk_size: int, seq_len: int) -> int:
     """The chunk length a chunk form uses: ``chunk_size``, but at most the next power of two
-    of T. A chunk longer than the sequence only pads it, and costs O(C²) per chunk."""
-    return max(1, min(chunk_size, 1 << max(seq_len - 1, 0).bit_length()))
+    of T and never below :data:`MIN_CAPPED_CHUNK` for that cap. A chunk much longer than
+    the sequence only pads it, and costs O(C²) per chunk; a cap that followed T all the
+    way down would make a short sequence's arithmetic (its chunking) depend on the
+    longest sequence it is batched or packed with, and its result change in the last bits."""
+    cap = max(MIN_CAPPED_CHUNK, 1 << max(seq_len - 1, 0).bit_length())
+    return max(1, min(chunk_size, cap))
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,7 +43,9 @@ import torch
 
 from ._chunk import resolve_chunk_size
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
-from .feature_maps import FeatureMap, FeatureMapLike, get_feature_map, normalize_qk
+from ._backend import backward_can_follow
+from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map, normalize_qk
+from .precision import product_dtype
 from .step import divide_by_normalizer, normalizer_column
 
 Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
@@ -266,16 +268,29 @@ def run_op(
         elif form == "parallel" and check_memory:
             check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
         o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size,
-                      **({} if gv is None else {"gv": head_first(gv)}))
+                      **({} if gv is None else {"gv": head_first(gv)}),
+                      **({} if low is None else {"low": low}))
         o = o.transpose(1, 2)  # [N, T, H, V]
         if packing is not None:
             o = packing.unpad(o)
         return o, h_t
 
+    # bf16 operands for the products (fastweights.ops.precision): only for cores that take
+    # them, in inference, outside context parallelism; q, k, v then stay bf16 unless a
+    # feature map or q/k norm must run in fp32
+    low = None
+    if (segments is None and getattr(core, "takes_low_products", False)
+            and not backward_can_follow(q, k, v, beta, g, initial_state)):
+        low = product_dtype(out_dtype)
+    keep_low = low is not None and isinstance(phi, Identity) and qk_norm is None
+
+    def cast(t):
+        return t if keep_low else t.to(dt)
+
     with autocast_off(q.device):  # fp32 compute and state, whatever autocast would do (module docstring)
-        q = normalize_qk(phi(q.to(dt)), qk_norm, op)
-        k = normalize_qk(phi(k.to(dt)), qk_norm, op)
-        v = v.to(dt)
+        q = normalize_qk(phi(cast(q)), qk_norm, op)
+        k = normalize_qk(phi(cast(k)), qk_norm, op)
+        v = v if low is not None and not normalize else v.to(dt)
         if normalize:
             # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:
             # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.

@@ -38,18 +38,31 @@ from ._backend import BACKENDS, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpr
 __all__ = ["delta_rule_step", "gated_delta_rule_step", "linear_attn_step"]
 
 
-def delta_update(q, k, v, beta, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
+def delta_update(q, k, v, beta, g, h, scale, inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The (gated) delta rule's token, unchecked, on tensors already in the state's dtype:
     ``q, k [..., K]``, ``v [..., V]``, ``beta [...]``, ``g [...]`` or None, ``h [..., K, V]``
-    -> ``(o [..., V], h')`` (a new tensor; ``h`` is not modified). The recurrent forms loop over it."""
+    -> ``(o [..., V], h')``; ``h'`` is a new tensor, or ``h`` itself updated with ``inplace``
+    (``h`` contiguous). The recurrent forms loop over it.
+
+    A step is bound by memory traffic over the state, so it passes over h as few times as
+    it can: one batched product reads both hᵀk and hᵀq, and the read of the new state is
+    assembled from them, ``h'ᵀq = α hᵀq + (kᵀq) u`` with ``u = β (v − α hᵀk)``; then one
+    pass writes ``h' = α h + k uᵀ`` (two passes with a gate: scale, then add).
+    """
     shape, (dk, dv) = h.shape, h.shape[-2:]
-    h = h.reshape(-1, dk, dv)
+    h = h.view(-1, dk, dv) if inplace else h.reshape(-1, dk, dv)
+    k, q = k.reshape(-1, 1, dk), q.reshape(-1, 1, dk)
+    reads = torch.bmm(torch.cat([k, q], dim=1), h)  # [NH, 2, V]: hᵀk and hᵀq, one pass over h
     if g is not None:
-        h = h * torch.exp(g).reshape(-1, 1, 1)
-    k = k.reshape(-1, 1, dk)
-    u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − hᵀk)
-    h = torch.addcmul(h, k.transpose(1, 2), u)  # h + k uᵀ (broadcast: faster than a bmm of inner size 1)
-    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)
+        alpha = torch.exp(g).reshape(-1, 1, 1)
+        reads.mul_(alpha)  # the reads of the decayed state α h
+        h = h.mul_(alpha) if inplace else h * alpha
+    u = (v.reshape(-1, 1, dv) - reads[:, :1]).mul_(beta.reshape(-1, 1, 1))  # β (v − (α h)ᵀk)
+    if inplace or g is not None:  # h is ours to update (the state itself, or the decayed copy)
+        h = h.addcmul_(k.transpose(1, 2), u)
+    else:
+        h = torch.addcmul(h, k.transpose(1, 2), u)  # h + k uᵀ (broadcast: faster than a bmm of inner size 1)
+    o = torch.addcmul(reads[:, 1:], (q * k).sum(-1, keepdim=True), u).mul_(scale)  # scale · h'ᵀq
     return o.view(shape[:-2] + (dv,)), h.view(shape)
 
 
@@ -113,10 +126,13 @@ def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend):
         o = fused_delta_rule_step(q, k, v, beta, g, state, scale)
         return o, state
     dt = state.dtype
-    o, h = delta_update(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), None if g is None else g.to(dt), state, scale)
+    direct = inplace and state.is_contiguous()  # update the state where it lies: no copy back
+    o, h = delta_update(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), None if g is None else g.to(dt), state, scale,
+                        inplace=direct)
     if inplace:
-        state.copy_(h)
-        h = state
+        if not direct:
+            state.copy_(h)
+        h = state  # the caller's tensor itself
     return o.to(v.dtype), h
 
 

@@ -5,9 +5,13 @@
 - :mod:`.optim`: AdamW and the learning-rate schedule;
 - :mod:`.precision`: the weights' dtype, autocast, fp16's gradient scaler;
 - :mod:`.distributed`: the process group, heartbeats, collectives with a deadline;
+- :mod:`.parallel`: the dp × cp grid of processes, FSDP2 sharding (``--fsdp``, ``--context-parallel``);
 - :mod:`.evaluation`: held-out loss and accuracy (of a model, or of a checkpoint on a file);
 - :mod:`.metrics`: the run folder's ``metrics.jsonl``;
-- :mod:`.checkpoint`: the checkpoint file format (weights and config; loading without code);
+- :mod:`.checkpoint`: the checkpoint file format (weights and config; loading without code), and
+  the single-file model of ``fastweights export``;
+- :mod:`.dcp_checkpoint`: an FSDP run's sharded checkpoints, through ``torch.distributed.checkpoint``;
+- :mod:`.sealing`: a checkpoint folder sealed (manifest last, fsync, rename), for both kinds;
 - :mod:`.train_state`: the training state a checkpoint carries for an exact resume, and its schema;
 - :mod:`.listing`: a run folder's checkpoints (names, ``latest``, listing, removal);
 - :mod:`.run_folder`: a run owns its folder (lock, run id, resume, pruning);
@@ -48,6 +52,12 @@ _LAZY = {
     "claim_run_folder": "fastweights.training.run_folder",
     "clean_stray": "fastweights.training.listing",
     "evaluate": "fastweights.training.evaluation",
+    "export_model": "fastweights.training.checkpoint",
+    "ParallelPlan": "fastweights.training.parallel",
+    "plan_parallel": "fastweights.training.parallel",
+    "shard_model": "fastweights.training.parallel",
+    "save_model_file": "fastweights.training.checkpoint",
+    "load_model_file": "fastweights.training.checkpoint",
     "evaluate_file": "fastweights.training.evaluation",
     "evaluate_tokens": "fastweights.training.evaluation",
     "learning_rate": "fastweights.training.optim",
@@ -93,7 +103,8 @@ def __dir__():
 
 __all__ = [
     "Checkpoint", "CheckpointError", "CheckpointWriteError", "DTYPES", "DistributedTimeout", "FORMAT",
-    "GRAD_SCALER_SCHEMA", "Heartbeat", "LATEST", "PRECISIONS", "RecallData", "RunFolderError", "RunLock",
+    "GRAD_SCALER_SCHEMA", "Heartbeat", "LATEST", "PRECISIONS", "ParallelPlan", "export_model", "load_model_file",
+    "plan_parallel", "save_model_file", "shard_model", "RecallData", "RunFolderError", "RunLock",
     "StopSignals", "TextData", "TrainConfig", "TrainResult", "TrainingInterrupted", "autocast", "check_precision",
     "check_train_state", "check_training_tensors", "claim_run_folder", "clean_stray", "evaluate", "evaluate_file",
     "evaluate_tokens", "learning_rate", "load_checkpoint", "load_config_file", "load_model", "load_resume_checkpoint",

@@ -40,16 +40,18 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..models import LM, LMConfig
+from .dcp_checkpoint import is_dcp_file, is_sharded_checkpoint, load_full_weights
 from .errors import CheckpointError, CheckpointWriteError
-from .listing import resolve_checkpoint
+from .listing import is_model_file, resolve_checkpoint
+from .sealing import MANIFEST, file_digest, publish, reason, write_manifest
 
 FORMAT = "fastweights-lm-1"
-MANIFEST = "manifest.json"
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_state.safetensors"}
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
-    "load_weights", "tokenizer_of", "verify_manifest", "FORMAT",
+    "load_weights", "tokenizer_of", "verify_manifest", "FORMAT", "save_model_file", "load_model_file", "export_model",
+    "tensors_sha256",
 ]
 
 
@@ -62,6 +64,7 @@ class Checkpoint:
     weights: Dict[str, torch.Tensor]
     train: Optional[Dict[str, Any]] = None
     train_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    sharded: bool = False  # written by an FSDP run through DCP: the tensors stay in the shards (``weights`` is empty)
 
 
 def _weights_of(model: LM) -> Dict[str, torch.Tensor]:
@@ -112,41 +115,18 @@ def save_checkpoint(
         if train_tensors:
             save_file({k: v.contiguous().cpu() for k, v in train_tensors.items()},
                       os.path.join(tmp, "train_state.safetensors"), metadata={"format": FORMAT})
-        files = {name: _file_digest(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "files": files}, f, indent=1)
-        for name in os.listdir(tmp):  # make the bytes durable before the rename publishes them
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
+        write_manifest(tmp, FORMAT)
     except (OSError, SafetensorError) as e:  # a full disk, a read-only folder: undo, then say so
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"could not write checkpoint {path}: {_reason(e)}") from None
     except BaseException:  # an interrupt mid-write: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.isdir(path):
-        old = f"{path}.tmp-old-{os.getpid()}"
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+    publish(tmp, path)
     return path
 
 
-def _reason(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror + (f" ({e.filename})" if e.filename else "")
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def _file_digest(file: str) -> Dict[str, Any]:
-    """``{"sha256": hex, "bytes": size}`` of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"sha256": digest.hexdigest(), "bytes": os.path.getsize(file)}
+_reason, _file_digest = reason, file_digest  # the names this module's callers know
 
 
 def verify_manifest(path: str) -> None:
@@ -159,6 +139,8 @@ def verify_manifest(path: str) -> None:
     """
     manifest_file = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_file):
+        if is_sharded_checkpoint(path):  # sharded checkpoints always had manifests
+            raise CheckpointError(f"{path}: {MANIFEST} is missing: the sharded checkpoint is incomplete (its files cannot be verified)")
         if _header_metadata(os.path.join(path, "model.safetensors")).get("manifest"):
             raise CheckpointError(f"{path}: {MANIFEST} is missing, but model.safetensors says the checkpoint was "
                                   f"written with one: the checkpoint is incomplete (its files cannot be verified)")
@@ -169,7 +151,7 @@ def verify_manifest(path: str) -> None:
         entries = [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from None
-    unlisted = sorted(CHECKPOINT_FILES & set(os.listdir(path)) - {name for name, _, _ in entries})
+    unlisted = sorted({n for n in os.listdir(path) if n in CHECKPOINT_FILES or is_dcp_file(n)} - {name for name, _, _ in entries})
     if unlisted:
         raise CheckpointError(f"{path}: checkpoint file {unlisted[0]} is not listed in {MANIFEST}: it cannot be verified")
     for name, sha256, size in entries:
@@ -211,11 +193,18 @@ def _read_safetensors(file: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str
 
 
 def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
-    """Read and check a checkpoint (or a run folder's latest); no code is executed."""
+    """Read and check a checkpoint (or a run folder's latest, or a single-file model); no code is executed.
+
+    A sharded checkpoint (an FSDP run's) is verified and its JSON read; its tensors stay in the
+    shards (``weights`` is empty, ``sharded`` is true): :func:`load_model` reassembles them."""
     path = resolve_checkpoint(path)
+    if is_model_file(path):
+        config, weights, train = load_model_file(path)
+        return Checkpoint(path, config, weights, train)
     verify_manifest(path)
-    weights, metadata = _read_safetensors(os.path.join(path, "model.safetensors"))
-    if metadata.get("format") != FORMAT:
+    sharded = is_sharded_checkpoint(path)
+    weights, metadata = ({}, {}) if sharded else _read_safetensors(os.path.join(path, "model.safetensors"))
+    if not sharded and metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: model.safetensors has format {metadata.get('format')!r}, expected {FORMAT!r}")
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -229,7 +218,7 @@ def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
         saved = LMConfig.fill_legacy(json.loads(metadata.get("config", "null")))
     except json.JSONDecodeError:
         saved = None
-    if saved != config.to_dict():
+    if not sharded and saved != config.to_dict():
         raise CheckpointError(
             f"{path}: config.json does not match the config the weights were saved with "
             f"({_diff(saved, config.to_dict())})"
@@ -244,7 +233,9 @@ def load_checkpoint(path: "str | os.PathLike") -> Checkpoint:
         state_file = os.path.join(path, "train_state.safetensors")
         if os.path.exists(state_file):  # absent for a finished model saved without its optimizer
             train_tensors, _ = _read_safetensors(state_file)
-    return Checkpoint(path, config, weights, train, train_tensors)
+    if sharded and not isinstance(train, dict):
+        raise CheckpointError(f"{path}: train.json is missing: a sharded checkpoint cannot be read without it")
+    return Checkpoint(path, config, weights, train, train_tensors, sharded=sharded)
 
 
 def _diff(a, b) -> str:
@@ -282,6 +273,12 @@ def load_model(path: "str | os.PathLike", dtype: Optional[torch.dtype] = None) -
     """
     ckpt = load_checkpoint(path)
     model = LM(ckpt.config)
+    if ckpt.sharded:  # reassembled from every rank's shards, in this process
+        saved = {"float32": torch.float32, "float64": torch.float64}.get(ckpt.train.get("train_config", {}).get("dtype"))
+        model.to(saved or torch.float32)
+        load_full_weights(ckpt.path, model)
+        model.to(dtype or next(model.parameters()).dtype).eval()
+        return model, ckpt
     if dtype is None:
         dtype = next(iter(ckpt.weights.values())).dtype if ckpt.weights else torch.float32
     model.to(dtype)
@@ -302,3 +299,88 @@ def tokenizer_of(ckpt):
         data = RecallData(TrainConfig.from_dict(ckpt.train["train_config"]))
         return data.encode, data.decode
     raise ValueError(f"generate: {ckpt.path} does not say how its tokens were made (no train.json); cannot encode a prompt")
+
+
+# -- one file: ``fastweights export`` ------------------------------------------------------------------
+#
+# A single-file model is a safetensors file whose metadata holds what a checkpoint's model.safetensors
+# holds (the format, the LMConfig as JSON, the dtype) plus "tensors_sha256", the SHA-256 of every
+# tensor's name, dtype, shape and bytes in name order, which every load checks (a checkpoint folder
+# has its manifest instead), and "train": the run's id, step, tokenizer and training config (no
+# optimizer state: the file is for using the model, not for resuming its training).
+
+DIGEST_KEY = "tensors_sha256"
+TRAIN_KEY = "train"
+RUN_FIELDS = ("run_id", "step", "tokenizer", "train_config")
+
+
+def tensors_sha256(tensors: Dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[str, Any]] = None) -> str:
+    """Write ``model`` as one safetensors file at ``path`` (a temp file, fsync, rename); returns the path.
+    ``train``: what the loaders need of the run (``tokenizer``, ``train_config``, ``step``, ``run_id``)."""
+    from safetensors.torch import save_file
+
+    from safetensors import SafetensorError
+
+    path = os.path.abspath(os.fspath(path))
+    weights = _weights_of(model)
+    metadata = {"format": FORMAT, "config": model.config.to_json(),
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), DIGEST_KEY: tensors_sha256(weights)}
+    if train:
+        metadata[TRAIN_KEY] = json.dumps(train)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file(weights, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # a full disk or an interrupt: no temp file left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, (OSError, SafetensorError)):
+            raise CheckpointWriteError(f"could not write {path}: {reason(e)}") from None
+        raise
+    return path
+
+
+def load_model_file(path: "str | os.PathLike") -> Tuple[LMConfig, Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:
+    """``(config, weights, train)`` of a single-file model, its digest checked (``train``: the run's
+    tokenizer and training config, or ``None``); one-line :class:`CheckpointError` otherwise."""
+    path = os.fspath(path)
+    weights, metadata = _read_safetensors(path)
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    if DIGEST_KEY not in metadata:
+        raise CheckpointError(f"{path}: no `{DIGEST_KEY}` in its metadata, so it cannot be verified; a checkpoint's "
+                              f"model.safetensors is checked by its folder's manifest: pass the checkpoint folder")
+    found = tensors_sha256(weights)
+    if found != metadata[DIGEST_KEY]:
+        raise CheckpointError(f"{path}: the tensors fail their SHA-256 check (sha256 {found[:16]}..., expected "
+                              f"{metadata[DIGEST_KEY][:16]}...): the file is corrupt")
+    try:
+        config = LMConfig.from_dict(LMConfig.fill_legacy(json.loads(metadata["config"])), source=f"file {path}")
+        train = json.loads(metadata[TRAIN_KEY]) if TRAIN_KEY in metadata else None
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: its metadata is invalid: {e}") from None
+    if train is not None and not isinstance(train, dict):
+        raise CheckpointError(f"{path}: the `{TRAIN_KEY}` entry of its metadata must be a JSON object")
+    return config, weights, train
+
+
+def export_model(source: "str | os.PathLike", out: "str | os.PathLike", dtype: Optional[torch.dtype] = None) -> str:
+    """Write the model of ``source`` (a run folder, a checkpoint folder, one process's or sharded, or a
+    single-file model) as one file at ``out``; returns its path. ``dtype``: the weights' (default: as saved)."""
+    if not os.fspath(out).endswith(".safetensors"):
+        raise ValueError(f"export: `--out` must name a .safetensors file, got {os.fspath(out)!r}")
+    model, ckpt = load_model(source, dtype=dtype)
+    return save_model_file(model, out, {k: ckpt.train[k] for k in RUN_FIELDS if k in (ckpt.train or {})})

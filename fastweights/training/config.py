@@ -43,6 +43,11 @@ class TrainConfig(Config):
         threads: torch intra-op threads (0: leave torch's default).
         ddp_timeout: seconds a data-parallel collective may wait for the other ranks
             before every rank gives up, naming the silent one.
+        fsdp: shard the weights, gradients and optimizer moments over the processes with
+            FSDP2 (``fully_shard`` per block and on the root); checkpoints are then sharded
+            (``torch.distributed.checkpoint``) and resume on any number of processes.
+        context_parallel: split every sequence's tokens over this many processes (a
+            context-parallel group); the data-parallel size is processes / this. 1: off.
     """
 
     data: str = "recall"
@@ -70,6 +75,8 @@ class TrainConfig(Config):
     precision: str = "fp32"
     threads: int = 0
     ddp_timeout: float = 300.0
+    fsdp: bool = False
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, str) or not self.data:
@@ -77,6 +84,9 @@ class TrainConfig(Config):
         for name in ("seq_len", "steps", "batch_size", "eval_batches", "keep_checkpoints",
                      "recall_keys", "recall_values", "recall_pairs", "recall_active_keys", "recall_queries"):
             check_int("TrainConfig", name, getattr(self, name))
+        if not isinstance(self.fsdp, bool):
+            raise TypeError(f"TrainConfig: `fsdp` (--fsdp) must be true or false, got {self.fsdp!r}")
+        check_int("TrainConfig", "context_parallel", self.context_parallel, what="an int >= 1 (--context-parallel)")
         for name in ("warmup_steps", "eval_every", "eval_tokens", "save_every", "seed", "threads"):
             check_int("TrainConfig", name, getattr(self, name), minimum=0)
         if isinstance(self.ddp_timeout, bool) or not isinstance(self.ddp_timeout, (int, float)) \

@@ -2,13 +2,16 @@
 
 Every collective has a deadline (``ddp_timeout``): a rank that stops answering (stopped,
 swapped out, deadlocked) ends the job on every other rank with a message naming it, from
-the per-step heartbeats the ranks leave in the process group's store.
+the per-step heartbeats the ranks leave in the process group's store and the pulse a
+thread of each rank leaves there every second, also while the rank waits in a collective
+(so a killed or stopped rank is told apart from the ranks that only wait for it).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from typing import Callable, List, Optional
 
@@ -41,16 +44,19 @@ class DistributedTimeout(RuntimeError):
 class Heartbeat:
     """Per-rank liveness in the process group's store: ``beat(step)`` after every step.
 
-    When a collective fails, :meth:`silent_ranks` says which ranks stopped beating
-    (the oldest beats); rank 0 logs a heartbeat line every ``interval`` seconds.
-    The store is the one ``init_process_group`` made; without it (one process,
+    When a collective fails, :meth:`failure` names the ranks whose pulse stopped
+    (:meth:`start_pulse`: killed or stopped) and, failing that, the ranks behind in
+    steps or with the oldest beats; rank 0 logs a heartbeat line every ``interval``
+    seconds. The store is the one ``init_process_group`` made; without it (one process,
     or a store that cannot be reached) the messages just say less.
     """
 
     KEY = "fastweights/heartbeat/{}"
+    ALIVE = "fastweights/alive/{}"  # a pulse every `pulse` s from a thread, even while the main one waits
+    GAVE_UP = "fastweights/gaveup/{}"  # set by a rank whose collective failed: it exits for another's sake
 
-    def __init__(self, rank: int, world: int, interval: float, log: Callable[[str], None]) -> None:
-        self.rank, self.world, self.interval, self.log = rank, world, interval, log
+    def __init__(self, rank: int, world: int, interval: float, log: Callable[[str], None], pulse: float = 1.0) -> None:
+        self.rank, self.world, self.interval, self.log, self.pulse = rank, world, interval, log, pulse
         self.store = None
         if world > 1:
             try:
@@ -58,6 +64,26 @@ class Heartbeat:
             except Exception:  # a private hook; the timeout still works without it
                 self.store = None
         self.last_log = time.time()
+        self._stop = threading.Event()
+
+    def start_pulse(self) -> "Heartbeat":
+        """Start a daemon thread that marks this process alive every ``pulse`` s, also while the main
+        thread waits in a collective: a killed or stopped rank falls silent, a rank that only waits
+        for it does not. Returns ``self``."""
+        if self.store is not None:
+            def pulse():
+                while not self._stop.wait(self.pulse):
+                    try:
+                        self.store.set(self.ALIVE.format(self.rank), str(time.time()))
+                    except Exception:  # the store went with a dead rank 0: nothing more to say
+                        return
+
+            self.store.set(self.ALIVE.format(self.rank), str(time.time()))
+            threading.Thread(target=pulse, name="fastweights-pulse", daemon=True).start()
+        return self
+
+    def stop_pulse(self) -> None:
+        self._stop.set()
 
     def beat(self, step: int) -> None:
         if self.store is None:
@@ -85,19 +111,52 @@ class Heartbeat:
                 break
         return found
 
+    def _times(self, template: str):
+        """``{rank: unix time}`` of the store entries ``template`` (a pulse, a give-up)."""
+        found = {}
+        for r in range(self.world):
+            key = template.format(r)
+            try:
+                if self.store.check([key]):
+                    found[r] = float(self.store.get(key).decode())
+            except Exception:  # the store itself may be gone with a dead rank
+                break
+        return found
+
+    def lost_ranks(self):
+        """``(ranks, {rank: last pulse})``: the other ranks whose pulse stopped without their giving up
+        on a collective (killed or stopped), not those that only gave up waiting for them. A rank that
+        fails fast (a peer's connection reset) waits up to six pulses for a dead peer's to go stale."""
+        try:
+            self.store.set(self.GAVE_UP.format(self.rank), str(time.time()))
+        except Exception:  # the store went with a dead rank 0
+            return [], {}
+        others = [r for r in range(self.world) if r != self.rank]
+        deadline = time.time() + 6 * self.pulse
+        while True:
+            alive, gave_up, now = self._times(self.ALIVE), self._times(self.GAVE_UP), time.time()
+            if not alive:  # no pulses (a store without them): the heartbeats alone must tell
+                return [], alive
+            lost = [r for r in others if r not in gave_up and (r not in alive or now - alive[r] > 5 * self.pulse)]
+            if lost or now >= deadline:
+                return lost, alive
+            time.sleep(self.pulse / 2)
+
     def failure(self, what: str, error: BaseException) -> DistributedTimeout:
         """The error to raise when a collective failed: which ranks went silent, and since when."""
+        lost, alive = self.lost_ranks() if self.store is not None else ([], {})
         beats = self.beats() if self.store is not None else {}
         now = time.time()
         others = [r for r in range(self.world) if r != self.rank]
         mine = beats.get(self.rank, (None, now))[0]
-        behind = [r for r in others if r not in beats or (mine is not None and beats[r][0] < mine)]
+        behind = lost or [r for r in others if r not in beats or (mine is not None and beats[r][0] < mine)]
         if not behind and beats:
             behind = [min(others, key=lambda r: beats.get(r, (0, 0.0))[1])]
         if behind:
             described = ", ".join(
-                f"rank {r} (silent for {now - beats[r][1]:.1f} s, last heartbeat at step {beats[r][0]})" if r in beats
-                else f"rank {r} (no heartbeat)" for r in behind)
+                f"rank {r} (silent for {now - beats[r][1]:.1f} s, last heartbeat at step {beats[r][0]}"
+                + (f"; no sign of life for {now - alive[r]:.1f} s: killed or stopped)" if r in lost and r in alive else ")")
+                if r in beats else f"rank {r} (no heartbeat)" for r in behind)
         else:
             described = "a rank that could not be identified (the store is unreachable)"
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
@@ -121,10 +180,11 @@ def current_heartbeat() -> Optional[Heartbeat]:
     return _HEARTBEAT
 
 
-def collective(what: str, fn, *args) -> None:
-    """Run one collective; a failure (timeout, a rank gone) becomes :class:`DistributedTimeout`."""
+def collective(what: str, fn, *args, **kwargs):
+    """Run one collective, or work that runs collectives (an FSDP forward or backward pass, a sharded
+    checkpoint); a failure (timeout, a rank gone) becomes :class:`DistributedTimeout`. Returns ``fn``'s result."""
     try:
-        fn(*args)
+        return fn(*args, **kwargs)
     except RuntimeError as e:
         if _HEARTBEAT is None or isinstance(e, DistributedTimeout):
             raise

@@ -19,11 +19,12 @@ from .precision import autocast
 __all__ = ["evaluate", "evaluate_file", "evaluate_tokens", "split_accuracy", "token_losses"]
 
 
-def token_losses(model: LM, inputs: torch.Tensor, targets: torch.Tensor, precision: str = "fp32"):
+def token_losses(model: LM, inputs: torch.Tensor, targets: torch.Tensor, precision: str = "fp32", cp_group=None):
     """(sum of token cross-entropies, logits) over targets that are not ``IGNORE``; the forward
-    pass runs under ``precision``'s autocast, the loss in fp32 (or the logits' wider dtype)."""
+    pass runs under ``precision``'s autocast, the loss in fp32 (or the logits' wider dtype).
+    ``cp_group``: the context-parallel group whose ranks hold the rows' other token slices."""
     with autocast(precision, inputs.device):
-        logits, _ = model(inputs, return_cache=False)
+        logits, _ = model(inputs, return_cache=False, **({} if cp_group is None else {"cp_group": cp_group}))
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
     return loss_sum, logits

@@ -16,7 +16,7 @@ LATEST = "latest"
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
 STRAY = re.compile(r"\.tmp-|\.tmp$")  # temp folders/files of writers that are gone
 
-__all__ = ["LATEST", "checkpoint_step", "clean_stray", "mark_latest", "remove_folder", "resolve_checkpoint",
+__all__ = ["LATEST", "checkpoint_step", "clean_stray", "is_model_file", "mark_latest", "remove_folder", "resolve_checkpoint",
            "run_checkpoints", "run_id_of"]
 
 
@@ -25,9 +25,19 @@ def mark_latest(run_dir: "str | os.PathLike", checkpoint: "str | os.PathLike") -
     atomic_write_text(os.path.join(os.fspath(run_dir), LATEST), os.path.basename(os.fspath(checkpoint)) + "\n")
 
 
+def is_model_file(path: "str | os.PathLike") -> bool:
+    """Whether ``path`` is a single-file model (``fastweights export``'s ``.safetensors`` file), not a folder."""
+    return os.path.isfile(os.fspath(path)) and os.fspath(path).endswith(".safetensors")
+
+
 def resolve_checkpoint(path: "str | os.PathLike") -> str:
-    """A checkpoint folder, or a run folder (followed through its ``latest`` file)."""
+    """A checkpoint folder (one process's or sharded), a run folder (followed through its ``latest``
+    file), or a single-file model."""
+    from .dcp_checkpoint import is_sharded_checkpoint
+
     path = os.fspath(path)
+    if is_model_file(path):
+        return path
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist (expected a checkpoint or run folder)")
     latest = os.path.join(path, LATEST)
@@ -38,7 +48,7 @@ def resolve_checkpoint(path: "str | os.PathLike") -> str:
         if not name or name in (".", "..") or os.path.basename(name) != name or not os.path.isdir(target):
             raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint folder in {path!r}")
         return target
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+    if not os.path.isfile(os.path.join(path, "model.safetensors")) and not is_sharded_checkpoint(path):
         found = run_checkpoints(path)
         if found:  # a run folder whose `latest` is gone (e.g. a kill right after its first checkpoint)
             names = [os.path.basename(folder) for _, folder in found]

@@ -21,6 +21,12 @@ deadlocked) ends the job on every other rank with a message naming it, from the
 per-step heartbeats the ranks leave in the process group's store; rank 0 also logs
 a heartbeat line while the job runs.
 
+FSDP2 and context parallelism (``--fsdp``, ``--context-parallel``; :mod:`.parallel`): the
+processes form a ``dp × cp`` grid, each keeps its rows and, within its context-parallel
+group, its contiguous token slice of them; gradients are summed over all ranks, by FSDP's
+reduce-scatter when the model is sharded. A sharded model's checkpoints are written by every
+rank through DCP (:mod:`.dcp_checkpoint`) and resume on any number of processes.
+
 The run folder belongs to one run at a time (``run_folder.py``: lock, run id,
 pruning within the run; ``signals.py``: SIGINT/SIGTERM saving a checkpoint before exiting).
 """
@@ -43,6 +49,7 @@ from ..tasks import IGNORE
 from ..tasks.adapters import make_task, step_generator
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
+from .dcp_checkpoint import load_sharded, save_sharded
 from .distributed import Heartbeat, all_reduce_, collective, current_heartbeat, dist_info, maybe_init_distributed, set_heartbeat
 from .errors import CheckpointWriteError, RunFolderError
 from .data_files import check_data_files, data_fingerprints
@@ -50,6 +57,7 @@ from .evaluation import evaluate, token_losses
 from .listing import mark_latest, remove_folder
 from .metrics import rewrite_metrics, write_metrics
 from .optim import learning_rate, make_optimizer
+from .parallel import ParallelPlan, init_single_process_group, plan_parallel, shard_model
 from .precision import DTYPES, check_precision, make_scaler
 from .run_folder import RunLock, claim_run_folder, describe_latest, new_run_id, prune_checkpoints
 from .signals import StopSignals, TrainingInterrupted
@@ -120,6 +128,10 @@ def train(
     threads = torch.get_num_threads()
     lock = RunLock(out_dir) if out_dir is not None and rank == 0 else None
     try:
+        if config.fsdp and world == 1 and not dist.is_initialized():  # FSDP needs a process group, even of one
+            created = init_single_process_group(config.ddp_timeout)
+        # --context-parallel is checked on every rank before any collective: all raise, none waits
+        plan = plan_parallel(rank, world, config.context_parallel, config.fsdp)
         if lock is not None:
             error = None
             try:
@@ -137,13 +149,16 @@ def train(
             dist.broadcast(flag, 0)
             if flag.item():
                 raise RunFolderError(f"train: rank 0 could not take the run folder {out_dir}; see its message")
-        set_heartbeat(Heartbeat(rank, world, min(60.0, config.ddp_timeout / 2), log))
+        set_heartbeat(Heartbeat(rank, world, min(60.0, config.ddp_timeout / 2), log,
+                                pulse=min(1.0, config.ddp_timeout / 10)).start_pulse())
         if config.threads:
             torch.set_num_threads(config.threads)
         with StopSignals(on_force=lock.release if lock is not None else lambda: None) as stop:
             return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop,
-                          allow_data_change=allow_data_change)
+                          allow_data_change=allow_data_change, plan=plan)
     finally:
+        if current_heartbeat() is not None:
+            current_heartbeat().stop_pulse()
         set_heartbeat(None)
         torch.set_num_threads(threads)  # a setting of this run, not of the caller's process
         if lock is not None:
@@ -153,10 +168,10 @@ def train(
 
 
 def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None,
-           allow_data_change=False) -> TrainResult:
-    if config.batch_size % world:
-        raise ValueError(f"train: `batch_size`={config.batch_size} must be divisible by the number of processes ({world})")
+           allow_data_change=False, plan=None) -> TrainResult:
+    plan = plan or ParallelPlan(rank, world, dp=world, cp=1)
     task = make_task(config)
+    plan.check_batch(config.batch_size, task.seq_len)
     data_files = data_fingerprints(config)  # recorded in every checkpoint, checked on resume
     if model_config.vocab_size != task.vocab_size:
         raise ValueError(
@@ -170,6 +185,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     model = LM(model_config).to(dtype)
     device = next(model.parameters()).device
     check_precision(config.precision, device)
+    if plan.fsdp:
+        shard_model(model, plan, config.precision)
     optimizer = make_optimizer(model, config)
     # fp16 gradients can underflow: scale the loss up, unscale before clipping (a no-op otherwise)
     scaler = make_scaler(config, device)
@@ -179,10 +196,16 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         ckpt = load_training_checkpoint(out_dir)
         check_data_files(ckpt.train.get("data_files"), data_files, allow_data_change, log)
         run_id = ckpt.train.get("run_id") or run_id  # checkpoints from before run ids get one now
-        check_training_tensors(ckpt, optimizer)
-        load_weights(model, ckpt.weights, ckpt.path)
-        optimizer.load_state_dict(optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
-        torch.set_rng_state(ckpt.train_tensors["rng.torch"])
+        if ckpt.sharded != plan.fsdp:
+            kind = "with" if ckpt.sharded else "without"
+            raise ValueError(f"train: {ckpt.path} was written by a run {kind} --fsdp; resume it {kind} --fsdp")
+        if ckpt.sharded:  # every rank reads its own slices, whatever world size wrote them
+            collective("loading the sharded checkpoint", load_sharded, ckpt.path, model, optimizer, ckpt.train)
+        else:
+            check_training_tensors(ckpt, optimizer)
+            load_weights(model, ckpt.weights, ckpt.path)
+            optimizer.load_state_dict(optimizer_from_flat(ckpt.train_tensors, ckpt.train["optimizer"]))
+            torch.set_rng_state(ckpt.train_tensors["rng.torch"])
         if scaler.is_enabled():  # the scale the killed run had reached, not a fresh one
             scaler.load_state_dict(ckpt.train["grad_scaler"])
         start, history, evals = ckpt.train["step"], ckpt.train["history"], ckpt.train["evals"]
@@ -190,7 +213,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
             rewrite_metrics(out_dir, history, evals)
         log(f"resumed {ckpt.path} at step {start}")
 
-    per_rank = config.batch_size // world
+    # with FSDP or context parallelism the forward and backward passes run collectives too
+    guarded = collective if world > 1 and (plan.fsdp or plan.cp > 1) else (lambda what, fn, *a, **k: fn(*a, **k))
     tokens_per_step = config.batch_size * task.seq_len
     bar = _progress(config.steps, start, progress if rank == 0 else False, desc)
     model.train()
@@ -203,18 +227,19 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = task.sample(config.batch_size, step_generator(config.seed, step))
-        inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
-        loss_sum, _ = token_losses(model, inputs, targets, config.precision)
+        inputs, targets = plan.local_batch(inputs, targets)  # rows of this data-parallel group, tokens of this rank
+        loss_sum, _ = guarded("the forward pass", token_losses, model, inputs, targets, config.precision,
+                              cp_group=plan.cp_group)
         # The third entry counts the ranks that got SIGINT/SIGTERM: all stop after the same step.
         stopping = stop is not None and stop.requested is not None
         counts = torch.tensor([float(loss_sum.detach()), float((targets != IGNORE).sum()), float(stopping)], dtype=torch.float64)
         all_reduce_([counts])
-        scaler.scale(loss_sum / counts[1].to(loss_sum.dtype)).backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        all_reduce_(grads)
+        guarded("the backward pass", scaler.scale(loss_sum / counts[1].to(loss_sum.dtype)).backward)
+        if not plan.fsdp:  # FSDP reduce-scattered the gradients (as sums) in the backward pass
+            all_reduce_([p.grad for p in model.parameters() if p.grad is not None])
         scaler.unscale_(optimizer)
-        if config.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip, foreach=False)
+        if config.grad_clip:  # sharded gradients: the norm is all-reduced
+            guarded("the gradient norm", torch.nn.utils.clip_grad_norm_, model.parameters(), config.grad_clip, foreach=False)
         scale = scaler.get_scale() if scaler.is_enabled() else None
         scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
         scaler.update()
@@ -242,8 +267,11 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
             heartbeat.beat(step + 1)
 
         last = step + 1 == config.steps
-        if rank == 0 and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
-            result = {"step": step + 1, **evaluate(model, task, config)}
+        evaluating = (config.eval_every and (step + 1) % config.eval_every == 0) or last
+        if evaluating and plan.fsdp and rank != 0:  # a sharded model's forward needs every rank
+            guarded("the evaluation", evaluate, model, task, config)
+        if evaluating and rank == 0:
+            result = {"step": step + 1, **guarded("the evaluation", evaluate, model, task, config)}
             evals.append(result)
             write_metrics(out_dir, result)
             message = (f"step {step + 1}: loss {loss:.4f}, eval loss {result['eval_loss']:.4f}"
@@ -256,7 +284,10 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
         interrupted = counts[2] > 0
         saved = None
         if out_dir is not None and ((config.save_every and (step + 1) % config.save_every == 0) or last or interrupted):
-            if rank == 0:
+            if plan.fsdp:  # every rank writes its shards
+                saved = _save_sharded(out_dir, model, optimizer, model_config, config, task, step + 1, history, evals,
+                                      run_id, rank, data_files)
+            elif rank == 0:
                 saved = _save(out_dir, model, optimizer, scaler, model_config, config, task, step + 1, history, evals, run_id,
                               data_files)
             if world > 1:
@@ -269,23 +300,47 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     return TrainResult(model, history, evals, time.perf_counter() - t0, task)
 
 
+def _train_json(config, task, step, history, evals, run_id, data_files=None) -> Dict[str, Any]:
+    state = {"run_id": run_id, "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
+             "history": history, "evals": evals}
+    if data_files:  # absolute paths and fingerprints of the text files (training/data_files.py)
+        state["data_files"] = data_files
+    return state
+
+
+def _save_sharded(out_dir, model, optimizer, model_config, config, task, step, history, evals, run_id, rank,
+                  data_files=None) -> Optional[str]:
+    """Every rank writes its shards of ``ckpt-<step>``; rank 0 then marks it ``latest`` and prunes."""
+    try:
+        path = collective("writing a sharded checkpoint", save_sharded, os.path.join(out_dir, f"ckpt-{step:06d}"), model,
+                          optimizer, model_config.to_json(),
+                          _train_json(config, task, step, history, evals, run_id, data_files), rank=rank)
+    except CheckpointWriteError as e:  # a full disk: one line; nothing was replaced
+        raise CheckpointWriteError(f"train: {e}; {describe_latest(out_dir)}") from None
+    if rank != 0:
+        return None
+    _publish(out_dir, path, config, run_id)
+    return path
+
+
 def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, history, evals, run_id,
           data_files=None) -> str:
     """Write ``ckpt-<step>`` (with ``run_id``), point ``latest`` at it, prune this run's older ones."""
     tensors, optimizer_info = optimizer_to_flat(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
-    train_state = {
-        "run_id": run_id, "step": step, "train_config": config.to_dict(), "tokenizer": task.tokenizer,
-        "optimizer": optimizer_info, "history": history, "evals": evals,
-    }
-    if data_files:  # absolute paths and fingerprints of the text files (training/data_files.py)
-        train_state["data_files"] = data_files
+    train_state = {**_train_json(config, task, step, history, evals, run_id, data_files), "optimizer": optimizer_info}
     if scaler.is_enabled():  # scale, growth factors and interval, steps since the last overflow: plain numbers
         train_state["grad_scaler"] = scaler.state_dict()
     try:
         path = save_checkpoint(os.path.join(out_dir, f"ckpt-{step:06d}"), model, train=train_state, train_tensors=tensors)
     except CheckpointWriteError as e:  # a full disk: say so in one line; nothing was replaced
         raise CheckpointWriteError(f"train: {e}; {describe_latest(out_dir)}") from None
+    _publish(out_dir, path, config, run_id)
+    return path
+
+
+def _publish(out_dir, path, config, run_id) -> None:
+    """Point ``latest`` at the checkpoint ``path`` just written, then prune this run's older ones."""
     try:
         mark_latest(out_dir, path)
     except OSError as e:  # `latest` still names the previous checkpoint: drop the unmarked one
@@ -294,4 +349,3 @@ def _save(out_dir, model, optimizer, scaler, model_config, config, task, step, h
             f"train: could not point {os.path.join(out_dir, 'latest')} at {os.path.basename(path)}: "
             f"{e.strerror or e}; {describe_latest(out_dir)}") from None
     prune_checkpoints(out_dir, run_id, config.keep_checkpoints, latest=path)
-    return path

@@ -52,7 +52,7 @@ def load_training_checkpoint(path: "str | os.PathLike") -> Checkpoint:
     """:func:`load_checkpoint` for resuming: the training state must be there and pass
     :func:`check_train_state`."""
     ckpt = load_checkpoint(path)
-    if ckpt.train is None or "rng.torch" not in ckpt.train_tensors:
+    if ckpt.train is None or ("rng.torch" not in ckpt.train_tensors and not ckpt.sharded):  # sharded: in the shards
         raise CheckpointError(f"{ckpt.path} holds a model but no training state (train.json, train_state.safetensors); it cannot be resumed")
     check_train_state(ckpt.train, ckpt.train_tensors, f"{ckpt.path}/train.json")
     return ckpt

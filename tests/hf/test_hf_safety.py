@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'fastweights[hf]')")
 
-import fastweights.hf as fh  # noqa: E402
-from fastweights.training.checkpoint import load_model, save_checkpoint  # noqa: E402
-from fastweights.cli import main  # noqa: E402
-from fastweights.models import LM, LMConfig  # noqa: E402
+import fastweights.hf as fh
+from fastweights.training.checkpoint import load_model, save_checkpoint
+from fastweights.cli import main
+from fastweights.models import LM, LMConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -68,8 +68,8 @@ def sweep(trials: int, seed: int) -> None:
     """A seeded sweep of in-range values of every panel: a finite JSON answer, or a LabInputError."""
     rng = random.Random(seed)
     small = {"n": 24, "d": 8, "t": 16, "features": 64, "context": 4096}
-    for panel, (fields, fn, _) in compute.PANELS.items():
-        for trial in range(trials):
+    for panel, (fields, _fn, _) in compute.PANELS.items():
+        for _trial in range(trials):
             body = {}
             for name, f in fields.items():
                 if f.kind == "int":
@@ -99,12 +99,12 @@ def test_every_in_range_setting_answers_or_names_a_field_long():
 
 
 @pytest.mark.parametrize("body, field", [
-    (b'{"geometry": "seed", "d": 2, "n": 4}', "`n`"),
+    (b'{"geometry": "example", "d": 2, "n": 4}', "`n`"),
     (b'{"n": ' + b"1" * 5000 + b"}", "`n`"),
     (b'{"beta": -' + b"9" * 5000 + b".5}", "`beta`"),
     (b"[" * 30000 + b"]" * 30000, "nest"),
     (b'{"seed": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nest"),
-], ids=["seed-geometry-N4", "5000-digit-int", "5000-digit-float", "deep-array", "deep-field"])
+], ids=["example-geometry-N4", "5000-digit-int", "5000-digit-float", "deep-array", "deep-field"])
 def test_pathological_bodies_get_a_4xx_naming_the_problem(lab, body, field):
     status, answer, _, _ = post(lab, "interference", body)
     assert 400 <= status < 500 and field in answer["error"], (status, answer)

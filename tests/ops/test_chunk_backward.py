@@ -202,7 +202,8 @@ def test_bench_command_runs_on_tiny_shapes(tmp_path):
 
     out = tmp_path / "bench.json"
     args = ["bench", "--T", "40", "--heads", "1", "--head-dim", "8", "--chunk-size", "16", "--repeats", "1",
-            "--threads", "1", "--recurrent-max-t", "40", "--no-memory", "--json", str(out)]
+            "--threads", "1", "--recurrent-max-t", "40", "--no-memory", "--json", str(out),
+            "--roofline-T", "32", "--roofline-heads", "1", "--roofline-head-dim", "8", "--decode-batch", "1"]
     threads = torch.get_num_threads()
     try:
         assert main(args) == 0
@@ -213,6 +214,7 @@ def test_bench_command_runs_on_tiny_shapes(tmp_path):
     assert impls == {(i, m) for i in ("recurrent", "textbook", "fast") for m in ("fwd", "fwd+bwd")}
     assert all(r["ms_min"] > 0 and r["gflops"] > 0 for r in result["rows"])
     assert result["meta"]["threads"] == 1 and result["matmul_gflops"]["square_1024"] > 0
+    assert result["roofline"]["shape"]["K"] == 8 and all(r["rate"] > 0 for r in result["roofline"]["rows"])
 
 
 @pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])

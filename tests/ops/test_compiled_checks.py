@@ -55,7 +55,7 @@ def _call(op_name, x, **kw):
 def test_bad_values_fail_compiled_as_in_eager(op_name):
     compiled = torch.compile(lambda x: _call(op_name, x), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(inputs())[0], _call(op_name, inputs())[0])
-    for bad, (arg, spoil, named) in BAD.items():
+    for _bad, (arg, spoil, named) in BAD.items():
         if arg not in OPS[op_name]:
             continue
         x = inputs()

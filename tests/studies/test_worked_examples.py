@@ -61,4 +61,4 @@ def test_earlier_names_still_resolve_with_a_warning():
         with pytest.warns(DeprecationWarning, match=new):
             assert getattr(examples, old) is getattr(examples, new)
     with pytest.raises(AttributeError):
-        examples.seed_003
+        _ = examples.seed_003

@@ -15,7 +15,7 @@ import torch
 
 from fastweights.tasks.text import ByteText, read_bytes
 
-import fastweights  # noqa: E402
+import fastweights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fastweights.__file__)))  # the package under test
 

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from fastweights.training import CheckpointError, load_checkpoint
 from fastweights.cli import main as cli_main
 from fastweights.models import LMConfig
 from fastweights.training import RunFolderError, StopSignals, TrainConfig, make_task, prune_checkpoints, train
+
+from spawn_ranks import spawn, stop_all
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -418,25 +419,13 @@ def test_a_failed_collective_names_the_rank_that_stopped_beating():
     assert lines[-1].startswith("heartbeat: step 3; 3 of 3 ranks reported, the last one rank 2 at step 2")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two processes importing torch, then a 4 s timeout: ~25 s on a busy machine
 def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     """SIGSTOP on one rank used to hang the others forever; with --ddp-timeout 4 the live rank
     exits naming the silent one, and rank 0 logged heartbeats while the job ran."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-               "LOCAL_RANK": str(rank)}
-        args = ["train", "--steps", "100000", "--save-every", "0", "--eval-every", "0", "--batch-size", "4",
-                "--ddp-timeout", "4", "--progress", "off", *TINY_MODEL, *TINY_RECALL, "--out", str(tmp_path / "run")]
-        procs.append(subprocess.Popen([sys.executable, "-m", "fastweights.cli", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    args = ["train", "--steps", "100000", "--save-every", "0", "--eval-every", "0", "--batch-size", "4",
+            "--ddp-timeout", "4", "--progress", "off", *TINY_MODEL, *TINY_RECALL, "--out", str(tmp_path / "run")]
+    procs = spawn(2, *args)
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, procs[0], what="five steps")
@@ -454,8 +443,4 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
         procs[1].communicate(timeout=60)
         assert procs[1].returncode not in (0, None)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait()
+        stop_all(procs)

@@ -63,50 +63,74 @@ class _Chunks:
     K̄ = K ⊙ e^{b_C − b}; ``q_decayed`` Q_b = Q ⊙ e^b.
     """
 
-    def __init__(self, q, kv, beta, g, scale, backward: bool, wu: torch.Tensor, inverse_blocks=None) -> None:
+    def __init__(self, q, kv, beta, g, scale, backward: bool, wu: torch.Tensor, inverse_blocks=None,
+                 low: Optional[torch.dtype] = None) -> None:
         c, dk = q.shape[-2:]
         k, v = kv[..., :dk], kv[..., dk:]
-        self.decay = decay = ChunkDecay(g, c, q.device, q.dtype)
-        self.scores = decay.mask_(q @ k.transpose(-1, -2)).mul_(scale)
-        self.s = decay.mask_(k @ k.transpose(-1, -2), diagonal=-1)
+        self.decay = decay = ChunkDecay(g, c, q.device, beta.dtype)
+        k_t = k.transpose(-1, -2)
+        if low is not None:  # a bf16 bmm copies a transposed operand: once here, not in each product
+            k_t = k_t.contiguous()
+        self.scores = decay.mask_(q @ k_t).mul_(scale)
+        s = k @ k_t
+        self.s = decay.mask_(s if low is None else s.float(), diagonal=-1)  # the solve stays fp32
         if inverse_blocks is None:
             inverse_blocks = diagonal_block_inverses(self.s, beta, UT_BLOCKS)
         self.inverse_blocks = inverse_blocks
-        self.q_decayed = decay.rows(q, decay.read)
-        self.k_decayed = decay.rows(k, decay.to_end)  # a new tensor with a gate, k itself without
+        self.q_decayed = _scaled_rows(q, decay.read, low)
+        self.k_decayed = _scaled_rows(k, decay.to_end, low)  # a new tensor with a gate, k itself without
         self.k, self.v = k, v
         if backward:
             self.a = beta.unsqueeze(-1) * self.s
             self.k_b = decay.rows(k, decay.read)
         else:  # [W | U] = (I + diag(β) S)⁻¹ diag(β) [K_b | V], by blocks with D_j = X_j diag(β_j)
             rhs = kv
-            if decay.read is not None:  # [K_b | V]; kv itself stays as it is (the backward may reuse it)
-                rhs = kv.clone()
-                rhs[..., :dk].mul_(decay.read.unsqueeze(-1))
+            if decay.read is not None or low is not None:  # [K_b | V] in wu (the solve runs in place);
+                rhs = wu.copy_(kv)                         # kv stays as it is (the backward may reuse it)
+                if decay.read is not None:
+                    rhs[..., :dk].mul_(decay.read.unsqueeze(-1))
             ut_solve(self.s, beta, self.inverse_blocks, rhs, out=wu)
         self.wu, self.w, self.u = wu, wu[..., :dk], wu[..., dk:]
 
 
-def _flat_kv(k, v, chunk_size, c0, c1, kv=None):
-    """Chunks ``c0 .. c1 − 1`` of k and v copied side by side into one ``[Bt, C, K + V]`` buffer ``kv``."""
+def _operand(x: torch.Tensor, low: Optional[torch.dtype]) -> torch.Tensor:
+    """``x`` as a product operand: itself, or cast to the low precision ``low`` (bf16 products)."""
+    return x if low is None or x.dtype == low else x.to(low)
+
+
+def _scaled_rows(x: torch.Tensor, factor: Optional[torch.Tensor], low: Optional[torch.dtype]) -> torch.Tensor:
+    """``x ⊙ factor`` row by row as a product operand (``x`` itself without a factor): in one pass,
+    computed in the factor's precision and written in ``low`` when given."""
+    if factor is None:
+        return _operand(x, low)
+    out = None if low is None else x.new_empty(x.shape, dtype=low)
+    return torch.mul(x, factor.unsqueeze(-1), out=out)
+
+
+def _flat_kv(k, v, chunk_size, c0, c1, kv=None, dtype=None):
+    """Chunks ``c0 .. c1 − 1`` of k and v copied side by side into one ``[Bt, C, K + V]`` buffer ``kv``
+    (new, of ``dtype`` or k's, when not given)."""
     dk = k.shape[-1]
     if kv is None:
-        kv = k.new_empty((c1 - c0) * k.shape[0] * k.shape[1], chunk_size, dk + v.shape[-1])
+        kv = k.new_empty((c1 - c0) * k.shape[0] * k.shape[1], chunk_size, dk + v.shape[-1], dtype=dtype)
     flat_chunks(k, chunk_size, c0, c1, out=kv[..., :dk])
     flat_chunks(v, chunk_size, c0, c1, out=kv[..., dk:])
     return kv
 
 
-def _delta_scan(x, h, states, u_prime):
+def _delta_scan(x, h, states, u_prime, low=None, states_low=None, u_low=None):
     """The one sequential loop: ``U'_c = U_c − W_c h_c`` and ``h_{c+1} = e^{b_C} h_c + K̄_cᵀ U'_c``.
 
     ``h`` is the state entering the first chunk of ``x`` (``[N·H, K, V]``); the state
     entering each chunk is written into ``states [NC, N·H, K, V]`` and U' into
     ``u_prime`` (contiguous, ``[NC·N·H, C, V]``). Returns the state after the last chunk.
+    With ``low`` (bf16 products) the two products take ``low`` operands: h and U' are
+    rounded into ``states_low`` and ``u_low`` (shaped like ``states`` and ``u_prime``, kept
+    for the output's products), while h, U' and the sums stay in the state's dtype.
     """
     nc, nh, dk, dv = states.shape
     c = x.w.shape[-2]
-    w = x.w.view(nc, nh, c, dk).unbind(0)
+    w = _operand(x.w, low).view(nc, nh, c, dk).unbind(0)
     u_prime.copy_(x.u)  # U, made U' = U − W h in place chunk by chunk
     u_out = u_prime.view(nc, nh, c, dv).unbind(0)
     k_t = x.k_decayed.view(nc, nh, c, dk).transpose(-1, -2).unbind(0)
@@ -114,10 +138,18 @@ def _delta_scan(x, h, states, u_prime):
     targets = states.unbind(0)[1:] + (None,)
     states[0] = h
     h = states[0]
+    if low is not None:
+        h_low, u_low = states_low.unbind(0), u_low.view(nc, nh, c, dv).unbind(0)
     for i in range(nc):
-        u_i = u_out[i].baddbmm_(w[i], h, alpha=-1.0)
+        if low is None:
+            u_i = u_out[i].baddbmm_(w[i], h, alpha=-1.0)
+        else:
+            u_i = u_out[i].sub_(torch.bmm(w[i], h_low[i].copy_(h)))
         carried = h if last is None else h * last[i]
-        h = torch.baddbmm(carried, k_t[i], u_i, out=targets[i])
+        if low is None:
+            h = torch.baddbmm(carried, k_t[i], u_i, out=targets[i])
+        else:
+            h = torch.add(carried, torch.bmm(k_t[i], u_low[i].copy_(u_i)), out=targets[i])
     return h
 
 
@@ -127,7 +159,7 @@ def _delta_scan(x, h, states, u_prime):
 FORWARD_GROUP = 128
 
 
-def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True):
+def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True, low: Optional[torch.dtype] = None):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], kept)``;
@@ -136,30 +168,43 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
     wu, inverses)`` with ``wu`` = [W | U'] and ``inverses`` the diagonal-block
     inverses X_j (``[nb, NC·N·H, C/nb, C/nb]``). With ``keep=False`` (no backward
     to come) ``kept`` is None and each group's flattened chunks exist only while
-    it is worked on, so the transient memory is independent of T.
+    it is worked on, so the transient memory is independent of T. ``low`` (bf16,
+    only with ``keep=False``; ``fastweights.ops.precision``) gives the products
+    operands of that dtype; the state, the decays and the triangular solve stay
+    in the inputs' dtype.
     """
+    if low is not None and keep:
+        raise ValueError("chunk_delta_rule_fwd: `low` products are for inference only (keep=False)")
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
     per = max(1, FORWARD_GROUP // (n * nh))
-    states = v.new_empty(nc, n * nh, dk, dv)
+    acc = beta.dtype  # of the state, the solve and every sum (q, k, v may be bf16 with ``low``)
+    states = v.new_empty(nc, n * nh, dk, dv, dtype=acc)
     rows = nc * n * nh
     if keep:
         q_flat, kv_flat = q.new_empty(rows, chunk_size, dk), k.new_empty(rows, chunk_size, dk + dv)
         wu, inverses = v.new_empty(rows, chunk_size, dk + dv), None
-    o = chunk_buffer(v, n, nh, nc, chunk_size)
-    h = v.new_zeros(n * nh, dk, dv) if h0 is None else h0
+    o = chunk_buffer(v, n, nh, nc, chunk_size)  # in v's dtype: bf16 with bf16 inputs and ``low``
+    h = v.new_zeros(n * nh, dk, dv, dtype=acc) if h0 is None else h0
     for c0 in range(0, nc, per):
         c1 = min(c0 + per, nc)
         r0, r1 = c0 * n * nh, c1 * n * nh
         bg, gg = (flat_chunks(t, chunk_size, c0, c1) for t in (beta, g))
-        qg = flat_chunks(q, chunk_size, c0, c1, out=q_flat[r0:r1] if keep else None)
-        kv = _flat_kv(k, v, chunk_size, c0, c1, kv_flat[r0:r1] if keep else None)
-        wu_g = wu[r0:r1] if keep else v.new_empty(r1 - r0, chunk_size, dk + dv)
-        x = _Chunks(qg, kv, bg, gg, scale, backward=False, wu=wu_g)
-        u_prime = v.new_empty(wu_g.shape[:-1] + (dv,))
-        h = _delta_scan(x, h, states[c0:c1], u_prime)
-        og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
+        q_out = q_flat[r0:r1] if keep else (None if low is None else q.new_empty(r1 - r0, chunk_size, dk, dtype=low))
+        qg = flat_chunks(q, chunk_size, c0, c1, out=q_out)
+        kv = _flat_kv(k, v, chunk_size, c0, c1, kv_flat[r0:r1] if keep else None, dtype=low)
+        wu_g = wu[r0:r1] if keep else v.new_empty(r1 - r0, chunk_size, dk + dv, dtype=acc)
+        x = _Chunks(qg, kv, bg, gg, scale, backward=False, wu=wu_g, low=low)
+        u_prime = wu_g.new_empty(wu_g.shape[:-1] + (dv,))
+        if low is None:
+            h = _delta_scan(x, h, states[c0:c1], u_prime)
+            og = torch.bmm(x.scores, u_prime).baddbmm_(x.q_decayed, states[c0:c1].view(-1, dk, dv), alpha=scale)
+        else:  # bf16 copies of the entering states and of U', made in the loop, serve the output's products
+            states_low = states.new_empty((c1 - c0,) + states.shape[1:], dtype=low)
+            u_low = u_prime.new_empty(u_prime.shape, dtype=low)
+            h = _delta_scan(x, h, states[c0:c1], u_prime, low, states_low, u_low)
+            og = torch.bmm(x.scores, u_low).to(acc).add_(torch.bmm(x.q_decayed, states_low.view(-1, dk, dv)), alpha=scale)
         put_chunks(o, og, c0)
         if keep:  # [W | U'] and X_j for the backward
             wu_g[..., dk:] = u_prime
@@ -287,24 +332,25 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
 @torch.library.custom_op("fastweights::chunk_delta_rule_fwd", mutates_args=())
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor],
-    scale: float, chunk_size: int, keep: bool,
+    scale: float, chunk_size: int, keep: bool, bf16_products: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`chunk_delta_rule_fwd` with ``h0 [N, H, K, V]``; the kept tensors are empty when ``keep`` is False."""
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+    low = torch.bfloat16 if bf16_products else None
     with autocast_off(q.device):
-        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep)
+        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep, low)
     return (o, h_final, states) + (kept if keep else tuple(q.new_empty(0) for _ in range(4)))
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep):
+def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False):
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
     rows = nc * n * nh
     o = from_chunk_buffer(chunk_buffer(v, n, nh, nc, chunk_size), t_len)
-    out = (o, v.new_empty(n * nh, dk, dv), v.new_empty(nc, n * nh, dk, dv))
+    out = (o, v.new_empty(n * nh, dk, dv, dtype=beta.dtype), v.new_empty(nc, n * nh, dk, dv, dtype=beta.dtype))
     if not keep:
         return out + tuple(q.new_empty(0) for _ in range(4))
     nb = row_blocks(chunk_size, UT_BLOCKS)
@@ -336,7 +382,7 @@ def _bwd_fake(beta, g, states, q_flat, kv_flat, wu, inverses, do, dh_final, scal
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, beta, g, h0, scale, chunk_size, keep = inputs
+    q, k, v, beta, g, h0, scale, chunk_size, keep, *_ = inputs
     _, _, states, *kept = output
     ctx.save_for_backward(beta, g, states, *kept)
     backward_only(ctx, states, *kept)
@@ -353,14 +399,14 @@ def _backward(ctx, do, dh_final, *unused):
     dq, dk, dv, dbeta, dg, dh0 = _bwd_op(beta, g, states, *kept, do, dh_final, ctx.scale, ctx.chunk_size)
     dg = None if g is None else dg
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, dbeta, dg, dh0, None, None, None
+    return dq, dk, dv, dbeta, dg, dh0, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def delta_rule_chunk(
-    q, k, v, beta, g, h0, scale, chunk_size, keep: Optional[bool] = None
+    q, k, v, beta, g, h0, scale, chunk_size, keep: Optional[bool] = None, low: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The (gated) delta rule's chunk form with its hand-written backward; returns ``(o, h_T)``.
 
@@ -376,12 +422,18 @@ def delta_rule_chunk(
     :func:`~fastweights.ops._backend.backward_can_follow`) says whether to keep
     anything for a backward: nothing is kept for inference.
     Double backward is not supported: use the recurrent or parallel form, which
-    keep plain autograd, for higher derivatives.
+    keep plain autograd, for higher derivatives. ``low=torch.bfloat16`` (set by the
+    front end under :func:`fastweights.ops.bf16_products` for bf16 inputs) gives an
+    inference forward bf16 product operands; it is ignored when a backward may follow.
     """
     if keep is None:
         keep = backward_can_follow(q, k, v, beta, g, h0)
-    o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep)
+    low_products = low is not None and not keep
+    o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep, low_products)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
+
+
+delta_rule_chunk.takes_low_products = True  # run_op passes ``low`` (fastweights.ops.precision)
 
 
 class ChunkDeltaRuleFunction:

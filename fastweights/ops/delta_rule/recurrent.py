@@ -14,29 +14,58 @@ One function serves both: ``g=None`` is the plain delta rule.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 
+from .._backend import backward_can_follow
 from .._fla_compat import fla_inputs
 from .._frontend import run_op
 from ..feature_maps import FeatureMapLike
 from ..step import delta_update
 
 
-def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def low_products_step(q, k, v, beta, g, h, scale, low=torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~fastweights.ops.step.delta_update` with ``low`` product operands
+    (``fastweights.ops.precision``): the reads hᵀk and hᵀq take k, q and h rounded to ``low``,
+    the write k uᵀ takes k and u rounded to ``low``; every sum and the state stay in h's dtype (a product of two bf16 numbers is exact
+    in fp32, so the write is exactly a bf16-operand product)."""
+    shape, (dk, dv) = h.shape, h.shape[-2:]
+    h = h.reshape(-1, dk, dv)
+    if g is not None:
+        h = h * torch.exp(g).reshape(-1, 1, 1)
+    k = k.reshape(-1, 1, dk).to(low)
+    read = torch.bmm(k, h.to(low)).to(h.dtype)
+    u = (v.reshape(-1, 1, dv) - read).mul_(beta.reshape(-1, 1, 1)).to(low)
+    h = torch.addcmul(h, k.transpose(1, 2).to(h.dtype), u.to(h.dtype))
+    o = torch.bmm(q.reshape(-1, 1, dk).to(low), h.to(low)).to(h.dtype).mul_(scale)
+    return o.view(shape[:-2] + (dv,)), h.view(shape)
+
+
+def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, low=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token (gated) delta rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
-    Each token is the public step's arithmetic (:func:`fastweights.ops.step.delta_update`)."""
+    Each token is the public step's arithmetic (:func:`fastweights.ops.step.delta_update`).
+
+    ``low`` (set by the front end under :func:`fastweights.ops.bf16_products` for bf16
+    inputs) runs :func:`low_products_step` instead, unless a backward may follow.
+    """
     n, nh, t_len, dk = k.shape
-    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
+    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1], dtype=beta.dtype)  # bf16 k: fp32 state
+    step = delta_update
+    if low is not None and not backward_can_follow(q, k, v, beta, g, h0):
+        step = functools.partial(low_products_step, low=low)
     outputs = []
     for t in range(t_len):
-        o_t, h = delta_update(
+        o_t, h = step(
             q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], None if g is None else g[:, :, t], h, scale
         )
         outputs.append(o_t)
     o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
     return o, h
+
+
+delta_rule_recurrence.takes_low_products = True  # run_op passes ``low`` (fastweights.ops.precision)
 
 
 def recurrent_delta_rule(

@@ -1,7 +1,7 @@
 """Kimi Delta Attention (KDA), recurrent form: the float64 ground truth of every KDA op.
 
 The gated delta rule with one decay per key channel (Kimi Team 2025, "Kimi Linear",
-arXiv:2510.26692). Per head and token, state h stored K×V (the transpose of the seeds'
+arXiv:2510.26692). Per head and token, state h stored K×V (the transpose of the papers'
 W = Σ v kᵀ, read as hᵀq), α_t = exp(gk_t) ∈ (0, 1]^K::
 
     h'  = diag(α_t) h_{t−1}                                 decay each key channel

@@ -1,0 +1,66 @@
+"""Opt-in bf16 products for the delta rules' PyTorch forms (fp32 accumulation, fp32 state).
+
+By default every op computes in fp32 whatever its inputs (docs/design.md, "Numerics"):
+bf16/fp16 inputs are cast up once and the state is fp32. On a CPU with bf16 matrix
+units (AVX512-BF16, AMX) a bf16 matrix product runs at several times the fp32 rate, so
+a forward may instead feed the products bf16 *operands* (each product accumulates in
+fp32; its result is rounded to bf16 once) while the state, the decays and the
+triangular solve stay fp32. That is this mode:
+
+    with fastweights.ops.bf16_products():
+        o, h = chunk_gated_delta_rule(q_bf16, k_bf16, v_bf16, g, beta, output_final_state=True)
+
+It applies only when all of these hold: the mode is on, the op's inputs are bfloat16
+(as ``torch.autocast(dtype=torch.bfloat16)`` hands them from its projections), the op is
+a delta rule (``chunk_`` or ``recurrent_``/``fused_recurrent_`` form, plain or gated) on
+the PyTorch backend, and no backward follows (grad mode off or no input requires
+grad: training keeps the fp32 path and its hand-written backward). Otherwise the op
+computes in fp32 exactly as without the mode.
+
+Accuracy (tested in ``tests/ops/test_cpu_speed.py``): with bf16 operands the final state
+carries bf16-level error (~1e-3 relative) instead of fp32-level (~1e-7); the output,
+which is returned in bf16 anyway, moves from ~0.3 % to ~0.5 % relative error. Under
+the mode the recurrent form uses bf16 operands too, so the two forms can be compared
+at the same precision, and the chunk form stays within 2× of the recurrence's error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Optional
+
+import torch
+
+_state = threading.local()
+
+
+def bf16_products_enabled() -> bool:
+    """Whether :func:`bf16_products` / :func:`set_bf16_products` switched the mode on (this thread)."""
+    return getattr(_state, "enabled", False)
+
+
+def set_bf16_products(enabled: bool) -> None:
+    """Switch the bf16-products mode on or off for this thread (see the module docstring)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_bf16_products: `enabled` must be a bool, got {type(enabled).__name__}")
+    _state.enabled = enabled
+
+
+@contextlib.contextmanager
+def bf16_products(enabled: bool = True) -> Iterator[None]:
+    """A context in which the delta rules' inference forwards on bf16 inputs use bf16 products."""
+    previous = bf16_products_enabled()
+    set_bf16_products(enabled)
+    try:
+        yield
+    finally:
+        _state.enabled = previous
+
+
+def product_dtype(input_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The operand dtype of an op's products for inputs of ``input_dtype``: bfloat16 under the
+    mode for bf16 inputs, else None (fp32/fp64 operands, the default)."""
+    if input_dtype == torch.bfloat16 and bf16_products_enabled():
+        return torch.bfloat16
+    return None

@@ -1,0 +1,43 @@
+"""``fastweights bench --roofline-only``: the limits and the ops' fractions of them, in one run (tiny shapes)."""
+
+import json
+
+import pytest
+
+from fastweights.bench import chunk_speed
+from fastweights.bench.roofline import chunk_backward_flops, chunk_forward_flops, has_bf16_matmul, op_flops
+
+
+def test_flop_counts_per_head_and_chunk():
+    # C = 64, K = V = 128: Q Kᵀ, K Kᵀ, W (3 × 2·64²·128), U, P U' (2 × 2·64²·128), three C·K·V products, C³/3
+    assert chunk_forward_flops(64, 128, 128) == 3 * 1048576 + 2 * 1048576 + 3 * 2097152 + 262144 / 3
+    assert chunk_backward_flops(64, 128, 128) == 5 * 1048576 + 4 * 1048576 + 6 * 2097152
+    # K != V keeps the terms apart; a partial chunk counts as a whole one
+    assert chunk_forward_flops(2, 3, 5) == 2 * (3 * 4 * 3 + 2 * 4 * 5 + 3 * 2 * 3 * 5) + 8 / 3
+    assert op_flops(2, 3, 65, 8, 8, 64) == 2 * 3 * 2 * chunk_forward_flops(64, 8, 8)
+    assert op_flops(1, 1, 64, 8, 8, 64, backward=True) == chunk_forward_flops(64, 8, 8) + chunk_backward_flops(64, 8, 8)
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_roofline_only_writes_every_row_with_its_fraction(tmp_path, clock, one_thread):
+    out = tmp_path / "roofline.json"
+    argv = ["--roofline-only", "--roofline-T", "64", "--roofline-heads", "1", "--roofline-head-dim", "16",
+            "--chunk-size", "32", "--decode-batch", "1", "--repeats", "1", "--threads", "1", "--clock", clock,
+            "--json", str(out)]
+    assert chunk_speed.main(argv) == 0
+    result = json.loads(out.read_text())["roofline"]
+    assert result["clock"] == clock and result["shape"]["K"] == 16
+    limits = {n: lim["rate"] for n, lim in result["limits"].items()}
+    assert {"matmul_fp32_tile_state", "matmul_fp32_square_1024", "copy_state", "copy_64MiB"} <= set(limits)
+    assert all(rate > 0 for rate in limits.values())
+    ops = {r["op"] for r in result["rows"]}
+    expected = {f"{name} {mode}" for name in ("chunk_delta_rule", "chunk_gated_delta_rule") for mode in ("fwd fp32", "fwd+bwd fp32")}
+    if has_bf16_matmul("cpu"):
+        expected |= {"chunk_delta_rule fwd bf16 products", "chunk_gated_delta_rule fwd bf16 products"}
+        assert "matmul_bf16_tile_state" in limits and set(result["bf16_speedup_over_fp32"]) == {"chunk_delta_rule", "chunk_gated_delta_rule"}
+    assert expected <= ops and sum(op.startswith("decode") for op in ops) == 3
+    for row in result["rows"]:
+        assert row["rate"] > 0 and row["ms_min"] > 0
+        for limit, fraction in row["fraction_of"].items():
+            assert fraction == pytest.approx(row["rate"] / limits[limit])
+        assert row["unit"] == ("GB/s" if row["op"].startswith("decode") else "GFLOP/s")
