@@ -60,7 +60,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-import torch
 
 from ..layers import AttentionState, FastWeightState
 from ..layers.common import WindowInputs
