@@ -56,3 +56,29 @@ def test_cli_bench_lm_writes_json(tmp_path):
     r = json.loads(path.read_text())
     assert {row["mixer"] for row in r["train"]} == {"deltanet", "softmax"}
     assert r["meta"]["clock"] == "cpu" and len(r["meta"]["load_average"]) == 3
+
+
+def test_quick_realistic_row(tmp_path):
+    """``--realistic`` adds the DeltaNet-vs-softmax row (tiny with ``--quick``) and its target; keys stay."""
+    path = tmp_path / "lm.json"
+    rc = cli_main(["bench", "--lm", "--quick", "--realistic", "--mixers", "deltanet", "softmax", "--d-model", "16",
+                   "--layers", "1", "--lm-heads", "2", "--threads", "1", "--clock", "cpu", "--json", str(path)])
+    assert rc == 0
+    r = json.loads(path.read_text())
+    assert {"meta", "train", "decode", "targets"} <= set(r)
+    shape = lm_bench.QUICK_REALISTIC
+    assert r["meta"]["realistic_shape"]["d_model"] == shape["d_model"]
+    rows = {row["mixer"]: row for row in r["realistic"]}
+    assert set(rows) == set(lm_bench.REALISTIC_MIXERS)
+    for row in rows.values():
+        assert (row["T"], row["B"], row["d_model"], row["n_heads"]) == (shape["T"], shape["B"], shape["d_model"], shape["n_heads"])
+        assert row["head_dim"] * row["n_heads"] == row["d_model"] and row["ms_min"] > 0
+    assert rows["softmax"]["ratio_to_softmax"] == 1.0
+    assert rows["deltanet"]["ratio_to_softmax"] == rows["deltanet"]["ms_min"] / rows["softmax"]["ms_min"]
+    target = [t for t in r["targets"] if t["target"].startswith("realistic")]
+    assert len(target) == 1 and target[0]["got"] == rows["deltanet"]["ratio_to_softmax"] and target[0]["want_at_most"] == 1.0
+
+
+def test_realistic_row_off_by_default(quick_result):
+    assert "realistic" not in quick_result and "realistic_shape" not in quick_result["meta"]
+    assert lm_bench.REALISTIC == dict(d_model=1024, n_heads=8, n_layers=2, T=2048, B=1)
