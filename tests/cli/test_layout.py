@@ -185,3 +185,38 @@ def test_every_name_the_training_room_lists_resolves():
 
     missing = [n for n in training.__all__ if not hasattr(training, n)]
     assert missing == [] and set(training.__all__) <= set(dir(training))
+
+
+REPO = PACKAGE.parent
+
+
+def _tracked_text_files():
+    """The repository's tracked text files (empty where this is not a git checkout)."""
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    keep = (".py", ".md", ".toml", ".js", ".html", ".css", "Makefile", ".ci/run")
+    return [REPO / name for name in out.stdout.splitlines() if name.endswith(keep)]
+
+
+def test_the_readme_stays_short():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    print(f"README.md: {len(lines)} lines")
+    assert len(lines) <= 350
+
+
+def test_no_file_points_at_a_tracker_or_a_document_readers_do_not_have():
+    """Readers of the repository have neither the issue tracker nor the texts it was built from."""
+    import re
+
+    files = _tracked_text_files()
+    if not files:
+        pytest.skip("not a git checkout")
+    pattern = re.compile(r"\b[Ii]ssues? ?#?[0-9]+\b|\.\./shared|\bDESIGN\.md|seed text")
+    hits = [f"{path.relative_to(REPO)}:{n}" for path in files for n, line in
+            enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+            if pattern.search(line) and path.name != "test_layout.py"]
+    assert not hits, hits[:20]
