@@ -8,6 +8,10 @@ A config class derives from :class:`Config` and is a ``@dataclass`` whose
 - ``from_json`` / ``to_json`` read and write a file (plain JSON, never code);
 - :func:`add_config_arguments` / :func:`overrides_from_args` turn each field into
   a ``--field-name`` command-line flag whose value overrides the file.
+- :func:`flag` declares one field's flag in its metadata (a name, argparse options, a
+  parser, a default taken from another field); :func:`add_declared_arguments` /
+  :func:`config_from_declared` turn the declared fields (nested configs included) into
+  flags and back into a config: the studies' command lines.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import json
 import os
 import tempfile
 import typing
-from typing import Any, Dict, Type, TypeVar
+from typing import Any, Dict, Tuple, Type, TypeVar
 
 C = TypeVar("C", bound="Config")
 
-__all__ = ["Config", "add_config_arguments", "overrides_from_args", "atomic_write_text", "check_int", "check_ints", "is_int"]
+__all__ = ["Config", "add_config_arguments", "overrides_from_args", "flag", "NESTED_FLAGS", "add_declared_arguments",
+           "declared_overrides", "config_from_declared", "atomic_write_text", "check_int", "check_ints", "is_int"]
 
 
 def is_int(value: Any) -> bool:
@@ -209,3 +214,101 @@ def overrides_from_args(args: argparse.Namespace, cls: Type[Config]) -> Dict[str
         if owner == cls.__name__:
             out[name] = _parse_value(raw, hints[name], name.replace("_", "-"))
     return out
+
+
+# -- declared flags: a field names its own flag -----------------------------------------------
+
+
+def flag(name: "str | None" = None, *, help: str, parse: Any = None, default_from: "str | None" = None,
+         **argparse_options: Any) -> Dict[str, Any]:
+    """Field metadata declaring a field's command-line flag, for :func:`add_declared_arguments`.
+
+    Use as ``field(default=..., metadata=flag("--widths", type=int, nargs="+", parse=tuple, help=...))``.
+
+    Args:
+        name: the flag (default ``--field-name``).
+        help: the help text, shown as written.
+        parse: turns argparse's value into the field's value (e.g. ``tuple``); it may raise
+            ``ValueError`` with a message naming the flag.
+        default_from: a field whose value this one takes when its flag is not given (or parses
+            to ``None``), e.g. a value width that follows the key width.
+        argparse_options: passed to ``add_argument`` (``type``, ``nargs``, ``choices``,
+            ``action``, ``metavar``); the flag is absent from the namespace unless given.
+    """
+    return {"flag": {"name": name, "help": help, "parse": parse, "default_from": default_from,
+                     "options": argparse_options}}
+
+
+NESTED_FLAGS = {"nested_flags": True}
+"""Field metadata: the field is a dataclass whose declared flags are the parent's flags too."""
+
+
+def _declared(cls: type, prefix: str = ""):
+    """``(field, dest, nested class or None)`` for every field of ``cls`` with declared flags."""
+    for f in dataclasses.fields(cls):
+        dest = f"{prefix or cls.__name__}.{f.name}"
+        if f.metadata.get("nested_flags"):  # the nested class is its default's
+            yield f, dest, type(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+        elif "flag" in f.metadata:
+            yield f, dest, None
+
+
+def add_declared_arguments(parser: argparse.ArgumentParser, cls: type, order: Tuple[str, ...] = ()) -> None:
+    """Add to ``parser`` the flag of each field of the dataclass ``cls`` declared with :func:`flag`
+    (and those of its fields marked :data:`NESTED_FLAGS`); a flag is absent from the parsed
+    namespace unless given, so the config's own default (or a preset's) stands.
+
+    Flags follow the fields' order, except that the fields named in ``order`` (``"train.d_key"``
+    for a nested one) come first, in that order: a command keeps its established help.
+    """
+    flags = list(_flags(cls))
+    rank = {name: i for i, name in enumerate(order)}
+    for _path, f, dest in sorted(flags, key=lambda item: rank.get(item[0], len(rank))):
+        spec = f.metadata["flag"]
+        name = spec["name"] or "--" + f.name.replace("_", "-")
+        options = dict(spec["options"])
+        if "choices" not in options and options.get("action") is None:
+            options.setdefault("metavar", name.lstrip("-").replace("-", "_").upper())
+        parser.add_argument(name, dest=dest, default=argparse.SUPPRESS, help=spec["help"], **options)
+
+
+def _flags(cls: type, prefix: str = "", path: str = ""):
+    """``(dotted field path, field, dest)`` of every declared flag of ``cls``, nested ones included."""
+    for f, dest, nested in _declared(cls, prefix):
+        if nested is not None:
+            yield from _flags(nested, dest, f"{path}{f.name}.")
+        else:
+            yield f"{path}{f.name}", f, dest
+
+
+def declared_overrides(args: argparse.Namespace, cls: type, _prefix: str = "") -> Dict[str, Any]:
+    """The fields of ``cls`` whose declared flags were given, parsed; a nested config's as a dict."""
+    values, out = vars(args), {}
+    for f, dest, nested in _declared(cls, _prefix):
+        if nested is not None:
+            sub = declared_overrides(args, nested, dest)
+            if sub:
+                out[f.name] = sub
+        elif dest in values:
+            parse = f.metadata["flag"]["parse"]
+            out[f.name] = parse(values[dest]) if parse else values[dest]
+    return out
+
+
+def config_from_declared(args: argparse.Namespace, cls: type, make: Any = None, **fixed: Any) -> Any:
+    """``make(**fixed, **overrides)`` (``make`` defaults to ``cls``, e.g. ``cls.full`` for a preset)
+    with the declared flags given in ``args``: a nested config starts from the one ``make()``
+    builds, and a ``default_from`` field not given takes its source's value."""
+    make = make or cls
+    overrides = {**fixed, **declared_overrides(args, cls)}
+    base = None
+    for f, _, nested in _declared(cls):
+        if nested is not None and f.name in overrides:
+            base = base or make()
+            inner = getattr(base, f.name)
+            kept = {g.name: getattr(inner, g.name) for g in dataclasses.fields(inner)}
+            overrides[f.name] = type(inner)(**{**kept, **overrides[f.name]})
+        source = f.metadata.get("flag", {}).get("default_from")
+        if source and overrides.get(f.name) is None:
+            overrides[f.name] = overrides[source] if source in overrides else getattr(base or make(), source)
+    return make(**overrides)

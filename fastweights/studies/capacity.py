@@ -90,14 +90,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ..config import check_int, check_ints
+from ..config import add_declared_arguments, check_int, check_ints, config_from_declared, flag
 from ..ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_linear_attn, softmax_attn
 from ._report import BRANCHES, CellCache, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, save_result, torch_generator, torch_threads
 
@@ -126,18 +126,20 @@ class CapacityConfig:
     """
 
     root_seed: int = 0
-    branch: str = "heldout"
+    branch: str = field(default="heldout", metadata=flag(
+        choices=BRANCHES, help="seed branch: the development branches dev1, dev2 or the held-out branch (default)"))
     eta: float = 0.20
     priority_rate: float = 0.25
     ordinary_gate: float = 0.10
     dims: Tuple[int, ...] = (8, 16, 32)
     loads: Tuple[float, ...] = (0.5, 1, 2, 4, 8)
-    repetitions: int = 30
+    repetitions: int = field(default=30, metadata=flag(type=int, help="trials per cell (protocol: 30)"))
     headline_load: float = 8
     arms: Tuple[str, ...] = ARMS
-    sweep_widths: Tuple[int, ...] = (4, 8, 16, 32, 64)
+    sweep_widths: Tuple[int, ...] = field(default=(4, 8, 16, 32, 64), metadata=flag(
+        "--widths", type=int, nargs="+", parse=tuple, help="widths of the exercise's sweep (default 4 8 16 32 64; --full adds 128)"))
     softmax_scale: float = 1000.0
-    gamma: float = 0.995
+    gamma: float = field(default=0.995, metadata=flag(type=float, help="γ of the fading and RLS arms (default 0.995)"))
     ridge: float = 1e-6
     chunk_size: int = 64
     threads: Optional[int] = 1
@@ -566,20 +568,8 @@ run = run_capacity
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--branch", default="heldout", choices=BRANCHES,
-                        help="seed branch: the development branches dev1, dev2 or the held-out branch (default)")
-    parser.add_argument("--repetitions", type=int, default=None, help="trials per cell (protocol: 30)")
-    parser.add_argument("--gamma", type=float, default=None, help="γ of the fading and RLS arms (default 0.995)")
-    parser.add_argument("--widths", type=int, nargs="+", default=None,
-                        help="widths of the exercise's sweep (default 4 8 16 32 64; --full adds 128)")
+    add_declared_arguments(parser, CapacityConfig, order=("branch", "repetitions", "gamma"))
 
 
 def config_from_args(args) -> CapacityConfig:
-    overrides = {"root_seed": args.root_seed, "branch": args.branch}
-    if args.repetitions is not None:
-        overrides["repetitions"] = args.repetitions
-    if args.gamma is not None:
-        overrides["gamma"] = args.gamma
-    if args.widths is not None:
-        overrides["sweep_widths"] = tuple(args.widths)
-    return CapacityConfig.full(**overrides) if args.full else CapacityConfig(**overrides)
+    return config_from_declared(args, CapacityConfig, CapacityConfig.full if args.full else None, root_seed=args.root_seed)

@@ -50,13 +50,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..config import check_int, check_ints
+from ..config import add_declared_arguments, check_int, check_ints, config_from_declared, flag
 from ..ops import (
     KVCache,
     chunk_delta_rule,
@@ -111,21 +111,31 @@ class CostsConfig:
     contexts: Tuple[int, ...] = (256, 1024, 4096)
     repeats: int = 30
     gamma: float = 0.995
-    layers: int = 32
-    heads: int = 32
-    head_dim_k: int = 128
-    head_dim_v: int = 128
-    kv_dtype: str = "bfloat16"
-    state_dtype: Optional[str] = None
-    softmax_layers: int = 4
+    layers: int = field(default=32, metadata=flag(type=int, help="calculator: layers (default 32)"))
+    heads: int = field(default=32, metadata=flag(type=int, help="calculator: heads per layer (default 32)"))
+    head_dim_k: int = field(default=128, metadata=flag("--head-dim", type=int, help="calculator: d_k = d_v per head (default 128)"))
+    head_dim_v: int = field(default=128, metadata=flag(
+        "--value-dim", type=int, parse=lambda v: v or None, default_from="head_dim_k",
+        help="calculator: d_v if it differs from d_k"))
+    kv_dtype: str = field(default="bfloat16", metadata=flag("--dtype", choices=sorted(DTYPE_BYTES), help="calculator: KV-cache dtype"))
+    state_dtype: Optional[str] = field(default=None, metadata=flag(
+        choices=sorted(DTYPE_BYTES), help="calculator: fixed-state dtype (default: the KV cache's, to compare at one precision; "
+                                       "fastweights' ops keep float32)"))
+    softmax_layers: int = field(default=4, metadata=flag(type=int, help="calculator: softmax layers of the hybrid (0: none)"))
     calc_contexts: Tuple[int, ...] = tuple(2**p for p in range(10, 21))
-    budget_gib: float = 80.0
-    weights: bool = False
-    d_model: Optional[int] = None
-    d_ff: Optional[int] = None
-    vocab_size: int = 32000
+    budget_gib: float = field(default=80.0, metadata=flag(
+        type=float, help="calculator: memory (GiB) to count sessions against"))
+    weights: bool = field(default=False, metadata=flag(
+        action="store_true", help="calculator: count the model's weights (once per device) against the budget"))
+    d_model: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="calculator, --weights: d_model (default heads × head dim)"))
+    d_ff: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="calculator, --weights: MLP width (default SwiGLU 8/3·d_model)"))
+    vocab_size: int = field(default=32000, metadata=flag(
+        type=int, help="calculator, --weights: vocabulary (default 32000)"))
     tied_embeddings: bool = False
-    weight_dtype: Optional[str] = None
+    weight_dtype: Optional[str] = field(default=None, metadata=flag(
+        choices=sorted(DTYPE_BYTES), help="calculator, --weights: dtype of the weights (default: the KV cache's)"))
     check_lm: bool = True
     threads: Optional[int] = 1
 
@@ -624,28 +634,8 @@ run = run_costs
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--layers", type=int, default=32, help="calculator: layers (default 32)")
-    parser.add_argument("--heads", type=int, default=32, help="calculator: heads per layer (default 32)")
-    parser.add_argument("--head-dim", type=int, default=128, help="calculator: d_k = d_v per head (default 128)")
-    parser.add_argument("--value-dim", type=int, default=None, help="calculator: d_v if it differs from d_k")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="calculator: KV-cache dtype")
-    parser.add_argument("--state-dtype", default=None, choices=sorted(DTYPE_BYTES),
-                        help="calculator: fixed-state dtype (default: the KV cache's, to compare at one precision; "
-                             "fastweights' ops keep float32)")
-    parser.add_argument("--softmax-layers", type=int, default=4, help="calculator: softmax layers of the hybrid (0: none)")
-    parser.add_argument("--budget-gib", type=float, default=80.0, help="calculator: memory (GiB) to count sessions against")
-    parser.add_argument("--weights", action="store_true",
-                        help="calculator: count the model's weights (once per device) against the budget")
-    parser.add_argument("--d-model", type=int, default=None, help="calculator, --weights: d_model (default heads × head dim)")
-    parser.add_argument("--d-ff", type=int, default=None, help="calculator, --weights: MLP width (default SwiGLU 8/3·d_model)")
-    parser.add_argument("--vocab-size", type=int, default=32000, help="calculator, --weights: vocabulary (default 32000)")
-    parser.add_argument("--weight-dtype", default=None, choices=sorted(DTYPE_BYTES),
-                        help="calculator, --weights: dtype of the weights (default: the KV cache's)")
+    add_declared_arguments(parser, CostsConfig)
 
 
 def config_from_args(args) -> CostsConfig:
-    overrides = dict(root_seed=args.root_seed, layers=args.layers, heads=args.heads, head_dim_k=args.head_dim,
-                     head_dim_v=args.value_dim or args.head_dim, kv_dtype=args.dtype, state_dtype=args.state_dtype,
-                     softmax_layers=args.softmax_layers, budget_gib=args.budget_gib, weights=args.weights,
-                     d_model=args.d_model, d_ff=args.d_ff, vocab_size=args.vocab_size, weight_dtype=args.weight_dtype)
-    return CostsConfig.full(**overrides) if args.full else CostsConfig(**overrides)
+    return config_from_declared(args, CostsConfig, CostsConfig.full if args.full else None, root_seed=args.root_seed)

@@ -49,14 +49,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..config import check_int
+from ..config import add_declared_arguments, check_int, config_from_declared, flag
 from ..tasks.mqar import MQAR
 from ..tasks.recall import IGNORE
 from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
@@ -73,35 +73,62 @@ TABLE_COLUMNS = ("short_conv", "mixer", "d_model", "seq_len", "num_kv_pairs", "s
                  "accuracy", "loss", "steps", "stop", "parameters", "seconds")
 
 
+# ``--short-conv``: which short-convolution settings to run.
+SHORT_CONV = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def _parse_cells(cells: List[str]) -> Tuple[Tuple[int, int], ...]:
+    """``--cells`` entries ``T:D`` as ``((T, D), ...)``; a ``ValueError`` naming the flag otherwise."""
+    try:
+        parsed = tuple(tuple(int(x) for x in c.split(":")) for c in cells)
+    except ValueError:
+        parsed = ()
+    if not parsed or any(len(c) != 2 for c in parsed):
+        raise ValueError(f"`--cells` entries must be T:D (two ints), got {cells!r}")
+    return parsed
+
+
 @dataclass
 class MQARConfig:
     """The sweep: every ``cells`` entry (seq_len, num_kv_pairs) × ``d_models`` × ``mixers`` ×
     ``short_conv`` setting, with the learning-rate sweep and ``seeds`` seeds (see the module docstring)."""
 
     root_seed: int = 0
-    mixers: Tuple[str, ...] = MIXERS
-    d_models: Tuple[int, ...] = (64,)
-    cells: Tuple[Tuple[int, int], ...] = ((128, 8),)
-    short_conv: Tuple[bool, ...] = (True,)
+    mixers: Tuple[str, ...] = field(default=MIXERS, metadata=flag(
+        nargs="+", choices=MIXERS, parse=tuple, help="which models to train"))
+    d_models: Tuple[int, ...] = field(default=(64,), metadata=flag(
+        "--d-model", type=int, nargs="+", parse=tuple, help="model widths (default 64)"))
+    cells: Tuple[Tuple[int, int], ...] = field(default=((128, 8),), metadata=flag(
+        nargs="+", metavar="T:D", parse=_parse_cells,
+        help="sequence length and key-value pairs of each cell (default 128:8; --full: 512:64)"))
+    short_conv: Tuple[bool, ...] = field(default=(True,), metadata=flag(
+        choices=tuple(SHORT_CONV), parse=SHORT_CONV.get,
+        help="short convolution on q, k, v of every mixer, softmax included (default on, the headline; --full: both)"))
     n_layers: int = 2
     n_heads: int = 1
-    vocab_size: int = 128
+    vocab_size: int = field(default=128, metadata=flag(type=int, help="vocabulary (default 128; --full: 8192)"))
     power_a: float = 0.01
-    lrs: Tuple[float, ...] = QUICK_LRS
-    seeds: int = 3
-    max_steps: int = 1500
+    lrs: Tuple[float, ...] = field(default=QUICK_LRS, metadata=flag(
+        type=float, nargs="+", parse=tuple, help=f"learning rates to sweep (default {' '.join(f'{x:g}' for x in QUICK_LRS)}; "
+                                                 f"--full: {' '.join(f'{x:g}' for x in LRS)})"))
+    seeds: int = field(default=3, metadata=flag(type=int, help="seeds at the kept learning rate (default 3)"))
+    max_steps: int = field(default=1500, metadata=flag(type=int, help="step budget per model"))
     batch_size: int = 32
     weight_decay: float = 0.1
     eval_every: int = 50
     early_stop: float = 0.99
-    patience: Optional[int] = 4
+    patience: Optional[int] = field(default=4, metadata=flag(
+        type=int, parse=lambda v: v or None, help="stop a run after this many evaluations without a 1%% fall of its "
+                                                  "validation loss (default 4; 0: never)"))
     min_delta: float = 0.01
     val_size: int = 256
     test_size: int = 1000
     rope_theta: float = 10000.0
     init_std: float = 0.02
-    threads: Optional[int] = 1
-    workers: int = 2
+    threads: Optional[int] = field(default=1, metadata=flag(type=int, help="torch threads per training run (default 1)"))
+    workers: int = field(default=2, metadata=flag(
+        type=int, help="training runs at once, each in its own process (default 2; --full: 1); the results do not "
+                       "depend on it"))
 
     def __post_init__(self) -> None:
         check_int("MQARConfig", "root_seed", self.root_seed, minimum=0, what="a non-negative int")
@@ -468,49 +495,9 @@ run = run_mqar
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--d-model", type=int, nargs="+", default=None, help="model widths (default 64)")
-    parser.add_argument("--mixers", nargs="+", default=None, choices=MIXERS, help="which models to train")
-    parser.add_argument("--short-conv", choices=("off", "on", "both"), default=None,
-                        help="short convolution on q, k, v of every mixer, softmax included (default on, the headline; "
-                             "--full: both)")
-    parser.add_argument("--cells", nargs="+", default=None, metavar="T:D",
-                        help="sequence length and key-value pairs of each cell (default 128:8; --full: 512:64)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default 128; --full: 8192)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=None,
-                        help=f"learning rates to sweep (default {' '.join(f'{x:g}' for x in QUICK_LRS)}; "
-                             f"--full: {' '.join(f'{x:g}' for x in LRS)})")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds at the kept learning rate (default 3)")
-    parser.add_argument("--max-steps", type=int, default=None, help="step budget per model")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per training run (default 1)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="training runs at once, each in its own process (default 2; --full: 1); the results "
-                             "do not depend on it")
-    parser.add_argument("--patience", type=int, default=None,
-                        help="stop a run after this many evaluations without a 1%% fall of its validation loss "
-                             "(default 4; 0: never)")
+    add_declared_arguments(parser, MQARConfig, order=("d_models", "mixers", "short_conv", "cells", "vocab_size", "lrs", "seeds", "max_steps",
+                                                 "threads", "workers"))
 
 
 def config_from_args(args) -> MQARConfig:
-    overrides = {"root_seed": args.root_seed}
-    if args.d_model is not None:
-        overrides["d_models"] = tuple(args.d_model)
-    if args.mixers is not None:
-        overrides["mixers"] = tuple(args.mixers)
-    if args.short_conv is not None:
-        overrides["short_conv"] = {"off": (False,), "on": (True,), "both": (False, True)}[args.short_conv]
-    if args.cells is not None:
-        try:
-            overrides["cells"] = tuple(tuple(int(x) for x in c.split(":")) for c in args.cells)
-        except ValueError:
-            raise ValueError(f"`--cells` entries must be T:D (two ints), got {args.cells!r}") from None
-        if any(len(c) != 2 for c in overrides["cells"]):
-            raise ValueError(f"`--cells` entries must be T:D (two ints), got {args.cells!r}")
-    if args.lrs is not None:
-        overrides["lrs"] = tuple(args.lrs)
-    if args.patience is not None:
-        overrides["patience"] = args.patience or None
-    for name, value in (("seeds", args.seeds), ("max_steps", args.max_steps), ("threads", args.threads),
-                        ("vocab_size", args.vocab_size), ("workers", args.workers)):
-        if value is not None:
-            overrides[name] = value
-    return MQARConfig.full(**overrides) if args.full else MQARConfig(**overrides)
+    return config_from_declared(args, MQARConfig, MQARConfig.full if args.full else None, root_seed=args.root_seed)

@@ -66,7 +66,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import check_int, is_int
+from ..config import NESTED_FLAGS, add_declared_arguments, check_int, config_from_declared, flag, is_int
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..ops.feature_maps import normalize_qk
 from ..tasks.retrieval import RetrievalBatch, RetrievalTask
@@ -218,15 +218,17 @@ class MemoryTrainConfig:
     """How one memory is trained: Adam until the evaluation loss is clean (≤ ``clean_loss``),
     or has not improved by 1% for ``patience`` evaluations, or ``max_steps`` are spent."""
 
-    d_key: int = 8
+    d_key: int = field(default=8, metadata=flag(type=int, help="key width (default 8; --full: 64, the paper's)"))
     batch_size: int = 32
     lr: float = 1e-2
-    max_steps: int = 3000
+    max_steps: int = field(default=3000, metadata=flag(type=int, help="step budget per memory"))
     eval_every: int = 50
     eval_batch: int = 128
     eval_forwards: int = 20
     patience: int = 6
-    projections: str = "tied"
+    projections: str = field(default="tied", metadata=flag(
+        choices=PROJECTIONS, help="key/query projections: tied (one W_k, the quick default) or paper (W_k [onehot(v); e] + b "
+                                  "and a separate W_q + b, as Schlag et al.'s code; the --full default)"))
     clean_loss: float = CLEAN_LOSS
 
     def __post_init__(self) -> None:
@@ -299,8 +301,8 @@ class RetrievalConfig:
     """
 
     root_seed: int = 0
-    seeds: int = 3
-    train: MemoryTrainConfig = field(default_factory=MemoryTrainConfig)
+    seeds: int = field(default=3, metadata=flag(type=int, help="seeds per arm (default 3)"))
+    train: MemoryTrainConfig = field(default_factory=MemoryTrainConfig, metadata=NESTED_FLAGS)
     arms: Tuple[str, ...] = ARMS
     sizes: Tuple[int, ...] = (4, 8, 12, 16, 24, 32, 40, 48, 64)
     sweep_patience: int = 1
@@ -312,7 +314,7 @@ class RetrievalConfig:
     setting2_pairs: int = 40
     setting2_queries: int = 4
     setting2_max_steps: int = 3000
-    threads: Optional[int] = 1
+    threads: Optional[int] = field(default=1, metadata=flag(type=int, help="torch threads while training (default 1)"))
 
     def __post_init__(self) -> None:
         for name in ("root_seed", "seeds", "sweep_patience", "setting2_d_key", "setting2_max_steps"):
@@ -534,22 +536,9 @@ run = run_retrieval
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--d-key", type=int, default=None, help="key width (default 8; --full: 64, the paper's)")
-    parser.add_argument("--max-steps", type=int, default=None, help="step budget per memory")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads while training (default 1)")
-    parser.add_argument("--projections", choices=PROJECTIONS, default=None,
-                        help="key/query projections: tied (one W_k, the quick default) or paper (W_k [onehot(v); e] + b "
-                             "and a separate W_q + b, as Schlag et al.'s code; the --full default)")
+    add_declared_arguments(parser, RetrievalConfig, order=("train.d_key", "train.max_steps", "seeds", "threads"))
 
 
 def config_from_args(args) -> RetrievalConfig:
-    base = RetrievalConfig.full() if args.full else RetrievalConfig()
-    updates = {k: v for k, v in (("d_key", args.d_key), ("max_steps", args.max_steps),
-                                 ("projections", getattr(args, "projections", None))) if v is not None}
-    overrides = {"root_seed": args.root_seed, "train": MemoryTrainConfig(**{**asdict(base.train), **updates})}
-    if args.seeds is not None:
-        overrides["seeds"] = args.seeds
-    if args.threads is not None:
-        overrides["threads"] = args.threads
-    return RetrievalConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **overrides})
+    return config_from_declared(args, RetrievalConfig, RetrievalConfig.full if args.full else None,
+                                root_seed=args.root_seed)
