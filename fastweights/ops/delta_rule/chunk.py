@@ -42,6 +42,7 @@ from .._backend import backward_can_follow
 from .._dispatch import run_chunk_delta
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off
+from .. import cpu as cpu_kernels
 from ..feature_maps import FeatureMapLike
 from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
@@ -159,6 +160,26 @@ def _delta_scan(x, h, states, u_prime, low=None, states_low=None, u_low=None):
 FORWARD_GROUP = 128
 
 
+def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
+    """:func:`chunk_delta_rule_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_delta.cpp``:
+    the same algebra, one (sequence, head) per task), or None where it does not apply: not the
+    CPU, not fp32/fp64 throughout, bf16 products, T = 0, or the kernels off or unbuilt."""
+    if low is not None or q.device.type != "cpu" or k.shape[2] == 0:
+        return None
+    dtype = v.dtype
+    if dtype not in (torch.float32, torch.float64) or any(
+        t is not None and t.dtype != dtype for t in (q, k, beta, g, h0)
+    ):
+        return None
+    mod = cpu_kernels.kernels()
+    if mod is None:
+        return None
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    nb = row_blocks(chunk_size, UT_BLOCKS)
+    o, h, states, *kept = mod.chunk_delta_fwd(q, k, v, beta, g, h0, float(scale), int(chunk_size), nb, bool(keep))
+    return from_chunk_buffer(o, k.shape[2]), h, states, (tuple(kept) if keep else None)
+
+
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True, low: Optional[torch.dtype] = None):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
@@ -175,6 +196,9 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
     """
     if low is not None and keep:
         raise ValueError("chunk_delta_rule_fwd: `low` products are for inference only (keep=False)")
+    native = _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low)
+    if native is not None:
+        return native
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)

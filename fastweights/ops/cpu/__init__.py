@@ -1,0 +1,133 @@
+"""Compiled CPU kernels (C++, built once on first use and cached): the fast path on the CPU.
+
+``chunk_delta.cpp`` runs the (gated) delta rule's chunk forward one (sequence, head) per
+task, each product one BLAS call on a whole tile; the PyTorch path in
+``fastweights/ops/delta_rule/chunk.py`` is the same algebra and stays the fallback.
+
+The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
+needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`` too) into
+``$FASTWEIGHTS_CACHE`` (default ``~/.cache/fastweights``), in a folder named by a hash of the
+sources, the torch version and the CPU, so a changed source or machine builds anew and
+never loads a stale library. Nothing here runs at ``import fastweights``: the first CPU
+chunk call builds (about 30 s) or loads it. If the build fails, or
+``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once
+in a one-line warning and never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["available", "kernels", "enabled", "set_enabled", "build", "status"]
+
+_SOURCES = ("chunk_delta.cpp",)
+_HERE = Path(__file__).resolve().parent
+_lock = threading.Lock()
+_module = None
+_error: Optional[str] = None
+_tried = False
+_enabled_override: Optional[bool] = None
+
+
+def _cpu_signature() -> str:
+    """The CPU model and ISA flags (the build uses ``-march=native``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "".join(lines)
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_HERE / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    h.update(_cpu_signature().encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where the compiled kernels are kept: ``$FASTWEIGHTS_CACHE/cpu_kernels/<key>``."""
+    root = os.environ.get("FASTWEIGHTS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastweights")
+    return Path(root) / "cpu_kernels" / _build_key()
+
+
+def enabled() -> bool:
+    """Whether CPU chunk calls may use the compiled kernels (``FASTWEIGHTS_CPU_KERNELS=0`` or
+    :func:`set_enabled(False) <set_enabled>` turns them off; the PyTorch path then runs)."""
+    if _enabled_override is not None:
+        return _enabled_override
+    return os.environ.get("FASTWEIGHTS_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_enabled(flag: Optional[bool]) -> None:
+    """Turn the compiled kernels on or off for this process (``None``: back to the environment's choice)."""
+    global _enabled_override
+    _enabled_override = None if flag is None else bool(flag)
+
+
+def build(verbose: bool = False):
+    """Compile (or load the cached build of) the kernels; returns the module or None, never raises."""
+    global _module, _error, _tried
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        try:
+            from torch.utils.cpp_extension import load
+
+            folder = cache_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            if not any(folder.glob("*.so")):
+                print("fastweights: compiling the CPU kernels once (about 30 s) into " + str(folder), file=sys.stderr)
+            _module = load(
+                name="fastweights_cpu_" + folder.name,
+                sources=[str(_HERE / s) for s in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fno-math-errno"],
+                build_directory=str(folder),
+                verbose=verbose,
+            )
+        except Exception as exc:  # a missing compiler, ninja or header: fall back, say so once
+            _module = None
+            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            warnings.warn(
+                f"fastweights: the compiled CPU kernels are unavailable ({_error}); using the PyTorch path",
+                RuntimeWarning, stacklevel=3,
+            )
+        return _module
+
+
+def kernels():
+    """The compiled module when enabled and built (building it on the first call), else None."""
+    if not enabled():
+        return None
+    if _tried:
+        return _module
+    return build()
+
+
+def available() -> bool:
+    """Whether the compiled CPU kernels are enabled and built (builds them on the first call)."""
+    return kernels() is not None
+
+
+def status() -> str:
+    """One line: which CPU path chunk calls take, and why."""
+    if not enabled():
+        return "PyTorch path (compiled CPU kernels turned off)"
+    mod = kernels()
+    if mod is None:
+        return f"PyTorch path (compiled CPU kernels unavailable: {_error})"
+    return f"compiled CPU kernels ({cache_dir()})"
