@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import cpu as cpu_kernels
 from ._backend import BACKENDS, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting
 
 __all__ = ["delta_rule_step", "gated_delta_rule_step", "linear_attn_step"]
@@ -102,6 +103,21 @@ def _scale(scale: Optional[float], key_dim: int) -> float:
     return key_dim ** -0.5 if scale is None else float(scale)
 
 
+def _native_step(q, k, v, beta, g, state, scale, inplace):
+    """The step by the compiled CPU kernel (``fastweights/ops/cpu/decode_step.cpp``: the algebra of
+    :func:`delta_update`, the state read from memory once and written once, one head per task),
+    or None where it does not apply: not the CPU, a non-contiguous state, a gradient to record,
+    or the kernels off or unbuilt."""
+    if state.device.type != "cpu" or not state.is_contiguous() or state.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, g, state)):
+        return None
+    mod = cpu_kernels.kernels()
+    if mod is None:
+        return None
+    return tuple(mod.delta_step(q, k, v, beta, g, state, float(scale), bool(inplace)))
+
+
 def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend):
     if backend not in BACKENDS:
         raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
@@ -126,6 +142,9 @@ def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend):
         o = fused_delta_rule_step(q, k, v, beta, g, state, scale)
         return o, state
     dt = state.dtype
+    native = _native_step(q, k, v, beta, g, state, scale, inplace)
+    if native is not None:
+        return native
     direct = inplace and state.is_contiguous()  # update the state where it lies: no copy back
     o, h = delta_update(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), None if g is None else g.to(dt), state, scale,
                         inplace=direct)

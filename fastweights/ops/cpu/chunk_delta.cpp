@@ -22,6 +22,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bindings.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -309,8 +311,8 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
   return {o, h_out, states, q_flat, kv_flat, wu, inverses};
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+const fastweights_cpu::Binding bind([](pybind11::module_& m) {
   m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)");
-}
+});
+
+}  // namespace
