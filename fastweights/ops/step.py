@@ -23,8 +23,11 @@ themselves). The input ``state`` is not modified unless ``inplace=True``.
 
 On CUDA the (gated) delta step runs a fused Triton kernel that reads and writes the state
 once (``backend="auto"`` picks it when Triton is installed, the inputs are fp32/bf16/fp16,
-the state is fp32 and K, V <= 256); elsewhere, and with ``backend="torch"``, the PyTorch
-step runs.
+the state is fp32 and K, V <= 256). Elsewhere, and with ``backend="torch"``, it is the
+PyTorch step, except on the CPU with a contiguous state and no gradient to record: there
+the compiled kernel ``fastweights/ops/cpu/decode_step.cpp`` runs the same algebra, reading
+the state from memory once and writing it once (``FASTWEIGHTS_CPU_KERNELS=0`` or
+``fastweights.ops.cpu.set_enabled(False)`` turns it off; a failed build falls back).
 """
 
 from __future__ import annotations

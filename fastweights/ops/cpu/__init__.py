@@ -3,13 +3,17 @@
 ``chunk_delta.cpp`` runs the (gated) delta rule's chunk forward one (sequence, head) per
 task, each product one BLAS call on a whole tile; the PyTorch path in
 ``fastweights/ops/delta_rule/chunk.py`` is the same algebra and stays the fallback.
+``decode_step.cpp`` runs the one-token step of ``delta_rule_step`` / ``gated_delta_rule_step``
+one head per task, the state read from memory once and written once (the PyTorch step in
+``fastweights/ops/step.py`` is the fallback). Each source registers its functions with
+``bindings.h``; ``module.cpp`` is the one Python module that binds them all.
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
 needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`` too) into
 ``$FASTWEIGHTS_CACHE`` (default ``~/.cache/fastweights``), in a folder named by a hash of the
 sources, the torch version and the CPU, so a changed source or machine builds anew and
 never loads a stale library. Nothing here runs at ``import fastweights``: the first CPU
-chunk call builds (about 30 s) or loads it. If the build fails, or
+chunk or step call builds (about 30 s) or loads it. If the build fails, or
 ``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once
 in a one-line warning and never raises.
 """

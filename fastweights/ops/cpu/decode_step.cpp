@@ -37,37 +37,29 @@ constexpr int64_t kTileBytes = 128;
 template <typename T>
 constexpr int64_t kTile = kTileBytes / sizeof(T);
 
-// Pass 1 on the columns [j0, j0 + w) of a head (w = W, a compile-time tile, or fewer at the end):
+// Pass 1 on the columns [j0, j0 + w) of a head (w = W, a compile-time tile whose accumulators
+// stay in registers, or, with W = 0, the w < kTile columns at the end, accumulated in a and r):
 // a[j] = Σ_i k[i] h[i, j], r[j] = Σ_i q[i] h[i, j], summed in row order.
 template <typename T, int64_t W>
-inline void read_tile(const T* __restrict h, int64_t K, int64_t V, const T* __restrict k, const T* __restrict q,
-                      T* __restrict a, T* __restrict r) {
-  T ak[W], rq[W];
-  for (int64_t j = 0; j < W; ++j) ak[j] = rq[j] = T(0);
-  for (int64_t i = 0; i < K; ++i) {
-    const T ki = k[i], qi = q[i];
-    const T* __restrict row = h + i * V;
-    for (int64_t j = 0; j < W; ++j) {
-      ak[j] += ki * row[j];
-      rq[j] += qi * row[j];
-    }
-  }
-  for (int64_t j = 0; j < W; ++j) {
-    a[j] = ak[j];
-    r[j] = rq[j];
-  }
-}
-
-template <typename T>
-inline void read_rest(const T* __restrict h, int64_t K, int64_t V, int64_t w, const T* __restrict k,
+inline void read_cols(const T* __restrict h, int64_t K, int64_t V, int64_t w, const T* __restrict k,
                       const T* __restrict q, T* __restrict a, T* __restrict r) {
-  for (int64_t j = 0; j < w; ++j) a[j] = r[j] = T(0);
+  T a_tile[W > 0 ? W : 1], r_tile[W > 0 ? W : 1];
+  T* __restrict ak = W > 0 ? a_tile : a;
+  T* __restrict rq = W > 0 ? r_tile : r;
+  if constexpr (W > 0) w = W;
+  for (int64_t j = 0; j < w; ++j) ak[j] = rq[j] = T(0);
   for (int64_t i = 0; i < K; ++i) {
     const T ki = k[i], qi = q[i];
     const T* __restrict row = h + i * V;
     for (int64_t j = 0; j < w; ++j) {
-      a[j] += ki * row[j];
-      r[j] += qi * row[j];
+      ak[j] += ki * row[j];
+      rq[j] += qi * row[j];
+    }
+  }
+  if constexpr (W > 0) {
+    for (int64_t j = 0; j < W; ++j) {
+      a[j] = ak[j];
+      r[j] = rq[j];
     }
   }
 }
@@ -123,8 +115,8 @@ struct Step {
     const T alpha = G ? std::exp(g[nh * g_s]) : T(1);
 
     int64_t j0 = 0;
-    for (; j0 + W <= V; j0 += W) read_tile<T, W>(hh + j0, K, V, kh, qh, a + j0, r + j0);
-    if (j0 < V) read_rest<T>(hh + j0, K, V, V - j0, kh, qh, a + j0, r + j0);
+    for (; j0 + W <= V; j0 += W) read_cols<T, W>(hh + j0, K, V, W, kh, qh, a + j0, r + j0);
+    if (j0 < V) read_cols<T, 0>(hh + j0, K, V, V - j0, kh, qh, a + j0, r + j0);
 
     T kq = T(0);
     for (int64_t i = 0; i < K; ++i) kq += kh[i] * qh[i];
