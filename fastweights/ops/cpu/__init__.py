@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import threading
 import warnings
@@ -78,6 +79,18 @@ def set_enabled(flag: Optional[bool]) -> None:
     _enabled_override = None if flag is None else bool(flag)
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the pip package's binary is not there unless its
+    environment is activated (``make`` calls ``.venv/bin/python`` directly)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def build(verbose: bool = False):
     """Compile (or load the cached build of) the kernels; returns the module or None, never raises."""
     global _module, _error, _tried
@@ -88,6 +101,7 @@ def build(verbose: bool = False):
         try:
             from torch.utils.cpp_extension import load
 
+            _put_ninja_on_path()
             folder = cache_dir()
             folder.mkdir(parents=True, exist_ok=True)
             if not any(folder.glob("*.so")):
