@@ -75,6 +75,57 @@ struct Scratch {
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }  // keeps every scratch matrix 64-byte aligned
 
+// --- the per-chunk pieces the forward and the backward share ---------------------------
+
+// b = cumsum(g) in place (bcum holds g on entry), e^b and e^{b_C − b}.
+template <typename T>
+void chunk_decays(int64_t C, T* bcum, T* rd, T* te) {
+  for (int64_t i = 1; i < C; ++i) bcum[i] += bcum[i - 1];
+  for (int64_t i = 0; i < C; ++i) {
+    rd[i] = std::exp(bcum[i]);
+    te[i] = std::exp(bcum[C - 1] - bcum[i]);
+  }
+}
+
+// S = strictly-lower(K Kᵀ ⊙ Γ) and P = scale · lower(Q Kᵀ ⊙ Γ), with Γ[i, j] = exp(b_i − b_j)
+// (bcum == nullptr: no gate); the decays are also written into G (lower triangle) when given.
+template <typename T>
+void masked_scores(int64_t C, int64_t K, const T* Q, int64_t ldq, const T* Km, int64_t ldk, T scale,
+                   const T* bcum, T* S, T* P, T* G) {
+  mm<T>(false, true, C, C, K, T(1), Km, ldk, Km, ldk, T(0), S, C);
+  mm<T>(false, true, C, C, K, scale, Q, ldq, Km, ldk, T(0), P, C);
+  for (int64_t i = 0; i < C; ++i) {
+    T* s = S + i * C;
+    T* p = P + i * C;
+    if (bcum != nullptr) {
+      for (int64_t j = 0; j <= i; ++j) {
+        const T gam = std::exp(bcum[i] - bcum[j]);
+        if (G != nullptr) G[i * C + j] = gam;
+        p[j] *= gam;
+        s[j] *= gam;
+      }
+    }
+    std::fill(s + i, s + C, T(0));
+    std::fill(p + i + 1, p + C, T(0));
+  }
+}
+
+// Tm = (I + diag(β) S)⁻¹ for strictly lower S, row by row: T_r = e_r − β_r Σ_{i<r} S[r, i] T_i.
+template <typename T>
+void unit_lower_inverse(int64_t C, const T* S, const T* beta, T* Tm) {
+  std::fill(Tm, Tm + C * C, T(0));
+  for (int64_t r = 0; r < C; ++r) {
+    T* tr = Tm + r * C;
+    const T* s = S + r * C;
+    for (int64_t i = 0; i < r; ++i) {
+      const T a = -beta[r] * s[i];
+      const T* ti = Tm + i * C;
+      for (int64_t j = 0; j <= i; ++j) tr[j] += a * ti[j];
+    }
+    tr[r] = T(1);
+  }
+}
+
 template <typename T>
 struct Forward {
   // inputs, head-first [N, H, T, ·] with unit stride in the last dim; strides (n, h, t) in elements
@@ -140,41 +191,9 @@ struct Forward {
           bcum[i] = T(0);
         }
       }
-      if (gated) {
-        for (int64_t i = 1; i < C; ++i) bcum[i] += bcum[i - 1];
-        for (int64_t i = 0; i < C; ++i) {
-          rd[i] = std::exp(bcum[i]);
-          te[i] = std::exp(bcum[C - 1] - bcum[i]);
-        }
-      }
-      // S = K Kᵀ and P = scale · Q Kᵀ, then their masks and decays
-      mm<T>(false, true, C, C, K, T(1), KVm, KV, KVm, KV, T(0), S, C);
-      mm<T>(false, true, C, C, K, scale, Q, K, KVm, KV, T(0), P, C);
-      for (int64_t i = 0; i < C; ++i) {
-        T* s = S + i * C;
-        T* p = P + i * C;
-        if (gated) {
-          for (int64_t j = 0; j <= i; ++j) {
-            const T gam = std::exp(bcum[i] - bcum[j]);
-            p[j] *= gam;
-            s[j] *= gam;
-          }
-        }
-        std::fill(s + i, s + C, T(0));
-        std::fill(p + i + 1, p + C, T(0));
-      }
-      // T = (I + diag(β) S)⁻¹, row by row: T_r = e_r − β_r Σ_{i<r} S[r, i] T_i
-      std::fill(Tm, Tm + C * C, T(0));
-      for (int64_t r = 0; r < C; ++r) {
-        T* tr = Tm + r * C;
-        const T* s = S + r * C;
-        for (int64_t i = 0; i < r; ++i) {
-          const T a = -bvec[r] * s[i];
-          const T* ti = Tm + i * C;
-          for (int64_t j = 0; j <= i; ++j) tr[j] += a * ti[j];
-        }
-        tr[r] = T(1);
-      }
+      if (gated) chunk_decays(C, bcum, rd, te);
+      masked_scores<T>(C, K, Q, K, KVm, KV, scale, gated ? bcum : nullptr, S, P, nullptr);
+      unit_lower_inverse<T>(C, S, bvec, Tm);
       if (keep) {  // T's diagonal blocks are the inverses of the diagonal blocks of I + diag(β) S
         for (int64_t j = 0; j < nb; ++j) {
           T* dst = inverses + (j * NC * NH + row) * bs * bs;
@@ -243,7 +262,7 @@ struct Backward {
   T scale;
 
   int64_t scratch_size() const {
-    return round16(C * K) * 9 + round16(C * V) * 7 + round16(C * C) * 7 + round16(K * V) * 2 + round16(C) * 8;
+    return round16(C * K) * 9 + round16(C * V) * 4 + round16(C * C) * 7 + round16(K * V) * 2 + round16(C) * 6;
   }
 
   void head(int64_t nh, T* scratch) const {
@@ -252,14 +271,11 @@ struct Backward {
     auto take = [&p](int64_t count) { T* out = p; p += round16(count); return out; };
     T *Qb = take(C * K), *Kbar = take(C * K), *Kb = take(C * K), *dQb = take(C * K), *dKbar = take(C * K);
     T *mdzw = take(C * K), *dqc = take(C * K), *dkc = take(C * K), *mdkb = take(C * K);
-    T *dO = take(C * V), *dU = take(C * V), *dzu = take(C * V), *dvc = take(C * V), *spare_v = take(C * V);
-    T *spare_v2 = take(C * V), *spare_v3 = take(C * V);
+    T *dO = take(C * V), *dU = take(C * V), *dzu = take(C * V), *dvc = take(C * V);
     T *S = take(C * C), *P = take(C * C), *Tm = take(C * C), *dP = take(C * C), *mda = take(C * C);
     T *M = take(C * C), *G = take(C * C);
     T *dh = take(K * V), *dh_new = take(K * V);
     T *bvec = take(C), *bcum = take(C), *rd = take(C), *te = take(C), *db = take(C), *dbc = take(C);
-    T *spare_c = take(C), *spare_c2 = take(C);
-    (void)spare_v; (void)spare_v2; (void)spare_v3; (void)spare_c; (void)spare_c2;
 
     std::memcpy(dh, dh_final + nh * K * V, sizeof(T) * K * V);
     const T* bh = beta + n * beta_s[0] + hh * beta_s[1];
@@ -291,10 +307,8 @@ struct Backward {
       int64_t ld_kwrite = KV;
       T last = T(1);
       if (gated) {
-        for (int64_t i = 1; i < C; ++i) bcum[i] += bcum[i - 1];
+        chunk_decays(C, bcum, rd, te);
         for (int64_t i = 0; i < C; ++i) {
-          rd[i] = std::exp(bcum[i]);
-          te[i] = std::exp(bcum[C - 1] - bcum[i]);
           for (int64_t j = 0; j < K; ++j) {
             Qb[i * K + j] = Q[i * K + j] * rd[i];
             Kbar[i * K + j] = KVm[i * KV + j] * te[i];
@@ -307,33 +321,8 @@ struct Backward {
         ld_kwrite = K;
       }
       // S, P (with their masks and decays) and T = (I + diag(β) S)⁻¹, as in the forward
-      mm<T>(false, true, C, C, K, T(1), KVm, KV, KVm, KV, T(0), S, C);
-      mm<T>(false, true, C, C, K, scale, Q, K, KVm, KV, T(0), P, C);
-      for (int64_t i = 0; i < C; ++i) {
-        T* s = S + i * C;
-        T* pr = P + i * C;
-        if (gated) {
-          for (int64_t j = 0; j <= i; ++j) {
-            const T gam = std::exp(bcum[i] - bcum[j]);
-            G[i * C + j] = gam;
-            pr[j] *= gam;
-            s[j] *= gam;
-          }
-        }
-        std::fill(s + i, s + C, T(0));
-        std::fill(pr + i + 1, pr + C, T(0));
-      }
-      std::fill(Tm, Tm + C * C, T(0));
-      for (int64_t r = 0; r < C; ++r) {
-        T* tr = Tm + r * C;
-        const T* s = S + r * C;
-        for (int64_t i = 0; i < r; ++i) {
-          const T a = -bvec[r] * s[i];
-          const T* ti = Tm + i * C;
-          for (int64_t j = 0; j <= i; ++j) tr[j] += a * ti[j];
-        }
-        tr[r] = T(1);
-      }
+      masked_scores<T>(C, K, Q, K, KVm, KV, scale, gated ? bcum : nullptr, S, P, G);
+      unit_lower_inverse<T>(C, S, bvec, Tm);
       // dU' = Pᵀ dO + K̄ dh
       mm<T>(true, false, C, V, C, T(1), P, C, dO, V, T(0), dU, V);
       mm<T>(false, false, C, V, K, T(1), kwrite, ld_kwrite, dh, V, T(1), dU, V);
@@ -445,6 +434,20 @@ struct Backward {
   }
 };
 
+// Runs work.head(nh, scratch) for every (sequence, head), spread over torch's threads; each
+// thread owns one scratch block and calls BLAS single-threaded.
+template <typename Work>
+void per_head(const Work& work) {
+  using T = std::remove_cv_t<decltype(Work::scale)>;
+  const int64_t tasks = work.N * work.H, size = work.scratch_size();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int previous = MKL_Set_Num_Threads_Local(1);  // one core per head, whatever the caller's threads
+    Scratch<T> scratch(size);
+    for (int64_t nh = begin; nh < end; ++nh) work.head(nh, scratch.base);
+    MKL_Set_Num_Threads_Local(previous);
+  });
+}
+
 void strides3(const torch::Tensor& t, int64_t* s) {
   for (int i = 0; i < 3; ++i) s[i] = t.stride(i);
 }
@@ -487,13 +490,7 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   f.nb = nb;
   f.scale = T(scale);
   f.keep = keep;
-  const int64_t tasks = f.N * f.H, size = f.scratch_size();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int previous = MKL_Set_Num_Threads_Local(1);  // one core per head, whatever the caller's threads
-    Scratch<T> scratch(size);
-    for (int64_t nh = begin; nh < end; ++nh) f.head(nh, scratch.base);
-    MKL_Set_Num_Threads_Local(previous);
-  });
+  per_head(f);
 }
 
 // Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V], q_flat, kv_flat, wu, inverses);
@@ -529,17 +526,6 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
     run_forward<double>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu, inverses);
   }
   return {o, h_out, states, q_flat, kv_flat, wu, inverses};
-}
-
-template <typename T>
-void run_backward(Backward<T>& b) {
-  const int64_t tasks = b.N * b.H, size = b.scratch_size();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int previous = MKL_Set_Num_Threads_Local(1);
-    Scratch<T> scratch(size);
-    for (int64_t nh = begin; nh < end; ++nh) b.head(nh, scratch.base);
-    MKL_Set_Num_Threads_Local(previous);
-  });
 }
 
 // Returns (dq, dk, dv [N, NC·C, H, ·], dbeta, dg [N, NC·C, H] (dg empty without g), dh0 [N·H, K, V]).
@@ -581,7 +567,7 @@ std::vector<torch::Tensor> chunk_delta_bwd(const torch::Tensor& q_flat, const to
     b.dh0 = dh0.data_ptr<T>();
     b.N = N; b.H = H; b.L = L; b.K = K; b.V = V; b.C = C; b.NC = NC;
     b.scale = T(scale);
-    run_backward<T>(b);
+    per_head(b);
   };
   if (states.scalar_type() == torch::kFloat) fill(static_cast<float*>(nullptr));
   else {
