@@ -311,6 +311,9 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
 
 }  // namespace
 
+void register_gemm_bf16(pybind11::module& m);  // gemm_bf16_check.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)");
+  register_gemm_bf16(m);
 }
