@@ -30,7 +30,8 @@ import torch
 
 __all__ = ["available", "kernels", "enabled", "set_enabled", "build", "status"]
 
-_SOURCES = ("chunk_delta.cpp",)
+_SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp")
+_HEADERS = ("gemm_bf16.h",)  # included by the sources: part of the build key
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _module = None
@@ -51,7 +52,7 @@ def _cpu_signature() -> str:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         h.update((_HERE / name).read_bytes())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
