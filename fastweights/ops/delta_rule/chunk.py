@@ -42,7 +42,7 @@ from .._backend import backward_can_follow
 from .._dispatch import run_chunk_delta
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off
-from .. import cpu as cpu_kernels
+from ..cpu import kernels as compiled_kernels
 from ..feature_maps import FeatureMapLike
 from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
@@ -171,7 +171,7 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
         t is not None and t.dtype != dtype for t in (q, k, beta, g, h0)
     ):
         return None
-    mod = cpu_kernels.kernels()
+    mod = compiled_kernels()
     if mod is None:
         return None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -314,7 +314,7 @@ def _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size):
         t is not None and t.dtype != states.dtype for t in (beta, g, do, dh_final, q_flat, kv_flat, wu)
     ):
         return None
-    mod = cpu_kernels.kernels()
+    mod = compiled_kernels()
     if mod is None:
         return None
     if do.stride(-1) != 1:
