@@ -11,11 +11,12 @@ figure is the best of its rounds), it times:
   memory copy bandwidth (``dst.copy_(src)``, read + write) at 64 MiB and at the decode
   step's state size;
 - the ops: ``chunk_delta_rule`` and ``chunk_gated_delta_rule`` forward (no grad) and
-  forward+backward in fp32, the forward on bf16 inputs under
+  forward+backward in fp32 (on the CPU with the compiled kernels, :mod:`fastweights.ops.cpu`,
+  and the same calls on the PyTorch path beside them), the forward on bf16 inputs under
   :func:`fastweights.ops.bf16_products`, and decode steps: the gated op at T = 1
   (``recurrent_gated_delta_rule``, the state passed in and a new one returned) and the
   public steps ``gated_delta_rule_step`` / ``delta_rule_step`` with ``inplace=True``
-  (a decoding loop's call).
+  (a decoding loop's call; on the CPU the compiled step, and the PyTorch step beside it).
 
 Each op row reports GFLOP/s (GB/s for a decode step: it reads and writes the state
 once) and its fraction of the matching limit: fp32 rows of the fp32 tile rate, the
@@ -35,6 +36,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from ..ops import cpu as cpu_kernels
 
 
 def chunk_forward_flops(C: int, K: int, V: int) -> float:
@@ -118,6 +121,19 @@ def limit_cases(device: str, C: int, K: int, V: int, state_bytes: int, batch: in
     return cases
 
 
+def pytorch_path(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the compiled CPU kernels off (:mod:`fastweights.ops.cpu`): the PyTorch path."""
+
+    def run():
+        cpu_kernels.set_enabled(False)
+        try:
+            return fn()
+        finally:
+            cpu_kernels.set_enabled(None)
+
+    return run
+
+
 def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode_batch: int) -> Dict[str, tuple]:
     """``name -> (fn, work, unit)`` for the ops (see the module docstring)."""
     from .. import ops
@@ -157,6 +173,9 @@ def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode
 
         cases[f"{name} fwd fp32"] = (forward, fwd, "GFLOP/s")
         cases[f"{name} fwd+bwd fp32"] = (forward_backward, both, "GFLOP/s")
+        if device == "cpu" and cpu_kernels.available():  # the same calls on the PyTorch path, side by side
+            cases[f"{name} fwd fp32, PyTorch path"] = (pytorch_path(forward), fwd, "GFLOP/s")
+            cases[f"{name} fwd+bwd fp32, PyTorch path"] = (pytorch_path(forward_backward), both, "GFLOP/s")
         if has_bf16_matmul(device):
             cases[f"{name} fwd bf16 products"] = (forward_bf16, fwd, "GFLOP/s")
     sq, sk, sv = rand(decode_batch, 1, H, K), F.normalize(rand(decode_batch, 1, H, K), dim=-1), rand(decode_batch, 1, H, V)
@@ -179,8 +198,10 @@ def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode
 
     moved = 2 * state.numel() * 4  # the state read and written once
     cases["decode: recurrent_gated_delta_rule T=1"] = (decode, moved, "GB/s")
-    cases["decode: gated_delta_rule_step inplace"] = ((lambda: step(True)), moved, "GB/s")
-    cases["decode: delta_rule_step inplace"] = ((lambda: step(False)), moved, "GB/s")
+    for gated, name in ((True, "decode: gated_delta_rule_step inplace"), (False, "decode: delta_rule_step inplace")):
+        cases[name] = ((lambda gated=gated: step(gated)), moved, "GB/s")
+        if device == "cpu" and cpu_kernels.available():  # the compiled step, and the PyTorch step beside it
+            cases[f"{name}, PyTorch path"] = (pytorch_path(lambda gated=gated: step(gated)), moved, "GB/s")
     return cases
 
 
@@ -208,6 +229,7 @@ def run_roofline(B: int = 1, H: int = 8, T: int = 2048, K: int = 128, V: int = 1
         "shape": dict(B=B, H=H, T=T, K=K, V=V, chunk_size=C, decode_batch=decode_batch, state_mib=state_bytes / 2**20),
         "threads": torch.get_num_threads(), "repeats": repeats, "device": device, "clock": clock,
         "bf16_matmul_in_hardware": has_bf16_matmul(device),
+        "cpu_path": cpu_kernels.status() if device == "cpu" else None,
         "flop_count": {"forward_per_head_chunk": "2*(3*C^2*K + 2*C^2*V + 3*C*K*V) + C^3/3",
                        "backward_per_head_chunk": "2*(5*C^2*K + 4*C^2*V + 6*C*K*V)"},
         "limits": {n: {"rate": rates[n], "unit": limits[n][2], "ms_min": 1e3 * min(times[n])} for n in limits},
@@ -238,5 +260,7 @@ def print_roofline(result: Dict) -> None:
     for r in result["rows"]:
         frac = ", ".join(f"{v:.2f} of {k}" for k, v in r["fraction_of"].items() if v is not None)
         print(f"  {r['op']:38s} {r['ms_min']:9.2f} {r['rate']:9.1f} {r['unit']:>8}  {frac}")
+    if result.get("cpu_path"):
+        print(f"  CPU chunk path: {result['cpu_path']}")
     for name, x in result.get("bf16_speedup_over_fp32", {}).items():
         print(f"  {name}: bf16-products forward {x:.2f}x the fp32 forward")

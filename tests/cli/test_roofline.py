@@ -5,6 +5,7 @@ import json
 import pytest
 
 from fastweights.bench import chunk_speed
+from fastweights.ops import cpu as cpu_kernels
 from fastweights.bench.roofline import chunk_backward_flops, chunk_forward_flops, has_bf16_matmul, op_flops
 
 
@@ -32,10 +33,17 @@ def test_roofline_only_writes_every_row_with_its_fraction(tmp_path, clock, one_t
     assert all(rate > 0 for rate in limits.values())
     ops = {r["op"] for r in result["rows"]}
     expected = {f"{name} {mode}" for name in ("chunk_delta_rule", "chunk_gated_delta_rule") for mode in ("fwd fp32", "fwd+bwd fp32")}
+    if cpu_kernels.available():  # the compiled path's rows, and the PyTorch path's beside them
+        expected |= {f"{op}, PyTorch path" for op in expected}
+        assert result["cpu_path"].startswith("compiled CPU kernels")
     if has_bf16_matmul("cpu"):
         expected |= {"chunk_delta_rule fwd bf16 products", "chunk_gated_delta_rule fwd bf16 products"}
         assert "matmul_bf16_tile_state" in limits and set(result["bf16_speedup_over_fp32"]) == {"chunk_delta_rule", "chunk_gated_delta_rule"}
-    assert expected <= ops and sum(op.startswith("decode") for op in ops) == 3
+    decode = {"decode: recurrent_gated_delta_rule T=1", "decode: gated_delta_rule_step inplace",
+              "decode: delta_rule_step inplace"}
+    if cpu_kernels.available():
+        decode |= {"decode: gated_delta_rule_step inplace, PyTorch path", "decode: delta_rule_step inplace, PyTorch path"}
+    assert expected <= ops and {op for op in ops if op.startswith("decode")} == decode
     for row in result["rows"]:
         assert row["rate"] > 0 and row["ms_min"] > 0
         for limit, fraction in row["fraction_of"].items():

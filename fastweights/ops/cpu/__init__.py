@@ -3,17 +3,13 @@
 ``chunk_delta.cpp`` runs the (gated) delta rule's chunk forward one (sequence, head) per
 task, each product one BLAS call on a whole tile; the PyTorch path in
 ``fastweights/ops/delta_rule/chunk.py`` is the same algebra and stays the fallback.
-``decode_step.cpp`` runs the one-token step of ``delta_rule_step`` / ``gated_delta_rule_step``
-one head per task, the state read from memory once and written once (the PyTorch step in
-``fastweights/ops/step.py`` is the fallback). Each source registers its functions with
-``bindings.h``; ``module.cpp`` is the one Python module that binds them all.
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
 needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`` too) into
 ``$FASTWEIGHTS_CACHE`` (default ``~/.cache/fastweights``), in a folder named by a hash of the
 sources, the torch version and the CPU, so a changed source or machine builds anew and
 never loads a stale library. Nothing here runs at ``import fastweights``: the first CPU
-chunk or step call builds (about 30 s) or loads it. If the build fails, or
+chunk call builds (about 30 s) or loads it. If the build fails, or
 ``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once
 in a one-line warning and never raises.
 """
@@ -23,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import threading
 import warnings
@@ -33,8 +30,8 @@ import torch
 
 __all__ = ["available", "kernels", "enabled", "set_enabled", "build", "status"]
 
-_SOURCES = ("module.cpp", "chunk_delta.cpp", "decode_step.cpp")
-_HEADERS = ("bindings.h",)  # hashed with the sources: a changed header builds anew
+_SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp")
+_HEADERS = ("gemm_bf16.h",)  # included by the sources: part of the build key
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _module = None
@@ -83,6 +80,18 @@ def set_enabled(flag: Optional[bool]) -> None:
     _enabled_override = None if flag is None else bool(flag)
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the pip package's binary is not there unless its
+    environment is activated (``make`` calls ``.venv/bin/python`` directly)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def build(verbose: bool = False):
     """Compile (or load the cached build of) the kernels; returns the module or None, never raises."""
     global _module, _error, _tried
@@ -93,6 +102,7 @@ def build(verbose: bool = False):
         try:
             from torch.utils.cpp_extension import load
 
+            _put_ninja_on_path()
             folder = cache_dir()
             folder.mkdir(parents=True, exist_ok=True)
             if not any(folder.glob("*.so")):

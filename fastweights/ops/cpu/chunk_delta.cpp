@@ -22,12 +22,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "bindings.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
@@ -76,6 +75,57 @@ struct Scratch {
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }  // keeps every scratch matrix 64-byte aligned
 
+// --- the per-chunk pieces the forward and the backward share ---------------------------
+
+// b = cumsum(g) in place (bcum holds g on entry), e^b and e^{b_C − b}.
+template <typename T>
+void chunk_decays(int64_t C, T* bcum, T* rd, T* te) {
+  for (int64_t i = 1; i < C; ++i) bcum[i] += bcum[i - 1];
+  for (int64_t i = 0; i < C; ++i) {
+    rd[i] = std::exp(bcum[i]);
+    te[i] = std::exp(bcum[C - 1] - bcum[i]);
+  }
+}
+
+// S = strictly-lower(K Kᵀ ⊙ Γ) and P = scale · lower(Q Kᵀ ⊙ Γ), with Γ[i, j] = exp(b_i − b_j)
+// (bcum == nullptr: no gate); the decays are also written into G (lower triangle) when given.
+template <typename T>
+void masked_scores(int64_t C, int64_t K, const T* Q, int64_t ldq, const T* Km, int64_t ldk, T scale,
+                   const T* bcum, T* S, T* P, T* G) {
+  mm<T>(false, true, C, C, K, T(1), Km, ldk, Km, ldk, T(0), S, C);
+  mm<T>(false, true, C, C, K, scale, Q, ldq, Km, ldk, T(0), P, C);
+  for (int64_t i = 0; i < C; ++i) {
+    T* s = S + i * C;
+    T* p = P + i * C;
+    if (bcum != nullptr) {
+      for (int64_t j = 0; j <= i; ++j) {
+        const T gam = std::exp(bcum[i] - bcum[j]);
+        if (G != nullptr) G[i * C + j] = gam;
+        p[j] *= gam;
+        s[j] *= gam;
+      }
+    }
+    std::fill(s + i, s + C, T(0));
+    std::fill(p + i + 1, p + C, T(0));
+  }
+}
+
+// Tm = (I + diag(β) S)⁻¹ for strictly lower S, row by row: T_r = e_r − β_r Σ_{i<r} S[r, i] T_i.
+template <typename T>
+void unit_lower_inverse(int64_t C, const T* S, const T* beta, T* Tm) {
+  std::fill(Tm, Tm + C * C, T(0));
+  for (int64_t r = 0; r < C; ++r) {
+    T* tr = Tm + r * C;
+    const T* s = S + r * C;
+    for (int64_t i = 0; i < r; ++i) {
+      const T a = -beta[r] * s[i];
+      const T* ti = Tm + i * C;
+      for (int64_t j = 0; j <= i; ++j) tr[j] += a * ti[j];
+    }
+    tr[r] = T(1);
+  }
+}
+
 template <typename T>
 struct Forward {
   // inputs, head-first [N, H, T, ·] with unit stride in the last dim; strides (n, h, t) in elements
@@ -84,7 +134,7 @@ struct Forward {
   // outputs
   T* o;       // [N, NC·C, H, V] contiguous
   T* h_out;   // [N·H, K, V]
-  T* states;  // [NC, N·H, K, V]: the state entering each chunk
+  T* states;  // [NC, N·H, K, V]: the state entering each chunk (keep only)
   T *q_flat, *kv_flat, *wu, *inverses;  // kept: [NC·N·H, C, K], [.., C, K+V], [.., C, K+V], [nb, NC·N·H, bs, bs]
   int64_t N, H, L, K, V, C, NC, nb;
   T scale;
@@ -141,41 +191,9 @@ struct Forward {
           bcum[i] = T(0);
         }
       }
-      if (gated) {
-        for (int64_t i = 1; i < C; ++i) bcum[i] += bcum[i - 1];
-        for (int64_t i = 0; i < C; ++i) {
-          rd[i] = std::exp(bcum[i]);
-          te[i] = std::exp(bcum[C - 1] - bcum[i]);
-        }
-      }
-      // S = K Kᵀ and P = scale · Q Kᵀ, then their masks and decays
-      mm<T>(false, true, C, C, K, T(1), KVm, KV, KVm, KV, T(0), S, C);
-      mm<T>(false, true, C, C, K, scale, Q, K, KVm, KV, T(0), P, C);
-      for (int64_t i = 0; i < C; ++i) {
-        T* s = S + i * C;
-        T* p = P + i * C;
-        if (gated) {
-          for (int64_t j = 0; j <= i; ++j) {
-            const T gam = std::exp(bcum[i] - bcum[j]);
-            p[j] *= gam;
-            s[j] *= gam;
-          }
-        }
-        std::fill(s + i, s + C, T(0));
-        std::fill(p + i + 1, p + C, T(0));
-      }
-      // T = (I + diag(β) S)⁻¹, row by row: T_r = e_r − β_r Σ_{i<r} S[r, i] T_i
-      std::fill(Tm, Tm + C * C, T(0));
-      for (int64_t r = 0; r < C; ++r) {
-        T* tr = Tm + r * C;
-        const T* s = S + r * C;
-        for (int64_t i = 0; i < r; ++i) {
-          const T a = -bvec[r] * s[i];
-          const T* ti = Tm + i * C;
-          for (int64_t j = 0; j <= i; ++j) tr[j] += a * ti[j];
-        }
-        tr[r] = T(1);
-      }
+      if (gated) chunk_decays(C, bcum, rd, te);
+      masked_scores<T>(C, K, Q, K, KVm, KV, scale, gated ? bcum : nullptr, S, P, nullptr);
+      unit_lower_inverse<T>(C, S, bvec, Tm);
       if (keep) {  // T's diagonal blocks are the inverses of the diagonal blocks of I + diag(β) S
         for (int64_t j = 0; j < nb; ++j) {
           T* dst = inverses + (j * NC * NH + row) * bs * bs;
@@ -192,7 +210,7 @@ struct Forward {
       }
       mm<T>(false, false, C, KV, C, T(1), Tm, C, R, KV, T(0), WU, KV);
       // the state-dependent part: states[c] = h; U' = U − W h; O = scale · Q_b h + P U'; h ← e^{b_C} h + K̄ᵀ U'
-      std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
+      if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
       mm<T>(false, false, C, V, K, T(-1), WU, KV, h, V, T(1), Up, KV);
       const T* qread = Q;
       const T* kwrite = KVm;
@@ -225,6 +243,211 @@ struct Forward {
   }
 };
 
+// The backward, one (sequence, head) per task, last chunk first (the derivation is
+// fastweights/ops/delta_rule/README.md; the PyTorch path is chunk_delta_rule_bwd in chunk.py).
+// Per chunk, from the forward's kept Q, [K | V], [W | U'] and entering state h, and dh = the
+// gradient of the state leaving the chunk:
+//   dU' = Pᵀ dO + K̄ dh                        dh_c = e^{b_C} dh + scale·Q_bᵀ dO − Wᵀ dU'
+//   dP = dO U'ᵀ,  dQ_b = scale·dO hᵀ,  dK̄ = U' dhᵀ
+//   dZ_U = Tᵀ dU',  −dZ_W = dZ_U hᵀ,  −dA = tril(dZ_U U'ᵀ, −1)      (T = (I + diag(β) S)⁻¹, recomputed)
+//   dβ = Σ dZ_U ⊙ V − Σ (−dZ_W) ⊙ K_b − Σ (−dA) ⊙ S,  dV = β dZ_U
+//   dQ = dQ_b ⊙ e^b + (dP ⊙ Γ·scale) K,  dK = dK̄ ⊙ e^{b_C−b} + (dP ⊙ Γ·scale)ᵀ Q − (D + Dᵀ) K − β (−dZ_W) ⊙ e^b
+//   with D = strictly-lower(β (−dA)) ⊙ Γ, and the gate's db summed back into dg by a reverse cumsum.
+template <typename T>
+struct Backward {
+  const T *q_flat, *kv_flat, *wu, *states, *beta, *g, *dout, *dh_final;
+  int64_t beta_s[3], g_s[3], do_s[3];
+  T *dq, *dk, *dv, *dbeta, *dg, *dh0;  // [N, NC·C, H, ·] (dbeta, dg [N, NC·C, H]); dh0 [N·H, K, V]
+  int64_t N, H, L, K, V, C, NC;
+  T scale;
+
+  int64_t scratch_size() const {
+    return round16(C * K) * 9 + round16(C * V) * 4 + round16(C * C) * 7 + round16(K * V) * 2 + round16(C) * 6;
+  }
+
+  void head(int64_t nh, T* scratch) const {
+    const int64_t n = nh / H, hh = nh % H, KV = K + V, NH = N * H;
+    T* p = scratch;
+    auto take = [&p](int64_t count) { T* out = p; p += round16(count); return out; };
+    T *Qb = take(C * K), *Kbar = take(C * K), *Kb = take(C * K), *dQb = take(C * K), *dKbar = take(C * K);
+    T *mdzw = take(C * K), *dqc = take(C * K), *dkc = take(C * K), *mdkb = take(C * K);
+    T *dO = take(C * V), *dU = take(C * V), *dzu = take(C * V), *dvc = take(C * V);
+    T *S = take(C * C), *P = take(C * C), *Tm = take(C * C), *dP = take(C * C), *mda = take(C * C);
+    T *M = take(C * C), *G = take(C * C);
+    T *dh = take(K * V), *dh_new = take(K * V);
+    T *bvec = take(C), *bcum = take(C), *rd = take(C), *te = take(C), *db = take(C), *dbc = take(C);
+
+    std::memcpy(dh, dh_final + nh * K * V, sizeof(T) * K * V);
+    const T* bh = beta + n * beta_s[0] + hh * beta_s[1];
+    const T* gh = g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1];
+    const T* doh = dout + n * do_s[0] + hh * do_s[1];
+    const bool gated = gh != nullptr;
+
+    for (int64_t c = NC - 1; c >= 0; --c) {
+      const int64_t t0 = c * C, rows = std::min(C, L - t0), row = c * NH + nh;
+      const T* Q = q_flat + row * C * K;
+      const T* KVm = kv_flat + row * C * KV;
+      const T* WU = wu + row * C * KV;  // [W | U']
+      const T* Up = WU + K;
+      const T* h = states + row * K * V;
+      for (int64_t i = 0; i < C; ++i) {
+        if (i < rows) {
+          const int64_t t = t0 + i;
+          std::memcpy(dO + i * V, doh + t * do_s[2], sizeof(T) * V);
+          bvec[i] = bh[t * beta_s[2]];
+          bcum[i] = gated ? gh[t * g_s[2]] : T(0);
+        } else {
+          std::fill(dO + i * V, dO + (i + 1) * V, T(0));
+          bvec[i] = T(0);
+          bcum[i] = T(0);
+        }
+      }
+      const T* qread = Q;
+      const T* kwrite = KVm;
+      int64_t ld_kwrite = KV;
+      T last = T(1);
+      if (gated) {
+        chunk_decays(C, bcum, rd, te);
+        for (int64_t i = 0; i < C; ++i) {
+          for (int64_t j = 0; j < K; ++j) {
+            Qb[i * K + j] = Q[i * K + j] * rd[i];
+            Kbar[i * K + j] = KVm[i * KV + j] * te[i];
+            Kb[i * K + j] = KVm[i * KV + j] * rd[i];
+          }
+        }
+        last = rd[C - 1];
+        qread = Qb;
+        kwrite = Kbar;
+        ld_kwrite = K;
+      }
+      // S, P (with their masks and decays) and T = (I + diag(β) S)⁻¹, as in the forward
+      masked_scores<T>(C, K, Q, K, KVm, KV, scale, gated ? bcum : nullptr, S, P, G);
+      unit_lower_inverse<T>(C, S, bvec, Tm);
+      // dU' = Pᵀ dO + K̄ dh
+      mm<T>(true, false, C, V, C, T(1), P, C, dO, V, T(0), dU, V);
+      mm<T>(false, false, C, V, K, T(1), kwrite, ld_kwrite, dh, V, T(1), dU, V);
+      // dP = dO U'ᵀ; dQ_b = scale·dO hᵀ; dK̄ = U' dhᵀ; d_last = <h, dh>
+      mm<T>(false, true, C, C, V, T(1), dO, V, Up, KV, T(0), dP, C);
+      mm<T>(false, true, C, K, V, scale, dO, V, h, V, T(0), dQb, K);
+      mm<T>(false, true, C, K, V, T(1), Up, KV, dh, V, T(0), dKbar, K);
+      T d_last = T(0);
+      if (gated) for (int64_t i = 0; i < K * V; ++i) d_last += h[i] * dh[i];
+      // dh_c = e^{b_C} dh + scale·Q_bᵀ dO − Wᵀ dU'
+      for (int64_t i = 0; i < K * V; ++i) dh_new[i] = last * dh[i];
+      mm<T>(true, false, K, V, C, scale, qread, K, dO, V, T(1), dh_new, V);
+      mm<T>(true, false, K, V, C, T(-1), WU, KV, dU, V, T(1), dh_new, V);
+      // through the solve: dZ_U = Tᵀ dU'; −dZ_W = dZ_U hᵀ; −dA = tril(dZ_U U'ᵀ, −1)
+      mm<T>(true, false, C, V, C, T(1), Tm, C, dU, V, T(0), dzu, V);
+      mm<T>(false, true, C, K, V, T(1), dzu, V, h, V, T(0), mdzw, K);
+      mm<T>(false, true, C, C, V, T(1), dzu, V, Up, KV, T(0), mda, C);
+      for (int64_t i = 0; i < C; ++i) std::fill(mda + i * C + i, mda + (i + 1) * C, T(0));
+      const T* kb = gated ? Kb : KVm;
+      const int64_t ld_kb = gated ? K : KV;
+      for (int64_t i = 0; i < C; ++i) {
+        T acc = T(0);
+        for (int64_t j = 0; j < V; ++j) acc += dzu[i * V + j] * KVm[i * KV + K + j];
+        T acc_w = T(0);
+        for (int64_t j = 0; j < K; ++j) acc_w += mdzw[i * K + j] * kb[i * ld_kb + j];
+        T acc_a = T(0);
+        for (int64_t j = 0; j < i; ++j) acc_a += mda[i * C + j] * S[i * C + j];
+        dbc[i] = acc - acc_w - acc_a;  // dβ
+        for (int64_t j = 0; j < V; ++j) dvc[i * V + j] = bvec[i] * dzu[i * V + j];
+        for (int64_t j = 0; j < K; ++j) mdkb[i * K + j] = bvec[i] * mdzw[i * K + j];
+        for (int64_t j = 0; j < i; ++j) mda[i * C + j] *= bvec[i];  // −dS = β (−dA)
+        db[i] = gated ? -acc_w * bvec[i] : T(0);  // −Σ (−dK_b) ⊙ K_b
+      }
+      if (gated) {
+        // −pair_grad((−dS) ⊙ S): db_r −= Σ_i E[r, i] − Σ_i E[i, r]
+        for (int64_t i = 0; i < C; ++i)
+          for (int64_t j = 0; j < i; ++j) {
+            const T e = mda[i * C + j] * S[i * C + j];
+            db[i] -= e;
+            db[j] += e;
+          }
+        // the shared read/write terms: (dQ_b ⊙ Q_b) − (dK̄ ⊙ K̄) + pair_grad(dP ⊙ P), and the chunk's end
+        T write_sum = T(0);
+        for (int64_t i = 0; i < C; ++i) {
+          T rq = T(0), wk = T(0);
+          for (int64_t j = 0; j < K; ++j) {
+            rq += dQb[i * K + j] * Qb[i * K + j];
+            wk += dKbar[i * K + j] * Kbar[i * K + j];
+          }
+          db[i] += rq - wk;
+          write_sum += wk;
+        }
+        for (int64_t i = 0; i < C; ++i)
+          for (int64_t j = 0; j <= i; ++j) {
+            const T e = dP[i * C + j] * P[i * C + j];
+            db[i] += e;
+            db[j] -= e;
+          }
+        db[C - 1] += write_sum + d_last * last;
+      }
+      // d_qk = (dP ⊙ Γ) · scale on the causal triangle; M = D + Dᵀ with D = strictly-lower(−dS) ⊙ Γ
+      for (int64_t i = 0; i < C; ++i) {
+        for (int64_t j = 0; j < C; ++j) {
+          T dpv = j <= i ? dP[i * C + j] * scale : T(0);
+          if (gated && j <= i) dpv *= G[i * C + j];
+          dP[i * C + j] = dpv;
+        }
+      }
+      for (int64_t i = 0; i < C; ++i) {
+        for (int64_t j = 0; j < C; ++j) {
+          T d1 = j < i ? mda[i * C + j] : T(0);
+          T d2 = i < j ? mda[j * C + i] : T(0);
+          if (gated) {
+            if (j < i) d1 *= G[i * C + j];
+            if (i < j) d2 *= G[j * C + i];
+          }
+          M[i * C + j] = d1 + d2;
+        }
+      }
+      // dQ = dQ_b ⊙ e^b + d_qk K;  dK = dK̄ ⊙ e^{b_C − b} + d_qkᵀ Q − M K − (−dK_b) ⊙ e^b
+      for (int64_t i = 0; i < C; ++i) {
+        const T fr = gated ? rd[i] : T(1), ft = gated ? te[i] : T(1);
+        for (int64_t j = 0; j < K; ++j) {
+          dqc[i * K + j] = dQb[i * K + j] * fr;
+          dkc[i * K + j] = dKbar[i * K + j] * ft - mdkb[i * K + j] * fr;
+        }
+      }
+      mm<T>(false, false, C, K, C, T(1), dP, C, KVm, KV, T(1), dqc, K);
+      mm<T>(true, false, C, K, C, T(1), dP, C, Q, K, T(1), dkc, K);
+      mm<T>(false, false, C, K, C, T(-1), M, C, KVm, KV, T(1), dkc, K);
+      // write the chunk's gradients (rows past the end are padding: the buffers have NC·C rows)
+      for (int64_t i = 0; i < C; ++i) {
+        const int64_t o_row = (n * NC * C + t0 + i) * H + hh;
+        std::memcpy(dq + o_row * K, dqc + i * K, sizeof(T) * K);
+        std::memcpy(dk + o_row * K, dkc + i * K, sizeof(T) * K);
+        std::memcpy(dv + o_row * V, dvc + i * V, sizeof(T) * V);
+        dbeta[o_row] = dbc[i];
+      }
+      if (gated) {  // dg = reverse cumsum of db inside the chunk
+        T run = T(0);
+        for (int64_t i = C - 1; i >= 0; --i) {
+          run += db[i];
+          dg[(n * NC * C + t0 + i) * H + hh] = run;
+        }
+      }
+      std::swap(dh, dh_new);
+    }
+    std::memcpy(dh0 + nh * K * V, dh, sizeof(T) * K * V);
+  }
+};
+
+// Runs work.head(nh, scratch) for every (sequence, head), spread over torch's threads; each
+// thread owns one scratch block and calls BLAS single-threaded.
+template <typename Work>
+void per_head(const Work& work) {
+  using T = std::remove_cv_t<decltype(Work::scale)>;
+  const int64_t tasks = work.N * work.H, size = work.scratch_size();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int previous = MKL_Set_Num_Threads_Local(1);  // one core per head, whatever the caller's threads
+    Scratch<T> scratch(size);
+    for (int64_t nh = begin; nh < end; ++nh) work.head(nh, scratch.base);
+    MKL_Set_Num_Threads_Local(previous);
+  });
+}
+
 void strides3(const torch::Tensor& t, int64_t* s) {
   for (int i = 0; i < 3; ++i) s[i] = t.stride(i);
 }
@@ -252,7 +475,7 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   if (g.has_value()) strides3(*g, f.g_s);
   f.o = o.data_ptr<T>();
   f.h_out = h_out.data_ptr<T>();
-  f.states = states.data_ptr<T>();
+  f.states = keep ? states.data_ptr<T>() : nullptr;
   f.q_flat = keep ? q_flat.data_ptr<T>() : nullptr;
   f.kv_flat = keep ? kv_flat.data_ptr<T>() : nullptr;
   f.wu = keep ? wu.data_ptr<T>() : nullptr;
@@ -267,17 +490,11 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   f.nb = nb;
   f.scale = T(scale);
   f.keep = keep;
-  const int64_t tasks = f.N * f.H, size = f.scratch_size();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int previous = MKL_Set_Num_Threads_Local(1);  // one core per head, whatever the caller's threads
-    Scratch<T> scratch(size);
-    for (int64_t nh = begin; nh < end; ++nh) f.head(nh, scratch.base);
-    MKL_Set_Num_Threads_Local(previous);
-  });
+  per_head(f);
 }
 
 // Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V], q_flat, kv_flat, wu, inverses);
-// the last four are empty unless keep.
+// all but o and h_T are what the backward keeps, and empty unless keep.
 std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& beta, const c10::optional<torch::Tensor>& g,
                                            const c10::optional<torch::Tensor>& h0, double scale, int64_t C,
@@ -290,15 +507,15 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
   auto opts = v.options();
   torch::Tensor o = torch::empty({N, NC * C, H, V}, opts);
   torch::Tensor h_out = torch::empty({N * H, K, V}, opts);
-  torch::Tensor states = torch::empty({NC, N * H, K, V}, opts);
-  torch::Tensor q_flat, kv_flat, wu, inverses;
+  torch::Tensor states, q_flat, kv_flat, wu, inverses;
   if (keep) {
+    states = torch::empty({NC, N * H, K, V}, opts);
     q_flat = torch::empty({rows, C, K}, opts);
     kv_flat = torch::empty({rows, C, K + V}, opts);
     wu = torch::empty({rows, C, K + V}, opts);
     inverses = torch::empty({nb, rows, bs, bs}, opts);
   } else {
-    q_flat = kv_flat = wu = inverses = torch::empty({0}, opts);
+    states = q_flat = kv_flat = wu = inverses = torch::empty({0}, opts);
   }
   c10::optional<torch::Tensor> h0c;
   if (h0.has_value()) h0c = h0->contiguous();
@@ -311,8 +528,63 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
   return {o, h_out, states, q_flat, kv_flat, wu, inverses};
 }
 
-const fastweights_cpu::Binding bind([](pybind11::module_& m) {
-  m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)");
-});
+// Returns (dq, dk, dv [N, NC·C, H, ·], dbeta, dg [N, NC·C, H] (dg empty without g), dh0 [N·H, K, V]).
+std::vector<torch::Tensor> chunk_delta_bwd(const torch::Tensor& q_flat, const torch::Tensor& kv_flat,
+                                           const torch::Tensor& wu, const torch::Tensor& states,
+                                           const torch::Tensor& beta, const c10::optional<torch::Tensor>& g,
+                                           const torch::Tensor& dout, const torch::Tensor& dh_final, double scale,
+                                           int64_t C) {
+  TORCH_CHECK(q_flat.is_contiguous() && kv_flat.is_contiguous() && wu.is_contiguous() && states.is_contiguous(),
+              "chunk_delta_bwd: the kept tensors must be contiguous");
+  TORCH_CHECK(dout.dim() == 4 && dout.stride(3) == 1 && beta.dim() == 3, "chunk_delta_bwd: bad do / beta");
+  const int64_t N = beta.size(0), H = beta.size(1), L = beta.size(2), NC = states.size(0);
+  const int64_t K = states.size(2), V = states.size(3);
+  auto opts = states.options();
+  torch::Tensor dq = torch::empty({N, NC * C, H, K}, opts), dk = torch::empty({N, NC * C, H, K}, opts);
+  torch::Tensor dv = torch::empty({N, NC * C, H, V}, opts), dbeta = torch::empty({N, NC * C, H}, opts);
+  torch::Tensor dg = g.has_value() ? torch::empty({N, NC * C, H}, opts) : torch::empty({0}, opts);
+  torch::Tensor dh0 = torch::empty({N * H, K, V}, opts);
+  torch::Tensor dhf = dh_final.contiguous();
+  auto fill = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    Backward<T> b;
+    b.q_flat = q_flat.data_ptr<T>();
+    b.kv_flat = kv_flat.data_ptr<T>();
+    b.wu = wu.data_ptr<T>();
+    b.states = states.data_ptr<T>();
+    b.beta = beta.data_ptr<T>();
+    b.g = g.has_value() ? g->data_ptr<T>() : nullptr;
+    b.dout = dout.data_ptr<T>();
+    b.dh_final = dhf.data_ptr<T>();
+    strides3(beta, b.beta_s);
+    if (g.has_value()) strides3(*g, b.g_s);
+    for (int i = 0; i < 3; ++i) b.do_s[i] = dout.stride(i);
+    b.dq = dq.data_ptr<T>();
+    b.dk = dk.data_ptr<T>();
+    b.dv = dv.data_ptr<T>();
+    b.dbeta = dbeta.data_ptr<T>();
+    b.dg = g.has_value() ? dg.data_ptr<T>() : nullptr;
+    b.dh0 = dh0.data_ptr<T>();
+    b.N = N; b.H = H; b.L = L; b.K = K; b.V = V; b.C = C; b.NC = NC;
+    b.scale = T(scale);
+    per_head(b);
+  };
+  if (states.scalar_type() == torch::kFloat) fill(static_cast<float*>(nullptr));
+  else {
+    TORCH_CHECK(states.scalar_type() == torch::kDouble, "chunk_delta_bwd: float32 or float64 only");
+    fill(static_cast<double*>(nullptr));
+  }
+  return {dq, dk, dv, dbeta, dg, dh0};
+}
 
 }  // namespace
+
+void register_gemm_bf16(pybind11::module& m);   // gemm_bf16_check.cpp
+void register_decode_step(pybind11::module& m);  // decode_step.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)");
+  m.def("chunk_delta_bwd", &chunk_delta_bwd, "its backward, one task per (sequence, head), last chunk first");
+  register_gemm_bf16(m);
+  register_decode_step(m);
+}

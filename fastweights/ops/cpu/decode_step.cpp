@@ -17,8 +17,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "bindings.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -206,8 +204,8 @@ std::vector<torch::Tensor> delta_step(const torch::Tensor& q, const torch::Tenso
   return {o.to(v.scalar_type()), inplace ? state : h_out.view({N, H, K, V})};
 }
 
-const fastweights_cpu::Binding bind([](pybind11::module_& m) {
-  m.def("delta_step", &delta_step, "one decode token of the (gated) delta rule, one task per head");
-});
-
 }  // namespace
+
+void register_decode_step(pybind11::module& m) {  // called by chunk_delta.cpp's PYBIND11_MODULE
+  m.def("delta_step", &delta_step, "one decode token of the (gated) delta rule, one task per head");
+}

@@ -42,7 +42,7 @@ from .._backend import backward_can_follow
 from .._dispatch import run_chunk_delta
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off
-from .. import cpu as cpu_kernels
+from ..cpu import kernels as compiled_kernels
 from ..feature_maps import FeatureMapLike
 from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
@@ -171,7 +171,7 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
         t is not None and t.dtype != dtype for t in (q, k, beta, g, h0)
     ):
         return None
-    mod = cpu_kernels.kernels()
+    mod = compiled_kernels()
     if mod is None:
         return None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -305,6 +305,26 @@ def _state_grads(x, du, grads):
         carried.baddbmm_(w_t[i], du_i, alpha=-1.0)
 
 
+def _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size):
+    """:func:`chunk_delta_rule_bwd` by the compiled CPU kernel (one (sequence, head) per task, T
+    recomputed per chunk instead of read from the kept inverse blocks), or None where it does not
+    apply (as :func:`_native_forward`)."""
+    q_flat, kv_flat, wu, _ = kept
+    if states.device.type != "cpu" or states.dtype not in (torch.float32, torch.float64) or any(
+        t is not None and t.dtype != states.dtype for t in (beta, g, do, dh_final, q_flat, kv_flat, wu)
+    ):
+        return None
+    mod = compiled_kernels()
+    if mod is None:
+        return None
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    t_len = beta.shape[-1]
+    dq, dk, dv, dbeta, dg, dh0 = mod.chunk_delta_bwd(q_flat, kv_flat, wu, states, beta, g, do, dh_final, float(scale), int(chunk_size))
+    grads = [from_chunk_buffer(t, t_len) for t in (dq, dk, dv, dbeta)]
+    return (*grads, None if g is None else from_chunk_buffer(dg, t_len), dh0)
+
+
 def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size):
     """Backward on head-first ``[N, H, T, ·]`` tensors; ``README.md`` in this folder derives every line.
 
@@ -317,6 +337,9 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
 
     Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five ``[N, H, T, ·]``.
     """
+    native = _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size)
+    if native is not None:
+        return native
     q_flat, kv_flat, wu, inverses = kept
     nc, nhh, dk, dv = states.shape
     n, nh, t_len = beta.shape
@@ -358,13 +381,15 @@ def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor],
     scale: float, chunk_size: int, keep: bool, bf16_products: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`chunk_delta_rule_fwd` with ``h0 [N, H, K, V]``; the kept tensors are empty when ``keep`` is False."""
+    """:func:`chunk_delta_rule_fwd` with ``h0 [N, H, K, V]``; the states and kept tensors are empty when ``keep`` is False."""
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     low = torch.bfloat16 if bf16_products else None
     with autocast_off(q.device):
         o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep, low)
-    return (o, h_final, states) + (kept if keep else tuple(q.new_empty(0) for _ in range(4)))
+    if not keep:  # the chunk states and the gathered inputs serve only a backward
+        return (o, h_final) + tuple(q.new_empty(0) for _ in range(5))
+    return (o, h_final, states) + kept
 
 
 @_fwd_op.register_fake
@@ -374,9 +399,10 @@ def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False
     nc = -(-t_len // chunk_size)
     rows = nc * n * nh
     o = from_chunk_buffer(chunk_buffer(v, n, nh, nc, chunk_size), t_len)
-    out = (o, v.new_empty(n * nh, dk, dv, dtype=beta.dtype), v.new_empty(nc, n * nh, dk, dv, dtype=beta.dtype))
+    h_final = v.new_empty(n * nh, dk, dv, dtype=beta.dtype)
     if not keep:
-        return out + tuple(q.new_empty(0) for _ in range(4))
+        return (o, h_final) + tuple(q.new_empty(0) for _ in range(5))
+    out = (o, h_final, v.new_empty(nc, n * nh, dk, dv, dtype=beta.dtype))
     nb = row_blocks(chunk_size, UT_BLOCKS)
     kv = k.new_empty(rows, chunk_size, dk + dv)
     return out + (q.new_empty(rows, chunk_size, dk), kv, torch.empty_like(kv),

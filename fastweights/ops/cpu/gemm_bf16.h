@@ -1,0 +1,316 @@
+// A bf16 GEMM for small tiles: bf16 operands, fp32 accumulation, fp32 result, one thread.
+//
+//   gemm_bf16(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, ws)
+//     C[m×n] = alpha · op(A) op(B) + beta · C, row major, op(X) = Xᵀ when its flag is set
+//     (the semantics of `mm<T>` in chunk_delta.cpp). op(A) is m×k, op(B) is k×n; A is stored
+//     m×k (ta false) or k×m (ta true) with row stride lda, B likewise k×n or n×k with ldb.
+//     beta == 0 does not read C (as in BLAS: C may hold NaN).
+//   to_bf16(src, dst, n): fp32 → bf16, round to nearest even, bit for bit torch's
+//     `tensor.to(torch.bfloat16)` (denormals kept, NaN → 0xFFFF).
+//
+// Where the compiler targets AVX512-BF16 (`__AVX512BF16__`, e.g. `-march=native` on Zen 4/5 or
+// Cooper Lake and later), both operands are packed into "VNNI" pairs, the layout `vdpbf16ps`
+// (`_mm512_dpbf16_ps`) reads: word p of a packed row holds the bf16 pair (X[2p], X[2p+1]) of
+// the k dimension (a zero pads an odd k), stored pair-major, [⌈k/2⌉, round16(rows)] 32-bit
+// words. A register-blocked micro-kernel then keeps an MR × 16·NV tile of C in zmm registers,
+// and for each k-pair broadcasts one A word per row and multiplies it into NV B vectors: one
+// instruction does 16 lanes × 2 products, twice the fp32 FMA's work. Everything lives in a
+// caller-owned Workspace (64-byte aligned, grown only when a call needs more), so a call in a
+// loop allocates nothing.
+//
+// Numerics: a bf16 × bf16 product is exact in fp32, so the result is the fp32 matmul of the
+// bf16 values up to the order of the fp32 additions. `vdpbf16ps` treats bf16 denormal inputs
+// as zero and flushes denormal outputs (values below 1.2e-38); nothing else differs.
+//
+// Elsewhere (no AVX512-BF16) the operands are widened to fp32 in the workspace and MKL's
+// `sgemm_` (exported by libtorch_cpu) runs: the same results, at the fp32 rate.
+// `kHasFastBf16` says which path this build took.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+            const int*, const float*, const int*, const float*, float*, const int*);
+}
+
+namespace fastweights {
+namespace cpu {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+constexpr bool kHasFastBf16 = true;
+#else
+constexpr bool kHasFastBf16 = false;
+#endif
+
+// Caller-owned scratch, 64-byte aligned; grows (never shrinks) to the largest request.
+struct Workspace {
+  Workspace() = default;
+  ~Workspace() { std::free(data_); }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  Workspace(Workspace&& o) noexcept : data_(o.data_), bytes_(o.bytes_) {
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+  }
+
+  // At least `bytes` bytes, 64-byte aligned; the old contents are not kept when it grows.
+  void* get(size_t bytes) {
+    if (bytes > bytes_) {
+      const size_t want = (std::max(bytes, bytes_ + bytes_ / 2) + 63) / 64 * 64;
+      void* p = std::aligned_alloc(64, want);
+      TORCH_CHECK(p != nullptr, "gemm_bf16: out of memory for ", want, " bytes of workspace");
+      std::free(data_);
+      data_ = p;
+      bytes_ = want;
+    }
+    return data_;
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+namespace bf16_detail {
+
+inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+inline uint16_t to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (x != x) return 0xFFFF;  // NaN, as torch's vectorised conversion writes it
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+}  // namespace bf16_detail
+
+// n floats → n bf16, round to nearest even (bit for bit torch's `.to(torch.bfloat16)`).
+inline void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xFFFF);
+  for (; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(live, src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
+    _mm256_mask_storeu_epi16(out + i, live, _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i]);
+}
+
+// Bytes of workspace one gemm_bf16 call of this shape needs.
+inline size_t gemm_bf16_workspace_bytes(int64_t m, int64_t n, int64_t k) {
+  if (kHasFastBf16) {
+    const int64_t kp = (k + 1) / 2;
+    return size_t(kp * (bf16_detail::round16(m) + bf16_detail::round16(n))) * 4 + 64;
+  }
+  return size_t(bf16_detail::round16(m * k) + bf16_detail::round16(k * n)) * 4 + 64;
+}
+
+namespace bf16_detail {
+
+// C = beta · C (beta == 0: zeros, C not read): the whole product when k == 0 or alpha == 0.
+inline void scale_c(int64_t m, int64_t n, float beta, float* C, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* c = C + i * ldc;
+    if (beta == 0.f) std::fill(c, c + n, 0.f);
+    else
+      for (int64_t j = 0; j < n; ++j) c[j] *= beta;
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+
+constexpr int kMR = 8;   // rows of C per micro-tile
+constexpr int kNV = 2;   // 16-column vectors of C per micro-tile
+constexpr int kNR = 16 * kNV;
+
+inline __mmask32 mask32(int64_t live) { return live >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << live) - 1u); }
+
+// Rows stored with the pairs along them (X[r, 2p], X[r, 2p + 1] adjacent): dst[p, r] is the
+// 32-bit word at X + r·ld + 2p, i.e. a transpose of [rows, ⌈cnt/2⌉] words, done in 16×16
+// blocks; an odd cnt gets a zero high half, rows and words past the ends read as zero.
+// dst: [⌈cnt/2⌉, dstride] words, dstride ≥ round16(rows).
+inline void pack_pairs_along_rows(const uint16_t* X, int64_t ld, int64_t rows, int64_t cnt, uint32_t* dst,
+                                  int64_t dstride) {
+  const int64_t kp = (cnt + 1) / 2;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, rows - r0);
+    for (int64_t p0 = 0; p0 < kp; p0 += 16) {
+      const __mmask32 live = mask32(cnt - 2 * p0);
+      __m512i r[16], t[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < nr ? _mm512_maskz_loadu_epi16(live, X + (r0 + i) * ld + 2 * p0) : _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+      }
+      // r[4g + q], 128-bit lane L, holds word 4L + q of rows 4g..4g+3: a 4×4 transpose of lanes
+      const int64_t np = std::min<int64_t>(16, kp - p0);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i y0 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x44), y1 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xEE);
+        const __m512i y2 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x44),
+                      y3 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xEE);
+        const __m512i out[4] = {_mm512_shuffle_i32x4(y0, y2, 0x88), _mm512_shuffle_i32x4(y0, y2, 0xDD),
+                                _mm512_shuffle_i32x4(y1, y3, 0x88), _mm512_shuffle_i32x4(y1, y3, 0xDD)};
+        for (int L = 0; L < 4; ++L) {
+          const int64_t w = 4 * L + q;
+          if (w < np) _mm512_storeu_si512(dst + (p0 + w) * dstride + r0, out[L]);
+        }
+      }
+    }
+  }
+}
+
+// Rows along k (X[2p, j], X[2p + 1, j] one row apart): dst[p, j] = the pair of rows 2p and
+// 2p + 1 at column j; a missing row 2p + 1 (odd cnt) and columns past `width` read as zero.
+// dst: [⌈cnt/2⌉, dstride] words, dstride ≥ round16(width).
+inline void pack_pairs_across_rows(const uint16_t* X, int64_t ld, int64_t cnt, int64_t width, uint32_t* dst,
+                                   int64_t dstride) {
+  const int64_t kp = (cnt + 1) / 2;
+  for (int64_t p = 0; p < kp; ++p) {
+    const uint16_t* lo = X + 2 * p * ld;
+    const uint16_t* hi = lo + ld;
+    const bool has_hi = 2 * p + 1 < cnt;
+    uint32_t* d = dst + p * dstride;
+    for (int64_t j = 0; j < width; j += 16) {
+      const __mmask16 live = width - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - j)) - 1);
+      const __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, lo + j));
+      const __m512i b = has_hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, hi + j)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(d + j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
+// C[MR × (16·NV, the last vector masked by `last`)] = alpha · Σ_p a[p, 0..MR) ⊗ b[p, ..] + beta · C.
+// a: packed A at the tile's first row (word stride sa per pair); b: packed B at its first column.
+template <int MR, int NV>
+void micro_kernel(int64_t kp, const uint32_t* __restrict a, int64_t sa, const uint32_t* __restrict b, int64_t sb,
+                  float* __restrict C, int64_t ldc, float alpha, float beta, __mmask16 last) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_load_si512(b + p * sb + 16 * v);
+    const uint32_t* ap = a + p * sa;
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(int(ap[i]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], av, bv[v]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    float* c = C + i * ldc;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 mk = v == NV - 1 ? last : __mmask16(0xFFFF);
+      __m512 r = _mm512_mul_ps(va, acc[i][v]);
+      if (beta != 0.f) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(mk, c + 16 * v), r);
+      _mm512_mask_storeu_ps(c + 16 * v, mk, r);
+    }
+  }
+}
+
+using MicroKernel = void (*)(int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t, float,
+                             float, __mmask16);
+
+template <int NV, size_t... I>
+constexpr std::array<MicroKernel, sizeof...(I)> kernel_row(std::index_sequence<I...>) {
+  return {&micro_kernel<int(I) + 1, NV>...};
+}
+template <size_t... V>
+constexpr std::array<std::array<MicroKernel, kMR>, sizeof...(V)> kernel_table(std::index_sequence<V...>) {
+  return {kernel_row<int(V) + 1>(std::make_index_sequence<kMR>())...};
+}
+// kKernels[nv − 1][rows − 1]: every edge tile has its own fully unrolled kernel
+inline constexpr auto kKernels = kernel_table(std::make_index_sequence<kNV>());
+
+#endif  // AVX512-BF16
+
+}  // namespace bf16_detail
+
+// C[m×n] = alpha · op(A) op(B) + beta · C (row major; see the top of this file).
+inline void gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* A,
+                      int64_t lda, const at::BFloat16* B, int64_t ldb, float beta, float* C, int64_t ldc,
+                      Workspace& ws) {
+  using namespace bf16_detail;
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0 || alpha == 0.f) {
+    scale_c(m, n, beta, C, ldc);
+    return;
+  }
+  const uint16_t* a16 = reinterpret_cast<const uint16_t*>(A);
+  const uint16_t* b16 = reinterpret_cast<const uint16_t*>(B);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  const int64_t kp = (k + 1) / 2, sa = round16(m), sb = round16(n);
+  uint32_t* pa = static_cast<uint32_t*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
+  uint32_t* pb = pa + kp * sa;
+  if (ta) pack_pairs_across_rows(a16, lda, k, m, pa, sa);  // A: [k, m]
+  else pack_pairs_along_rows(a16, lda, m, k, pa, sa);      // A: [m, k]
+  if (tb) pack_pairs_along_rows(b16, ldb, n, k, pb, sb);   // B: [n, k]
+  else pack_pairs_across_rows(b16, ldb, k, n, pb, sb);     // B: [k, n]
+  for (int64_t j0 = 0; j0 < n; j0 += kNR) {
+    const int64_t w = std::min<int64_t>(kNR, n - j0), nv = (w + 15) / 16, tail = w - 16 * (nv - 1);
+    const __mmask16 last = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
+    const auto& row = kKernels[nv - 1];
+    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+      const int64_t rows = std::min<int64_t>(kMR, m - i0);
+      row[rows - 1](kp, pa + i0, sa, pb + j0, sb, C + i0 * ldc + j0, ldc, alpha, beta, last);
+    }
+  }
+#else
+  // widen both operands, as stored, to fp32 and let sgemm_ do the product
+  const int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
+  float* fa = static_cast<float*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
+  float* fb = fa + round16(m * k);
+  for (int64_t i = 0; i < ar; ++i)
+    for (int64_t j = 0; j < ac; ++j) fa[i * ac + j] = bf16_to_float(a16[i * lda + j]);
+  for (int64_t i = 0; i < br; ++i)
+    for (int64_t j = 0; j < bc; ++j) fb[i * bc + j] = bf16_to_float(b16[i * ldb + j]);
+  // row-major C = op(A) op(B) is column-major Cᵀ = op(B)ᵀ op(A)ᵀ
+  const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
+  const int m_ = int(m), n_ = int(n), k_ = int(k), lda_ = int(ac), ldb_ = int(bc), ldc_ = int(ldc);
+  sgemm_(&opb, &opa, &n_, &m_, &k_, &alpha, fb, &ldb_, fa, &lda_, &beta, C, &ldc_);
+#endif
+}
+
+}  // namespace cpu
+}  // namespace fastweights
