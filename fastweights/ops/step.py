@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import cpu as cpu_kernels
+from .cpu import kernels as compiled_kernels
 from ._backend import BACKENDS, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting
 
 __all__ = ["delta_rule_step", "gated_delta_rule_step", "linear_attn_step"]
@@ -115,7 +115,7 @@ def _native_step(q, k, v, beta, g, state, scale, inplace):
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, g, state)):
         return None
-    mod = cpu_kernels.kernels()
+    mod = compiled_kernels()
     if mod is None:
         return None
     return tuple(mod.delta_step(q, k, v, beta, g, state, float(scale), bool(inplace)))
