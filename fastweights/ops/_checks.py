@@ -139,8 +139,10 @@ def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
         return
     # One reduction, no temporaries: a sum is finite only if every entry is (NaN and ±Inf
     # propagate). A finite sum proves the tensor clean; otherwise (bad entries, or an
-    # overflowing sum of large finite ones) look entry by entry.
-    if bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))):
+    # overflowing sum of large finite ones) look entry by entry. The sum runs in the tensor's
+    # own dtype (torch accumulates bf16/fp16 in fp32 inside): asking for another dtype would
+    # first copy the whole tensor (14 ms of a 37 ms bf16 call at B 1, T 2048, H 8, K = V = 128).
+    if bool(torch.isfinite(t.sum())):
         return
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())

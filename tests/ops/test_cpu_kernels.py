@@ -172,3 +172,45 @@ def test_environment_switch_turns_the_kernels_off(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False None PyTorch path (compiled CPU kernels turned off)"
     assert not (tmp_path / "cpu_kernels").exists()
+
+
+@pytest.mark.parametrize("decay", [0.05, 3.0])
+def test_float64_kernel_with_mild_and_strong_decays(kernels, decay, one_thread):
+    """Per-token log decays of −0.05 (within a chunk |b| ≤ 60: Γ from 2C exponentials) and −3
+    (|b| reaches 192: Γ from each difference's exponential): float64 equal to the recurrence."""
+    rule = RULES["gated_delta"]
+    x = make_inputs(rule, 1, 150, 2, 16, 20, initial_state=True, seed=6)
+    x["g"] = torch.full_like(x["g"], -decay) + 0.01 * torch.rand_like(x["g"])
+    got, want = _run(rule, x, True, chunk_size=64), _reference(rule, x)
+    for name, a, b in zip(_names(x), got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("rule_name", DELTA_RULES)
+def test_bf16_products_kernel_within_2x_of_the_recurrence_and_closer_than_the_pytorch_path(kernels, rule_name, one_thread):
+    """Under ``ops.bf16_products()`` on bf16 inputs the kernel's products take bf16 operands with
+    fp32 results (the PyTorch path's CPU ``bmm`` rounds each product's result to bf16): within 2×
+    of the bf16-products recurrence and no worse than the PyTorch path, against float64."""
+    from fastweights import ops
+
+    rule = RULES[rule_name]
+    x = make_inputs(rule, 2, 300, 2, 64, 48, initial_state=True, seed=12)
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float()) for n, t in x.items()}
+    exact = {n: t.double() for n, t in low.items()}
+    o_ref, h_ref = call(rule.reference, rule, exact, output_final_state=True)
+    errors = {}
+    with torch.no_grad(), ops.bf16_products():
+        o_rec, h_rec = call(rule.reference, rule, low, output_final_state=True)
+        for on in (True, False):
+            cpu_kernels.set_enabled(on)
+            try:
+                o, h = call(rule.forms[2], rule, low, output_final_state=True, chunk_size=64)
+            finally:
+                cpu_kernels.set_enabled(None)
+            assert o.dtype == torch.bfloat16 and h.dtype == torch.float32
+            errors[on] = (rel_err(o, o_ref), rel_err(h, h_ref))
+    rec = (rel_err(o_rec, o_ref), rel_err(h_rec, h_ref))
+    print(f"bf16 products, o / h_T error: kernel {errors[True]}, PyTorch path {errors[False]}, recurrent {rec}")
+    for i, name in enumerate(("o", "h_T")):
+        assert errors[True][i] <= 2 * rec[i], f"{name}: kernel {errors[True][i]:.2e} > 2 x recurrent {rec[i]:.2e}"
+        assert errors[True][i] <= 1.1 * errors[False][i], f"{name}: kernel {errors[True][i]:.2e}, PyTorch {errors[False][i]:.2e}"

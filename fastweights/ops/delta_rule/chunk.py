@@ -164,8 +164,10 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
     """:func:`chunk_delta_rule_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_delta.cpp``:
     the same algebra, one (sequence, head) per task), or None where it does not apply: not the
     CPU, not fp32/fp64 throughout, bf16 products, T = 0, or the kernels off or unbuilt."""
-    if low is not None or q.device.type != "cpu" or k.shape[2] == 0:
+    if q.device.type != "cpu" or k.shape[2] == 0:
         return None
+    if low is not None:
+        return _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low)
     dtype = v.dtype
     if dtype not in (torch.float32, torch.float64) or any(
         t is not None and t.dtype != dtype for t in (q, k, beta, g, h0)
@@ -178,6 +180,20 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
     nb = row_blocks(chunk_size, UT_BLOCKS)
     o, h, states, *kept = mod.chunk_delta_fwd(q, k, v, beta, g, h0, float(scale), int(chunk_size), nb, bool(keep))
     return from_chunk_buffer(o, k.shape[2]), h, states, (tuple(kept) if keep else None)
+
+
+def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low):
+    """The bf16-products inference forward by the compiled kernel (q, k, v as bf16 operands; the
+    state, the solve and the sums fp32), or None where it does not apply."""
+    if low != torch.bfloat16 or v.dtype != low or any(t is not None and t.dtype != torch.float32 for t in (beta, g, h0)):
+        return None
+    mod = compiled_kernels()
+    if mod is None:
+        return None
+    q, k, v = (t.to(low) if t.dtype != low else t for t in (q, k, v))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o, h = mod.chunk_delta_fwd_bf16(q, k, v, beta, g, h0, float(scale), int(chunk_size))
+    return from_chunk_buffer(o, k.shape[2]), h, h.new_empty(0), None
 
 
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True, low: Optional[torch.dtype] = None):
