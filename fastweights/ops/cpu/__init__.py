@@ -50,10 +50,17 @@ def _cpu_signature() -> str:
     return "".join(lines)
 
 
+#: Compiler and linker flags (part of the build's key). ``-fopenmp``: ``at::parallel_for`` is
+#: inline OpenMP in torch's headers; compiled without it, the heads run one after another.
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
 def _build_key() -> str:
     h = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         h.update((_HERE / name).read_bytes())
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     h.update(_cpu_signature().encode())
@@ -110,7 +117,8 @@ def build(verbose: bool = False):
             _module = load(
                 name="fastweights_cpu_" + folder.name,
                 sources=[str(_HERE / s) for s in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fno-math-errno"],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
                 build_directory=str(folder),
                 verbose=verbose,
             )

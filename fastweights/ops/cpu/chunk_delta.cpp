@@ -182,6 +182,17 @@ void unit_lower_inverse(int64_t C, const T* S, const T* beta, T* Tm) {
   }
 }
 
+// Asks for the next chunk's input rows while this chunk computes: the rows are strided (one per
+// token, H heads apart), so the hardware prefetcher does not follow them.
+template <typename E>
+inline void prefetch_rows(const E* base, int64_t stride, int64_t t0, int64_t rows, int64_t width) {
+  const int64_t bytes = width * int64_t(sizeof(E));
+  for (int64_t i = 0; i < rows; ++i) {
+    const char* p = reinterpret_cast<const char*>(base + (t0 + i) * stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  }
+}
+
 template <typename T>
 struct Forward {
   // inputs, head-first [N, H, T, ·] with unit stride in the last dim; strides (n, h, t) in elements
@@ -231,6 +242,12 @@ struct Forward {
 
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, rows = std::min(C, L - t0), row = c * NH + nh;
+      if (c + 1 < NC) {
+        const int64_t next = std::min(C, L - t0 - C);
+        prefetch_rows(qh, q_s[2], t0 + C, next, K);
+        prefetch_rows(kh, k_s[2], t0 + C, next, K);
+        prefetch_rows(vh, v_s[2], t0 + C, next, V);
+      }
       // gather the chunk (zero rows past the end: a no-op token for the rule)
       for (int64_t i = 0; i < C; ++i) {
         if (i < rows) {
@@ -341,6 +358,7 @@ struct Backward {
 
     for (int64_t c = NC - 1; c >= 0; --c) {
       const int64_t t0 = c * C, rows = std::min(C, L - t0), row = c * NH + nh;
+      if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);
       const T* Q = q_flat + row * C * K;
       const T* KVm = kv_flat + row * C * KV;
       const T* WU = wu + row * C * KV;  // [W | U']
@@ -594,7 +612,6 @@ struct ForwardBf16 {
     float* rd = take(C);
     float* te = take(C);
     fastweights::cpu::Workspace ws;
-    std::vector<float> row(std::max(K, KV));
 
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(float) * K * V);
     else std::fill(h, h + K * V, 0.f);
@@ -606,10 +623,17 @@ struct ForwardBf16 {
     const bool gated = gh != nullptr;
     const B16 zero(0.f);
     using fastweights::cpu::gemm_bf16;
+    using fastweights::cpu::scale_to_bf16;
     using fastweights::cpu::to_bf16;
 
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, rows = std::min(C, L - t0);
+      if (c + 1 < NC) {
+        const int64_t next = std::min(C, L - t0 - C);
+        prefetch_rows(qh, q_s[2], t0 + C, next, K);
+        prefetch_rows(kh, k_s[2], t0 + C, next, K);
+        prefetch_rows(vh, v_s[2], t0 + C, next, V);
+      }
       for (int64_t i = 0; i < C; ++i) {
         if (i < rows) {
           const int64_t t = t0 + i;
@@ -632,11 +656,8 @@ struct ForwardBf16 {
       unit_lower_inverse<float>(C, S, bvec, Tm);
       // [W | U] = T diag(β) [K e^b | V]
       for (int64_t i = 0; i < C; ++i) {
-        const float bk = gated ? bvec[i] * rd[i] : bvec[i], bv = bvec[i];
-        const B16* src = KVh + i * KV;
-        for (int64_t j = 0; j < K; ++j) row[j] = bk * float(src[j]);
-        for (int64_t j = K; j < KV; ++j) row[j] = bv * float(src[j]);
-        to_bf16(row.data(), Rh + i * KV, KV);
+        scale_to_bf16(KVh + i * KV, gated ? bvec[i] * rd[i] : bvec[i], Rh + i * KV, K);
+        scale_to_bf16(KVh + i * KV + K, bvec[i], Rh + i * KV + K, V);
       }
       to_bf16(Tm, Th, C * C);
       gemm_bf16(false, false, C, KV, C, 1.f, Th, C, Rh, KV, 0.f, WU, KV, ws);
@@ -648,10 +669,8 @@ struct ForwardBf16 {
       // O = scale · (Q e^b) h + P U'
       if (gated) {
         for (int64_t i = 0; i < C; ++i) {
-          for (int64_t j = 0; j < K; ++j) row[j] = float(Qh[i * K + j]) * rd[i];
-          to_bf16(row.data(), Qh + i * K, K);
-          for (int64_t j = 0; j < K; ++j) row[j] = float(KVh[i * KV + j]) * te[i];
-          to_bf16(row.data(), Kbh + i * K, K);
+          scale_to_bf16(Qh + i * K, rd[i], Qh + i * K, K);
+          scale_to_bf16(KVh + i * KV, te[i], Kbh + i * K, K);
         }
       }
       gemm_bf16(false, false, C, V, K, scale, Qh, K, hh16, V, 0.f, O, V, ws);

@@ -103,23 +103,49 @@ inline float bf16_to_float(uint16_t h) {
 
 }  // namespace bf16_detail
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+namespace bf16_detail {
+// 16 floats → 16 bf16 bit patterns, round to nearest even, NaN → 0xFFFF (torch's rounding).
+inline __m256i round_to_bf16(__m512 x) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xFFFF);
+  const __m512i u = _mm512_castps_si512(x);
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+  r = _mm512_srli_epi32(r, 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __mmask16 live16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+}  // namespace bf16_detail
+#endif
+
 // n floats → n bf16, round to nearest even (bit for bit torch's `.to(torch.bfloat16)`).
 inline void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xFFFF);
   for (; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 x = _mm512_maskz_loadu_ps(live, src + i);
-    const __m512i u = _mm512_castps_si512(x);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    r = _mm512_srli_epi32(r, 16);
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
-    _mm256_mask_storeu_epi16(out + i, live, _mm512_cvtepi32_epi16(r));
+    const __mmask16 live = bf16_detail::live16(n - i);
+    _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(_mm512_maskz_loadu_ps(live, src + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i]);
+}
+
+// dst = bf16(float(src) · factor) for n entries (the product rounded once, as to_bf16 rounds).
+inline void scale_to_bf16(const at::BFloat16* src, float factor, at::BFloat16* dst, int64_t n) {
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 f = _mm512_set1_ps(factor);
+  for (; i < n; i += 16) {
+    const __mmask16 live = bf16_detail::live16(n - i);
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, in + i)), 16);
+    const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(wide), f);
+    _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(x));
+  }
+#endif
+  for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(bf16_detail::bf16_to_float(in[i]) * factor);
 }
 
 // Bytes of workspace one gemm_bf16 call of this shape needs.
