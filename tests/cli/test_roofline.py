@@ -49,3 +49,21 @@ def test_roofline_only_writes_every_row_with_its_fraction(tmp_path, clock, one_t
         for limit, fraction in row["fraction_of"].items():
             assert fraction == pytest.approx(row["rate"] / limits[limit])
         assert row["unit"] == ("GB/s" if row["op"].startswith("decode") else "GFLOP/s")
+
+
+def test_cpu_table_times_every_row_and_the_comparisons(tmp_path, one_thread):
+    from fastweights.bench import cpu_table
+
+    out = tmp_path / "table.json"
+    assert cpu_table.main(["--T", "64", "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    names = {r["name"] for r in result["rows"]}
+    for rule in ("chunk_delta_rule", "chunk_gated_delta_rule"):
+        for mode in ("fp32", "bf16 inputs", "autocast bf16", "bf16 products"):
+            assert f"{rule} fwd H=8 K=V=128 {mode}" in names and f"{rule} fwd H=4 K=V=64 {mode}" in names
+    assert all(r["ms"] > 0 and r["gflops"] > 0 for r in result["rows"])
+    fp32 = result["fp32_mm_rate"]
+    for r in result["rows"]:
+        if "fraction_of_fp32_mm" in r:
+            assert r["fraction_of_fp32_mm"] == pytest.approx(r["gflops"] / fp32)
+    assert "chunk_delta_rule fwd H=8 K=V=128: bf16 products speed-up over fp32" in result["ratios"]
