@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Callable, Dict
+from typing import Dict
 
 import torch
 import torch.nn.functional as F
+
+from ..config import atomic_write_text
 
 from .roofline import CLOCKS, interleaved, op_flops
 
@@ -175,8 +177,7 @@ def main(argv=None) -> int:
     for n, x in result["ratios"].items():
         print(f"  {n}: {x:.2f}x")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+        atomic_write_text(a.json, json.dumps(result, indent=1))
     return 0
 
 

@@ -26,6 +26,8 @@ from typing import Dict, List
 
 import torch
 
+from ..config import atomic_write_text
+
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -150,8 +152,7 @@ def main(argv=None) -> int:
           f"op share of the torch prefill {result['op_share_of_torch_prefill']:.2f}; "
           f"bound from the op alone {result['amdahl_bound_from_the_op']:.2f}x ({result['cpu_path']})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        atomic_write_text(args.json, json.dumps(result, indent=1))
     return 0
 
 

@@ -26,7 +26,10 @@ def kernels_on():
 def _token(n, h, dk, dv, dtype=torch.float64, seed=0, gated=True):
     """One token's inputs ``[N, H, ·]`` and a state ``[N, H, K, V]``: unit keys, β in (0, 1), g in (-1, 0)."""
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
     x = dict(q=r(n, h, dk), k=F.normalize(r(n, h, dk), dim=-1), v=r(n, h, dv), beta=torch.sigmoid(r(n, h)),
              g=F.logsigmoid(r(n, h)) if gated else None, state=r(n, h, dk, dv))
     return {name: None if t is None else t.to(dtype) for name, t in x.items()}

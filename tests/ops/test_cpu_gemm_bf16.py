@@ -146,6 +146,6 @@ def test_speed_table(mod, capsys):
     with capsys.disabled():
         for m, n, k, ta, tb, bf16, sgemm in rows:
             print(f"\n{m}x{n}x{k} ta={ta} tb={tb}: bf16 {bf16:.0f} GFLOP/s, sgemm {sgemm:.0f}, ratio {bf16 / sgemm:.2f}")
-    for m, n, k, ta, tb, bf16, sgemm in rows:
+    for m, n, k, _, _, bf16, sgemm in rows:
         if min(m, n, k) >= 64:
             assert bf16 >= 3 * sgemm, f"{m}x{n}x{k}: {bf16:.0f} vs sgemm {sgemm:.0f}"
