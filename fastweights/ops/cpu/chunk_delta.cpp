@@ -193,11 +193,57 @@ inline void prefetch_rows(const E* base, int64_t stride, int64_t t0, int64_t row
   }
 }
 
+// One head's inputs (q, k, v of element type E; β and g of type A) with their time strides, and
+// the copy of a chunk of them into scratch: q → Q [C, K], k | v → KV [C, K + V], β → bvec, g →
+// bcum; rows past the end are zeros (a no-op token for the rule). The next chunk's rows are
+// prefetched meanwhile.
+template <typename E, typename A>
+struct HeadRows {
+  const E *q, *k, *v;
+  const A *beta, *g;  // g == nullptr: no gate
+  int64_t q_t, k_t, v_t, beta_t, g_t;
+  int64_t L, K, V, C;
+
+  // Head hh of sequence n of head-first [N, H, T, ·] tensors with strides (n, h, t) in elements.
+  static HeadRows at(int64_t n, int64_t hh, const E* q, const int64_t* q_s, const E* k, const int64_t* k_s,
+                     const E* v, const int64_t* v_s, const A* beta, const int64_t* beta_s, const A* g,
+                     const int64_t* g_s, int64_t L, int64_t K, int64_t V, int64_t C) {
+    return HeadRows{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
+                    beta + n * beta_s[0] + hh * beta_s[1], g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1],
+                    q_s[2], k_s[2], v_s[2], beta_s[2], g_s[2], L, K, V, C};
+  }
+
+  void gather(int64_t t0, E* Q, E* KV, A* bvec, A* bcum) const {
+    const int64_t rows = std::min(C, L - t0), KVw = K + V;
+    if (t0 + C < L) {
+      const int64_t next = std::min(C, L - t0 - C);
+      prefetch_rows(q, q_t, t0 + C, next, K);
+      prefetch_rows(k, k_t, t0 + C, next, K);
+      prefetch_rows(v, v_t, t0 + C, next, V);
+    }
+    for (int64_t i = 0; i < C; ++i) {
+      if (i < rows) {
+        const int64_t t = t0 + i;
+        std::memcpy(Q + i * K, q + t * q_t, sizeof(E) * K);
+        std::memcpy(KV + i * KVw, k + t * k_t, sizeof(E) * K);
+        std::memcpy(KV + i * KVw + K, v + t * v_t, sizeof(E) * V);
+        bvec[i] = beta[t * beta_t];
+        bcum[i] = g != nullptr ? g[t * g_t] : A(0);
+      } else {
+        std::fill(Q + i * K, Q + (i + 1) * K, E(0.f));
+        std::fill(KV + i * KVw, KV + (i + 1) * KVw, E(0.f));
+        bvec[i] = A(0);
+        bcum[i] = A(0);
+      }
+    }
+  }
+};
+
 template <typename T>
 struct Forward {
   // inputs, head-first [N, H, T, ·] with unit stride in the last dim; strides (n, h, t) in elements
   const T *q, *k, *v, *beta, *g, *h0;
-  int64_t q_s[3], k_s[3], v_s[3], beta_s[3], g_s[3];
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, g_s[3] = {};
   // outputs
   T* o;       // [N, NC·C, H, V] contiguous
   T* h_out;   // [N·H, K, V]
@@ -233,37 +279,11 @@ struct Forward {
 
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
-    const T* qh = q + n * q_s[0] + hh * q_s[1];
-    const T* kh = k + n * k_s[0] + hh * k_s[1];
-    const T* vh = v + n * v_s[0] + hh * v_s[1];
-    const T* bh = beta + n * beta_s[0] + hh * beta_s[1];
-    const T* gh = g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1];
-    const bool gated = gh != nullptr;
-
+    const auto in = HeadRows<T, T>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
+    const bool gated = g != nullptr;
     for (int64_t c = 0; c < NC; ++c) {
-      const int64_t t0 = c * C, rows = std::min(C, L - t0), row = c * NH + nh;
-      if (c + 1 < NC) {
-        const int64_t next = std::min(C, L - t0 - C);
-        prefetch_rows(qh, q_s[2], t0 + C, next, K);
-        prefetch_rows(kh, k_s[2], t0 + C, next, K);
-        prefetch_rows(vh, v_s[2], t0 + C, next, V);
-      }
-      // gather the chunk (zero rows past the end: a no-op token for the rule)
-      for (int64_t i = 0; i < C; ++i) {
-        if (i < rows) {
-          const int64_t t = t0 + i;
-          std::memcpy(Q + i * K, qh + t * q_s[2], sizeof(T) * K);
-          std::memcpy(KVm + i * KV, kh + t * k_s[2], sizeof(T) * K);
-          std::memcpy(KVm + i * KV + K, vh + t * v_s[2], sizeof(T) * V);
-          bvec[i] = bh[t * beta_s[2]];
-          bcum[i] = gated ? gh[t * g_s[2]] : T(0);
-        } else {
-          std::fill(Q + i * K, Q + (i + 1) * K, T(0));
-          std::fill(KVm + i * KV, KVm + (i + 1) * KV, T(0));
-          bvec[i] = T(0);
-          bcum[i] = T(0);
-        }
-      }
+      const int64_t t0 = c * C, row = c * NH + nh;
+      in.gather(t0, Q, KVm, bvec, bcum);
       if (gated) chunk_decays(C, bcum, rd, te);
       masked_scores<T>(C, K, Q, K, KVm, KV, scale, gated ? bcum : nullptr, S, P, nullptr);
       unit_lower_inverse<T>(C, S, bvec, Tm);
@@ -329,7 +349,7 @@ struct Forward {
 template <typename T>
 struct Backward {
   const T *q_flat, *kv_flat, *wu, *states, *beta, *g, *dout, *dh_final;
-  int64_t beta_s[3], g_s[3], do_s[3];
+  int64_t beta_s[3] = {}, g_s[3] = {}, do_s[3] = {};
   T *dq, *dk, *dv, *dbeta, *dg, *dh0;  // [N, NC·C, H, ·] (dbeta, dg [N, NC·C, H]); dh0 [N·H, K, V]
   int64_t N, H, L, K, V, C, NC;
   T scale;
@@ -576,7 +596,7 @@ struct ForwardBf16 {
   using B16 = at::BFloat16;
   const B16 *q, *k, *v;
   const float *beta, *g, *h0;
-  int64_t q_s[3], k_s[3], v_s[3], beta_s[3], g_s[3];
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, g_s[3] = {};
   B16* o;        // [N, NC·C, H, V]
   float* h_out;  // [N·H, K, V]
   int64_t N, H, L, K, V, C, NC;
@@ -615,40 +635,15 @@ struct ForwardBf16 {
 
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(float) * K * V);
     else std::fill(h, h + K * V, 0.f);
-    const B16* qh = q + n * q_s[0] + hh * q_s[1];
-    const B16* kh = k + n * k_s[0] + hh * k_s[1];
-    const B16* vh = v + n * v_s[0] + hh * v_s[1];
-    const float* bh = beta + n * beta_s[0] + hh * beta_s[1];
-    const float* gh = g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1];
-    const bool gated = gh != nullptr;
-    const B16 zero(0.f);
+    const auto in = HeadRows<B16, float>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
+    const bool gated = g != nullptr;
     using fastweights::cpu::gemm_bf16;
     using fastweights::cpu::scale_to_bf16;
     using fastweights::cpu::to_bf16;
 
     for (int64_t c = 0; c < NC; ++c) {
-      const int64_t t0 = c * C, rows = std::min(C, L - t0);
-      if (c + 1 < NC) {
-        const int64_t next = std::min(C, L - t0 - C);
-        prefetch_rows(qh, q_s[2], t0 + C, next, K);
-        prefetch_rows(kh, k_s[2], t0 + C, next, K);
-        prefetch_rows(vh, v_s[2], t0 + C, next, V);
-      }
-      for (int64_t i = 0; i < C; ++i) {
-        if (i < rows) {
-          const int64_t t = t0 + i;
-          std::memcpy(Qh + i * K, qh + t * q_s[2], sizeof(B16) * K);
-          std::memcpy(KVh + i * KV, kh + t * k_s[2], sizeof(B16) * K);
-          std::memcpy(KVh + i * KV + K, vh + t * v_s[2], sizeof(B16) * V);
-          bvec[i] = bh[t * beta_s[2]];
-          bcum[i] = gated ? gh[t * g_s[2]] : 0.f;
-        } else {
-          std::fill(Qh + i * K, Qh + (i + 1) * K, zero);
-          std::fill(KVh + i * KV, KVh + (i + 1) * KV, zero);
-          bvec[i] = 0.f;
-          bcum[i] = 0.f;
-        }
-      }
+      const int64_t t0 = c * C;
+      in.gather(t0, Qh, KVh, bvec, bcum);
       if (gated) chunk_decays(C, bcum, rd, te);
       gemm_bf16(false, true, C, C, K, 1.f, KVh, KV, KVh, KV, 0.f, S, C, ws);
       gemm_bf16(false, true, C, C, K, scale, Qh, K, KVh, KV, 0.f, P, C, ws);
