@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	# test-only oracle of the fla drop-in tests (tests/*/test_fla_*.py); --no-deps keeps the
 	# pinned torch. Those tests skip with a reason if this install fails (e.g. offline).
 	-$(PY) -m pip install --quiet --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0
-	# the compiled CPU kernels, once (about 30 s); without a compiler the PyTorch path runs
+	# the compiled CPU kernels, once (about 50 s on 2 cores); without a compiler the PyTorch path runs
 	-$(PY) -m fastweights.ops.cpu
 	touch $(STAMP)
 

@@ -9,7 +9,7 @@ needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`
 ``$FASTWEIGHTS_CACHE`` (default ``~/.cache/fastweights``), in a folder named by a hash of the
 sources, the torch version and the CPU, so a changed source or machine builds anew and
 never loads a stale library. Nothing here runs at ``import fastweights``: the first CPU
-chunk call builds (about 30 s) or loads it. If the build fails, or
+chunk call builds (about 50 s on 2 cores) or loads it. If the build fails, or
 ``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once
 in a one-line warning and never raises.
 """
@@ -113,7 +113,7 @@ def build(verbose: bool = False):
             folder = cache_dir()
             folder.mkdir(parents=True, exist_ok=True)
             if not any(folder.glob("*.so")):
-                print("fastweights: compiling the CPU kernels once (about 30 s) into " + str(folder), file=sys.stderr)
+                print("fastweights: compiling the CPU kernels once (about 50 s on 2 cores) into " + str(folder), file=sys.stderr)
             _module = load(
                 name="fastweights_cpu_" + folder.name,
                 sources=[str(_HERE / s) for s in _SOURCES],
