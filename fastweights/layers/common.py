@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import EluPlusOne, Identity, ReLU, packed_positions
+from ..ops.cpu import kernels as compiled_kernels
 
 __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
@@ -226,6 +227,15 @@ def cached_weights(module: nn.Module, slot: str, params, build):
     return cached[1]
 
 
+def _compiled_conv(x, state, taps):
+    """The compiled CPU kernels' module when they can run this convolution (CPU, fp32/fp64 alike,
+    at most 16 taps, not being traced by torch.compile), else None (the PyTorch code below)."""
+    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or state.dtype != x.dtype
+            or taps.dtype != x.dtype or taps.shape[0] > 16 or torch.compiler.is_compiling()):
+        return None
+    return compiled_kernels()
+
+
 class _CausalConv(torch.autograd.Function):
     """``y_t = Σ_j weight[:, W−1−j] · x_{t−j}`` over ``[state | x]`` (``x [B, T, C]``, ``state
     [B, W−1, C]``, ``weight [C, W]``), with a hand-written backward.
@@ -242,8 +252,15 @@ class _CausalConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, state, weight):
         T, W = x.shape[1], weight.shape[1]
-        padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
         taps = weight.t().contiguous()  # [W, C]: each tap's C weights contiguous (a strided row halves the speed)
+        native = _compiled_conv(x, state, taps)
+        if native is not None:  # fastweights/ops/cpu/short_conv.cpp: one pass, no [state | x] copy
+            x, state = x.contiguous(), state.contiguous()
+            ctx.save_for_backward(x, state, taps)
+            ctx.native = native
+            return native.short_conv_fwd(x, state, taps)
+        ctx.native = None
+        padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
         y = torch.mul(padded[:, W - 1:], taps[W - 1])
         for j in range(1, W):
             y.addcmul_(padded[:, W - 1 - j: W - 1 - j + T], taps[W - 1 - j])
@@ -252,6 +269,10 @@ class _CausalConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.native is not None:
+            x, state, taps = ctx.saved_tensors
+            dx, dstate, d_taps = ctx.native.short_conv_bwd(dy.contiguous(), x, state, taps)
+            return dx, dstate, d_taps.t()
         padded, taps = ctx.saved_tensors
         T, W = dy.shape[1], taps.shape[0]
         dx = dstate = dweight = None

@@ -214,3 +214,53 @@ def test_bf16_products_kernel_within_2x_of_the_recurrence_and_closer_than_the_py
     for i, name in enumerate(("o", "h_T")):
         assert errors[True][i] <= 2 * rec[i], f"{name}: kernel {errors[True][i]:.2e} > 2 x recurrent {rec[i]:.2e}"
         assert errors[True][i] <= 1.1 * errors[False][i], f"{name}: kernel {errors[True][i]:.2e}, PyTorch {errors[False][i]:.2e}"
+
+
+@pytest.mark.parametrize("B,T,C,W,state", [(2, 7, 5, 4, True), (3, 1, 40, 4, False), (2, 2, 33, 3, True),
+                                           (1, 9, 70, 1, False), (2, 40, 96, 4, True)])
+def test_short_convolution_kernel_matches_the_pytorch_code(kernels, B, T, C, W, state, one_thread):
+    """The layers' short convolution (``short_conv.cpp``) against the PyTorch code it replaces, in
+    float64: output and the gradients of x, the weight and the carried state; T shorter than the
+    window, a window of 1, channel counts off the kernel's block of 32."""
+    from fastweights.layers.common import causal_conv1d
+
+    gen = torch.Generator().manual_seed(C)
+    x = torch.randn(B, T, C, generator=gen, dtype=torch.float64)
+    w = torch.randn(C, W, generator=gen, dtype=torch.float64)
+    s = torch.randn(B, W - 1, C, generator=gen, dtype=torch.float64) if state else None
+    cot = torch.randn(B, T, C, generator=gen, dtype=torch.float64)
+    runs = {}
+    for on in (True, False):
+        cpu_kernels.set_enabled(on)
+        try:
+            leaves = [t.clone().requires_grad_(True) for t in (x, w) + (() if s is None else (s,))]
+            y = causal_conv1d(leaves[0], leaves[1], None, leaves[2] if s is not None else None)
+            (y * cot).sum().backward()
+            runs[on] = [y] + [t.grad for t in leaves]
+        finally:
+            cpu_kernels.set_enabled(None)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-14
+
+
+def test_short_convolution_kernel_gradcheck_and_threads(kernels):
+    from fastweights.layers.common import causal_conv1d
+
+    gen = torch.Generator().manual_seed(3)
+    x, w, s = (torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+               for shape in ((2, 6, 5), (5, 4), (2, 3, 5)))
+    assert torch.autograd.gradcheck(lambda a, b, c: causal_conv1d(a, b, None, c), (x, w, s))
+    x32 = torch.randn(4, 64, 130, generator=gen)
+    w32 = torch.randn(130, 4, generator=gen, requires_grad=True)
+    threads = torch.get_num_threads()
+    grads = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            w32.grad = None
+            y = causal_conv1d(x32, w32)
+            y.pow(2).sum().backward()
+            grads.append((y.detach(), w32.grad.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

@@ -807,6 +807,7 @@ std::vector<torch::Tensor> chunk_delta_bwd(const torch::Tensor& q_flat, const to
 
 void register_gemm_bf16(pybind11::module& m);   // gemm_bf16_check.cpp
 void register_decode_step(pybind11::module& m);  // decode_step.cpp
+void register_short_conv(pybind11::module& m);   // short_conv.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)");
@@ -814,4 +815,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_delta_bwd", &chunk_delta_bwd, "its backward, one task per (sequence, head), last chunk first");
   register_gemm_bf16(m);
   register_decode_step(m);
+  register_short_conv(m);
 }
