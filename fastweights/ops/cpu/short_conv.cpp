@@ -5,10 +5,10 @@
 //
 // The PyTorch version concatenates [state | x] (a copy kept for the backward), then makes W passes
 // over the activations forward and about 3·W backward (a zero fill, W shifted adds, W products and
-// W reductions for the taps' gradient). Here each pass is one loop over a block of channels with the
-// W taps in registers: the forward reads x once, the backward reads dy and P once. A task is a block
-// of channels over the whole batch, so the taps' gradient sums in a fixed order whatever the number
-// of threads (deterministic, and the same on one thread and on two).
+// W reductions for the taps' gradient). Here the forward and d[state | x] are one pass over rows
+// (a row's W products stay in the core's cache), and the taps' gradient is one pass over dy and P
+// per block of channels, summed in a fixed order whatever the number of threads (deterministic,
+// and the same on one thread and on two).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,28 +17,35 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // channels per task
+constexpr int64_t kRows = 16;   // time steps per task of the forward and of dx
+constexpr int64_t kBlock = 64;  // channels per task of the taps' gradient
+
+// Row t + i of P = [state | x] for sequence b (i counted from the oldest tap).
+template <typename T>
+inline const T* p_row(const T* xb, const T* sb, int64_t s, int64_t W, int64_t C) {
+  return s >= 0 ? xb + s * C : sb + (W - 1 + s) * C;
+}
 
 template <typename T>
 void conv_forward(const T* x, const T* st, const T* taps, T* y, int64_t B, int64_t L, int64_t C, int64_t W) {
-  const int64_t blocks = (C + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks * B, 1, [&](int64_t begin, int64_t end) {
-    T acc[kBlock];
+  const int64_t blocks = (L + kRows - 1) / kRows;
+  at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / blocks, c0 = (task % blocks) * kBlock, n = std::min(kBlock, C - c0);
-      const T* xb = x + b * L * C + c0;
-      const T* sb = st + b * (W - 1) * C + c0;
-      T* yb = y + b * L * C + c0;
-      for (int64_t t = 0; t < L; ++t) {
-        std::fill(acc, acc + kBlock, T(0));
-        for (int64_t i = W - 1; i >= 0; --i) {  // the PyTorch version's order: the newest input first
-          const int64_t s = t + i - (W - 1);
-          const T* row = s >= 0 ? xb + s * C : sb + (W - 1 + s) * C;
-          const T* tap = taps + i * C + c0;
+      const int64_t b = task / blocks, t0 = (task % blocks) * kRows, t1 = std::min(L, t0 + kRows);
+      const T* xb = x + b * L * C;
+      const T* sb = st + b * (W - 1) * C;
+      for (int64_t t = t0; t < t1; ++t) {
+        T* out = y + (b * L + t) * C;
+        const T* row = xb + t * C;  // the newest input, tap W − 1, first (the PyTorch version's order)
+        const T* tap = taps + (W - 1) * C;
 #pragma omp simd
-          for (int64_t c = 0; c < n; ++c) acc[c] += tap[c] * row[c];
+        for (int64_t c = 0; c < C; ++c) out[c] = tap[c] * row[c];
+        for (int64_t i = W - 2; i >= 0; --i) {
+          const T* r = p_row(xb, sb, t + i - (W - 1), W, C);
+          const T* tp = taps + i * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) out[c] += tp[c] * r[c];
         }
-        std::memcpy(yb + t * C, acc, sizeof(T) * n);
       }
     }
   });
@@ -47,42 +54,55 @@ void conv_forward(const T* x, const T* st, const T* taps, T* y, int64_t B, int64
 template <typename T>
 void conv_backward(const T* dy, const T* x, const T* st, const T* taps, T* dx, T* dst, T* dtaps, int64_t B,
                    int64_t L, int64_t C, int64_t W) {
-  const int64_t blocks = (C + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    T acc[kBlock], dtap[16][kBlock];
+  // d[state | x] row r = Σ_i dy[r − i] · tap i, rows of (b, block of r) per task
+  const int64_t R = W - 1 + L, blocks = (R + kRows - 1) / kRows;
+  at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / blocks, r0 = (task % blocks) * kRows, r1 = std::min(R, r0 + kRows);
+      const T* dyb = dy + b * L * C;
+      for (int64_t r = r0; r < r1; ++r) {
+        T* out = r < W - 1 ? dst + (b * (W - 1) + r) * C : dx + (b * L + r - (W - 1)) * C;
+        bool first = true;
+        for (int64_t i = 0; i < W; ++i) {
+          const int64_t t = r - i;
+          if (t < 0 || t >= L) continue;
+          const T* g = dyb + t * C;
+          const T* tp = taps + i * C;
+          if (first) {
+#pragma omp simd
+            for (int64_t c = 0; c < C; ++c) out[c] = g[c] * tp[c];
+            first = false;
+          } else {
+#pragma omp simd
+            for (int64_t c = 0; c < C; ++c) out[c] += g[c] * tp[c];
+          }
+        }
+        if (first) std::fill(out, out + C, T(0));
+      }
+    }
+  });
+  // dtaps[i] = Σ_b Σ_t dy[t] · P[t + i], per block of channels: a fixed order whatever the threads
+  const int64_t cblocks = (C + kBlock - 1) / kBlock;
+  at::parallel_for(0, cblocks, 1, [&](int64_t begin, int64_t end) {
+    T acc[16][kBlock];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t c0 = blk * kBlock, n = std::min(kBlock, C - c0);
-      for (int64_t i = 0; i < W; ++i) std::fill(dtap[i], dtap[i] + kBlock, T(0));
+      for (int64_t i = 0; i < W; ++i) std::fill(acc[i], acc[i] + kBlock, T(0));
       for (int64_t b = 0; b < B; ++b) {
-        const T* dyb = dy + b * L * C + c0;
         const T* xb = x + b * L * C + c0;
         const T* sb = st + b * (W - 1) * C + c0;
-        // row r of P = [state | x] collects dy[r − i] · tap i; r < W − 1 are the state's rows
-        for (int64_t r = 0; r < W - 1 + L; ++r) {
-          std::fill(acc, acc + kBlock, T(0));
-          for (int64_t i = 0; i < W; ++i) {
-            const int64_t t = r - i;
-            if (t < 0 || t >= L) continue;
-            const T* g = dyb + t * C;
-            const T* tap = taps + i * C + c0;
-#pragma omp simd
-            for (int64_t c = 0; c < n; ++c) acc[c] += g[c] * tap[c];
-          }
-          T* out = r < W - 1 ? dst + (b * (W - 1) + r) * C + c0 : dx + (b * L + r - (W - 1)) * C + c0;
-          std::memcpy(out, acc, sizeof(T) * n);
-        }
-        // dtaps[i] += Σ_t dy[t] · P[t + i]
+        const T* dyb = dy + b * L * C + c0;
         for (int64_t t = 0; t < L; ++t) {
           const T* g = dyb + t * C;
           for (int64_t i = 0; i < W; ++i) {
-            const int64_t s = t + i - (W - 1);
-            const T* row = s >= 0 ? xb + s * C : sb + (W - 1 + s) * C;
+            const T* r = p_row(xb, sb, t + i - (W - 1), W, C);
+            T* a = acc[i];
 #pragma omp simd
-            for (int64_t c = 0; c < n; ++c) dtap[i][c] += g[c] * row[c];
+            for (int64_t c = 0; c < n; ++c) a[c] += g[c] * r[c];
           }
         }
       }
-      for (int64_t i = 0; i < W; ++i) std::memcpy(dtaps + i * C + c0, dtap[i], sizeof(T) * n);
+      for (int64_t i = 0; i < W; ++i) std::memcpy(dtaps + i * C + c0, acc[i], sizeof(T) * n);
     }
   });
 }
