@@ -288,8 +288,9 @@ def run_op(
         return t if keep_low else t.to(dt)
 
     with autocast_off(q.device):  # fp32 compute and state, whatever autocast would do (module docstring)
-        q = normalize_qk(phi(cast(q)), qk_norm, op)
-        k = normalize_qk(phi(cast(k)), qk_norm, op)
+        single = getattr(core, "single_backward", False)  # the core has no double backward: compiled norms may serve it
+        q = normalize_qk(phi(cast(q)), qk_norm, op, compiled=single)
+        k = normalize_qk(phi(cast(k)), qk_norm, op, compiled=single)
         v = v if low is not None and not normalize else v.to(dt)
         if normalize:
             # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:

@@ -264,3 +264,29 @@ def test_short_convolution_kernel_gradcheck_and_threads(kernels):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_compiled_l2_norm_matches_the_formula_and_keeps_double_backward_elsewhere(kernels):
+    """``normalize_qk(x, "l2", compiled=True)`` (what the chunk ops use on the CPU: ``l2norm.cpp``)
+    equals ``x·rsqrt(Σx² + ε)`` forward and backward in float64, on a strided input and an all-zero
+    row; the default (``compiled=False``, the recurrent and parallel forms) keeps autograd's
+    formula, so second derivatives still work there."""
+    from fastweights.ops.feature_maps import normalize_qk
+
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 7, 2, 40, generator=gen, dtype=torch.float64)
+    base[0, 0, 0] = 0.0
+    x = base[..., ::2]  # strided: K = 20
+    cot = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    outs = []
+    for compiled in (True, False):
+        leaf = x.clone().requires_grad_(True)
+        y = normalize_qk(leaf, "l2", compiled=compiled)
+        (y * cot).sum().backward()
+        outs.append((y, leaf.grad))
+    assert rel_err(outs[0][0], outs[1][0]) < 1e-15 and rel_err(outs[0][1], outs[1][1]) < 1e-14
+    assert outs[0][0].grad_fn is not None and "L2Norm" in type(outs[0][0].grad_fn).__name__
+    assert torch.equal(outs[0][0][0, 0, 0], torch.zeros(20, dtype=torch.float64))
+    small = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: normalize_qk(t, "l2", compiled=True), (small,))
+    assert torch.autograd.gradgradcheck(lambda t: normalize_qk(t, "l2"), (small,))

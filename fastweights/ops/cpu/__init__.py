@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["available", "kernels", "enabled", "set_enabled", "build", "status"]
 
-_SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp", "short_conv.cpp")
+_SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp", "short_conv.cpp", "l2norm.cpp")
 _HEADERS = ("gemm_bf16.h",)  # included by the sources: part of the build key
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()

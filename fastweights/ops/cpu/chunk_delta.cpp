@@ -808,6 +808,7 @@ std::vector<torch::Tensor> chunk_delta_bwd(const torch::Tensor& q_flat, const to
 void register_gemm_bf16(pybind11::module& m);   // gemm_bf16_check.cpp
 void register_decode_step(pybind11::module& m);  // decode_step.cpp
 void register_short_conv(pybind11::module& m);   // short_conv.cpp
+void register_l2norm(pybind11::module& m);       // l2norm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)");
@@ -816,4 +817,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gemm_bf16(m);
   register_decode_step(m);
   register_short_conv(m);
+  register_l2norm(m);
 }

@@ -500,6 +500,7 @@ def delta_rule_chunk(
 
 
 delta_rule_chunk.takes_low_products = True  # run_op passes ``low`` (fastweights.ops.precision)
+delta_rule_chunk.single_backward = True  # no double backward: run_op may use the compiled q/k norm
 
 
 class ChunkDeltaRuleFunction:
