@@ -26,7 +26,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -60,20 +59,6 @@ inline void mm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const
   const int m_ = int(m), n_ = int(n), k_ = int(k), lda_ = int(lda), ldb_ = int(ldb), ldc_ = int(ldc);
   blas_gemm(&opb, &opa, &n_, &m_, &k_, &alpha, b, &ldb_, a, &lda_, &beta, c, &ldc_);
 }
-
-// Scratch of one task: 64-byte aligned, so BLAS sees the same alignment for every head.
-template <typename T>
-struct Scratch {
-  T* base = nullptr;
-  explicit Scratch(size_t n) {
-    size_t bytes = ((n * sizeof(T) + 63) / 64) * 64;
-    base = static_cast<T*>(std::aligned_alloc(64, bytes));
-    TORCH_CHECK(base != nullptr, "chunk_delta_rule (CPU kernel): out of memory for ", bytes, " bytes of scratch");
-  }
-  ~Scratch() { std::free(base); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-};
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }  // keeps every scratch matrix 64-byte aligned
 
@@ -317,7 +302,7 @@ struct Forward {
         qread = Qb;
         kwrite = Kbar;
       }
-      mm<T>(false, false, C, V, K, scale, qread, gated ? K : K, h, V, T(0), O, V);
+      mm<T>(false, false, C, V, K, scale, qread, K, h, V, T(0), O, V);
       mm<T>(false, false, C, V, C, T(1), P, C, Up, KV, T(1), O, V);
       if (gated) {
         const T last = rd[C - 1];
@@ -529,19 +514,22 @@ struct Backward {
 };
 
 // Runs work.head(nh, scratch) for every (sequence, head), spread over torch's threads; each
-// thread owns one scratch block and calls BLAS single-threaded.
+// thread owns one 64-byte-aligned scratch block (gemm_bf16.h's Workspace: BLAS sees the same
+// alignment for every head) and calls BLAS single-threaded.
 template <typename Work>
 void per_head(const Work& work) {
   using T = std::remove_cv_t<decltype(Work::scale)>;
   const int64_t tasks = work.N * work.H, size = work.scratch_size();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int previous = MKL_Set_Num_Threads_Local(1);  // one core per head, whatever the caller's threads
-    Scratch<T> scratch(size);
-    for (int64_t nh = begin; nh < end; ++nh) work.head(nh, scratch.base);
+    fastweights::cpu::Workspace scratch;
+    T* base = static_cast<T*>(scratch.get(sizeof(T) * size_t(size)));
+    for (int64_t nh = begin; nh < end; ++nh) work.head(nh, base);
     MKL_Set_Num_Threads_Local(previous);
   });
 }
 
+// The strides of a tensor's first three dims (n, h, t of [N, H, T, ·]; n, h, t of [N, H, T]).
 void strides3(const torch::Tensor& t, int64_t* s) {
   for (int i = 0; i < 3; ++i) s[i] = t.stride(i);
 }
@@ -558,13 +546,9 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   f.beta = beta.data_ptr<T>();
   f.g = g.has_value() ? g->data_ptr<T>() : nullptr;
   f.h0 = h0.has_value() ? h0->data_ptr<T>() : nullptr;
-  int64_t s4[4];
-  for (int i = 0; i < 3; ++i) {
-    f.q_s[i] = q.stride(i);
-    f.k_s[i] = k.stride(i);
-    f.v_s[i] = v.stride(i);
-  }
-  (void)s4;
+  strides3(q, f.q_s);
+  strides3(k, f.k_s);
+  strides3(v, f.v_s);
   strides3(beta, f.beta_s);
   if (g.has_value()) strides3(*g, f.g_s);
   f.o = o.data_ptr<T>();
@@ -704,11 +688,9 @@ std::vector<torch::Tensor> chunk_delta_fwd_bf16(const torch::Tensor& q, const to
   f.beta = beta.data_ptr<float>();
   f.g = g.has_value() ? g->data_ptr<float>() : nullptr;
   f.h0 = h0.has_value() ? h0c.data_ptr<float>() : nullptr;
-  for (int i = 0; i < 3; ++i) {
-    f.q_s[i] = q.stride(i);
-    f.k_s[i] = k.stride(i);
-    f.v_s[i] = v.stride(i);
-  }
+  strides3(q, f.q_s);
+  strides3(k, f.k_s);
+  strides3(v, f.v_s);
   strides3(beta, f.beta_s);
   if (g.has_value()) strides3(*g, f.g_s);
   f.o = o.data_ptr<at::BFloat16>();
