@@ -18,6 +18,7 @@ changing the op alone. Needs ``pip install 'fastweights[hf]'``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -54,6 +55,7 @@ def run(tokens: int = 2048, layers: int = 4, repeats: int = 3, threads: int = 1,
 
     from .. import ops
     from ..hf import use_fastweights_kernels
+    from ..hf.kernels import torch_fallbacks
     from ..ops import cpu as cpu_kernels
 
     torch.set_num_threads(threads)
@@ -76,25 +78,18 @@ def run(tokens: int = 2048, layers: int = 4, repeats: int = 3, threads: int = 1,
     torch_op = getattr(torch_op, "__wrapped__", torch_op)
 
     names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-    decorated = {n: getattr(qwen, n) for n in names}
 
     def prefill(routed: bool):
         """``routed``: our ops; else transformers' own torch fallbacks (what the decorator would bind
         without fla installed; with fla installed it binds fla's GPU kernels)."""
-        try:
+        with contextlib.ExitStack() as stack, torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             if routed:
                 use_fastweights_kernels(True)
+                stack.callback(use_fastweights_kernels, False)
             else:
-                for n in names:
-                    setattr(qwen, n, getattr(decorated[n], "__wrapped__", decorated[n]))
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model(ids, use_cache=False, logits_to_keep=1)
-        finally:
-            if routed:
-                use_fastweights_kernels(False)
-            for n in names:
-                setattr(qwen, n, decorated[n])
+                stack.enter_context(torch_fallbacks(qwen, names))
+            model(ids, use_cache=False, logits_to_keep=1)
 
     def op(ours: bool):
         with torch.no_grad():

@@ -29,6 +29,7 @@ unless told that negative eigenvalues are meant, so the routed OLMo-hybrid funct
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from ..layers import causal_conv1d
 from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
 
-__all__ = ["use_fastweights_kernels", "KERNELS", "causal_conv1d_fn", "causal_conv1d_update"]
+__all__ = ["use_fastweights_kernels", "torch_fallbacks", "KERNELS", "causal_conv1d_fn", "causal_conv1d_update"]
 
 _ACTIVATIONS = {None: None, "silu": F.silu, "swish": F.silu}
 # transformers' per-call kwargs that reach the convolution fallbacks and change nothing
@@ -119,6 +120,22 @@ _RENAME = {"query": "q", "key": "k", "value": "v"}
 
 _originals: Dict[Tuple[str, str], Callable] = {}  # (module, attribute) -> what was there
 _factory_original: Optional[Callable] = None
+
+
+@contextlib.contextmanager
+def torch_fallbacks(module, names):
+    """Inside the block, ``module``'s decorated kernel functions ``names`` are transformers' own
+    pure-torch fallbacks (the ``__wrapped__`` function the hub decorator was given), whatever
+    the decorator bound (fla's GPU kernels when fla is installed, or our ops); restored after.
+    The reference a routed model is compared and timed against."""
+    decorated = {n: getattr(module, n) for n in names}
+    try:
+        for n, fn in decorated.items():
+            setattr(module, n, getattr(fn, "__wrapped__", fn))
+        yield
+    finally:
+        for n, fn in decorated.items():
+            setattr(module, n, fn)
 
 
 def _kernel_name(fn) -> Optional[str]:

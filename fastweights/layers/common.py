@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import EluPlusOne, Identity, ReLU, packed_positions
-from ..ops.cpu import kernels as compiled_kernels
+from ..ops.cpu import kernels_for
 
 __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
@@ -228,12 +228,9 @@ def cached_weights(module: nn.Module, slot: str, params, build):
 
 
 def _compiled_conv(x, state, taps):
-    """The compiled CPU kernels' module when they can run this convolution (CPU, fp32/fp64 alike,
-    at most 16 taps, not being traced by torch.compile), else None (the PyTorch code below)."""
-    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or state.dtype != x.dtype
-            or taps.dtype != x.dtype or taps.shape[0] > 16 or torch.compiler.is_compiling()):
-        return None
-    return compiled_kernels()
+    """The compiled CPU kernels' module when they can run this convolution (at most 16 taps, and
+    :func:`~fastweights.ops.cpu.kernels_for`'s conditions), else None (the PyTorch code below)."""
+    return None if taps.shape[0] > 16 else kernels_for(x, state, taps)
 
 
 class _CausalConv(torch.autograd.Function):

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import check_int
-from .cpu import kernels as compiled_kernels
+from .cpu import kernels_for
 
 __all__ = [
     "FeatureMap",
@@ -237,14 +237,6 @@ def get_feature_map(spec: FeatureMapLike, op: str = "feature_map") -> FeatureMap
     raise TypeError(f"{op}: `feature_map` must be None, a name or a FeatureMap instance, got {type(spec).__name__}")
 
 
-def _compiled_l2norm(x: torch.Tensor):
-    """The compiled CPU kernels' module when they can normalize ``x`` (CPU, fp32/fp64, not traced
-    by torch.compile, at least one element), else None."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.numel() == 0 or torch.compiler.is_compiling():
-        return None
-    return compiled_kernels()
-
-
 class _L2Norm(torch.autograd.Function):
     """``x · rsqrt(Σx² + ε)`` over the last dim by the compiled kernel; backward ``r · (dy − y (y·dy))``."""
 
@@ -273,7 +265,7 @@ def normalize_qk(x: torch.Tensor, qk_norm: Optional[str], op: str = "normalize_q
         # ``use_qk_l2norm_in_kernel`` gives their numbers (F.normalize's max(‖x‖, ε) differs
         # from it by ~1e-3 relative at small norms). On the CPU the compiled kernel does it in
         # one pass forward and one backward (fastweights/ops/cpu/l2norm.cpp).
-        native = _compiled_l2norm(x) if compiled else None
+        native = kernels_for(x) if compiled and x.numel() else None
         if native is not None:
             return _L2Norm.apply(x, native)
         return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + _EPS)

@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .cpu import kernels as compiled_kernels
+from .cpu import kernels_for
 from ._backend import BACKENDS, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting
 
 __all__ = ["delta_rule_step", "gated_delta_rule_step", "linear_attn_step"]
@@ -111,11 +111,11 @@ def _native_step(q, k, v, beta, g, state, scale, inplace):
     :func:`delta_update`, the state read from memory once and written once, one head per task),
     or None where it does not apply: not the CPU, a non-contiguous state, a gradient to record,
     or the kernels off or unbuilt."""
-    if state.device.type != "cpu" or not state.is_contiguous() or state.numel() == 0:
+    if not state.is_contiguous() or state.numel() == 0:
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, g, state)):
         return None
-    mod = compiled_kernels()
+    mod = kernels_for(state)  # (the kernel casts the inputs to the state's dtype itself)
     if mod is None:
         return None
     return tuple(mod.delta_step(q, k, v, beta, g, state, float(scale), bool(inplace)))

@@ -229,13 +229,10 @@ def test_use_fastweights_kernels_routes_qwen3_next_to_our_ops():
     decorated = {n: getattr(qwen, n) for n in names}
     kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     try:
-        for n in names:  # the reference: transformers' own pure-torch fallback
-            setattr(qwen, n, decorated[n].__wrapped__)
-        with torch.no_grad(), warnings.catch_warnings():
+        # the reference: transformers' own pure-torch fallback
+        with fh.kernels.torch_fallbacks(qwen, names), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ref_logits, ref = model(ids).logits, model.generate(ids, **kw)
-        for n in names:
-            setattr(qwen, n, decorated[n])
         changed = fh.use_fastweights_kernels()
         assert {f"{qwen.__name__}.{n}" for n in names} <= set(changed)  # (and its causal convolution)
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:

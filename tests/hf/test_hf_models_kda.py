@@ -94,13 +94,10 @@ def test_model_on_our_ops_equals_its_torch_path(name):
     ids = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(2))
     kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     try:
-        for a in attrs:  # the reference: transformers' own pure-torch fallbacks
-            setattr(module, a, decorated[a].__wrapped__)
-        with torch.no_grad(), warnings.catch_warnings():
+        # the reference: transformers' own pure-torch fallbacks
+        with fh.kernels.torch_fallbacks(module, attrs), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ref_logits, ref = model(ids).logits, model.generate(ids, **kw)
-        for a in attrs:
-            setattr(module, a, decorated[a])
         changed = fh.use_fastweights_kernels()
         assert {f"{module.__name__}.{a}" for a in attrs} <= set(changed), changed
         assert all(getattr(module, a).fastweights_kernel for a in attrs)

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "kernels", "enabled", "set_enabled", "build", "status"]
+__all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status"]
 
 _SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp", "short_conv.cpp", "l2norm.cpp")
 _HEADERS = ("gemm_bf16.h",)  # included by the sources: part of the build key
@@ -139,6 +139,19 @@ def kernels():
     if _tried:
         return _module
     return build()
+
+
+def kernels_for(*tensors: Optional[torch.Tensor], dtypes=(torch.float32, torch.float64)):
+    """The compiled module when it may serve these tensors (``None`` entries skipped): all on the
+    CPU, all of one dtype among ``dtypes``, not being traced by ``torch.compile``, and the kernels
+    enabled and built. Otherwise None, and the caller runs its PyTorch code."""
+    present = [t for t in tensors if t is not None]
+    if not present or torch.compiler.is_compiling():
+        return None
+    dtype = present[0].dtype
+    if dtype not in dtypes or any(t.device.type != "cpu" or t.dtype != dtype for t in present):
+        return None
+    return kernels()
 
 
 def available() -> bool:

@@ -42,7 +42,7 @@ from .._backend import backward_can_follow
 from .._dispatch import run_chunk_delta
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off
-from ..cpu import kernels as compiled_kernels
+from ..cpu import kernels_for
 from ..feature_maps import FeatureMapLike
 from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
@@ -162,18 +162,14 @@ FORWARD_GROUP = 128
 
 def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
     """:func:`chunk_delta_rule_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_delta.cpp``:
-    the same algebra, one (sequence, head) per task), or None where it does not apply: not the
-    CPU, not fp32/fp64 throughout, bf16 products, T = 0, or the kernels off or unbuilt."""
-    if q.device.type != "cpu" or k.shape[2] == 0:
+    the same algebra, one (sequence, head) per task; bf16 products: :func:`_native_forward_bf16`),
+    or None where it does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the
+    inputs (the CPU, fp32 or fp64 throughout, the kernels on and built)."""
+    if k.shape[2] == 0:
         return None
     if low is not None:
         return _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low)
-    dtype = v.dtype
-    if dtype not in (torch.float32, torch.float64) or any(
-        t is not None and t.dtype != dtype for t in (q, k, beta, g, h0)
-    ):
-        return None
-    mod = compiled_kernels()
+    mod = kernels_for(q, k, v, beta, g, h0)
     if mod is None:
         return None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -185,9 +181,9 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
 def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low):
     """The bf16-products inference forward by the compiled kernel (q, k, v as bf16 operands; the
     state, the solve and the sums fp32), or None where it does not apply."""
-    if low != torch.bfloat16 or v.dtype != low or any(t is not None and t.dtype != torch.float32 for t in (beta, g, h0)):
+    if low != torch.bfloat16 or v.dtype != low:
         return None
-    mod = compiled_kernels()
+    mod = kernels_for(beta, g, h0, dtypes=(torch.float32,))
     if mod is None:
         return None
     q, k, v = (t.to(low) if t.dtype != low else t for t in (q, k, v))
@@ -326,11 +322,7 @@ def _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size):
     recomputed per chunk instead of read from the kept inverse blocks), or None where it does not
     apply (as :func:`_native_forward`)."""
     q_flat, kv_flat, wu, _ = kept
-    if states.device.type != "cpu" or states.dtype not in (torch.float32, torch.float64) or any(
-        t is not None and t.dtype != states.dtype for t in (beta, g, do, dh_final, q_flat, kv_flat, wu)
-    ):
-        return None
-    mod = compiled_kernels()
+    mod = kernels_for(states, beta, g, do, dh_final, q_flat, kv_flat, wu)
     if mod is None:
         return None
     if do.stride(-1) != 1:
