@@ -1,0 +1,264 @@
+"""Continuous batching on the CPU: sessions in a pool of fixed-size states, measured.
+
+Usage (repository root)::
+
+    python -m fastweights.bench.serving                 # the full run (a few minutes on 2 cores)
+    python -m fastweights.bench.serving --quick         # tiny sizes (the test suite runs this)
+
+A DeltaNet LM and a softmax LM of the same size (``--d-model`` 256, 4 layers, 4 heads,
+vocabulary 256, fp32, random weights: serving cost does not depend on what was learnt):
+
+1. **throughput**: a :class:`~fastweights.models.pool.SessionPool` of 256 slots; N live
+   sessions (N = 1 … 256, at random slots) decode ``--steps`` tokens together, one batched
+   step per token. tokens/s = N · steps / time (median of ``--repeats``).
+2. **arrivals**: sessions arrive (Poisson, ``--rate`` per step), each prefilled from a stored
+   system prompt (fork + its own turn) into a free slot, decode a random number of tokens
+   and leave; tokens/s over the run, and the most sessions live at once.
+3. **memory**: bytes for S sessions at context T: the DeltaNet pool (measured:
+   ``SessionPool.nbytes`` holding sessions that read T tokens) and the softmax LM's KV cache
+   for one session that read T tokens (measured: ``LMCache.nbytes`` after the prefill), each
+   beside the calculator's prediction (:func:`fastweights.studies.costs.predicted_lm_cache_bytes`).
+4. **TTFT**: time to the first token of a turn of ``--turn`` tokens after a ``--prefix``-token
+   system prompt: cold (prefill prompt + turn) and warm (fork the stored prompt's cache, prefill
+   the turn); the two first tokens are checked to be the same.
+
+Timing: ``--clock cpu`` (the default) is time.process_time, the CPU seconds of the process,
+with one thread (``--threads 1``): on a shared, oversubscribed machine wall time mostly
+measures the scheduler; ``--clock wall`` is time.perf_counter (on an idle machine, with
+more threads). Writes ``docs/results/serving.json`` (atomic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+from ..config import atomic_write_text
+from ..models import LM, LMConfig, fork_cache, store_prefix
+from ..models.pool import SessionPool
+from ..studies.costs import predicted_lm_cache_bytes
+
+DEFAULT_JSON = "docs/results/serving.json"
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CLOCKS["cpu"]
+SESSIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _config(mixer: str, d_model: int, vocab: int, max_seq_len: int) -> LMConfig:
+    return LMConfig(vocab_size=vocab, d_model=d_model, n_layers=4, n_heads=4, mixer=mixer, max_seq_len=max_seq_len)
+
+
+def _model(config: LMConfig, seed: int = 0) -> LM:
+    torch.manual_seed(seed)
+    return LM(config).eval()
+
+
+def throughput(model: LM, sessions, slots: int, steps: int, repeats: int, seed: int = 0) -> List[Dict]:
+    """tokens/s of N sessions decoding together from random slots of a ``slots``-slot pool."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = SessionPool(model, slots)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        _, cache = model(torch.randint(0, vocab, (1, 16), generator=gen))
+    for _ in range(slots):
+        pool.admit(cache)
+    rows = []
+    for n in sessions:
+        if n > slots:
+            continue
+        idx = torch.randperm(slots, generator=gen)[:n]
+        tokens = torch.randint(0, vocab, (n,), generator=gen)
+        pool.step(tokens, idx)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = _clock()
+            for _ in range(steps):
+                tokens = pool.step(tokens, idx).argmax(-1)
+            times.append(_clock() - t0)
+        t = statistics.median(times)
+        rows.append({"sessions": n, "steps": steps, "seconds": t, "tokens_per_s": n * steps / t,
+                     "ms_per_step": 1e3 * t / steps})
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["vs_one_session"] = r["tokens_per_s"] / base
+    return rows
+
+
+def arrivals(model: LM, slots: int, steps: int, rate: float, prefix_len: int, turn: int, max_new: int,
+             seed: int = 0) -> Dict:
+    """Sessions arrive, decode and leave; each starts from the stored system prompt."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    pool = SessionPool(model, slots)
+    with torch.no_grad():
+        _, prefix = model(torch.randint(0, vocab, (1, prefix_len), generator=gen))
+    stored = store_prefix(prefix)
+    live: Dict[int, List[int]] = {}  # slot -> [tokens left, last token]
+    decoded = admitted = peak = 0
+    t0 = _clock()
+    for _ in range(steps):
+        arriving = sum(1 for _ in range(8) if rng.random() < rate / 8)
+        for _ in range(arriving):
+            if not pool.free:
+                break
+            with torch.no_grad():
+                logits, cache = model(torch.randint(0, vocab, (1, turn), generator=gen), fork_cache(stored))
+            slot = pool.admit(cache)
+            live[slot] = [rng.randint(1, max_new), int(logits[0, -1].argmax())]
+            admitted += 1
+        if not live:
+            continue
+        peak = max(peak, len(live))
+        slots_now = torch.tensor(sorted(live))
+        tokens = torch.tensor([live[s][1] for s in slots_now.tolist()])
+        nxt = pool.step(tokens, slots_now).argmax(-1)
+        decoded += len(slots_now)
+        for s, t in zip(slots_now.tolist(), nxt.tolist()):
+            live[s][0] -= 1
+            live[s][1] = t
+            if live[s][0] == 0:
+                del live[s]
+                pool.release(s)
+    seconds = _clock() - t0
+    return {"steps": steps, "rate_per_step": rate, "admitted": admitted, "decoded_tokens": decoded,
+            "peak_live_sessions": peak, "seconds": seconds, "tokens_per_s": decoded / seconds}
+
+
+def memory(delta: LM, softmax: LM, contexts, sessions: int, seed: int = 0) -> List[Dict]:
+    """Measured bytes: the DeltaNet pool holding ``sessions`` sessions that read T tokens, and one
+    softmax session's cache after T tokens; each beside the calculator."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = delta.config.vocab_size
+    rows = []
+    for t in contexts:
+        ids = torch.randint(0, vocab, (1, t), generator=gen)
+        with torch.no_grad():
+            _, d_cache = delta(ids)
+            _, s_cache = softmax(ids)
+        pool = SessionPool(delta, sessions)
+        for _ in range(sessions):
+            pool.admit(fork_cache(d_cache))
+        rows.append({
+            "context": t, "sessions": sessions,
+            "deltanet_pool_bytes": pool.nbytes,
+            "deltanet_pool_bytes_calculator": predicted_lm_cache_bytes(delta.config, sessions, t),
+            "softmax_one_session_bytes": s_cache.nbytes,
+            "softmax_one_session_bytes_calculator": predicted_lm_cache_bytes(softmax.config, 1, t),
+            "softmax_sessions_bytes_calculator": predicted_lm_cache_bytes(softmax.config, sessions, t),
+        })
+        rows[-1]["pool_below_one_softmax_session"] = pool.nbytes < s_cache.nbytes
+    return rows
+
+
+def ttft(model: LM, prefix_len: int, turn: int, repeats: int, seed: int = 0) -> Dict:
+    """Time to first token: cold (prompt + turn prefilled) and warm (stored prompt forked, turn prefilled)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, prefix_len), generator=gen)
+    user = torch.randint(0, vocab, (1, turn), generator=gen)
+    with torch.no_grad():
+        _, prefix = model(prompt)
+        stored = store_prefix(prefix)
+
+        def cold():
+            return model(torch.cat([prompt, user], dim=1), return_cache=False)[0][0, -1].argmax()
+
+        def warm():
+            return model(user, fork_cache(stored))[0][0, -1].argmax()
+
+        first = (int(cold()), int(warm()))
+        times = {"cold": [], "warm": []}
+        for _ in range(repeats):  # interleaved
+            for name, fn in (("cold", cold), ("warm", warm)):
+                t0 = _clock()
+                fn()
+                times[name].append(_clock() - t0)
+    cold_s, warm_s = (statistics.median(times[k]) for k in ("cold", "warm"))
+    return {"prefix_tokens": prefix_len, "turn_tokens": turn, "cold_ms": 1e3 * cold_s, "warm_ms": 1e3 * warm_s,
+            "speedup": cold_s / warm_s, "same_first_token": first[0] == first[1],
+            "stored_prefix_bytes": stored.nbytes}
+
+
+def run(args) -> Dict:
+    global _clock
+    _clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    sessions = [n for n in SESSIONS if n <= args.slots]
+    delta = _model(_config("deltanet", args.d_model, args.vocab, max(contexts) + 8))
+    softmax = _model(_config("softmax", args.d_model, args.vocab, max(contexts) + 8))
+    result = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "clock": args.clock, "torch": torch.__version__, "python": sys.version.split()[0]},
+        "model": {"d_model": args.d_model, "n_layers": 4, "n_heads": 4, "vocab_size": args.vocab, "dtype": "float32",
+                  "deltanet_params": delta.num_parameters(), "softmax_params": softmax.num_parameters()},
+        "throughput": throughput(delta, sessions, args.slots, args.steps, args.repeats),
+        "arrivals": arrivals(delta, args.slots, args.arrival_steps, args.rate, args.prefix, args.turn, args.max_new),
+        "memory": memory(delta, softmax, contexts, args.memory_sessions),
+        "ttft": ttft(delta, args.prefix, args.turn, args.repeats),
+    }
+    return result
+
+
+def table(result: Dict) -> str:
+    """Markdown tables of a result (BENCHMARKS.md)."""
+    lines = ["| live sessions | ms / step | tokens/s | vs 1 session |", "|---:|---:|---:|---:|"]
+    for r in result["throughput"]:
+        lines.append(f"| {r['sessions']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {r['vs_one_session']:.1f}× |")
+    lines += ["", "| context | DeltaNet pool, S sessions (measured / calculator) | softmax, 1 session (measured / "
+              "calculator) | softmax, S sessions (calculator) |", "|---:|---:|---:|---:|"]
+    for r in result["memory"]:
+        lines.append(f"| {r['context']} | {r['sessions']} × : {r['deltanet_pool_bytes'] / 2**20:.2f} / "
+                     f"{r['deltanet_pool_bytes_calculator'] / 2**20:.2f} MiB | {r['softmax_one_session_bytes'] / 2**20:.2f} / "
+                     f"{r['softmax_one_session_bytes_calculator'] / 2**20:.2f} MiB | "
+                     f"{r['softmax_sessions_bytes_calculator'] / 2**20:.1f} MiB |")
+    t, a = result["ttft"], result["arrivals"]
+    lines += ["", f"TTFT, {t['prefix_tokens']}-token system prompt + {t['turn_tokens']}-token turn: cold "
+              f"{t['cold_ms']:.1f} ms, from the cached prefix {t['warm_ms']:.1f} ms ({t['speedup']:.1f}×; same first "
+              f"token: {t['same_first_token']}).",
+              f"Arrivals: {a['admitted']} sessions over {a['steps']} steps, at most {a['peak_live_sessions']} live, "
+              f"{a['tokens_per_s']:.0f} decoded tokens/s (prefills included in the time)."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds): what the test suite runs")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per throughput measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--contexts", default="512,1024,2048,4096")
+    p.add_argument("--memory-sessions", type=int, default=64)
+    p.add_argument("--arrival-steps", type=int, default=200)
+    p.add_argument("--rate", type=float, default=1.0, help="sessions arriving per decode step, on average")
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--prefix", type=int, default=1024, help="system prompt tokens")
+    p.add_argument("--turn", type=int, default=32, help="user turn tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: as torch has them)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
+    p.add_argument("--json", default=DEFAULT_JSON)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.d_model, args.vocab, args.slots, args.steps, args.repeats = 32, 64, 8, 2, 1
+        args.contexts, args.memory_sessions, args.arrival_steps, args.max_new = "64,128", 4, 10, 4
+        args.prefix, args.turn = 40, 5
+    result = run(args)
+    if args.json:
+        atomic_write_text(args.json, json.dumps(result, indent=1) + "\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
