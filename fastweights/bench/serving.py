@@ -21,6 +21,12 @@ vocabulary 256, fp32, random weights: serving cost does not depend on what was l
 4. **TTFT**: time to the first token of a turn of ``--turn`` tokens after a ``--prefix``-token
    system prompt: cold (prefill prompt + turn) and warm (fork the stored prompt's cache, prefill
    the turn); the two first tokens are checked to be the same.
+5. **prompt lookup on transformers' Qwen3-Next** routed onto our ops (``use_fastweights_kernels``;
+   needs transformers): a random Qwen3-Next (hidden 256, 3 linear-attention layers and 1 full,
+   vocabulary 1024) greedily generates ``--lookup-new`` tokens after a repetitive prompt (a seed,
+   the model's own greedy continuation of it, the seed again: the continuation repeats, as text
+   that quotes itself does), plainly and with ``prompt_lookup_num_tokens`` = ``--lookup-k``;
+   tokens/s of both, the speed-up and whether the tokens are identical.
 
 Timing: ``--clock cpu`` (the default) is time.process_time, the CPU seconds of the process,
 with one thread (``--threads 1``): on a shared, oversubscribed machine wall time mostly
@@ -188,6 +194,44 @@ def ttft(model: LM, prefix_len: int, turn: int, repeats: int, seed: int = 0) -> 
             "stored_prefix_bytes": stored.nbytes}
 
 
+def routed_lookup(new_tokens: int, k: int, repeats: int, seed: int = 0) -> Dict:
+    """Greedy vs prompt lookup on a routed random Qwen3-Next, on a prompt whose continuation repeats."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from ..hf import use_fastweights_kernels
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=256, shared_expert_intermediate_size=256, max_position_embeddings=1024,
+    )
+    use_fastweights_kernels()
+    try:
+        model = Qwen3NextForCausalLM(cfg).eval()
+        greedy = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+        gen = torch.Generator().manual_seed(seed)
+        seed_ids = torch.randint(1, cfg.vocab_size, (1, 16), generator=gen)
+        with torch.no_grad():
+            continuation = model.generate(seed_ids, **greedy)[:, seed_ids.shape[1]:]
+            prompt = torch.cat([seed_ids, continuation, seed_ids], dim=1)
+            out, times = {}, {"greedy": [], "lookup": []}
+            for _ in range(repeats):  # interleaved
+                for name, extra in (("greedy", {}), ("lookup", {"prompt_lookup_num_tokens": k})):
+                    t0 = _clock()
+                    out[name] = model.generate(prompt, **greedy, **extra)
+                    times[name].append(_clock() - t0)
+    finally:
+        use_fastweights_kernels(False)
+    g, lk = (statistics.median(times[n]) for n in ("greedy", "lookup"))
+    made = out["greedy"].shape[1] - prompt.shape[1]
+    return {"model": "Qwen3-Next (random, hidden 256, 3 linear + 1 full attention layers)", "prompt_tokens":
+            prompt.shape[1], "new_tokens": made, "k": k, "greedy_tokens_per_s": made / g,
+            "lookup_tokens_per_s": made / lk, "speedup": g / lk, "identical": bool(torch.equal(out["greedy"], out["lookup"]))}
+
+
 def run(args) -> Dict:
     global _clock
     _clock = CLOCKS[args.clock]
@@ -207,6 +251,13 @@ def run(args) -> Dict:
         "memory": memory(delta, softmax, contexts, args.memory_sessions),
         "ttft": ttft(delta, args.prefix, args.turn, args.repeats),
     }
+    if args.lookup_new:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            result["prompt_lookup"] = None
+        else:
+            result["prompt_lookup"] = routed_lookup(args.lookup_new, args.lookup_k, args.repeats)
     return result
 
 
@@ -228,6 +279,12 @@ def table(result: Dict) -> str:
               f"token: {t['same_first_token']}).",
               f"Arrivals: {a['admitted']} sessions over {a['steps']} steps, at most {a['peak_live_sessions']} live, "
               f"{a['tokens_per_s']:.0f} decoded tokens/s (prefills included in the time)."]
+    lk = result.get("prompt_lookup")
+    if lk:
+        lines.append(f"Prompt lookup (k = {lk['k']}) on {lk['model']}, routed onto fastweights' ops, {lk['new_tokens']} "
+                     f"tokens after a {lk['prompt_tokens']}-token repetitive prompt: greedy {lk['greedy_tokens_per_s']:.1f} "
+                     f"tokens/s, prompt lookup {lk['lookup_tokens_per_s']:.1f} tokens/s ({lk['speedup']:.2f}×; identical "
+                     f"tokens: {lk['identical']}).")
     return "\n".join(lines)
 
 
@@ -246,6 +303,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--prefix", type=int, default=1024, help="system prompt tokens")
     p.add_argument("--turn", type=int, default=32, help="user turn tokens")
+    p.add_argument("--lookup-new", type=int, default=48, help="prompt lookup: new tokens (0: skip it)")
+    p.add_argument("--lookup-k", type=int, default=8, help="prompt lookup: proposals per round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: as torch has them)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     p.add_argument("--json", default=DEFAULT_JSON)
@@ -253,7 +312,7 @@ def main(argv=None) -> None:
     if args.quick:
         args.d_model, args.vocab, args.slots, args.steps, args.repeats = 32, 64, 8, 2, 1
         args.contexts, args.memory_sessions, args.arrival_steps, args.max_new = "64,128", 4, 10, 4
-        args.prefix, args.turn = 40, 5
+        args.prefix, args.turn, args.lookup_new = 40, 5, 0
     result = run(args)
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=1) + "\n")
