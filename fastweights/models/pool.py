@@ -88,11 +88,26 @@ class SessionPool:
         self.free.append(slot)
 
     def cache(self, slots: torch.Tensor) -> LMCache:
-        """The sessions at ``slots [N]`` as an N-row :class:`LMCache` (a gathered copy)."""
+        """The sessions at ``slots [N]`` as an N-row :class:`LMCache` (a copy of their states)."""
+        return self._gathered(slots, reuse=False)
+
+    def _gathered(self, slots: torch.Tensor, reuse: bool = True) -> LMCache:
+        """:meth:`cache`; with ``reuse`` into buffers kept from one step to the next (valid until the next
+        step: a fresh multi-MiB allocation per step costs its page faults)."""
         idx = slots.to(self.memory[0].device)
-        states = [FastWeightState(m.index_select(0, idx), None if c is None else c.index_select(0, idx))
-                  for m, c in zip(self.memory, self.conv)]
-        return LMCache(states, length=int(self.lengths[slots].max()), batch_size=len(slots), mixers=list(self.mixers))
+        n = len(idx)
+        if not reuse or getattr(self, "_buffers", (None, 0))[1] != n:
+            buffers = ([(m.new_empty((n,) + m.shape[1:]), None if c is None else c.new_empty((n,) + c.shape[1:]))
+                        for m, c in zip(self.memory, self.conv)], n)
+            if reuse:
+                self._buffers = buffers
+        else:
+            buffers = self._buffers
+        states = []
+        for (m, c), (m_out, c_out) in zip(zip(self.memory, self.conv), buffers[0]):
+            states.append(FastWeightState(torch.index_select(m, 0, idx, out=m_out),
+                                          None if c is None else torch.index_select(c, 0, idx, out=c_out)))
+        return LMCache(states, length=int(self.lengths[slots].max()), batch_size=n, mixers=list(self.mixers))
 
     def step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token for each session at ``slots [N]`` (``tokens [N]``): logits ``[N, vocab]``, states
@@ -103,7 +118,7 @@ class SessionPool:
         if bool((slots < 0).any()) or any(int(s) in self.free for s in slots):
             raise ValueError("SessionPool.step: `slots` must name live sessions")
         with torch.no_grad():
-            logits, cache = self.model(tokens.view(-1, 1), self.cache(slots))
+            logits, cache = self.model(tokens.view(-1, 1), self._gathered(slots))
             idx = slots.to(self.memory[0].device)
             for i, s in enumerate(cache.states):
                 self.memory[i].index_copy_(0, idx, s.memory)
