@@ -21,7 +21,11 @@ vocabulary 256, fp32, random weights: serving cost does not depend on what was l
 4. **TTFT**: time to the first token of a turn of ``--turn`` tokens after a ``--prefix``-token
    system prompt: cold (prefill prompt + turn) and warm (fork the stored prompt's cache, prefill
    the turn); the two first tokens are checked to be the same.
-5. **prompt lookup on transformers' Qwen3-Next** routed onto our ops (``use_fastweights_kernels``;
+5. **the pool step of the op**: ``gated_delta_rule_step(..., state_indices=slots)`` on a pool of 256
+   states (H 4, K = V = 128, fp32), N sessions at random slots, in place at the slots (the compiled
+   kernel on the CPU) against gathering the N states, stepping them and scattering them back
+   (what a layer that takes one state per row needs); best of 30.
+6. **prompt lookup on transformers' Qwen3-Next** routed onto our ops (``use_fastweights_kernels``;
    needs transformers): a random Qwen3-Next (hidden 256, 3 linear-attention layers and 1 full,
    vocabulary 1024) greedily generates ``--lookup-new`` tokens after a repetitive prompt (a seed,
    the model's own greedy continuation of it, the seed again: the continuation repeats, as text
@@ -46,6 +50,7 @@ import time
 from typing import Dict, List
 
 import torch
+import torch.nn.functional as F
 
 from ..config import atomic_write_text
 from ..models import LM, LMConfig, fork_cache, store_prefix
@@ -194,6 +199,40 @@ def ttft(model: LM, prefix_len: int, turn: int, repeats: int, seed: int = 0) -> 
             "stored_prefix_bytes": stored.nbytes}
 
 
+def pool_step(sessions, slots: int = 256, heads: int = 4, dim: int = 128, repeats: int = 30) -> List[Dict]:
+    """The op's pool step in place at the slots against gather + step + scatter, per N sessions."""
+    from ..ops import gated_delta_rule_step
+    from ..ops.state_pool import gather_states, scatter_states
+
+    pool = torch.randn(slots, heads, dim, dim, generator=torch.Generator().manual_seed(0))
+
+    def best(fn):
+        times = []
+        for _ in range(repeats):
+            t0 = _clock()
+            fn()
+            times.append(_clock() - t0)
+        return min(times)
+
+    rows = []
+    for n in sessions:
+        gen = torch.Generator().manual_seed(n)
+        q, k = torch.randn(n, heads, dim, generator=gen), F.normalize(torch.randn(n, heads, dim, generator=gen), dim=-1)
+        v, beta, g = torch.randn(n, heads, dim, generator=gen), torch.rand(n, heads, generator=gen), -torch.rand(n, heads, generator=gen)
+        idx = torch.randperm(slots, generator=gen)[:n]
+
+        def gathered():
+            h = gather_states(pool, idx)
+            _, h = gated_delta_rule_step(q, k, v, beta, g, h, inplace=True)
+            scatter_states(pool, idx, h)
+
+        in_place = best(lambda: gated_delta_rule_step(q, k, v, beta, g, pool, state_indices=idx))
+        copied = best(gathered)
+        rows.append({"sessions": n, "state_mib": n * heads * dim * dim * 4 / 2**20, "in_place_us": 1e6 * in_place,
+                     "gather_step_scatter_us": 1e6 * copied, "ratio": copied / in_place})
+    return rows
+
+
 def routed_lookup(new_tokens: int, k: int, repeats: int, seed: int = 0) -> Dict:
     """Greedy vs prompt lookup on a routed random Qwen3-Next, on a prompt whose continuation repeats."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -250,6 +289,7 @@ def run(args) -> Dict:
         "arrivals": arrivals(delta, args.slots, args.arrival_steps, args.rate, args.prefix, args.turn, args.max_new),
         "memory": memory(delta, softmax, contexts, args.memory_sessions),
         "ttft": ttft(delta, args.prefix, args.turn, args.repeats),
+        "pool_step": pool_step([n for n in (1, 16, 64) if n <= args.slots], slots=args.slots),
     }
     if args.lookup_new:
         try:
@@ -279,6 +319,12 @@ def table(result: Dict) -> str:
               f"token: {t['same_first_token']}).",
               f"Arrivals: {a['admitted']} sessions over {a['steps']} steps, at most {a['peak_live_sessions']} live, "
               f"{a['tokens_per_s']:.0f} decoded tokens/s (prefills included in the time)."]
+    if result.get("pool_step"):
+        lines += ["", "| sessions (state) | pool step in place at the slots | gather + step + scatter | ratio |",
+                  "|---:|---:|---:|---:|"]
+        for r in result["pool_step"]:
+            lines.append(f"| {r['sessions']} ({r['state_mib']:.1f} MiB) | {r['in_place_us']:.0f} µs | "
+                         f"{r['gather_step_scatter_us']:.0f} µs | {r['ratio']:.1f}× |")
     lk = result.get("prompt_lookup")
     if lk:
         lines.append(f"Prompt lookup (k = {lk['k']}) on {lk['model']}, routed onto fastweights' ops, {lk['new_tokens']} "
