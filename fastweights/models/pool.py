@@ -54,6 +54,7 @@ class SessionPool:
             self.conv.append(None if s.conv is None else s.conv.new_zeros((slots,) + tuple(s.conv.shape[1:])))
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.free = list(range(slots - 1, -1, -1))  # a stack: the lowest free slot is taken first
+        self._live = torch.zeros(slots, dtype=torch.bool)
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +73,7 @@ class SessionPool:
         if not self.free:
             raise ValueError(f"SessionPool.admit: all {self.slots} slots are taken; release() a session first")
         slot = self.free.pop()
+        self._live[slot] = True
         with torch.no_grad():
             for i, s in enumerate(cache.states):
                 self.memory[i][slot].copy_(s.memory[0])
@@ -83,8 +85,9 @@ class SessionPool:
     def release(self, slot: int) -> None:
         """Free ``slot`` (its state is overwritten by the next session admitted there)."""
         check_int("SessionPool.release", "slot", slot, minimum=0)
-        if slot >= self.slots or slot in self.free:
+        if slot >= self.slots or not bool(self._live[slot]):
             raise ValueError(f"SessionPool.release: `slot`={slot} is not a live session's slot")
+        self._live[slot] = False
         self.free.append(slot)
 
     def cache(self, slots: torch.Tensor) -> LMCache:
@@ -115,7 +118,7 @@ class SessionPool:
         from ..ops.state_pool import check_state_indices
 
         check_state_indices("SessionPool.step", self.memory[0], slots, len(slots), pool_name="pool")
-        if bool((slots < 0).any()) or any(int(s) in self.free for s in slots):
+        if bool((slots < 0).any()) or not bool(self._live[slots.long()].all()):
             raise ValueError("SessionPool.step: `slots` must name live sessions")
         with torch.no_grad():
             logits, cache = self.model(tokens.view(-1, 1), self._gathered(slots))
