@@ -21,6 +21,10 @@ rule`` (fla)                       rule`
 (causal_conv1d)                    :func:`fastweights.layers.causal_conv1d`
 =================================  ==========================================  ===========================
 
+Speculative decoding: while routed, these models' linear-attention cache layers roll their
+recurrent state back by replaying the accepted tokens, so ``generate(prompt_lookup_num_tokens=k)``
+and ``generate(assistant_model=...)`` run on them (:mod:`fastweights.hf.rollback`).
+
 OLMo-hybrid sends β = 2·sigmoid(·) ∈ [0, 2] when its config has ``linear_allow_neg_eigval``,
 without saying so to the kernel (fla's kernels do not check β). Our ops check β ∈ [0, 1]
 unless told that negative eigenvalues are meant, so the routed OLMo-hybrid functions pass
@@ -41,6 +45,8 @@ import torch.nn.functional as F
 
 from ..layers import causal_conv1d
 from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
+from . import rollback
+from .rollback import note_call
 
 __all__ = ["use_fastweights_kernels", "torch_fallbacks", "KERNELS", "causal_conv1d_fn", "causal_conv1d_update"]
 
@@ -183,7 +189,10 @@ def _routed(name: str, fallback: Callable) -> Callable:
                 call.update(value)
             else:
                 call[_RENAME.get(arg, arg)] = value
-        return op(**call)
+        result = op(**call)
+        if name not in PACKAGES:  # a memory op: note how to replay it (rollback.py: speculative decoding)
+            note_call(op, call, result)
+        return result
 
     run.fastweights_kernel = name
     return run
@@ -236,6 +245,7 @@ def use_fastweights_kernels(enable: bool = True) -> List[str]:
                     setattr(module, attr, original)
                     restored.append(f"{mod_name}.{attr}")
         _originals.clear()
+        rollback.uninstall()
         if _factory_original is not None:
             hub.use_kernel_func_from_hub_with_fallback = _factory_original
             integrations.use_kernel_func_from_hub_with_fallback = _factory_original
@@ -260,4 +270,5 @@ def use_fastweights_kernels(enable: bool = True) -> List[str]:
     for mod_name, module in list(sys.modules.items()):
         if mod_name.startswith("transformers.models.") and module is not None:
             changed += _patch_module(module)
+    rollback.install()  # assisted generation: the routed models' caches roll back by replay
     return changed

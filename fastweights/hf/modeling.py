@@ -237,6 +237,19 @@ class FastWeightsCache(Cache):
         batch = states[0].lengths.shape[0] if isinstance(states[0], (KVCache, AttentionState)) else states[0].memory.shape[0]
         self.lm_cache = dataclasses.replace(self.lm_cache, states=states, batch_size=batch)
 
+    def fork(self, n: int = 1, dtype: Optional[torch.dtype] = None) -> "FastWeightsCache":
+        """A new cache of ``n`` sessions continuing from this one's (a prefix read once, one sequence):
+        :func:`~fastweights.models.prefix.fork_cache` of a :func:`~fastweights.models.prefix.store_prefix`
+        copy (``dtype=torch.bfloat16``: the fast-weight memories rounded once, docs/serving.md). Pass it
+        as ``generate(prompt + turn, cache=prefix.fork())``: only the turn's tokens are read."""
+        from ..models.prefix import fork_cache, store_prefix
+
+        if self.lm_cache is None:
+            raise ValueError("FastWeightsCache.fork: the cache is empty; run the prefix through the model first")
+        stored = store_prefix(self.lm_cache, dtype)
+        state_dtype = next((s.memory.dtype for s in self.lm_cache.states if hasattr(s, "memory")), torch.float32)
+        return FastWeightsCache(self.mixers, fork_cache(stored, n, state_dtype=state_dtype))
+
     def commit(self) -> None:
         """Close the open window (:meth:`~fastweights.models.lm.LMCache.commit`)."""
         if self.lm_cache is not None:

@@ -11,6 +11,9 @@ from ._chunk import resolve_chunk_size
 
 __all__ = ["run_chunk_delta"]
 
+#: Options of the chunk ops that only the PyTorch chunk form runs (docs/serving.md): ``auto`` picks it for them.
+SERVING_OPTIONS = ("return_intermediate_states", "state_block_size", "state_indices", "has_initial_state")
+
 
 def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", torch_kwargs=None, **kwargs):
     """Run chunk delta op ``op`` on the backend :func:`select_backend` picks; returns ``(o, h_T)``.
@@ -23,7 +26,12 @@ def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", to
     if kwargs.get("chunk_size") is None and backend == "triton":
         kwargs["chunk_size"] = CHUNK_SIZE  # the kernels' one length (what the policy gives on CUDA, too)
     kwargs["chunk_size"] = resolve_chunk_size(kwargs.get("chunk_size"), q)
-    if (torch_kwargs or {}).get("cp_group") is not None:  # context parallelism runs the PyTorch chunk form
+    serving = any((torch_kwargs or {}).get(name) is not None and (torch_kwargs or {}).get(name) is not False
+                  for name in SERVING_OPTIONS)
+    if serving and backend == "triton":
+        raise ValueError(f"{op}: `backend`='triton' does not take the serving options ({', '.join(SERVING_OPTIONS)}); "
+                         f"use backend='auto' or 'torch'")
+    if serving or (torch_kwargs or {}).get("cp_group") is not None:  # context parallelism runs the PyTorch chunk form
         if backend == "triton":
             raise ValueError(f"{op}: `backend`='triton' does not run with `cp_group` (context parallelism runs "
                              f"the PyTorch chunk form); use backend='auto' or 'torch'")

@@ -230,7 +230,7 @@ def accepts_state_v_first(op):
         h0 = bound.arguments.get("initial_state")
         if isinstance(h0, torch.Tensor) and h0.dim() == 4:
             bound.arguments["initial_state"] = h0.transpose(-1, -2)
-        o, h = op(*bound.args, **bound.kwargs)
-        return o, (None if h is None else h.transpose(-1, -2))
+        o, h, *states = op(*bound.args, **bound.kwargs)
+        return (o, None if h is None else h.transpose(-1, -2), *(x.transpose(-1, -2) for x in states))
 
     return wrapper

@@ -209,13 +209,89 @@ def run_op(
     gk: Optional[torch.Tensor] = None,
     gv: Optional[torch.Tensor] = None,
     gk_name: str = "gk",
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Check, cast, normalize, unpack; call ``core``; undo (module docstring). Returns ``(o, h_T or None)``.
+    return_intermediate_states: bool = False,
+    state_block_size: Optional[int] = None,
+    state_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+):
+    """Check, cast, normalize, unpack; call ``core``; undo (module docstring). Returns ``(o, h_T or None)``,
+    or ``(o, h_T or None, states)`` when intermediate states are asked for.
 
     Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
     (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
+
+    Serving (``docs/serving.md``): ``return_intermediate_states`` / ``state_block_size`` return
+    the states at chunk or block boundaries (:func:`intermediate_positions`), and
+    ``state_indices`` (with ``has_initial_state``) reads the initial states from the pool
+    ``initial_state [S, H, K, V]`` and writes the final ones back into it
+    (:mod:`fastweights.ops.state_pool`).
     """
     chunk_size = resolve_chunk_size(chunk_size, q)
+    every, entry = intermediate_every(op, chunk_size, return_intermediate_states, state_block_size, cp_group)
+    pool = None
+    if state_indices is not None or has_initial_state is not None:
+        from .state_pool import check_state_indices, gather_states
+
+        if state_indices is None:
+            raise ValueError(f"{op}: `has_initial_state` needs `state_indices` (the pool's slot of each sequence)")
+        if cp_group is not None:
+            raise ValueError(f"{op}: `state_indices` does not run with `cp_group` (context parallelism)")
+        n_seq = (len(cu_seqlens) - 1 if cu_seqlens is not None
+                 else (q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else -1))
+        check_state_indices(op, initial_state, state_indices, n_seq, has_initial_state)
+        pool = initial_state
+        initial_state = gather_states(pool, state_indices, has_initial_state)
+        want_final = output_final_state
+        output_final_state = True
+    result = _run_op(
+        op, core, q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps, requires_beta=requires_beta,
+        requires_g=requires_g, allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu,
+        max_seqlen=max_seqlen, cp_group=cp_group, gk=gk, gv=gv, gk_name=gk_name, every=every, entry=entry,
+    )
+    if pool is not None:
+        from .state_pool import scatter_states
+
+        o, h_t, *states = result
+        with torch.no_grad():  # the pool is a cache: written in place, outside autograd
+            scatter_states(pool, state_indices, h_t.detach())
+        result = (o, h_t if want_final else None, *states)
+    return result if every is not None else result[:2]
+
+
+def intermediate_every(op: str, chunk_size: Optional[int], return_intermediate_states: bool,
+                       state_block_size: Optional[int], cp_group=None) -> Tuple[Optional[int], bool]:
+    """``(every, entry)`` for the intermediate states asked for: none ``(None, False)``; fla's
+    per-chunk entry states ``(C, True)``; the states after every ``m`` tokens ``(m, False)``.
+    ``m`` must be a positive multiple of the chunk size (chunks then never straddle a block)."""
+    if state_block_size is not None and return_intermediate_states:
+        raise ValueError(f"{op}: give `return_intermediate_states=True` (the state entering every chunk) or "
+                         f"`state_block_size` (the state after every block of tokens), not both")
+    if not return_intermediate_states and state_block_size is None:
+        return None, False
+    if cp_group is not None:
+        raise ValueError(f"{op}: intermediate states are not returned with `cp_group` (context parallelism)")
+    if return_intermediate_states:
+        return int(chunk_size), True
+    if isinstance(state_block_size, bool) or not isinstance(state_block_size, int) or state_block_size <= 0:
+        raise ValueError(f"{op}: `state_block_size` must be a positive int, got {state_block_size!r}")
+    if op.startswith("chunk_") and state_block_size % chunk_size:
+        raise ValueError(f"{op}: `state_block_size` must be a multiple of the chunk size {chunk_size} (a block "
+                         f"boundary must be a chunk boundary), got {state_block_size}")
+    return state_block_size, False
+
+
+def intermediate_positions(lengths: torch.Tensor, every: int, entry: bool) -> torch.Tensor:
+    """How many intermediate states each sequence of ``lengths [N]`` gets: ``ceil(T/C)`` entry
+    states (after 0, C, 2C, ... tokens) or ``floor(T/m)`` block states (after m, 2m, ... tokens)."""
+    return (lengths + every - 1) // every if entry else lengths // every
+
+
+def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+            feature_map, qk_norm, normalize, eps, requires_beta, requires_g, allow_neg_eigval, cu_seqlens_cpu,
+            max_seqlen, cp_group, gk, gv, gk_name, every, entry):
+    """:func:`run_op` after the serving options are resolved; returns ``(o, h_T or None[, states])``."""
     def check(seq_len=None):
         return check_op_args(
             op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
@@ -243,7 +319,12 @@ def run_op(
             h_t = initial_state.clone()
         else:
             h_t = q.new_zeros(B, H, phi.output_dim(q.shape[-1]), v.shape[-1] + int(normalize), dtype=state_dtype(out_dtype))
-        return v.new_empty(v.shape, dtype=out_dtype), (h_t if output_final_state else None)
+        o = v.new_empty(v.shape, dtype=out_dtype)
+        if every is not None:
+            n_seq = B if cu_seqlens is None else len(cu_seqlens) - 1
+            return o, (h_t if output_final_state else None), h_t.new_empty((1 if cu_seqlens is not None else n_seq, 0)
+                                                                             + tuple(h_t.shape[1:]))
+        return o, (h_t if output_final_state else None)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     form = op.split("_", 1)[0]
     # The memory check asks the OS (os.sysconf), which torch.compile cannot trace: it runs in eager mode.
@@ -253,11 +334,50 @@ def run_op(
         return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
 
     def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None, gv=None):
-        """The form's solver on packed compute-dtype ``[B, T, H, ·]`` tensors -> ``(o [B, T, H, V], h_T)``."""
+        """The form's solver on packed compute-dtype ``[B, T, H, ·]`` tensors -> ``(o [B, T, H, V], h_T)``
+        (and the intermediate states asked for, ``[B, NT, H, K, V]``, packed per sequence with ``cu_seqlens``)."""
         packing = None
         if cu_seqlens is not None:
             packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
             q, k, v, beta, g, gv = (packing.pad(t) for t in (q, k, v, beta, g, gv))
+        if every is None:
+            o, h_t = solve_padded(q, k, v, beta, g, h0, gv)
+        else:
+            o, h_t, states = solve_blocks(q, k, v, beta, g, h0, gv)
+        if packing is not None:
+            o = packing.unpad(o)
+        if every is None:
+            return o, h_t
+        if cu_seqlens is not None:  # sequence i keeps its first count_i states: [1, Σ count_i, H, K, V]
+            host = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).long().cpu()
+            count = intermediate_positions(host[1:] - host[:-1], every, entry)
+            keep = torch.arange(states.shape[1])[None, :] < count[:, None]
+            states = states[keep.to(states.device)].unsqueeze(0)
+        return o, h_t, states
+
+    def solve_blocks(q, k, v, beta, g, h0, gv):
+        """:func:`solve_padded` block by block along T (blocks of ``every`` tokens, chunk-aligned), the
+        state carried from block to block; keeps only the states asked for (the entry state of every
+        block, or the state after every full block): ``(o, h_T, states [N, NT, H, K, V])``."""
+        t_len, outs, kept = q.shape[1], [], []
+        h = h0
+        for s in range(0, t_len, every):
+            e = min(s + every, t_len)
+            if entry:
+                kept.append(h if h is not None else v.new_zeros(  # q, v: after φ and any normalizer column
+                    q.shape[0], q.shape[2], q.shape[-1], v.shape[-1], dtype=state_dtype(out_dtype)))
+            qs, ks, vs, bs, gs, gvs = (None if t is None else t[:, s:e] for t in (q, k, v, beta, g, gv))
+            o_b, h = solve_padded(qs, ks, vs, bs, gs, h, gvs)
+            outs.append(o_b)
+            if not entry and e - s == every:
+                kept.append(h)
+        n, heads = q.shape[0], q.shape[2]
+        states = (torch.stack(kept, dim=1) if kept else
+                  h.new_empty((n, 0, heads) + tuple(h.shape[2:])))
+        return torch.cat(outs, dim=1), h, states
+
+    def solve_padded(q, k, v, beta, g, h0, gv=None):
+        """The form's solver on padded compute-dtype ``[N, T, H, ·]`` tensors -> ``(o [N, T, H, V], h_T)``."""
         n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
         size = chunk_size
         if form == "chunk":
@@ -270,10 +390,7 @@ def run_op(
         o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size,
                       **({} if gv is None else {"gv": head_first(gv)}),
                       **({} if low is None else {"low": low}))
-        o = o.transpose(1, 2)  # [N, T, H, V]
-        if packing is not None:
-            o = packing.unpad(o)
-        return o, h_t
+        return o.transpose(1, 2), h_t  # [N, T, H, V]
 
     # bf16 operands for the products (fastweights.ops.precision): only for cores that take
     # them, in inference, outside context parallelism; q, k, v then stay bf16 unless a
@@ -300,8 +417,9 @@ def run_op(
         g = g if gk is None else gk  # a per-channel key decay takes the per-head one's place
         g = None if g is None else g.to(dt)
         gv = None if gv is None else gv.to(dt)
+        states = ()
         if segments is None:
-            o, h_t = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu, gv=gv)
+            o, h_t, *states = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu, gv=gv)
         else:
             from .context_parallel import run_context_parallel
 
@@ -309,4 +427,4 @@ def run_op(
                                           scale, sum_rule=op.endswith("linear_attn"))
         if normalize:
             o = divide_by_normalizer(o, eps)
-        return o.to(out_dtype), (h_t if output_final_state else None)
+        return (o.to(out_dtype), (h_t if output_final_state else None), *states)

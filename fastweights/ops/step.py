@@ -121,9 +121,51 @@ def _native_step(q, k, v, beta, g, state, scale, inplace):
     return tuple(mod.delta_step(q, k, v, beta, g, state, float(scale), bool(inplace)))
 
 
-def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend):
+def _check_pool(op, q, v, state, state_indices, has_initial_state, value_dim=None) -> None:
+    """The pool form's checks (``state [S, H, K, V]``, ``state_indices [N]``), before anything is written."""
+    from .state_pool import check_state_indices
+
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"{op}: `q` must have shape [N, H, K], got "
+                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    check_state_indices(op, state, state_indices, q.shape[0], has_initial_state, pool_name="state")
+    n, h, dk = q.shape
+    dv = v.shape[-1] if value_dim is None else value_dim
+    if tuple(state.shape[1:]) != (h, dk, dv):
+        raise ValueError(f"{op}: the pool `state` must have shape [S, H, K, V] = [S, {h}, {dk}, {dv}], "
+                         f"got {list(state.shape)}")
+
+
+def _pool_step(op, step, q, state, state_indices, has_initial_state):
+    """Run ``step(h0) -> (o, h')`` on the sessions' states gathered from the pool and write h' back
+    to their slots (the pool form wherever the compiled kernel does not run); returns ``(o, pool)``."""
+    from .state_pool import gather_states, scatter_states
+
+    o, h = step(gather_states(state, state_indices, has_initial_state))
+    with torch.no_grad():
+        scatter_states(state, state_indices, h)
+    return o, state
+
+
+def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend, state_indices=None, has_initial_state=None):
     if backend not in BACKENDS:
         raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+    if state_indices is not None or has_initial_state is not None:
+        if state_indices is None:
+            raise ValueError(f"{op}: `has_initial_state` needs `state_indices` (the pool's slot of each row)")
+        _check_pool(op, q, v, state, state_indices, has_initial_state)
+        mod = None
+        if state.is_contiguous() and not (torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, beta, g, state))) and backend != "triton":
+            mod = kernels_for(state)
+        if mod is not None and not state_indices.is_cuda:  # in place at the slots: no gathered copy
+            rows = torch.empty((q.shape[0],) + tuple(state.shape[1:]), dtype=state.dtype, device="meta")
+            _check(op, q, k, v, rows, beta=beta, g=g)  # the other inputs' shapes, against N rows of the pool
+            fresh = None if has_initial_state is None else has_initial_state.cpu()
+            o = mod.delta_step_pool(q, k, v, beta, g, state, state_indices.long(), fresh, float(_scale(scale, q.shape[-1])))
+            return o, state
+        return _pool_step(op, lambda h0: _delta_step(op, q, k, v, beta, g, h0, scale, True, backend),
+                          q, state, state_indices, has_initial_state)
     _check(op, q, k, v, state, beta=beta, g=g)
     dk, dv = q.shape[-1], v.shape[-1]
     scale = _scale(scale, dk)
@@ -161,6 +203,7 @@ def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend):
 def delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     scale: Optional[float] = None, *, inplace: bool = False, backend: str = "auto",
+    state_indices: Optional[torch.Tensor] = None, has_initial_state: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One token of the delta rule (DeltaNet): ``h ← h + β k (v − hᵀk)ᵀ``, then ``o = scale · hᵀq``.
 
@@ -172,31 +215,41 @@ def delta_rule_step(
         scale: read scale; ``None`` means ``K ** -0.5``.
         inplace: write the new state into ``state`` (and return it) instead of a new tensor.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (the fused kernel; see the module docstring).
+        state_indices: ``[N]`` int32/int64 or None. Given, ``state`` is a pool ``[S, H, K, V]`` and row n
+            reads and writes slot ``state_indices[n]`` in place (-1: start from zeros, write nothing);
+            ``has_initial_state [N]`` bool marks fresh sessions (start from zeros, write the slot).
+            :mod:`fastweights.ops.state_pool`; on the CPU the compiled kernel works at the slots.
 
     Returns:
         ``(o [N, H, V] in v's dtype, state [N, H, K, V])``; equal to one token of
-        :func:`~fastweights.ops.recurrent_delta_rule` from ``state``.
+        :func:`~fastweights.ops.recurrent_delta_rule` from ``state``. With ``state_indices``:
+        ``(o, pool)``, the pool updated.
     """
-    return _delta_step("delta_rule_step", q, k, v, beta, None, state, scale, inplace, backend)
+    return _delta_step("delta_rule_step", q, k, v, beta, None, state, scale, inplace, backend,
+                       state_indices, has_initial_state)
 
 
 def gated_delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
     scale: Optional[float] = None, *, inplace: bool = False, backend: str = "auto",
+    state_indices: Optional[torch.Tensor] = None, has_initial_state: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule: ``h ← exp(g) h``, the delta write, then ``o = scale · hᵀq``.
 
-    Arguments as :func:`delta_rule_step`, plus ``g [N, H]``, the log decay (<= 0).
+    Arguments as :func:`delta_rule_step` (the pool form, ``state_indices``, included), plus ``g [N, H]``,
+    the log decay (<= 0).
     Equal to one token of :func:`~fastweights.ops.recurrent_gated_delta_rule` from ``state``.
     """
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"gated_delta_rule_step: `g` must be a torch.Tensor of shape [N, H], got {type(g).__name__}")
-    return _delta_step("gated_delta_rule_step", q, k, v, beta, g, state, scale, inplace, backend)
+    return _delta_step("gated_delta_rule_step", q, k, v, beta, g, state, scale, inplace, backend,
+                       state_indices, has_initial_state)
 
 
 def linear_attn_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, g: Optional[torch.Tensor] = None,
     scale: Optional[float] = None, *, normalize: bool = False, eps: float = 1e-6, inplace: bool = False,
+    state_indices: Optional[torch.Tensor] = None, has_initial_state: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One token of linear attention (the sum rule): ``h ← exp(g) h + k vᵀ``, then ``o = scale · hᵀq``.
 
@@ -210,12 +263,21 @@ def linear_attn_step(
         normalize: divide the read by ``scale · φ(q)ᵀ z + eps``.
         eps: added to the normalizer.
         inplace: write the new state into ``state`` instead of a new tensor.
+        state_indices, has_initial_state: the pool form, as in :func:`delta_rule_step` (here
+            the states are gathered from the pool and written back).
 
     Returns:
         ``(o [N, H, V] in v's dtype, state)``; equal to one token of
         :func:`~fastweights.ops.recurrent_linear_attn` (same ``normalize``, ``eps``) from ``state``.
     """
     op = "linear_attn_step"
+    if state_indices is not None or has_initial_state is not None:
+        if state_indices is None:
+            raise ValueError(f"{op}: `has_initial_state` needs `state_indices` (the pool's slot of each row)")
+        _check_pool(op, q, v, state, state_indices, has_initial_state,
+                    value_dim=v.shape[-1] + int(bool(normalize)) if isinstance(v, torch.Tensor) else None)
+        return _pool_step(op, lambda h0: linear_attn_step(q, k, v, h0, g, scale, normalize=normalize, eps=eps),
+                          q, state, state_indices, has_initial_state)
     _check(op, q, k, v, state, value_dim=v.shape[-1] + int(bool(normalize)) if isinstance(v, torch.Tensor) else None, g=g)
     dt = state.dtype
     v_in = v.to(dt)

@@ -277,8 +277,6 @@ def test_bad_gates_are_refused_naming_the_argument(fn):
     else:
         with pytest.raises(ValueError, match=rf"{name}: `gv` .*recurrent form only"):
             fn(**x, gv=gv)
-    with pytest.raises(ValueError, match=rf"{name}: `return_intermediate_states`"):
-        fn(**x, return_intermediate_states=True)
     with pytest.raises(ValueError, match=rf"{name}: `use_gate_in_kernel=True` needs `A_log`"):
         fn(**x, use_gate_in_kernel=True)
     with pytest.raises(ValueError, match=rf"{name}: `dt_bias` must have shape \[HV·K\] = \[8\], got \[2\]"):

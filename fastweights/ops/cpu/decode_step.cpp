@@ -103,9 +103,13 @@ struct Step {
   // scratch: a, r, u, each V long
   template <bool G, bool InPlace>
   void head(int64_t nh, T* __restrict a, T* __restrict r, T* __restrict u) const {
+    head_at<G, InPlace>(nh, h + nh * K * V, h_out + nh * K * V, a, r, u);
+  }
+
+  // Row nh of the inputs with its state read from hh and written to ho (the same memory when in place).
+  template <bool G, bool InPlace>
+  void head_at(int64_t nh, const T* hh, T* ho, T* __restrict a, T* __restrict r, T* __restrict u) const {
     constexpr int64_t W = kTile<T>;
-    const T* hh = h + nh * K * V;
-    T* ho = h_out + nh * K * V;
     const T* __restrict kh = k + nh * k_s;
     const T* __restrict qh = q + nh * q_s;
     const T* __restrict vh = v + nh * v_s;
@@ -204,8 +208,94 @@ std::vector<torch::Tensor> delta_step(const torch::Tensor& q, const torch::Tenso
   return {o.to(v.scalar_type()), inplace ? state : h_out.view({N, H, K, V})};
 }
 
+// The pool form (fastweights/ops/state_pool.py): row n's state is the pool's slot slots[n], read and
+// written in place where it lies (no gathered copy). A slot of -1 starts from zeros in a scratch
+// state that is dropped; fresh[n] (optional) starts slot slots[n] from zeros. The caller checks the
+// slots (in range, no slot twice: each head's memory belongs to one task).
+template <typename T>
+void run_pool_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& beta,
+                   const c10::optional<torch::Tensor>& g, torch::Tensor& pool, const torch::Tensor& slots,
+                   const c10::optional<torch::Tensor>& fresh, torch::Tensor& o, double scale, int64_t H) {
+  Step<T> s;
+  s.q = q.data_ptr<T>();
+  s.k = k.data_ptr<T>();
+  s.v = v.data_ptr<T>();
+  s.beta = beta.data_ptr<T>();
+  s.g = g.has_value() ? g->data_ptr<T>() : nullptr;
+  s.q_s = q.stride(0);
+  s.k_s = k.stride(0);
+  s.v_s = v.stride(0);
+  s.beta_s = beta.stride(0);
+  s.g_s = g.has_value() ? g->stride(0) : 0;
+  s.h = nullptr;
+  s.h_out = nullptr;
+  s.o = o.data_ptr<T>();
+  s.K = pool.size(2);
+  s.V = pool.size(3);
+  s.scale = T(scale);
+  const int64_t K = s.K, V = s.V, KV = K * V;
+  T* base = pool.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const bool* has_init = fresh.has_value() ? fresh->data_ptr<bool>() : nullptr;
+  const int64_t NH = q.size(0);
+  at::parallel_for(0, NH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> scratch(3 * V);
+    std::vector<T> dropped;  // the state of a row without a slot
+    T *a = scratch.data(), *r = a + V, *u = r + V;
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, sl = slot[n];
+      T* hh;
+      if (sl < 0) {
+        dropped.assign(KV, T(0));
+        hh = dropped.data();
+      } else {
+        hh = base + (sl * H + nh % H) * KV;
+        if (has_init != nullptr && !has_init[n]) std::fill(hh, hh + KV, T(0));
+      }
+      if (s.g != nullptr) s.template head_at<true, true>(nh, hh, hh, a, r, u);
+      else s.template head_at<false, true>(nh, hh, hh, a, r, u);
+    }
+  });
+}
+
+// One token for N sessions held in a pool: q, k [N, H, K], v [N, H, V], beta, g [N, H], pool
+// [S, H, K, V] contiguous float32/float64, slots int64 [N] in [-1, S) without repeats (checked by
+// the caller), has_initial_state bool [N] or None. Updates the pool in place; returns o [N, H, V].
+torch::Tensor delta_step_pool(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& beta, const c10::optional<torch::Tensor>& g, torch::Tensor& pool,
+                              const torch::Tensor& slots, const c10::optional<torch::Tensor>& has_initial_state,
+                              double scale) {
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.is_cpu(),
+              "delta_step_pool: the pool must be a contiguous CPU [S, H, K, V] tensor");
+  const auto dt = pool.scalar_type();
+  TORCH_CHECK(dt == torch::kFloat || dt == torch::kDouble, "delta_step_pool: a float32 or float64 pool only");
+  const int64_t H = pool.size(1), K = pool.size(2), V = pool.size(3), N = q.size(0), NH = N * H;
+  TORCH_CHECK(q.sizes() == at::IntArrayRef({N, H, K}) && k.sizes() == q.sizes() &&
+                  v.sizes() == at::IntArrayRef({N, H, V}) && beta.sizes() == at::IntArrayRef({N, H}) &&
+                  (!g.has_value() || g->sizes() == beta.sizes()),
+              "delta_step_pool: the shapes do not match the pool's");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == N && slots.is_cpu(),
+              "delta_step_pool: state_indices must be a CPU int64 [N] tensor");
+  c10::optional<torch::Tensor> fresh;
+  if (has_initial_state.has_value()) fresh = has_initial_state->to(torch::kBool).contiguous();
+  c10::optional<torch::Tensor> gr;
+  if (g.has_value()) gr = rows(*g, dt, NH, -1);
+  torch::Tensor idx = slots.contiguous();
+  torch::Tensor o = torch::empty({N, H, V}, pool.options());
+  if (dt == torch::kFloat) {
+    run_pool_step<float>(rows(q, dt, NH, K), rows(k, dt, NH, K), rows(v, dt, NH, V), rows(beta, dt, NH, -1), gr, pool,
+                         idx, fresh, o, scale, H);
+  } else {
+    run_pool_step<double>(rows(q, dt, NH, K), rows(k, dt, NH, K), rows(v, dt, NH, V), rows(beta, dt, NH, -1), gr, pool,
+                          idx, fresh, o, scale, H);
+  }
+  return o.to(v.scalar_type());
+}
+
 }  // namespace
 
 void register_decode_step(pybind11::module& m) {  // called by chunk_delta.cpp's PYBIND11_MODULE
   m.def("delta_step", &delta_step, "one decode token of the (gated) delta rule, one task per head");
+  m.def("delta_step_pool", &delta_step_pool,
+        "one decode token of the (gated) delta rule for sessions held in a state pool, in place at their slots");
 }

@@ -521,8 +521,12 @@ def chunk_delta_rule(
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     max_seqlen: Optional[int] = None,
     cp_group=None,
+    return_intermediate_states: bool = False,
+    state_block_size: Optional[int] = None,
+    state_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
     **extra,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> Tuple[Optional[torch.Tensor], ...]:
     """The delta rule, chunkwise parallel: the fast path for training.
 
     Equivalent to :func:`~fastweights.ops.recurrent_delta_rule` (same arguments
@@ -560,6 +564,16 @@ def chunk_delta_rule(
     the slice's output, final states come back on every rank, and ``initial_state[i]``
     is read (and gets its gradient) on the rank holding sequence i's first token
     (:mod:`fastweights.ops.context_parallel`, ``docs/context_parallel.md``).
+
+    Serving (``docs/serving.md``): ``return_intermediate_states=True`` also returns fla's
+    per-chunk states ``h [B, NT, H, K, V]`` (NT = ceil(T/C); ``h[:, c]`` is the state entering
+    chunk c, i.e. after c·C tokens; with ``cu_seqlens`` ``[1, Σ NT_i, H, K, V]``, sequence by
+    sequence) as a third return; ``state_block_size=m`` (a multiple of C) returns instead the
+    states after m, 2m, ... tokens (``[B, T // m, H, K, V]``; ``[1, Σ T_i // m, ...]``), vLLM's
+    block-aligned prefix cache. Only the states asked for are kept. ``state_indices [N]`` makes
+    ``initial_state`` a pool ``[S, H, K, V]``: sequence i starts from ``pool[state_indices[i]]``
+    (zeros where ``state_indices[i] = -1`` or ``has_initial_state[i]`` is False) and its final
+    state is written back there in place (:mod:`fastweights.ops.state_pool`).
     """
     q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
         "chunk_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
@@ -570,4 +584,7 @@ def chunk_delta_rule(
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
     return run_chunk_delta("chunk_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
-                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group), **kwargs)
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group,
+
+                                                 return_intermediate_states=return_intermediate_states, state_block_size=state_block_size,
+                                                 state_indices=state_indices, has_initial_state=has_initial_state), **kwargs)

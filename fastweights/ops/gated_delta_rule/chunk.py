@@ -48,14 +48,19 @@ def chunk_gated_delta_rule(
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     max_seqlen: Optional[int] = None,
     cp_group=None,
+    return_intermediate_states: bool = False,
+    state_block_size: Optional[int] = None,
+    state_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
     **extra,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> Tuple[Optional[torch.Tensor], ...]:
     """The gated delta rule, chunkwise parallel: the fast path for training.
 
     Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_rule` (same
     arguments and returns), called as ``(q, k, v, g, beta, ...)`` like
     flash-linear-attention. ``chunk_size``, ``backend`` and ``cp_group`` (context
-    parallelism) as in :func:`chunk_delta_rule`.
+    parallelism) as in :func:`chunk_delta_rule`, and so are the serving options
+    ``return_intermediate_states``, ``state_block_size``, ``state_indices`` and ``has_initial_state``.
     """
     q, k, beta, g, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
         "chunk_gated_delta_rule", q, k, v, beta, g, initial_state, cu_seqlens, gated=True,
@@ -69,4 +74,7 @@ def chunk_gated_delta_rule(
         allow_neg_eigval=allow_neg_eigval,
     )
     return run_chunk_delta("chunk_gated_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
-                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group), **kwargs)
+                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group,
+
+                                                 return_intermediate_states=return_intermediate_states, state_block_size=state_block_size,
+                                                 state_indices=state_indices, has_initial_state=has_initial_state), **kwargs)

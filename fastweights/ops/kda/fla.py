@@ -22,7 +22,9 @@ fla argument                   what we do
 ``disable_recompute``,         gates, saved activations, CUDA-graph capture), not about what
 ``use_graph``,                 they compute
 ``max_num_seqs``
-``return_intermediate_states``  refused (fla returns bf16 per-chunk states for inference engines)
+``return_intermediate_states``  the states entering every chunk as a third return (fla's layout;
+                               fp32 here), ``state_block_size``, ``state_indices`` and
+                               ``has_initial_state`` as in ``chunk_delta_rule`` (docs/serving.md)
 ``cp_context``                 refused (context parallelism)
 grouped value heads            v [B, T, HV, V], HV a multiple of H, as in fla
 =============================  =================================================================
@@ -76,10 +78,7 @@ def kda_gate(
     return -torch.exp(a) * F.softplus(x)
 
 
-_REFUSED_KDA = {
-    "return_intermediate_states": "per-chunk states for inference engines are not returned; "
-                                  "use output_final_state=True",
-}
+_REFUSED_KDA: dict = {}
 _IGNORED_KDA = ("safe_gate", "disable_recompute", "use_graph", "max_num_seqs")
 
 
@@ -155,8 +154,11 @@ def run_kda(
     chunk_size: int = 64,
     qk_norm: Optional[str] = None,
     max_seqlen: Optional[int] = None,
+    state_block_size: Optional[int] = None,
+    state_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
     **kwargs,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> Tuple[Optional[torch.Tensor], ...]:
     """The body of every KDA form (:func:`kda_form`): fla's options (:func:`kda_inputs`), then
     :func:`~fastweights.ops._frontend.run_op` with the form's solver ``core``. After ``op``,
     ``core`` and ``gv_supported``, the arguments of the forms: fla 0.6.0's ``chunk_kda`` in
@@ -164,8 +166,6 @@ def run_kda(
     fla's kernel hints (ignored); ``state_v_first`` is handled by :func:`accepts_state_v_first`."""
     from .._frontend import run_op
 
-    if return_intermediate_states:
-        kwargs["return_intermediate_states"] = True  # refused by name in kda_inputs
     q, k, beta, gk, gv, initial_state, cu_seqlens, gk_name = kda_inputs(
         op, q, k, v, g, beta, initial_state, cu_seqlens, gk=gk, gv=gv, gv_supported=gv_supported,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
@@ -180,6 +180,8 @@ def run_kda(
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         max_seqlen=max_seqlen, chunk_size=chunk_size, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
         requires_beta=True, allow_neg_eigval=allow_neg_eigval,
+            return_intermediate_states=return_intermediate_states, state_block_size=state_block_size,
+            state_indices=state_indices, has_initial_state=has_initial_state,
     )
 
 

@@ -190,7 +190,12 @@ def chunk_linear_attn(
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     max_seqlen: Optional[int] = None,
     cp_group=None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    *,
+    return_intermediate_states: bool = False,
+    state_block_size: Optional[int] = None,
+    state_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+) -> Tuple[Optional[torch.Tensor], ...]:
     """Causal linear attention, chunkwise parallel: the fast path for training.
 
     Equivalent to :func:`~fastweights.ops.recurrent_linear_attn` (same arguments and
@@ -208,6 +213,10 @@ def chunk_linear_attn(
     splits T over the group's ranks as in :func:`~fastweights.ops.chunk_delta_rule`; here
     a slice's summary is its decayed sum ``[H, K, V]`` (with the normalizer column when
     ``normalize``) and, with ``g``, one decay per head.
+
+    Serving options ``return_intermediate_states``, ``state_block_size``, ``state_indices``
+    and ``has_initial_state`` as in :func:`~fastweights.ops.chunk_delta_rule` (with
+    ``normalize`` the states carry the normalizer column, ``[.., K, V + 1]``).
     """
     return run_op(
         "chunk_linear_attn", linear_attn_chunk, q, k, v, g=g, scale=scale,
@@ -215,4 +224,6 @@ def chunk_linear_attn(
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,
         cp_group=cp_group,
+            return_intermediate_states=return_intermediate_states, state_block_size=state_block_size,
+            state_indices=state_indices, has_initial_state=has_initial_state,
     )

@@ -1,0 +1,78 @@
+"""The session pool (continuous batching) and the serving benchmark's quick run.
+
+A batch of sessions at shuffled slots decodes exactly what each session decodes alone
+(float64: ≤ 1e-12; the LM's projections are batched matmuls, so not bitwise across batch
+sizes); admitting and releasing reuse slots without touching the others; the benchmark's
+tiny run produces every table (no speed is asserted: timings belong to the benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastweights.bench import serving
+from fastweights.models import LM, LMConfig, fork_cache
+from fastweights.models.pool import SessionPool
+
+VOCAB = 37
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("mixer", ["deltanet", ["gated_deltanet", "kda", "linear"]])
+def test_pool_sessions_equal_each_session_alone(mixer):
+    n_layers = len(mixer) if isinstance(mixer, list) else 2
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=2, mixer=mixer)).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=gen) for n in (3, 17, 9)]
+    pool = SessionPool(model, slots=6)
+    with torch.no_grad():
+        caches = [model(p)[1] for p in prompts]
+        filler = pool.admit(fork_cache(caches[0]))  # a session that stays idle in slot 0
+        slots = [pool.admit(fork_cache(c)) for c in caches]
+        before = pool.memory[0][filler].clone()
+        pool.release(slots[0])
+        slots[0] = pool.admit(fork_cache(caches[0]))  # slot reuse
+        order = torch.tensor([slots[2], slots[0], slots[1]])
+        tokens = torch.randint(0, VOCAB, (3,), generator=gen)
+        alone = [caches[2], caches[0], caches[1]]
+        for _ in range(3):
+            logits = pool.step(tokens, order)
+            for i in range(3):
+                ref, alone[i] = model(tokens[i].view(1, 1), alone[i])
+                assert (logits[i] - ref[0, -1]).abs().max().item() <= 1e-12
+            tokens = logits.argmax(-1)
+        assert torch.equal(pool.memory[0][filler], before)
+    with pytest.raises(ValueError, match=r"SessionPool.step: `slots` must name live sessions"):
+        pool.step(tokens[:1], torch.tensor([5]))
+    with pytest.raises(ValueError, match=r"SessionPool.step: `state_indices` names slot 1 more than once"):
+        pool.step(tokens[:2], torch.tensor([1, 1]))
+
+
+def test_pool_refuses_softmax_and_a_full_pool():
+    model = LM(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mixer=["deltanet", "softmax"]))
+    with pytest.raises(ValueError, match=r"SessionPool: mixers .* include softmax"):
+        SessionPool(model, 4)
+    model = LM(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, mixer="deltanet"))
+    pool = SessionPool(model, 1)
+    with torch.no_grad():
+        cache = model(torch.randint(0, VOCAB, (1, 4)))[1]
+    pool.admit(cache)
+    with pytest.raises(ValueError, match=r"all 1 slots are taken"):
+        pool.admit(cache)
+
+
+def test_serving_benchmark_quick(tmp_path):
+    out = tmp_path / "serving.json"
+    serving.main(["--quick", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["sessions"] for r in result["throughput"]] == [1, 2, 4, 8]
+    assert all(r["tokens_per_s"] > 0 for r in result["throughput"])
+    for row in result["memory"]:  # measured bytes are what the calculator predicts
+        assert row["deltanet_pool_bytes"] == row["deltanet_pool_bytes_calculator"]
+        assert abs(row["softmax_one_session_bytes"] - row["softmax_one_session_bytes_calculator"]) <= 64
+    assert result["ttft"]["same_first_token"]
+    assert result["arrivals"]["admitted"] > 0 and result["arrivals"]["decoded_tokens"] > 0
