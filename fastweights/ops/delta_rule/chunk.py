@@ -564,7 +564,7 @@ def chunk_delta_rule(
     Context parallelism: ``cp_group`` (a ``torch.distributed.ProcessGroup``; None: off)
     splits T over the group's ranks, each holding one contiguous slice ``[B, L, ...]`` in
     rank order (``cu_seqlens``, if given, holds the *global* offsets, the same on every
-    rank; a sequence may cross rank boundaries); ``chunk_size`` must divide L. The ranks
+    rank; a sequence may cross rank boundaries); any L (a partial last chunk is padded). The ranks
     exchange one ``[H, K, K + V]`` state summary per row instead of the sequence; ``o`` is
     the slice's output, final states come back on every rank, and ``initial_state[i]``
     is read (and gets its gradient) on the rank holding sequence i's first token
