@@ -145,6 +145,7 @@ def test_compiled_backward_with_every_dim_one_and_stride_0_cotangents(kernels_on
     c = dict(gated=gated, B=1, T=1, H=1, K=1, V=1, chunk_size=32, h0=False, final=False, layout="plain",
              beta_expanded=False, cotangent=cotangent, seed=1)
     _check(c, spy)
+    _check(dict(c, layout="strided"), spy)  # q, k, v of last stride 2 that PyTorch calls contiguous (every dim 1)
     _check(dict(c, K=4, h0=True, final=True), spy)
 
 
