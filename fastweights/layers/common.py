@@ -361,7 +361,7 @@ class ShortConvolution(nn.Module):
         (:mod:`fastweights.ops.context_parallel`): the W − 1 inputs before the slice come from the
         previous rank (a "halo"; the gradient flows back to it). No state in or out: a slice
         of a sequence is training or prefill, not decoding. The caller has checked that every
-        rank holds the same L (>= W − 1) and the same global ``cu_seqlens``."""
+        rank holds the same L and the same global ``cu_seqlens``."""
         from ..ops.context_parallel import check_cp_group, conv_states_from_halo, exchange_halo, host_offsets, local_segments
 
         if state is not None:
@@ -371,10 +371,8 @@ class ShortConvolution(nn.Module):
         W = self.kernel_size
         if W == 1:
             return self.forward(x, None, cu_seqlens)[0]
-        if L < W - 1:
-            raise ValueError(f"ShortConvolution: `x` holds L={L} tokens per rank, fewer than the kernel's W - 1 = {W - 1}; "
-                             f"context parallelism needs at least that many per rank")
-        halo = exchange_halo(x[:, L - (W - 1):], cp_group)  # [B, W − 1, C]: the previous rank's last inputs
+        # [B, W − 1, C]: the inputs before the slice, from the previous rank (or, with L < W − 1, several)
+        halo = exchange_halo(x[:, max(L - (W - 1), 0):], cp_group, W - 1)
         if cu_seqlens is None:
             return self.forward(x, halo)[0]
         rank, world = check_cp_group("ShortConvolution", cp_group)

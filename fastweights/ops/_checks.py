@@ -49,6 +49,7 @@ the device's memory is refused before it allocates them (:func:`check_score_memo
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import os
@@ -355,6 +356,32 @@ def check_chunk_size(op: str, chunk_size) -> None:
         raise ValueError(f"{op}: `chunk_size` must be positive, got {chunk_size}")
 
 
+#: True while an op called with fla's ``state_v_first=True`` checks its arguments: the caller's
+#: ``initial_state`` is ``[N, H, V, K]``, transposed on the way in, so a wrong shape is quoted in
+#: the caller's layout (set by :func:`fastweights.ops._fla_compat.accepts_state_v_first`). Read
+#: only on the way to an error, and neither set nor read under ``torch.compile``, which cannot trace it.
+STATE_V_FIRST = contextvars.ContextVar("fastweights_state_v_first", default=False)
+
+
+def _state_v_first() -> bool:
+    return not torch.compiler.is_compiling() and STATE_V_FIRST.get()
+
+#: How the errors describe each per-channel log decay, by its layout.
+_DECAY_KIND = {"[B, T, H, K]": "a per-key-channel log decay", "[B, T, H, V]": "a per-value-channel log decay"}
+
+
+def _check_state_shape(op: str, initial_state: torch.Tensor, n: int, heads: int, sk: int, sv: int) -> None:
+    """``initial_state`` must be ``[N, H, K, V]``, or ``[N, H, V, K]`` as the caller passed it under ``state_v_first``."""
+    if tuple(initial_state.shape) == (n, heads, sk, sv):
+        return
+    if _state_v_first():  # quote the caller's own layout: the shape it must pass, and the one it passed
+        got = list(initial_state.shape[:-2]) + [initial_state.shape[-1], initial_state.shape[-2]]
+        raise ValueError(
+            f"{op}: `initial_state` must have shape [N, H, V, K] = [{n}, {heads}, {sv}, {sk}] (state_v_first=True), got {got}"
+        )
+    raise ValueError(f"{op}: `initial_state` must have shape [N, H, K, V] = [{n}, {heads}, {sk}, {sv}], got {_shape(initial_state)}")
+
+
 def check_inputs(
     op: str,
     q: torch.Tensor,
@@ -421,7 +448,7 @@ def check_inputs(
         _check_tensor(op, name, t, t.dim(), layout)  # a tensor of floats; the shape (rank included) below
         if t.shape != q.shape[:3] + (width,):
             raise ValueError(
-                f"{op}: `{name}` (a per-channel log decay) must have shape {layout} = [{B}, {T}, {H}, {width}], got {_shape(t)}"
+                f"{op}: `{name}` ({_DECAY_KIND[layout]}) must have shape {layout} = [{B}, {T}, {H}, {width}], got {_shape(t)}"
             )
         if t.device != q.device:
             raise ValueError(f"{op}: `{name}` is on {t.device}, expected the device of `q` ({q.device})")
@@ -437,11 +464,11 @@ def check_inputs(
     if initial_state is not None:
         sk = K if state_key_dim is None else state_key_dim
         sv = v.shape[-1] if state_value_dim is None else state_value_dim
-        _check_tensor(op, "initial_state", initial_state, 4, "[N, H, K, V]")
-        if tuple(initial_state.shape) != (n, H, sk, sv):
-            raise ValueError(
-                f"{op}: `initial_state` must have shape [N, H, K, V] = [{n}, {H}, {sk}, {sv}], got {_shape(initial_state)}"
-            )
+        layout = "[N, H, K, V]"
+        if not (isinstance(initial_state, torch.Tensor) and initial_state.dim() == 4) and _state_v_first():
+            layout = "[N, H, V, K]"  # an error is coming: in the caller's layout
+        _check_tensor(op, "initial_state", initial_state, 4, layout)
+        _check_state_shape(op, initial_state, n, H, sk, sv)
         want = state_dtype(q.dtype)
         if initial_state.dtype != want:
             raise TypeError(
@@ -455,10 +482,10 @@ def check_inputs(
         if t is not None:
             _check_finite(op, name, t)
     check_values(op, beta, g, allow_neg_eigval)
-    for name, t in ((gk_name, gk), ("gv", gv)):
+    for name, t, layout in ((gk_name, gk, "[B, T, H, K]"), ("gv", gv, "[B, T, H, V]")):
         if t is not None:
-            _check_range(op, t, None, 0.0, f"`{name}` (a per-channel log decay) must be <= 0",
-                         "; a decay exp(gk) above 1 makes the state grow. If that is intended, disable this "
+            _check_range(op, t, None, 0.0, f"`{name}` ({_DECAY_KIND[layout]}) must be <= 0",
+                         f"; a decay exp({name}) above 1 makes the state grow. If that is intended, disable this "
                          "check with fastweights.ops.value_checks(False)")
     return n
 

@@ -78,7 +78,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._checks import state_dtype
+from ._checks import STATE_V_FIRST, state_dtype
 
 __all__ = ["PASS_THROUGH", "accepts_state_v_first", "fla_inputs"]
 
@@ -230,7 +230,13 @@ def accepts_state_v_first(op):
         h0 = bound.arguments.get("initial_state")
         if isinstance(h0, torch.Tensor) and h0.dim() == 4:
             bound.arguments["initial_state"] = h0.transpose(-1, -2)
-        o, h, *states = op(*bound.args, **bound.kwargs)
+        # the checks quote a wrong initial_state in the caller's [N, HV, V, K] (not traceable: eager only)
+        token = None if torch.compiler.is_compiling() else STATE_V_FIRST.set(True)
+        try:
+            o, h, *states = op(*bound.args, **bound.kwargs)
+        finally:
+            if token is not None:
+                STATE_V_FIRST.reset(token)
         return (o, None if h is None else h.transpose(-1, -2), *(x.transpose(-1, -2) for x in states))
 
     return wrapper

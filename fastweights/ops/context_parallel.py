@@ -307,7 +307,7 @@ def local_length_fingerprint(name: str, t) -> Fingerprint:
     return Fingerprint(
         name, "the local length T (dimension 1)", _shape_of(t, 1),
         "context parallelism splits T into one contiguous slice of the same length per rank: "
-        "pad the global length to a multiple of the group size (and of chunk_size) and split it evenly",
+        "pad the global length to a multiple of the group size and split it evenly",
     )
 
 
@@ -415,7 +415,10 @@ def checked_segments(
 
     ``check(seq_len)`` is the op's own argument check with ``cu_seqlens`` ending at the
     global length ``seq_len`` (R·L); its error, if any, is shared through :func:`agree`.
-    Then ``chunk_size`` must divide the local length L. Returns ``(check's result, Segments)``.
+    Any local length L works: a slice (or a piece of it) whose length is not a multiple of
+    ``chunk_size`` ends in a partial chunk, which the chunk form pads with no-op tokens (zero
+    keys, β = 0, g = 0: the state passes through unchanged), as it does without ``cp_group``.
+    Returns ``(check's result, Segments)``.
     """
     rank, world = check_cp_group(op, cp_group)
     length = _shape_of(q, 1)
@@ -440,12 +443,6 @@ def checked_segments(
         Fingerprint("normalize", "its value", int(bool(normalize))),
     ]
     agree(op, cp_group, [local_length_fingerprint("q", q), offsets_fingerprint(cu_host)], error, then, like=q)
-    if length % size:
-        raise ValueError(
-            f"{op}: `chunk_size`={size} must divide the local length T={length} under `cp_group` (rank {rank} "
-            f"of {world}), so that the slices start on chunk boundaries; pick a chunk size that divides {length}, "
-            f"or a local length that is a multiple of {size}"
-        )
     return result, local_segments(cu_host, q.shape[0], length, rank, world)
 
 
@@ -673,27 +670,43 @@ def agree_on_slice(owner: str, cp_group, name: str, x, cu_seqlens=None, check: O
 
 
 class _Halo(torch.autograd.Function):
-    """``tail [B, W − 1, C]`` of every rank -> the previous rank's (zeros on rank 0); the
-    gradient goes back to the previous rank."""
+    """``tail [B, m, C]`` of every rank (its last m = min(L, width) inputs) -> ``[B, width, C]``,
+    the ``width`` inputs before this rank's slice, zeros before the first rank's. With
+    L >= width that is the previous rank's tail; a shorter slice's window reaches back over
+    several ranks, whose tails are then their whole slices, end to end. Each position's
+    gradient goes back to the rank that holds it."""
 
     @staticmethod
-    def forward(ctx, tail, group):
+    def forward(ctx, tail, group, width):
         rank = dist.get_rank(group)
-        ctx.group, ctx.rank, ctx.world = group, rank, dist.get_world_size(group)
-        gathered = _all_gather(tail, group, "halo")
-        return gathered[rank - 1].clone() if rank > 0 else torch.zeros_like(tail)
+        ctx.group, ctx.rank, ctx.world, ctx.width, ctx.m = group, rank, dist.get_world_size(group), width, tail.shape[1]
+        gathered = _all_gather(tail, group, "halo")  # [R, B, m, C]
+        before = gathered[:rank].permute(1, 0, 2, 3).flatten(1, 2)  # [B, rank·m, C]: every earlier rank's tail, in order
+        if before.shape[1] < width:  # the window starts before the first token
+            before = F.pad(before, (0, 0, width - before.shape[1], 0))
+        return before[:, before.shape[1] - width :].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        gathered = _all_gather(grad, ctx.group, "halo_grads")
-        return (gathered[ctx.rank + 1].clone() if ctx.rank + 1 < ctx.world else torch.zeros_like(grad)), None
+        gathered = _all_gather(grad.contiguous(), ctx.group, "halo_grads")  # [R, B, width, C]
+        m, width = ctx.m, ctx.width
+        d_tail = grad.new_zeros(grad.shape[0], m, grad.shape[2])
+        for r in range(ctx.rank + 1, ctx.world):  # the later ranks whose window may cover this rank's tail
+            start = width - (r - ctx.rank) * m  # the row of rank r's window that holds this tail's first row
+            if start + m <= 0:  # out of reach of rank r's window, and of every later rank's
+                break
+            lo = max(start, 0)
+            d_tail[:, lo - start :] += gathered[r][:, lo : start + m]
+        return d_tail, None, None
 
 
-def exchange_halo(tail: torch.Tensor, cp_group) -> torch.Tensor:
-    """The previous rank's ``tail`` (``[B, W − 1, C]``, its last W − 1 inputs of a short
-    convolution), zeros on rank 0; differentiable (the gradient returns to its owner)."""
-    return _Halo.apply(tail.contiguous(), cp_group)
+def exchange_halo(tail: torch.Tensor, cp_group, width: Optional[int] = None) -> torch.Tensor:
+    """The ``width`` inputs before this rank's slice (``[B, width, C]``; a short convolution's
+    W − 1), zeros before the first rank's. ``tail`` is the rank's last ``min(L, width)`` inputs
+    (``[B, m, C]``, the same m on every rank); ``width`` defaults to m. Differentiable: each
+    input's gradient returns to the rank that holds it."""
+    width = tail.shape[1] if width is None else int(width)
+    return _Halo.apply(tail.contiguous(), cp_group, width)
 
 
 def conv_states_from_halo(halo: torch.Tensor, segments: Segments) -> torch.Tensor:

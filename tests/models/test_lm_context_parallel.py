@@ -80,11 +80,17 @@ def _refusals(rank, world):
     return out
 
 
+#: Local lengths L that are no multiple of the chunk size (8) -- L = 1 also shorter than the short
+#: convolution's W - 1 = 3, so its halo comes from more than one rank back -- as (B, global T, cu_seqlens).
+ANY_LENGTH = {"L1": (2, 2, None), "L17": (1, 34, [0, 5, 20, 34]), "L20": (2, 40, None), "L33": (1, 66, [0, 40, 41, 66])}
+
+
 def _default_run(rank, world):
     return dict(
         packed=_step(rank, world, 1, 32, [0, 11, 25, 32], False),
         rows=_step(rank, world, 2, 32, None, True),
         refusals=_refusals(rank, world),
+        **{name: _step(rank, world, b, t, cu, False) for name, (b, t, cu) in ANY_LENGTH.items()},
     )
 
 
@@ -93,7 +99,7 @@ def two_ranks():
     return run_ranks(_default_run, 2, timeout=240)
 
 
-@pytest.mark.parametrize("case", ["packed", "rows"])
+@pytest.mark.parametrize("case", ["packed", "rows", *ANY_LENGTH])
 def test_lm_step_two_ranks_equals_single_process(two_ranks, case):
     worst = {k: max(r[case][k] for r in two_ranks) for k in ("loss", "logits", "grads")}
     print(case, {k: f"{v:.1e}" for k, v in worst.items()})
@@ -109,13 +115,14 @@ def test_lm_refuses_on_every_rank(two_ranks, name, word):
 
 
 def _four_rank_run(rank, world):
-    return dict(packed=_step(rank, world, 1, 64, [0, 5, 40, 41, 64], False), rows=_step(rank, world, 2, 64, None, False))
+    return dict(packed=_step(rank, world, 1, 64, [0, 5, 40, 41, 64], False), rows=_step(rank, world, 2, 64, None, False),
+                L1=_step(rank, world, 2, 4, None, False), L2=_step(rank, world, 1, 8, [0, 3, 8], False))  # halos over 2-3 ranks
 
 
 @pytest.mark.slow
 def test_lm_step_four_ranks_equals_single_process():
     results = run_ranks(_four_rank_run, 4, timeout=400)
-    for case in ("packed", "rows"):
+    for case in ("packed", "rows", "L1", "L2"):
         worst = {k: max(r[case][k] for r in results) for k in ("loss", "logits", "grads")}
         print(case, {k: f"{v:.1e}" for k, v in worst.items()})
         assert max(worst.values()) < TOL, worst

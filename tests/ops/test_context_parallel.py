@@ -27,9 +27,17 @@ CASES_2 = [
     ("gated-packed-at-boundary", "gated", (1, 32, 2, 6, 5), 8, dict(h0=False, cu=[0, 16, 32])),
     ("linear-normalize-decay-packed-h0", "linear", (1, 32, 2, 8, 6), 8, dict(h0=True, g=True, normalize=True, cu=[0, 3, 21, 22, 32])),
     ("linear-rows-plain", "linear", (2, 32, 2, 8, 6), 8, dict(h0=False, g=False)),
+    # Local lengths that are no multiple of the chunk size (the slices end in a partial chunk,
+    # padded with no-op tokens): L = 1, 17, 20, 33 on 2 ranks, sequences crossing the boundary.
+    ("delta-rows-h0-L1", "delta", (2, 2, 2, 8, 6), 8, dict(h0=True)),
+    ("gated-packed-cross-h0-L17", "gated", (1, 34, 2, 8, 6), 8, dict(h0=True, cu=[0, 3, 20, 21, 34])),
+    ("gated-rows-L20-C32", "gated", (2, 40, 2, 6, 5), 32, dict(h0=True)),
+    ("delta-packed-L33", "delta", (1, 66, 2, 8, 6), 16, dict(h0=True, cu=[0, 30, 40, 66])),
+    ("linear-normalize-decay-packed-h0-L17", "linear", (1, 34, 2, 8, 6), 8, dict(h0=True, g=True, normalize=True, cu=[0, 5, 30, 34])),
+    ("linear-rows-L20", "linear", (2, 40, 2, 8, 6), 16, dict(h0=True, g=False)),
 ]
 
-FP32_CASES = ["gated-packed-cross-h0", "linear-normalize-decay-packed-h0"]
+FP32_CASES = ["gated-packed-cross-h0", "linear-normalize-decay-packed-h0", "gated-packed-cross-h0-L17"]
 
 CASES_4 = [
     ("delta-rows-h0", "delta", (2, 64, 2, 8, 6), 8, dict(h0=True)),
@@ -173,7 +181,7 @@ def _refusals(rank, world):
         except (TypeError, ValueError) as e:
             out[name] = (type(e).__name__, str(e))
 
-    attempt("chunk_size", lambda: chunk_delta_rule(q, q, q, beta, chunk_size=6, cp_group=group))
+    attempt("chunk_size", lambda: chunk_delta_rule(q, q, q, beta, chunk_size=8 if rank == 0 else 6, cp_group=group))
     short = q[:, : 16 if rank == 0 else 8]
     attempt("lengths", lambda: chunk_delta_rule(short, short, short, beta[:, : short.shape[1]], chunk_size=8, cp_group=group))
     cu = torch.tensor([0, 5 + rank, 32])
@@ -295,7 +303,7 @@ def four_ranks():
 
 
 @pytest.mark.parametrize("name, kind, words", [
-    ("chunk_size", "ValueError", ["`chunk_size`=6", "local length T=16"]),
+    ("chunk_size", "ValueError", ["`chunk_size` differs across", "[8, 6]"]),
     ("lengths", "ValueError", ["`q`", "local length T", "[16, 8]"]),
     ("cu_seqlens", "ValueError", ["`cu_seqlens`", "differs across"]),
     ("not_a_group", "TypeError", ["`cp_group`", "ProcessGroup", "str"]),

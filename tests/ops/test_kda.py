@@ -262,7 +262,7 @@ def test_bad_gates_are_refused_naming_the_argument(fn):
         fn(**{**x, "g": x["g"][..., 0]})
     with pytest.raises(ValueError, match=rf"{name}: `gk` .*got \[1, 6, 2, 5\]"):
         fn(**{n: t for n, t in x.items() if n != "g"}, gk=torch.zeros(1, 6, 2, 5, dtype=F64))
-    with pytest.raises(ValueError, match=rf"{name}: `g` \(a per-channel log decay\) must be <= 0, got values up to 0.5"):
+    with pytest.raises(ValueError, match=rf"{name}: `g` \(a per-key-channel log decay\) must be <= 0, got values up to 0.5; a decay exp\(g\)"):
         fn(**{**x, "g": x["g"].clone().index_fill_(3, torch.tensor([1]), 0.5)})
     with pytest.raises(ValueError, match=rf"{name}: got both `g` and `gk`"):
         fn(**x, gk=x["g"])
@@ -272,7 +272,7 @@ def test_bad_gates_are_refused_naming_the_argument(fn):
     if fn is ops.recurrent_kda:
         with pytest.raises(ValueError, match=rf"{name}: `gv` .*\[1, 6, 2, 3\], got \[1, 6, 2, 4\]"):
             fn(**x, gv=torch.zeros(1, 6, 2, 4, dtype=F64))
-        with pytest.raises(ValueError, match=rf"{name}: `gv` \(a per-channel log decay\) must be <= 0"):
+        with pytest.raises(ValueError, match=rf"{name}: `gv` \(a per-value-channel log decay\) must be <= 0, got values up to 0.1; a decay exp\(gv\)"):
             fn(**x, gv=gv + 0.1)
     else:
         with pytest.raises(ValueError, match=rf"{name}: `gv` .*recurrent form only"):
@@ -283,6 +283,51 @@ def test_bad_gates_are_refused_naming_the_argument(fn):
         fn(**x, use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(2))
     with ops.value_checks(False):  # a growing memory, when asked for
         fn(**{**x, "g": x["g"] + 0.01})
+
+
+@pytest.mark.parametrize("fn", [*KDA_FORMS, ops.fused_recurrent_kda], ids=lambda f: f.__name__)
+def test_state_v_first_error_quotes_the_callers_layout(fn):
+    """With ``state_v_first=True`` the caller's state is [N, HV, V, K]: a wrong one is refused with
+    the shape it must have in that layout and the shape it has, never the caller's own shape as
+    the required one (a [N, HV, K, V] state passed by mistake used to be "required")."""
+    x = kda_inputs(1, 6, 2, 4, 3, initial_state=False)
+    name = fn.__name__
+    k_first = torch.zeros(1, 2, 4, 3, dtype=F64)
+    with pytest.raises(ValueError) as e:
+        fn(**x, initial_state=k_first, state_v_first=True)
+    assert str(e.value).startswith(f"{name}: `initial_state` must have shape [N, H, V, K] = [1, 2, 3, 4] (state_v_first=True), "
+                                   f"got [1, 2, 4, 3]"), str(e.value)
+    with pytest.raises(ValueError, match=rf"^{name}: `initial_state` must have shape \[N, H, K, V\] = \[1, 2, 4, 3\], got \[1, 2, 3, 4\]"):
+        fn(**x, initial_state=torch.zeros(1, 2, 3, 4, dtype=F64))  # without the flag: our layout, quoted as ours
+    fn(**x, initial_state=torch.zeros(1, 2, 3, 4, dtype=F64), state_v_first=True)  # the right shape passes
+
+
+def test_fused_recurrent_gated_delta_rule_errors_name_it_and_the_argument():
+    """With ``gk``/``gv`` the alias runs KDA's recurrent form, but every error names the function
+    called, the argument (``gv`` as ``gv``, not ``gk``), the expected and the received."""
+    x = kda_inputs(1, 6, 2, 4, 3, initial_state=False)
+    q, k, v, gk, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    fn = ops.fused_recurrent_gated_delta_rule
+    cases = [
+        (dict(gk=gk[..., :2], beta=beta),
+         "`gk` (a per-key-channel log decay) must have shape [B, T, H, K] = [1, 6, 2, 4], got [1, 6, 2, 2]"),
+        (dict(gk=gk, gv=torch.zeros(1, 6, 2, 5, dtype=F64), beta=beta),
+         "`gv` (a per-value-channel log decay) must have shape [B, T, H, V] = [1, 6, 2, 3], got [1, 6, 2, 5]"),
+        (dict(gk=gk, gv=torch.full((1, 6, 2, 3), 0.25, dtype=F64), beta=beta),
+         "`gv` (a per-value-channel log decay) must be <= 0, got values up to 0.25; a decay exp(gv) above 1"),
+        (dict(gk=gk, beta=beta[..., :1]), "`beta` must have shape [B, T, H] = [1, 6, 2], got [1, 6, 1]"),
+        (dict(gk=gk, beta=beta, initial_state=torch.zeros(1, 2, 4, 3, dtype=F64), state_v_first=True),
+         "`initial_state` must have shape [N, H, V, K] = [1, 2, 3, 4] (state_v_first=True), got [1, 2, 4, 3]"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(ValueError) as e:
+            fn(q, k, v, **kwargs)
+        message = str(e.value)
+        print(message)
+        assert message.startswith(f"fused_recurrent_gated_delta_rule: {words}"), message
+        assert "recurrent_kda" not in message
+    with pytest.raises(ValueError, match=r"^recurrent_kda: `gv` \(a per-value-channel log decay\) must be <= 0.*exp\(gv\)"):
+        ops.recurrent_kda(**x, gv=torch.full((1, 6, 2, 3), 0.25, dtype=F64))
 
 
 def test_gk_refused_by_the_per_head_ops_and_with_g_in_the_fla_alias():

@@ -86,3 +86,16 @@ def test_the_loss_of_a_split_sequence_is_the_global_mean():
     pieces = [ParallelPlan(r, 2, dp=1, cp=2).local_batch(inputs, targets) for r in range(2)]
     assert torch.equal(pieces[0][1][0, -1], pieces[1][0][0, 0])
     assert torch.equal(torch.cat([p[1] for p in pieces], 1), targets)
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_the_recall_task_on_slices_of_partial_chunks(tmp_path):
+    """The built-in recall task's 40-token rows split into 20 tokens per rank, no multiple of the chunk
+    size (32): each slice ends in a partial chunk, padded with no-op tokens, and the run equals one process."""
+    common = ["train", "--dtype", "float64", "--steps", "3", "--save-every", "3", "--eval-every", "0",
+              "--progress", "off", "--threads", "1"]
+    one, two = tmp_path / "one", tmp_path / "cp2"
+    done = torchrun(2, *common, "--context-parallel", "2", "--out", str(two))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert cli_main([*common, "--out", str(one)]) == 0
+    compare(one, two, "the recall task, --context-parallel 2 (local T = 20, chunk size 32)")

@@ -160,6 +160,16 @@ def _delta_scan(x, h, states, u_prime, low=None, states_low=None, u_low=None):
 FORWARD_GROUP = 128
 
 
+def _unit_last_stride(t: Tensor) -> Tensor:
+    """``t`` with stride 1 in its last dim, as the compiled kernels require of the rows they read.
+
+    ``t.contiguous()`` is not enough: PyTorch calls a tensor contiguous whatever the strides of its
+    size-1 dims, so a ``[1, 1, 1, 1]`` cotangent expanded from ``o.sum()`` (every stride 0), or any
+    tensor whose last dim is 1, would reach the kernel with a last stride other than 1.
+    """
+    return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
+
+
 def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
     """:func:`chunk_delta_rule_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_delta.cpp``:
     the same algebra, one (sequence, head) per task; bf16 products: :func:`_native_forward_bf16`),
@@ -172,7 +182,7 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
     mod = kernels_for(q, k, v, beta, g, h0)
     if mod is None:
         return None
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     nb = row_blocks(chunk_size, UT_BLOCKS)
     o, h, states, *kept = mod.chunk_delta_fwd(q, k, v, beta, g, h0, float(scale), int(chunk_size), nb, bool(keep))
     return from_chunk_buffer(o, k.shape[2]), h, states, (tuple(kept) if keep else None)
@@ -187,7 +197,7 @@ def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low):
     if mod is None:
         return None
     q, k, v = (t.to(low) if t.dtype != low else t for t in (q, k, v))
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     o, h = mod.chunk_delta_fwd_bf16(q, k, v, beta, g, h0, float(scale), int(chunk_size))
     return from_chunk_buffer(o, k.shape[2]), h, h.new_empty(0), None
 
@@ -325,8 +335,7 @@ def _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size):
     mod = kernels_for(states, beta, g, do, dh_final, q_flat, kv_flat, wu)
     if mod is None:
         return None
-    if do.stride(-1) != 1:
-        do = do.contiguous()
+    do = _unit_last_stride(do)
     t_len = beta.shape[-1]
     dq, dk, dv, dbeta, dg, dh0 = mod.chunk_delta_bwd(q_flat, kv_flat, wu, states, beta, g, do, dh_final, float(scale), int(chunk_size))
     grads = [from_chunk_buffer(t, t_len) for t in (dq, dk, dv, dbeta)]
@@ -559,7 +568,7 @@ def chunk_delta_rule(
     Context parallelism: ``cp_group`` (a ``torch.distributed.ProcessGroup``; None: off)
     splits T over the group's ranks, each holding one contiguous slice ``[B, L, ...]`` in
     rank order (``cu_seqlens``, if given, holds the *global* offsets, the same on every
-    rank; a sequence may cross rank boundaries); ``chunk_size`` must divide L. The ranks
+    rank; a sequence may cross rank boundaries); any L (a partial last chunk is padded). The ranks
     exchange one ``[H, K, K + V]`` state summary per row instead of the sequence; ``o`` is
     the slice's output, final states come back on every rank, and ``initial_state[i]``
     is read (and gets its gradient) on the rank holding sequence i's first token

@@ -32,6 +32,7 @@ grouped value heads            v [B, T, HV, V], HV a multiple of H, as in fla
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Optional, Tuple
 
@@ -201,4 +202,8 @@ def kda_form(name: str, core, gv_supported: bool, doc: str):
     form.__doc__ = inspect.cleandoc(doc)
     form.__signature__ = FORM_SIGNATURE
     form.__module__ = getattr(core, "__module__", __name__)
-    return accepts_state_v_first(form)
+    public = accepts_state_v_first(form)
+    # The same form under an alias's name (fused_recurrent_kda, fused_recurrent_gated_delta_rule),
+    # so that its errors name the function the caller called.
+    public.named = functools.lru_cache(maxsize=None)(lambda alias: kda_form(alias, core, gv_supported, doc))
+    return public

@@ -122,7 +122,7 @@ def fused_recurrent_kda(
 ):
     """Alias of :func:`~fastweights.ops.recurrent_kda` with fla 0.6.0's signature and positional
     order ``(q, k, v, g, beta, A_log, dt_bias, scale, ...)``; ``state_v_first`` as in fla."""
-    return recurrent_kda(
+    return recurrent_kda.named("fused_recurrent_kda")(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
