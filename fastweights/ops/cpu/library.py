@@ -249,3 +249,18 @@ l2norm_fwd.op.register_autograd(_l2norm_backward, setup_context=_l2norm_setup)
 def registered() -> List[str]:
     """The registered ops' qualified names (``fastweights::<name>``)."""
     return [f"fastweights::{name}" for name in OPS]
+
+
+def __getattr__(name: str):
+    """An extension function without an entry above: eager calls reach it directly (as before
+    this module existed); under ``torch.compile`` it would be opaque, so tracing it is refused."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def unregistered(*args):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"fastweights: the CPU kernel `{name}` has no custom op: add an entry for it in "
+                               "fastweights/ops/cpu/library.py so torch.compile can call it")
+        return _as_outputs(getattr(_extension(), name)(*args))
+
+    return unregistered
