@@ -35,6 +35,7 @@ registered backward calls the backward kernel.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -47,14 +48,16 @@ __all__ = ["kernel", "OPS", "chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_de
 OPS: Dict[str, "torch._library.custom_ops.CustomOpDef"] = {}
 
 
+_package = sys.modules[__package__]  # fastweights.ops.cpu (importing this module at its end)
+
+
 def _extension():
     """The built extension (building or loading it on the first call); raises if unavailable,
-    which a call site never sees: it asked :func:`~fastweights.ops.cpu.kernels_for` first."""
-    from . import kernels, status
-
-    mod = kernels()
+    which a call site never sees: it asked :func:`~fastweights.ops.cpu.kernels_for` first.
+    (The loaded module is read directly: a decode step is a few microseconds.)"""
+    mod = _package._module or _package.kernels()
     if mod is None:
-        raise RuntimeError(f"fastweights: a compiled CPU kernel was called but {status()}")
+        raise RuntimeError(f"fastweights: a compiled CPU kernel was called but {_package.status()}")
     return mod
 
 
