@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -247,11 +247,6 @@ def _l2norm_backward(ctx, dy, _dr):
 
 
 l2norm_fwd.op.register_autograd(_l2norm_backward, setup_context=_l2norm_setup)
-
-
-def registered() -> List[str]:
-    """The registered ops' qualified names (``fastweights::<name>``)."""
-    return [f"fastweights::{name}" for name in OPS]
 
 
 def __getattr__(name: str):
