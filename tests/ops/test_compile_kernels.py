@@ -8,8 +8,7 @@ outputs and gradients (fp32: any other code would round differently). With the k
 the compiled graph runs the PyTorch path and no kernel.
 
 ``backend="aot_eager"`` (AOTAutograd's forward and backward graphs, no code generation): the
-tracing is what is under test, and compile time on 2 cores stays small; the compiled
-functions are reused across the parametrized cases where they can be.
+tracing is what is under test, and compile time on 2 cores stays small (tiny shapes).
 """
 
 from __future__ import annotations
@@ -301,3 +300,15 @@ def test_kernels_off_compiles_the_pytorch_path(calls):
     print(f"kernels off: graph ops {sorted(t for t in set(graphs.targets) if 'fastweights' in t)}, calls {calls}, vs eager {err:.1e}")
     assert calls == {} and not any(graphs.has(name) for name in library.OPS)
     assert err <= 1e-6
+
+
+def test_a_kernel_without_an_entry_runs_in_eager_and_is_refused_when_traced(ext):
+    """An extension function not registered in library.py (here a test entry point) still runs in
+    eager; tracing it fails with a message that says where to register it."""
+    x = torch.randn(3, 5)
+    assert torch.equal(library.to_bf16_check(x), ext.to_bf16_check(x))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="has no custom op: add an entry for it in fastweights/ops/cpu/library.py") as caught:
+        torch.compile(lambda x: library.to_bf16_check(x), backend="aot_eager", fullgraph=True)(x)
+    print(f"traced: {type(caught.value).__name__}")
+    torch._dynamo.reset()
