@@ -137,15 +137,21 @@ def test_every_kernel_is_registered_once():
         assert hasattr(torch.ops.fastweights, name)
 
 
+FAST_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("checks", [FAST_CHECKS, pytest.param(("test_aot_dispatch_dynamic",), marks=pytest.mark.slow)],
+                         ids=["fake_schema_autograd", "dynamic_shapes"])
 @pytest.mark.parametrize("name", sorted(library.OPS))
-def test_op_fake_schema_and_autograd(name, ext):
+def test_opcheck(name, checks, ext):
     """opcheck: the fake's outputs match the real ones (shapes, dtypes, strides), the schema's
-    mutation annotations are true, and autograd is registered where an input needs a gradient."""
+    mutation annotations are true, and autograd is registered where an input needs a gradient;
+    slow: AOTAutograd traces the op with dynamic shapes to the real op's results."""
     op = library.OPS[name]
     for args in _op_samples()[name]:
-        opcheck = torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        print(f"{name}: {opcheck}")
-        assert all(result == "SUCCESS" for result in opcheck.values()), opcheck
+        result = torch.library.opcheck(op, args, test_utils=checks)
+        print(f"{name}: {result}")
+        assert all(outcome == "SUCCESS" for outcome in result.values()), result
 
 
 @pytest.mark.parametrize("name", ["short_conv_fwd", "l2norm_fwd"])
