@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..ops import EluPlusOne, Identity, ReLU, packed_positions
 from ..ops.cpu import kernels_for
+from ..ops.cpu import library as cpu_kernels
 
 __all__ = [
     "FastWeightState", "ShortConvolution", "RMSNorm", "GatedRMSNorm", "ACTIVATIONS",
@@ -250,13 +251,11 @@ class _CausalConv(torch.autograd.Function):
     def forward(ctx, x, state, weight):
         T, W = x.shape[1], weight.shape[1]
         taps = weight.t().contiguous()  # [W, C]: each tap's C weights contiguous (a strided row halves the speed)
-        native = _compiled_conv(x, state, taps)
-        if native is not None:  # fastweights/ops/cpu/short_conv.cpp: one pass, no [state | x] copy
+        ctx.native = _compiled_conv(x, state, taps) is not None
+        if ctx.native:  # fastweights/ops/cpu/short_conv.cpp: one pass, no [state | x] copy
             x, state = x.contiguous(), state.contiguous()
             ctx.save_for_backward(x, state, taps)
-            ctx.native = native
-            return native.short_conv_fwd(x, state, taps)
-        ctx.native = None
+            return cpu_kernels.short_conv_fwd(x, state, taps)
         padded = torch.cat([state, x], dim=1)  # [B, W − 1 + T, C]
         y = torch.mul(padded[:, W - 1:], taps[W - 1])
         for j in range(1, W):
@@ -266,9 +265,9 @@ class _CausalConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.native is not None:
+        if ctx.native:
             x, state, taps = ctx.saved_tensors
-            dx, dstate, d_taps = ctx.native.short_conv_bwd(dy.contiguous(), x, state, taps)
+            dx, dstate, d_taps = cpu_kernels.short_conv_bwd(dy.contiguous(), x, state, taps)
             return dx, dstate, d_taps.t()
         padded, taps = ctx.saved_tensors
         T, W = dy.shape[1], taps.shape[0]

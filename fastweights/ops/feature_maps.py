@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..config import check_int
 from .cpu import kernels_for
+from .cpu import library as cpu_kernels
 
 __all__ = [
     "FeatureMap",
@@ -241,16 +242,15 @@ class _L2Norm(torch.autograd.Function):
     """``x · rsqrt(Σx² + ε)`` over the last dim by the compiled kernel; backward ``r · (dy − y (y·dy))``."""
 
     @staticmethod
-    def forward(ctx, x, native):
-        y, r = native.l2norm_fwd(x.contiguous(), _EPS)
+    def forward(ctx, x):
+        y, r = cpu_kernels.l2norm_fwd(x.contiguous(), _EPS)
         ctx.save_for_backward(y, r)
-        ctx.native = native
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, r = ctx.saved_tensors
-        return ctx.native.l2norm_bwd(dy.contiguous(), y, r), None
+        return cpu_kernels.l2norm_bwd(dy.contiguous(), y, r)
 
 
 def normalize_qk(x: torch.Tensor, qk_norm: Optional[str], op: str = "normalize_qk", compiled: bool = False) -> torch.Tensor:
@@ -265,9 +265,8 @@ def normalize_qk(x: torch.Tensor, qk_norm: Optional[str], op: str = "normalize_q
         # ``use_qk_l2norm_in_kernel`` gives their numbers (F.normalize's max(‖x‖, ε) differs
         # from it by ~1e-3 relative at small norms). On the CPU the compiled kernel does it in
         # one pass forward and one backward (fastweights/ops/cpu/l2norm.cpp).
-        native = kernels_for(x) if compiled and x.numel() else None
-        if native is not None:
-            return _L2Norm.apply(x, native)
+        if compiled and x.numel() and kernels_for(x) is not None:
+            return _L2Norm.apply(x)
         return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + _EPS)
     if qk_norm == "sum":
         s = x.sum(dim=-1, keepdim=True)

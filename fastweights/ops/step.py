@@ -27,7 +27,9 @@ the state is fp32 and K, V <= 256). Elsewhere, and with ``backend="torch"``, it 
 PyTorch step, except on the CPU with a contiguous state and no gradient to record: there
 the compiled kernel ``fastweights/ops/cpu/decode_step.cpp`` runs the same algebra, reading
 the state from memory once and writing it once (``FASTWEIGHTS_CPU_KERNELS=0`` or
-``fastweights.ops.cpu.set_enabled(False)`` turns it off; a failed build falls back).
+``fastweights.ops.cpu.set_enabled(False)`` turns it off; a failed build falls back); under
+``torch.compile`` the graph calls it as the custom op ``fastweights::delta_step_out`` (or
+``delta_step_inplace``), the same kernel as eager.
 """
 
 from __future__ import annotations

@@ -141,17 +141,31 @@ def kernels():
     return build()
 
 
+@torch.compiler.assume_constant_result
+def _available_when_traced() -> bool:
+    """:func:`available`, run by ``torch.compile`` while it traces (not traced itself, not in the
+    graph): the first trace may build the kernels; the graph keeps the answer."""
+    return kernels() is not None
+
+
 def kernels_for(*tensors: Optional[torch.Tensor], dtypes=(torch.float32, torch.float64)):
-    """The compiled module when it may serve these tensors (``None`` entries skipped): all on the
-    CPU, all of one dtype among ``dtypes``, not being traced by ``torch.compile``, and the kernels
-    enabled and built. Otherwise None, and the caller runs its PyTorch code."""
+    """The kernels (:mod:`fastweights.ops.cpu.library`: one function per kernel, the extension's
+    names and signatures) when they may serve these tensors (``None`` entries skipped): all on
+    the CPU, all of one dtype among ``dtypes``, and the kernels enabled and built. Otherwise
+    None, and the caller runs its PyTorch code.
+
+    Under ``torch.compile`` the answer is decided while tracing and the kernels are called as
+    the custom ops ``torch.ops.fastweights.*``, so a compiled graph runs the same kernels as eager
+    (``torch._dynamo.reset()`` re-decides after :func:`set_enabled`)."""
     present = [t for t in tensors if t is not None]
-    if not present or torch.compiler.is_compiling():
+    if not present:
         return None
     dtype = present[0].dtype
     if dtype not in dtypes or any(t.device.type != "cpu" or t.dtype != dtype for t in present):
         return None
-    return kernels()
+    if torch.compiler.is_compiling():
+        return library if _available_when_traced() else None
+    return library if kernels() is not None else None
 
 
 def available() -> bool:
@@ -167,3 +181,6 @@ def status() -> str:
     if mod is None:
         return f"PyTorch path (compiled CPU kernels unavailable: {_error})"
     return f"compiled CPU kernels ({cache_dir()})"
+
+
+from . import library  # noqa: E402  (the custom ops; registering them builds nothing)
