@@ -209,11 +209,15 @@ def run_op(
     gk: Optional[torch.Tensor] = None,
     gv: Optional[torch.Tensor] = None,
     gk_name: str = "gk",
+    extra: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Check, cast, normalize, unpack; call ``core``; undo (module docstring). Returns ``(o, h_T or None)``.
 
     Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
     (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
+    ``extra``: further per-token tensors ``[B, T, H, ·]`` of a rule (GDN-2's gates ``b``, ``w``),
+    checked by the caller; cast, unpacked and moved head-first like ``gv``, and passed to the
+    core as keywords of the same names (not with context parallelism).
     """
     chunk_size = resolve_chunk_size(chunk_size, q)
     def check(seq_len=None):
@@ -225,6 +229,8 @@ def run_op(
         )
 
     segments = None
+    if extra and cp_group is not None:
+        raise ValueError(f"{op}: `cp_group` (context parallelism) is not supported by this op")
     if cp_group is None:
         phi = check()
     else:  # context parallelism: every rank passes the checks or every rank raises (context_parallel.py)
@@ -252,12 +258,14 @@ def run_op(
     def head_first(t):
         return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
 
-    def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None, gv=None):
+    def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None, gv=None, extra=None):
         """The form's solver on packed compute-dtype ``[B, T, H, ·]`` tensors -> ``(o [B, T, H, V], h_T)``."""
         packing = None
+        extra = dict(extra or {})
         if cu_seqlens is not None:
             packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
             q, k, v, beta, g, gv = (packing.pad(t) for t in (q, k, v, beta, g, gv))
+            extra = {name: packing.pad(t) for name, t in extra.items()}
         n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
         size = chunk_size
         if form == "chunk":
@@ -269,6 +277,7 @@ def run_op(
             check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
         o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size,
                       **({} if gv is None else {"gv": head_first(gv)}),
+                      **{name: head_first(t) for name, t in extra.items()},
                       **({} if low is None else {"low": low}))
         o = o.transpose(1, 2)  # [N, T, H, V]
         if packing is not None:
@@ -300,8 +309,9 @@ def run_op(
         g = g if gk is None else gk  # a per-channel key decay takes the per-head one's place
         g = None if g is None else g.to(dt)
         gv = None if gv is None else gv.to(dt)
+        extra = {name: t.to(dt) for name, t in (extra or {}).items()}
         if segments is None:
-            o, h_t = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu, gv=gv)
+            o, h_t = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu, gv=gv, extra=extra)
         else:
             from .context_parallel import run_context_parallel
 

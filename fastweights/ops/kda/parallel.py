@@ -238,13 +238,16 @@ def pad_tokens(x: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]
     return F.pad(x, widths)
 
 
-def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """KDA as one block on head-first tensors ``[N, H, T, ·]`` (autograd); returns ``(o, h_T)``."""
+def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, terms=block_terms) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KDA as one block on head-first tensors ``[N, H, T, ·]`` (autograd); returns ``(o, h_T)``.
+
+    ``terms`` computes the block's :class:`BlockTerms` from the five per-token inputs (another
+    rule with KDA's block structure, GDN-2, passes its own)."""
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     length = -(-t_len // SUB_BLOCK) * SUB_BLOCK if t_len > SUB_BLOCK else t_len
     q, k, v, beta, gk = (pad_tokens(t, length).reshape((n * nh, length) + t.shape[3:]) for t in (q, k, v, beta, gk))
-    terms = block_terms(q, k, v, beta, gk, scale)
+    terms = terms(q, k, v, beta, gk, scale)
     w, u = terms.wu[..., :dk], terms.wu[..., dk:]
     if h0 is None:
         o, h = terms.scores @ u, terms.k_write.transpose(-1, -2) @ u
