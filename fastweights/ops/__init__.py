@@ -18,6 +18,8 @@ per-channel gated delta    ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
 rule (Kimi Delta Attn.)    ``kda``
 erase/write-gated delta    ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
 rule (Gated DeltaNet-2)    ``gdn2``
+n_h Householder steps per  ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
+token ((Gated) DeltaProd.)  ``gated_delta_product``
 =========================  ==============================  ========================
 
 Every form of a rule takes the same arguments and returns the same thing; the
@@ -50,6 +52,9 @@ from .feature_maps import DPFP, EluPlusOne, FavorPlus, FeatureMap, Identity, ReL
 from .gated_delta_rule import chunk_gated_delta_rule, parallel_gated_delta_rule, recurrent_gated_delta_rule
 from .kda import chunk_kda, fused_recurrent_kda, kda_gate, kda_step, parallel_kda, recurrent_kda
 from .gdn2 import chunk_gdn2, fused_recurrent_gdn2, gdn2_step, parallel_gdn2, recurrent_gdn2
+from .delta_product import (
+    chunk_gated_delta_product, gated_delta_product_step, parallel_gated_delta_product, recurrent_gated_delta_product,
+)
 from .linear_attn import chunk_linear_attn, parallel_linear_attn, recurrent_linear_attn
 from .precision import bf16_products, bf16_products_enabled, set_bf16_products
 from .softmax_attn import KVCache, softmax_attn, softmax_attn_reference
@@ -62,6 +67,8 @@ __all__ = [
     "recurrent_gated_delta_rule", "parallel_gated_delta_rule", "chunk_gated_delta_rule",
     "recurrent_kda", "parallel_kda", "chunk_kda", "kda_step", "kda_gate",
     "recurrent_gdn2", "parallel_gdn2", "chunk_gdn2", "gdn2_step",
+    "recurrent_gated_delta_product", "parallel_gated_delta_product", "chunk_gated_delta_product",
+    "gated_delta_product_step",
     "FeatureMap", "Identity", "EluPlusOne", "ReLU", "DPFP", "FavorPlus", "Taylor",
     "get_feature_map", "normalize_qk", "finite_checks", "value_checks", "check_inputs",
     "bf16_products", "bf16_products_enabled", "set_bf16_products",

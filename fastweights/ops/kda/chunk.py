@@ -81,11 +81,11 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=bl
     state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
     of the loop, its outputs.
     """
-    n, nh, t_len, dk = k.shape
+    n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
     states = v.new_empty(nc, rows, dk, dv)
-    out = chunk_buffer(v, n, nh, nc, chunk_size)
+    out = chunk_buffer(v, n, nh, nc, chunk_size, (dv,))  # one output row per token, whatever v carries per token
     h = v.new_zeros(rows, dk, dv) if h0 is None else h0
     for c0, c1 in _groups(nc, rows):
         _, x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms)
@@ -109,7 +109,7 @@ def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_s
 
     Group by group, last group first: recompute the group's block terms and U' (from the saved
     states), run the group's part of the adjoint loop, then its input gradients."""
-    n, nh, t_len, dk = k.shape
+    n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     nc, rows, _, dv = states.shape
     buffers = [chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, gk)]
     dh = dh_final

@@ -243,7 +243,7 @@ def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, terms=block_term
 
     ``terms`` computes the block's :class:`BlockTerms` from the five per-token inputs (another
     rule with KDA's block structure, GDN-2, passes its own)."""
-    n, nh, t_len, dk = k.shape
+    n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     dv = v.shape[-1]
     length = -(-t_len // SUB_BLOCK) * SUB_BLOCK if t_len > SUB_BLOCK else t_len
     q, k, v, beta, gk = (pad_tokens(t, length).reshape((n * nh, length) + t.shape[3:]) for t in (q, k, v, beta, gk))
