@@ -36,7 +36,8 @@ def _fwd_op(q: Tensor, ks: Tensor, vs: Tensor, betas: Tensor, g: Tensor, h0: Opt
 def _fwd_fake(q, ks, vs, betas, g, h0, scale, chunk_size):
     n, nh, t_len, dk = q.shape
     dv, nc = vs.shape[-1], -(-t_len // chunk_size)
-    return q.new_empty(n, nh, t_len, dv), q.new_empty(n * nh, dk, dv), q.new_empty(nc, n * nh, dk, dv)
+    o = kda_chunk._like_chunks(q, n, nh, nc, chunk_size, t_len, (dv,))  # the real one's strides
+    return o, q.new_empty(n * nh, dk, dv), q.new_empty(nc, n * nh, dk, dv)
 
 
 @torch.library.custom_op("fastweights::chunk_gated_delta_product_bwd", mutates_args=())
@@ -49,7 +50,9 @@ def _bwd_op(q: Tensor, ks: Tensor, vs: Tensor, betas: Tensor, g: Tensor, states:
 
 @_bwd_op.register_fake
 def _bwd_fake(q, ks, vs, betas, g, states, do, dh_final, scale, chunk_size):
-    return tuple(torch.empty_like(t) for t in (q, ks, vs, betas, g, dh_final))
+    n, nh, t_len, _ = q.shape
+    grads = tuple(kda_chunk._like_chunks(t, n, nh, states.shape[0], chunk_size, t_len) for t in (q, ks, vs, betas, g))
+    return grads + (torch.empty_like(dh_final),)
 
 
 def _setup_context(ctx, inputs, output):
