@@ -22,6 +22,8 @@ MIXERS = {
     "gated_deltanet": ("gated_deltanet", {}),
     "linear": ("linear", {}),
     "kda": ("kda", {}),
+    "gdn2": ("gdn2", {}),
+    "deltaproduct": ("deltaproduct", {}),
     "softmax": ("softmax", {}),
     "softmax_conv": ("softmax", {"softmax_short_conv": True}),
     "hybrid": (["deltanet", "softmax", "gated_deltanet", "linear"], {"softmax_short_conv": True}),
