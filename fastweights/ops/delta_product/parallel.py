@@ -23,8 +23,44 @@ from typing import Tuple
 
 import torch
 
-from ..kda.parallel import BlockTerms, block_terms, block_terms_backward, kda_parallel, solve_ut
+import torch.nn.functional as F
+
+from .._chunk import causal_mask
+from ..kda.parallel import (
+    BlockTerms, block_terms, block_terms_backward, exclusive_cumsum, kda_parallel, reverse_cumsum, solve_ut,
+)
 from .fla import delta_product_form
+
+
+class ScalarDecay:
+    """The decay factors of a per-head decay, with :class:`~..kda.parallel.RelativeDecay`'s interface:
+    one matrix Γ[r, i] = e^{c_r − c_i} (i <= r, else 0) per block, ``c`` the float64 cumulative log
+    decay (``b [Bt, L, K]``, equal in every channel; ``s`` unused). Every exponent is a difference
+    <= 0 formed in float64, so nothing overflows and each factor is rounded once; and the products
+    are a matmul times Γ instead of KDA's per-channel sub-block factors (O(L²) exps, not O(L·√L·K))."""
+
+    def __init__(self, b: torch.Tensor, s: int, dtype: torch.dtype) -> None:
+        c = b[..., 0]
+        length = c.shape[-1]
+        diff = c.unsqueeze(-1) - c.unsqueeze(-2)  # [Bt, L(r), L(i)]: c_r − c_i
+        inside = causal_mask(length, b.device)
+        self.gamma = torch.exp_(diff.masked_fill_(~inside, float("-inf")).to(dtype))
+
+    def products(self, x: torch.Tensor, y: torch.Tensor, strict: bool) -> torch.Tensor:
+        """``M[r, i] = (x_r · y_i) e^{c_r − c_i}`` for i <= r (i < r if ``strict``), else 0."""
+        m = (x @ y.transpose(-1, -2)).mul_(self.gamma)
+        return m.tril_(-1) if strict else m
+
+    def products_backward(self, x, y, strict: bool, dm: torch.Tensor):
+        """Adjoint of :meth:`products`: ``(dx, dy, dgk)``; dgk ``[Bt, L, K]`` holds the per-head
+        gradient in channel 0 (its sum over K is the gradient of the broadcast decay). As KDA's,
+        each factor's span (i, r] is summed directly: dg_t = Σ_{r >= t} Σ_{i < t} Z[r, i],
+        Z = dM ⊙ M, by prefix sums along i and suffix sums along r (no difference of cumsums)."""
+        w = dm.tril(-1 if strict else 0) * self.gamma
+        dx, dy = w @ y, w.transpose(-1, -2) @ x
+        z = w.mul_(x @ y.transpose(-1, -2))
+        spans = reverse_cumsum(exclusive_cumsum(z, dim=-1), dim=-2).diagonal(dim1=-2, dim2=-1)  # [Bt, L]
+        return dx, dy, F.pad(spans.unsqueeze(-1), (0, x.shape[-1] - 1))
 
 
 def substeps(q, ks, vs, betas, g=None):
@@ -44,7 +80,7 @@ def product_block_terms(q, ks, vs, betas, g, scale: float, solve=solve_ut) -> Bl
     """KDA's :func:`~..kda.parallel.block_terms` over the block's sub-steps, with the scores and
     the state read kept at each token's last sub-step only (module docstring)."""
     n_h = ks.shape[2]
-    terms = block_terms(*substeps(q, ks, vs, betas, g), scale, solve)
+    terms = block_terms(*substeps(q, ks, vs, betas, g), scale, solve, decay_type=ScalarDecay)
     last = slice(n_h - 1, None, n_h)
     return terms._replace(scores=terms.scores[:, last], q_read=terms.q_read[:, last])
 

@@ -186,12 +186,13 @@ def solve_ut(s: torch.Tensor, beta: torch.Tensor, rhs: torch.Tensor) -> Tuple[to
     return y, None
 
 
-def block_terms(q, k, v, beta, gk, scale: float, solve=solve_ut) -> BlockTerms:
+def block_terms(q, k, v, beta, gk, scale: float, solve=solve_ut, decay_type=RelativeDecay) -> BlockTerms:
     """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``beta [Bt, L]``
     (L a multiple of :func:`sub_block`'s size). ``solve(S, β, R)`` returns ``((I + diag(β) S)⁻¹ diag(β) R,
-    what its adjoint needs)``."""
+    what its adjoint needs)``. ``decay_type`` builds the decay factors (:class:`RelativeDecay`'s
+    interface; a per-head decay broadcast over K may pass a cheaper one)."""
     b = cumulative_decay(gk)
-    decay = RelativeDecay(b, sub_block(q.shape[-2]), q.dtype)
+    decay = decay_type(b, sub_block(q.shape[-2]), q.dtype)
     read, to_end = torch.exp(b.to(q.dtype)), torch.exp((b[:, -1:] - b).to(q.dtype))
     s = decay.products(k, k, strict=True)
     scores = decay.products(q, k, strict=False) * scale
