@@ -260,6 +260,7 @@ def test_bf16_within_2x_of_the_recurrent_form(fn):
         assert err <= factor * base_err, (name, err, base_err)
 
 
+@pytest.mark.slow  # ~5 s; the LM test of tests/layers/test_gdn2_deltaproduct_layers.py checks no graph break
 def test_chunk_compiles_without_graph_breaks_and_equals_eager():
     torch._dynamo.reset()
     x = dp_inputs(2, 9, 2, 4, 3, 2, seed=23)

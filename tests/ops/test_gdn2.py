@@ -267,6 +267,7 @@ def test_bf16_within_2x_of_the_recurrent_form(fn):
         assert err <= factor * base_err, (name, err, base_err)
 
 
+@pytest.mark.slow  # ~5 s; the LM test of tests/layers/test_gdn2_deltaproduct_layers.py checks no graph break
 def test_chunk_compiles_without_graph_breaks_and_equals_eager():
     """``fullgraph=True`` (a graph break raises), forward and backward, equal to eager."""
     torch._dynamo.reset()
