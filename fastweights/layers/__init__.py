@@ -21,14 +21,19 @@ layer                  op                                 state
 ``DeltaNet``           ``chunk_/recurrent_delta_rule``    ``FastWeightState`` (fixed)
 ``GatedDeltaNet``      ``chunk_/recurrent_gated_...``     ``FastWeightState`` (fixed)
 ``KimiDeltaAttention`` ``chunk_kda`` / ``kda_step``       ``FastWeightState`` (fixed)
+``GatedDeltaNet2``     ``chunk_gdn2`` / ``gdn2_step``     ``FastWeightState`` (fixed)
+``DeltaProduct``       ``chunk_/recurrent_gated_delta_``  ``FastWeightState`` (fixed)
+                       ``product``
 =====================  ================================  =========================
 """
 
 from .base import FastWeightMixer
 from .common import FastWeightState, GatedRMSNorm, RMSNorm, ShortConvolution, causal_conv1d
+from .delta_product import DeltaProduct
 from .deltanet import DeltaNet
 from .fla_weights import load_fla_state_dict
 from .gated_deltanet import GatedDeltaNet
+from .gdn2 import GatedDeltaNet2
 from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
 from .softmax_attention import AttentionState, SoftmaxAttention
@@ -39,10 +44,12 @@ MIXERS = {
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
     "kda": KimiDeltaAttention,
+    "gdn2": GatedDeltaNet2,
+    "deltaproduct": DeltaProduct,
 }
 
 __all__ = [
     "SoftmaxAttention", "AttentionState", "LinearAttention", "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention",
-    "FastWeightMixer",
+    "GatedDeltaNet2", "DeltaProduct", "FastWeightMixer",
     "FastWeightState", "ShortConvolution", "causal_conv1d", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
 ]

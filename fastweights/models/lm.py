@@ -5,7 +5,8 @@ The whole model in one file. Glossary (code name -> meaning):
 - ``B, T``: batch size and number of tokens of this call; ``V``: vocabulary size;
   ``D``: ``d_model``; ``L``: ``n_layers``.
 - mixer: the per-layer token mixer, one of :data:`fastweights.layers.MIXERS`
-  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``).
+  (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``, ``"gdn2"``,
+  ``"deltaproduct"``).
 - cache: :class:`LMCache`, every layer's decode state. A softmax layer's state is
   a KV cache that grows by one row per token; a fast-weight layer's state is a
   fixed ``[B, H, K, V]`` matrix plus W − 1 convolution inputs, whatever the context.
@@ -58,7 +59,8 @@ class LMConfig(Config):
     Args:
         vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
         mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``
-            (Kimi Delta Attention: per-key-channel decays), or
+            (Kimi Delta Attention: per-key-channel decays), ``"gdn2"`` (Gated DeltaNet-2),
+            ``"deltaproduct"`` (Gated DeltaProduct, 2 Householder steps per token), or
             a list with one of these per layer (a hybrid).
         max_seq_len: the longest input (prompt) one call accepts, for models with a softmax
             layer (its KV cache grows with the context); models without one take any length.

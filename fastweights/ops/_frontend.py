@@ -209,6 +209,7 @@ def run_op(
     gk: Optional[torch.Tensor] = None,
     gv: Optional[torch.Tensor] = None,
     gk_name: str = "gk",
+    extra: Optional[dict] = None,
     return_intermediate_states: bool = False,
     state_block_size: Optional[int] = None,
     state_indices: Optional[torch.Tensor] = None,
@@ -219,6 +220,9 @@ def run_op(
 
     Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
     (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
+    ``extra``: further per-token tensors ``[B, T, H, ·]`` of a rule (GDN-2's gates ``b``, ``w``),
+    checked by the caller; cast, unpacked and moved head-first like ``gv``, and passed to the
+    core as keywords of the same names (not with context parallelism).
 
     Serving (``docs/serving.md``): ``return_intermediate_states`` / ``state_block_size`` return
     the states at chunk or block boundaries (:func:`intermediate_positions`), and
@@ -248,7 +252,7 @@ def run_op(
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps, requires_beta=requires_beta,
         requires_g=requires_g, allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu,
-        max_seqlen=max_seqlen, cp_group=cp_group, gk=gk, gv=gv, gk_name=gk_name, every=every, entry=entry,
+        max_seqlen=max_seqlen, cp_group=cp_group, gk=gk, gv=gv, gk_name=gk_name, extra=extra, every=every, entry=entry,
     )
     if pool is not None:
         from .state_pool import scatter_states
@@ -290,7 +294,7 @@ def intermediate_positions(lengths: torch.Tensor, every: int, entry: bool) -> to
 
 def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
             feature_map, qk_norm, normalize, eps, requires_beta, requires_g, allow_neg_eigval, cu_seqlens_cpu,
-            max_seqlen, cp_group, gk, gv, gk_name, every, entry):
+            max_seqlen, cp_group, gk, gv, gk_name, extra, every, entry):
     """:func:`run_op` after the serving options are resolved; returns ``(o, h_T or None[, states])``."""
     def check(seq_len=None):
         return check_op_args(
@@ -301,6 +305,8 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
         )
 
     segments = None
+    if extra and cp_group is not None:
+        raise ValueError(f"{op}: `cp_group` (context parallelism) is not supported by this op")
     if cp_group is None:
         phi = check()
     else:  # context parallelism: every rank passes the checks or every rank raises (context_parallel.py)
@@ -333,17 +339,19 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
     def head_first(t):
         return None if t is None else t.transpose(1, 2)  # [N, T, H, ...] -> [N, H, T, ...]
 
-    def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None, gv=None):
+    def solve(q, k, v, beta, g, h0, cu_seqlens, max_seqlen, cu_seqlens_cpu=None, gv=None, extra=None):
         """The form's solver on packed compute-dtype ``[B, T, H, ·]`` tensors -> ``(o [B, T, H, V], h_T)``
         (and the intermediate states asked for, ``[B, NT, H, K, V]``, packed per sequence with ``cu_seqlens``)."""
         packing = None
+        extra = dict(extra or {})
         if cu_seqlens is not None:
             packing = Packing.build(cu_seqlens, q.shape[1], max_seqlen, cu_seqlens_cpu)
             q, k, v, beta, g, gv = (packing.pad(t) for t in (q, k, v, beta, g, gv))
+            extra = {name: packing.pad(t) for name, t in extra.items()}
         if every is None:
-            o, h_t = solve_padded(q, k, v, beta, g, h0, gv)
+            o, h_t = solve_padded(q, k, v, beta, g, h0, gv, extra)
         else:
-            o, h_t, states = solve_blocks(q, k, v, beta, g, h0, gv)
+            o, h_t, states = solve_blocks(q, k, v, beta, g, h0, gv, extra)
         if packing is not None:
             o = packing.unpad(o)
         if every is None:
@@ -355,7 +363,7 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
             states = states[keep.to(states.device)].unsqueeze(0)
         return o, h_t, states
 
-    def solve_blocks(q, k, v, beta, g, h0, gv):
+    def solve_blocks(q, k, v, beta, g, h0, gv, extra):
         """:func:`solve_padded` block by block along T (blocks of ``every`` tokens, chunk-aligned), the
         state carried from block to block; keeps only the states asked for (the entry state of every
         block, or the state after every full block): ``(o, h_T, states [N, NT, H, K, V])``."""
@@ -367,7 +375,7 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
                 kept.append(h if h is not None else v.new_zeros(  # q, v: after φ and any normalizer column
                     q.shape[0], q.shape[2], q.shape[-1], v.shape[-1], dtype=state_dtype(out_dtype)))
             qs, ks, vs, bs, gs, gvs = (None if t is None else t[:, s:e] for t in (q, k, v, beta, g, gv))
-            o_b, h = solve_padded(qs, ks, vs, bs, gs, h, gvs)
+            o_b, h = solve_padded(qs, ks, vs, bs, gs, h, gvs, {name: t[:, s:e] for name, t in extra.items()})
             outs.append(o_b)
             if not entry and e - s == every:
                 kept.append(h)
@@ -376,8 +384,9 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
                   h.new_empty((n, 0, heads) + tuple(h.shape[2:])))
         return torch.cat(outs, dim=1), h, states
 
-    def solve_padded(q, k, v, beta, g, h0, gv=None):
+    def solve_padded(q, k, v, beta, g, h0, gv=None, extra=None):
         """The form's solver on padded compute-dtype ``[N, T, H, ·]`` tensors -> ``(o [N, T, H, V], h_T)``."""
+        extra = extra or {}
         n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
         size = chunk_size
         if form == "chunk":
@@ -389,6 +398,7 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
             check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
         o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size,
                       **({} if gv is None else {"gv": head_first(gv)}),
+                      **{name: head_first(t) for name, t in extra.items()},
                       **({} if low is None else {"low": low}))
         return o.transpose(1, 2), h_t  # [N, T, H, V]
 
@@ -417,9 +427,11 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
         g = g if gk is None else gk  # a per-channel key decay takes the per-head one's place
         g = None if g is None else g.to(dt)
         gv = None if gv is None else gv.to(dt)
+        extra = {name: t.to(dt) for name, t in (extra or {}).items()}
         states = ()
         if segments is None:
-            o, h_t, *states = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu, gv=gv)
+            o, h_t, *states = solve(q, k, v, beta, g, initial_state, cu_seqlens, max_seqlen, cu_seqlens_cpu, gv=gv,
+                                    extra=extra)
         else:
             from .context_parallel import run_context_parallel
 

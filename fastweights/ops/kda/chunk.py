@@ -64,28 +64,31 @@ def _groups(nc: int, rows: int):
     return [(c0, min(c0 + per, nc)) for c0 in range(0, nc, per)]
 
 
-def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1):
+def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms=block_terms):
     """Chunks ``c0 .. c1 − 1`` flattened (``[NC'·N·H, C, ·]``, chunk-major) and their
-    :class:`~.parallel.BlockTerms`."""
+    :class:`~.parallel.BlockTerms` (``terms``: :func:`~.parallel.block_terms` or a rule's own)."""
     flat = [flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, beta, gk)]
-    return flat, block_terms(*flat, scale, solve=_solve_blocks)
+    return flat, terms(*flat, scale, solve=_solve_blocks)
 
 
-def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int):
+def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=block_terms):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
+
+    ``terms`` computes a block's :class:`~.parallel.BlockTerms` from the five per-token
+    inputs; another rule with KDA's block structure (GDN-2: ``ops/gdn2``) passes its own.
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``, ``states[c]`` the
     state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
     of the loop, its outputs.
     """
-    n, nh, t_len, dk = k.shape
+    n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
     states = v.new_empty(nc, rows, dk, dv)
-    out = chunk_buffer(v, n, nh, nc, chunk_size)
+    out = chunk_buffer(v, n, nh, nc, chunk_size, (dv,))  # one output row per token, whatever v carries per token
     h = v.new_zeros(rows, dk, dv) if h0 is None else h0
     for c0, c1 in _groups(nc, rows):
-        _, x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1)
+        _, x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms)
         w, u = x.wu[..., :dk], x.wu[..., dk:]
         u_prime = torch.empty_like(u)
         k_write_t, last = x.k_write.transpose(-1, -2), x.last.unsqueeze(-1)
@@ -99,17 +102,19 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int):
     return from_chunk_buffer(out, t_len), h, states
 
 
-def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int):
-    """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring).
+def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int,
+                  terms=block_terms, terms_backward=block_terms_backward):
+    """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring);
+    ``terms``/``terms_backward`` as in :func:`chunk_kda_fwd`.
 
     Group by group, last group first: recompute the group's block terms and U' (from the saved
     states), run the group's part of the adjoint loop, then its input gradients."""
-    n, nh, t_len, dk = k.shape
+    n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     nc, rows, _, dv = states.shape
     buffers = [chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, gk)]
     dh = dh_final
     for c0, c1 in reversed(_groups(nc, rows)):
-        (qf, kf, vf, bf, _), x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1)
+        (qf, kf, vf, bf, _), x = _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms)
         w, u = x.wu[..., :dk], x.wu[..., dk:]
         entering = states[c0:c1].view(-1, dk, dv)
         u_prime = torch.baddbmm(u, w, entering, alpha=-1.0)
@@ -129,7 +134,7 @@ def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_s
         d_q_read = do_ @ entering.transpose(-1, -2)
         d_k_write = u_prime @ leaving.transpose(-1, -2)
         d_last = (entering * leaving).sum(-1)
-        grads = block_terms_backward(qf, kf, vf, bf, x, d_wu, d_scores, d_q_read, d_k_write, d_last, scale,
+        grads = terms_backward(qf, kf, vf, bf, x, d_wu, d_scores, d_q_read, d_k_write, d_last, scale,
                                      _solve_blocks_adjoint)
         for buffer, grad in zip(buffers, grads):
             put_chunks(buffer, grad, c0)

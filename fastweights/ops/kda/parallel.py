@@ -186,12 +186,13 @@ def solve_ut(s: torch.Tensor, beta: torch.Tensor, rhs: torch.Tensor) -> Tuple[to
     return y, None
 
 
-def block_terms(q, k, v, beta, gk, scale: float, solve=solve_ut) -> BlockTerms:
+def block_terms(q, k, v, beta, gk, scale: float, solve=solve_ut, decay_type=RelativeDecay) -> BlockTerms:
     """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``beta [Bt, L]``
     (L a multiple of :func:`sub_block`'s size). ``solve(S, β, R)`` returns ``((I + diag(β) S)⁻¹ diag(β) R,
-    what its adjoint needs)``."""
+    what its adjoint needs)``. ``decay_type`` builds the decay factors (:class:`RelativeDecay`'s
+    interface; a per-head decay broadcast over K may pass a cheaper one)."""
     b = cumulative_decay(gk)
-    decay = RelativeDecay(b, sub_block(q.shape[-2]), q.dtype)
+    decay = decay_type(b, sub_block(q.shape[-2]), q.dtype)
     read, to_end = torch.exp(b.to(q.dtype)), torch.exp((b[:, -1:] - b).to(q.dtype))
     s = decay.products(k, k, strict=True)
     scores = decay.products(q, k, strict=False) * scale
@@ -238,13 +239,16 @@ def pad_tokens(x: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]
     return F.pad(x, widths)
 
 
-def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """KDA as one block on head-first tensors ``[N, H, T, ·]`` (autograd); returns ``(o, h_T)``."""
-    n, nh, t_len, dk = k.shape
+def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, terms=block_terms) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KDA as one block on head-first tensors ``[N, H, T, ·]`` (autograd); returns ``(o, h_T)``.
+
+    ``terms`` computes the block's :class:`BlockTerms` from the five per-token inputs (another
+    rule with KDA's block structure, GDN-2, passes its own)."""
+    n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     dv = v.shape[-1]
     length = -(-t_len // SUB_BLOCK) * SUB_BLOCK if t_len > SUB_BLOCK else t_len
     q, k, v, beta, gk = (pad_tokens(t, length).reshape((n * nh, length) + t.shape[3:]) for t in (q, k, v, beta, gk))
-    terms = block_terms(q, k, v, beta, gk, scale)
+    terms = terms(q, k, v, beta, gk, scale)
     w, u = terms.wu[..., :dk], terms.wu[..., dk:]
     if h0 is None:
         o, h = terms.scores @ u, terms.k_write.transpose(-1, -2) @ u

@@ -1,0 +1,114 @@
+"""GDN-2, (Gated) DeltaProduct and the DPLR delta rule: each chunk form against its recurrent
+form on the CPU (speed), the PyTorch chunk forms (no compiled kernel of their own).
+
+Usage::
+
+    python -m fastweights.bench.family_speed              # T = 2048, B = 1, H = 4, K = V = 64, fp32, 1 thread
+    python -m fastweights.bench.family_speed --T 1024 --threads 2
+
+Wall time of the forward, and of forward + backward of ``(o·do).sum() + (h_T·dh).sum()``,
+median of ``--repeats`` runs after one warm-up, recurrent and chunk forms side by side in one
+process (the ratio is what to read: the machines here are shared). DeltaProduct runs
+n_h = 2 (T·n_h = 4096 Householder steps). Writes ``docs/results/family_speed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fastweights import ops
+from fastweights.config import atomic_write_text
+
+N_H = 2
+
+
+def family_inputs(family: str, B, T, H, K, V, seed=0):
+    """Random inputs of one family (keyword arguments of its forms, fla's layout)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    if family == "gdn2":
+        return dict(q=rand(B, T, H, K), k=F.normalize(rand(B, T, H, K), dim=-1), v=rand(B, T, H, V),
+                    g=F.logsigmoid(rand(B, T, H, K) + 3), b=2 * torch.rand(B, T, H, K, generator=gen),
+                    w=torch.rand(B, T, H, V, generator=gen))
+    if family == "deltaproduct":
+        return dict(q=rand(B, T, H, K), k=F.normalize(rand(B, T * N_H, H, K), dim=-1), v=rand(B, T * N_H, H, V),
+                    g=F.logsigmoid(rand(B, T, H) + 3), beta=2 * torch.rand(B, T * N_H, H, generator=gen),
+                    num_householder=N_H, allow_neg_eigval=True)
+    kappa = F.normalize(rand(B, T, H, K), dim=-1)
+    return dict(q=rand(B, T, H, K), k=rand(B, T, H, K) * 0.5, v=rand(B, T, H, V), a=-kappa,
+                b=kappa * torch.rand(B, T, H, K, generator=gen), gk=-0.6 * torch.rand(B, T, H, K, generator=gen))
+
+
+FAMILIES = {
+    "gdn2": (ops.recurrent_gdn2, ops.chunk_gdn2),
+    "deltaproduct": (ops.recurrent_gated_delta_product, ops.chunk_gated_delta_product),
+    "dplr": (ops.recurrent_dplr_delta_rule, ops.chunk_dplr_delta_rule),
+}
+
+
+def once(fn, x, options, backward) -> float:
+    leaves = {n: (t.detach().clone().requires_grad_(backward) if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    start = time.perf_counter()
+    o, h = fn(**leaves, output_final_state=True, **options)
+    if backward:
+        ((o * torch.ones_like(o)).sum() + (h * 0.5).sum()).backward()
+    return time.perf_counter() - start
+
+
+def timed(fn, x, options, backward, repeats) -> float:
+    once(fn, x, options, backward)  # warm-up
+    return statistics.median(once(fn, x, options, backward) for _ in range(repeats))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--T", type=int, default=2048)
+    p.add_argument("--H", type=int, default=4)
+    p.add_argument("--K", type=int, default=64)
+    p.add_argument("--V", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    p.add_argument("--json", default="docs/results/family_speed.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = dict(B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype="float32", threads=torch.get_num_threads(),
+                 chunk_size=args.chunk_size, num_householder=N_H)
+    print(f"chunk vs recurrent, {shape}")
+    print(f"{'family':13} {'rec fwd s':>10} {'chunk fwd s':>12} {'x':>6} {'rec f+b s':>10} {'chunk f+b s':>12} {'x':>6}")
+    rows = []
+    for family in args.families:
+        recurrent, chunk = FAMILIES[family]
+        x = family_inputs(family, args.B, args.T, args.H, args.K, args.V)
+        row = dict(family=family)
+        for label, fn, options in (("recurrent", recurrent, {}), ("chunk", chunk, dict(chunk_size=args.chunk_size))):
+            row[f"{label}_forward_s"] = timed(fn, x, options, False, args.repeats)
+            row[f"{label}_forward_backward_s"] = timed(fn, x, options, True, args.repeats)
+        row["forward_speedup"] = row["recurrent_forward_s"] / row["chunk_forward_s"]
+        row["forward_backward_speedup"] = row["recurrent_forward_backward_s"] / row["chunk_forward_backward_s"]
+        rows.append(row)
+        print(f"{family:13} {row['recurrent_forward_s']:10.3f} {row['chunk_forward_s']:12.3f} {row['forward_speedup']:6.1f} "
+              f"{row['recurrent_forward_backward_s']:10.3f} {row['chunk_forward_backward_s']:12.3f} "
+              f"{row['forward_backward_speedup']:6.1f}", flush=True)
+    if args.json:
+        atomic_write_text(args.json, json.dumps(dict(shape=shape, speed=rows), indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

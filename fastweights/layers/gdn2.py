@@ -1,0 +1,75 @@
+"""Gated DeltaNet-2 (GDN-2) as a token mixer: KDA with β split into an erase and a write gate.
+
+Per head and token, on top of :mod:`fastweights.layers.kda`::
+
+    b_t = sigmoid(W_b x_t)   [HV, K]   the erase gate per key channel (×2 with allow_neg_eigval)
+    w_t = sigmoid(W_w x_t)   [HV, V]   the write gate per value channel
+    h_t = (I − k_t (b_t ⊙ k_t)ᵀ) diag(exp(g_t)) h_{t−1} + k_t (w_t ⊙ v_t)ᵀ
+    o_t = scale · h_tᵀ q_t,   then RMSNorm(o_t) · silu(W_g x_t)
+
+with KDA's per-channel decay g (low-rank gate, ``A_log``, ``dt_bias``), as fla 0.6.0's GDN-2
+layer has them (its erase gate is per key head; ours per value head, the same when HV = H).
+The recurrence lives in :func:`fastweights.ops.chunk_gdn2` (prefill, training) and
+:func:`fastweights.ops.gdn2_step` (decoding: a constant-size state).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..ops import chunk_gdn2, gdn2_step, recurrent_gdn2
+from .base import write_strength
+from .kda import KimiDeltaAttention
+
+
+class GatedDeltaNet2(KimiDeltaAttention):
+    """The GDN-2 token mixer. ``forward(x, state=None, cu_seqlens=None) -> (y, state)``.
+
+    Args: as :class:`~fastweights.layers.KimiDeltaAttention` (``qk_norm``, ``allow_neg_eigval``:
+    the erase gate in (0, 2), and the shared ones).
+
+    Example::
+
+        >>> layer = GatedDeltaNet2(d_model=64, n_heads=4)
+        >>> y, state = layer(torch.randn(2, 10, 64))         # prefill: chunk_gdn2
+        >>> y1, state = layer(torch.randn(2, 1, 64), state)  # one decoding step: gdn2_step
+        >>> state.memory.shape
+        torch.Size([2, 4, 16, 16])
+    """
+
+    def __init__(self, d_model: Optional[int] = None, n_heads: Optional[int] = None, **kwargs) -> None:
+        super().__init__(d_model, n_heads, **kwargs)
+        hv = self.num_v_heads
+        self.b_proj = nn.Linear(self.d_model, hv * self.head_dim, bias=False)  # erase gate, replaces KDA's β
+        self.w_proj = nn.Linear(self.d_model, hv * self.value_head_dim, bias=False)  # write gate
+
+    def gates(self, extra: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(g [..., HV, K], b [..., HV, K], w [..., HV, V])`` from ``extra = [b_proj(x) | f_a_proj(x) | w_proj(x)]``."""
+        hv, dk, dv = self.num_v_heads, self.head_dim, self.value_head_dim
+        b_logits, f_a, w_logits = extra.split([hv * dk, dk, hv * dv], dim=-1)
+        b = write_strength(b_logits, self.allow_neg_eigval).unflatten(-1, (hv, dk))
+        return self.decay_from_projection(f_a), b, torch.sigmoid(w_logits).unflatten(-1, (hv, dv))
+
+    def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None, cp_group=None):
+        if cp_group is not None:
+            raise ValueError(f"{type(self).__name__}: context parallelism (`cp_group`) is not supported by the GDN-2 "
+                             f"ops; run the sequence on one rank")
+        g, b, w = self.gates(extra)
+        op = recurrent_gdn2 if recurrent else chunk_gdn2
+        return op(q, k, v, g, b, w, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+                  max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm)
+
+    def step_projections(self):
+        return super().step_projections() + ("w_proj",)
+
+    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+        dt = memory.dtype
+        g, b, w = (t.to(dt) for t in self.gates(extra))
+        q, k, v = self.step_qkv(qk, v, dt)
+        return gdn2_step(q, k, v, g, b, w, memory, self.head_dim ** -0.5)
+
+    def window_step_inputs(self, q, k, v, extra, dtype):
+        return None  # verify windows step with memory_step (the gates do not fit window_step's β slot)

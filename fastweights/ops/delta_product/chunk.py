@@ -1,0 +1,99 @@
+"""(Gated) DeltaProduct, chunk form: KDA's chunkwise UT algorithm over each chunk's sub-steps.
+
+Per chunk of C tokens, :func:`~.parallel.product_block_terms` lays out the chunk's C·n_h
+Householder sub-steps (and only the chunk's) and computes KDA's state-free terms over them,
+with one output row per token; then KDA's driver (:func:`~fastweights.ops.kda.chunk.chunk_kda_fwd`)
+runs the one sequential loop across chunks, ``U' = U − W h``, ``h ← e^{c_end} h + K̄ᵀ U'``,
+and the outputs. Its hand-written backward (the adjoint loop, last chunk first) runs with
+:func:`~.parallel.product_block_terms_backward`. Forward and backward are ``torch.library``
+custom ops, opaque to ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._chunk import backward_only
+from .._frontend import autocast_off
+from ..kda import chunk as kda_chunk
+from .fla import delta_product_form
+from .parallel import product_block_terms, product_block_terms_backward
+
+
+@torch.library.custom_op("fastweights::chunk_gated_delta_product_fwd", mutates_args=())
+def _fwd_op(q: Tensor, ks: Tensor, vs: Tensor, betas: Tensor, g: Tensor, h0: Optional[Tensor],
+            scale: float, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    n, nh, _, dk = q.shape
+    h0_ = None if h0 is None else h0.reshape(n * nh, dk, vs.shape[-1])
+    with autocast_off(q.device):
+        return kda_chunk.chunk_kda_fwd(q, ks, vs, betas, g, h0_, scale, chunk_size, terms=product_block_terms)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, ks, vs, betas, g, h0, scale, chunk_size):
+    n, nh, t_len, dk = q.shape
+    dv, nc = vs.shape[-1], -(-t_len // chunk_size)
+    o = kda_chunk._like_chunks(q, n, nh, nc, chunk_size, t_len, (dv,))  # the real one's strides
+    return o, q.new_empty(n * nh, dk, dv), q.new_empty(nc, n * nh, dk, dv)
+
+
+@torch.library.custom_op("fastweights::chunk_gated_delta_product_bwd", mutates_args=())
+def _bwd_op(q: Tensor, ks: Tensor, vs: Tensor, betas: Tensor, g: Tensor, states: Tensor, do: Tensor,
+            dh_final: Tensor, scale: float, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with autocast_off(do.device):
+        return kda_chunk.chunk_kda_bwd(q, ks, vs, betas, g, states, do, dh_final, scale, chunk_size,
+                                       terms=product_block_terms, terms_backward=product_block_terms_backward)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(q, ks, vs, betas, g, states, do, dh_final, scale, chunk_size):
+    n, nh, t_len, _ = q.shape
+    grads = tuple(kda_chunk._like_chunks(t, n, nh, states.shape[0], chunk_size, t_len) for t in (q, ks, vs, betas, g))
+    return grads + (torch.empty_like(dh_final),)
+
+
+def _setup_context(ctx, inputs, output):
+    q, ks, vs, betas, g, h0, scale, chunk_size = inputs
+    states = output[2]
+    ctx.save_for_backward(q, ks, vs, betas, g, states)
+    backward_only(ctx, states)
+    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+
+
+def _backward(ctx, do, dh_final, _states):
+    q, ks, vs, betas, g, states = ctx.saved_tensors
+    if dh_final is None:
+        dh_final = states.new_zeros(states.shape[1:])
+    if do is None:  # only h_T was used
+        do = q.new_zeros(q.shape[:3] + vs.shape[-1:])
+    dq, dks, dvs, dbetas, dg, dh0 = _bwd_op(q, ks, vs, betas, g, states, do, dh_final, ctx.scale, ctx.chunk_size)
+    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
+    return dq, dks, dvs, dbetas, dg, dh0, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def delta_product_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, ks, vs, betas):
+    """The chunk form on head-first compute-dtype tensors; returns ``(o, h_T)``."""
+    o, h_final, _ = _fwd_op(q, ks, vs, betas, g, h0, float(scale), int(chunk_size))
+    return o, h_final.view(q.shape[0], q.shape[1], *h_final.shape[1:])
+
+
+chunk_gated_delta_product = delta_product_form("chunk_gated_delta_product", delta_product_chunk, doc="""
+    (Gated) DeltaProduct, chunkwise parallel: the fast path for training (module docstring),
+    with fla 0.6.0's name and positional order ``(q, k, v, g, beta, num_householder, scale,
+    initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)``.
+
+    Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_product` (same arguments and
+    returns; see its docstring) to ~1e-12 relative in float64.
+
+    Args beyond the reference's:
+        chunk_size: C, tokens per chunk (each chunk's UT transform has C·n_h rows).
+
+    Gradients reach q, k, v, g, beta and initial_state through KDA's hand-written chunk
+    backward; double backward is not supported (use the parallel form).
+""")
