@@ -60,7 +60,7 @@ class LMConfig(Config):
         vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
         mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``
             (Kimi Delta Attention: per-key-channel decays), ``"gdn2"`` (Gated DeltaNet-2),
-            ``"deltaproduct"`` (Gated DeltaProduct, 2 Householder steps per token), or
+            ``"deltaproduct"`` (Gated DeltaProduct, ``num_householder`` Householder steps per token), or
             a list with one of these per layer (a hybrid).
         max_seq_len: the longest input (prompt) one call accepts, for models with a softmax
             layer (its KV cache grows with the context); models without one take any length.
@@ -76,6 +76,7 @@ class LMConfig(Config):
             (the MQAR study turns it on to give every mixer the convolution).
         qk_activation, qk_norm, allow_neg_eigval: DeltaNet / Gated DeltaNet / KDA options
             (activation silu/elu/relu/identity; norm l2/sum; β in (0, 2)).
+        num_householder: DeltaProduct's n_h, Householder steps per token (default 2).
         use_output_gate: gate the normalized output of the fast-weight mixers.
         feature_map, normalize: linear attention's φ and normalizer.
         chunk_size: C of the chunk ops used for training and prefill; ``None`` (default) lets
@@ -100,6 +101,7 @@ class LMConfig(Config):
     qk_activation: str = "silu"
     qk_norm: str = "l2"
     allow_neg_eigval: bool = False
+    num_householder: int = 2
     use_output_gate: bool = True
     feature_map: str = "elu"
     normalize: bool = True
@@ -109,7 +111,8 @@ class LMConfig(Config):
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "chunk_size"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "chunk_size",
+                     "num_householder"):
             value = getattr(self, name)
             if name == "chunk_size" and value is None:  # chosen per layer (key size, device)
                 continue
@@ -186,6 +189,8 @@ def build_mixer(name: str, config: LMConfig) -> nn.Module:
                             use_short_conv=config.softmax_short_conv, conv_size=config.conv_size)
     if name == "linear":
         return MIXERS[name](config.d_model, config.n_heads, feature_map=config.feature_map, normalize=config.normalize, **shared)
+    if name == "deltaproduct":
+        shared["num_householder"] = config.num_householder
     return MIXERS[name](
         config.d_model, config.n_heads, activation=config.qk_activation, qk_norm=config.qk_norm,
         allow_neg_eigval=config.allow_neg_eigval, **shared,

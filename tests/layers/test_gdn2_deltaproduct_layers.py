@@ -109,3 +109,18 @@ def test_lm_trains_decodes_and_compiles(mixer):
                                                    chunk_size=8)))(ids)
     torch._dynamo.reset()
     assert explanation.graph_break_count == 0, [str(r.reason) for r in explanation.break_reasons]
+
+
+def test_lm_config_sets_the_householder_steps():
+    """``LMConfig.num_householder`` reaches every DeltaProduct layer, survives a JSON round trip, and a
+    bad value is refused naming it."""
+    from fastweights.models import LM, LMConfig
+
+    config = LMConfig(vocab_size=8, d_model=16, n_layers=2, n_heads=2, mixer=["deltaproduct", "deltanet"],
+                      num_householder=3, allow_neg_eigval=True)
+    model = LM(config)
+    assert model.blocks[0].mixer.num_householder == 3
+    assert LMConfig.from_dict(config.to_dict()).num_householder == 3
+    assert LMConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2).num_householder == 2
+    with pytest.raises(ValueError, match="`num_householder`"):
+        LMConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, num_householder=0)
