@@ -185,9 +185,9 @@ def evaluate(model, task, length: int, size: int, generator: torch.Generator) ->
     return all_right / size, tokens_right / (size * length)
 
 
-def train_state_tracking_model(task_name: str, arm: str, config: StateTrackingConfig, seed: int) -> Dict:
-    """Train one model and test it at every ``config.test_lengths``; bit-identical given ``seed`` and
-    the thread count. Returns per-length accuracies, the final training loss, parameters and seconds."""
+def fit_state_tracking_model(task_name: str, arm: str, config: StateTrackingConfig, seed: int):
+    """Train one model on ``task_name`` at ``config.train_max_length``; returns ``(model in eval mode,
+    the last batch's loss)``. Bit-identical given ``seed`` and the thread count."""
     task = make_state_tracking_task(task_name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -196,7 +196,6 @@ def train_state_tracking_model(task_name: str, arm: str, config: StateTrackingCo
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98))
-    start = time.perf_counter()
     data = torch.Generator().manual_seed(seed + 1)
     model.train()
     loss = torch.tensor(float("nan"))
@@ -210,12 +209,20 @@ def train_state_tracking_model(task_name: str, arm: str, config: StateTrackingCo
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    model.eval()
+    return model.eval(), float(loss.detach())
+
+
+def train_state_tracking_model(task_name: str, arm: str, config: StateTrackingConfig, seed: int) -> Dict:
+    """Train one model (:func:`fit_state_tracking_model`) and test it at every ``config.test_lengths``;
+    returns per-length accuracies, the final training loss, parameters and seconds."""
+    start = time.perf_counter()
+    model, loss = fit_state_tracking_model(task_name, arm, config, seed)
+    task = make_state_tracking_task(task_name)
     by_length = {}
     for length in config.test_lengths:
         seq, tok = evaluate(model, task, length, config.test_size, torch.Generator().manual_seed(seed ^ (0x7E57 + length)))
         by_length[str(length)] = {"seq_accuracy": seq, "token_accuracy": tok}
-    return {"by_length": by_length, "train_loss": float(loss.detach()), "parameters": model.num_parameters(),
+    return {"by_length": by_length, "train_loss": loss, "parameters": model.num_parameters(),
             "seconds": round(time.perf_counter() - start, 3)}
 
 
