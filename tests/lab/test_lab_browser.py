@@ -173,7 +173,9 @@ def test_lab_in_chromium(lab, tmp_path):
     panel_update(driver, "tracking", lambda: (box.clear(), box.send_keys("10a1")))
     assert "`bits` must be 1 to 512 characters 0 or 1" in text(driver, "#tracking .error")
     panel_update(driver, "tracking", lambda: driver.find_element(By.CSS_SELECTOR, "#tracking .reset").click())
-    driver.find_element(By.ID, "tracking").screenshot(str(FIGURES / "lab_tracking.png"))
+    tracking = driver.find_element(By.ID, "tracking")
+    driver.execute_script("arguments[0].scrollIntoView();", tracking)
+    tracking.screenshot(str(FIGURES / "lab_tracking.png"))
     for name in ("interference", "geometry", "spotlight", "memory", "tracking"):
         path = FIGURES / f"lab_{name}.png"
         assert path.stat().st_size > 10_000, path
