@@ -1,6 +1,7 @@
 """``fastweights study <name>``: run one of the studies of :mod:`fastweights.studies`.
 
-Every study takes ``--full`` (the whole sweep instead of the quick default),
+Every study takes ``--full`` (the whole sweep instead of the quick default; ``--quick``
+names the default explicitly),
 ``--root-seed`` (everything random derives from it), ``--out DIR`` (where the
 JSON, CSV and PNG files go), ``--quiet`` (no progress bars) and ``--resume``
 (continue from the cells a killed or interrupted run saved in
@@ -21,7 +22,9 @@ def add_parser(sub) -> None:
     for name in STUDIES:
         module = get_study(name)
         sp = studies.add_parser(name, help=module.HELP, description=module.HELP)
-        sp.add_argument("--full", action="store_true", help="the whole sweep instead of the quick default")
+        size = sp.add_mutually_exclusive_group()
+        size.add_argument("--full", action="store_true", help="the whole sweep instead of the quick default")
+        size.add_argument("--quick", action="store_true", help="the quick default (what runs without --full)")
         sp.add_argument("--root-seed", type=int, default=0, help="root seed of every random draw (default 0)")
         sp.add_argument("--out", default=f"study_{name}", help=f"output folder (default ./study_{name})")
         sp.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -19,6 +19,9 @@ spotlight/floodlight  ``softmax_attn`` and ``recurrent_linear_attn`` read with
                       one-hot values, so each read-out *is* the weight vector
 memory calculator     :func:`fastweights.studies.costs.calculator` (the same
                       function ``fastweights study costs`` reports)
+state tracking        :func:`fastweights.lab.tracking.track`: the parity models
+                      the state-tracking study's protocol trains, read token by
+                      token (β, the transition's eigenvalue, the answer)
 ====================  ==========================================================
 
 Layouts: the ops keep ``h`` as keys × values. The linear-attention worked example prints its S in that
@@ -37,6 +40,7 @@ from .. import ops
 from ..studies import worked_examples as examples
 from ..studies import costs as costs_study
 from ..studies.capacity import CapacityConfig, decode, read_outs, recursive_least_squares, unit_vectors
+from . import tracking
 from .params import Field, LabInputError
 
 DTYPE = torch.float64
@@ -398,11 +402,24 @@ def memory(p: Dict) -> Dict:
 # the endpoints
 
 
+TRACKING = {
+    "arm": Field("choice", "deltanet[0,2]", choices=tuple(tracking.MODELS)),
+    "bits": Field("bits", "0110100110010110" * 4 + "1011", most=512),
+}
+TRACKING_EXAMPLE: Dict[str, Any] = {}  # the defaults: 68 bits, just past the training length
+
+
+def state_tracking(p: Dict) -> Dict:
+    """The state-tracking panel: a shipped parity model run on the user's bits, token by token."""
+    return tracking.track(p["arm"], p["bits"])
+
+
 PANELS = {
     "interference": (INTERFERENCE, interference, INTERFERENCE_EXAMPLE),
     "geometry": (GEOMETRY, geometry, GEOMETRY_EXAMPLE),
     "spotlight": (SPOTLIGHT, spotlight, SPOTLIGHT_EXAMPLE),
     "memory": (MEMORY, memory, MEMORY_EXAMPLE),
+    "tracking": (TRACKING, state_tracking, TRACKING_EXAMPLE),
 }
 
 #: the passage each panel illustrates (short quotes credited, or our paraphrase)
@@ -416,4 +433,7 @@ PASSAGES = {
                   "one earlier token; additive linear attention is closer to a floodlight that mixes several."),
     "memory": ("A KV cache grows with every token; a fixed state is one d×d matrix per head, whatever the context "
                "length (Katharopoulos et al. 2020)."),
+    "tracking": ("Grazzi et al. 2025 (our paraphrase): if every transition of a linear RNN has only non-negative "
+                 "eigenvalues, it cannot count parity at every length in finite precision; let the delta rule's β "
+                 "reach 2, so that I − βkkᵀ can reflect, and one layer can."),
 }

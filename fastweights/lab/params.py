@@ -21,7 +21,8 @@ class LabInputError(ValueError):
 
 @dataclass(frozen=True)
 class Field:
-    """One request field: ``kind`` is ``"int"``, ``"float"``, ``"choice"``, ``"bool"`` or ``"vectors"``."""
+    """One request field: ``kind`` is ``"int"``, ``"float"``, ``"choice"``, ``"bool"``, ``"vectors"`` or
+    ``"bits"`` (a string of 0s and 1s, at most ``most`` long)."""
 
     kind: str
     default: Any
@@ -30,7 +31,7 @@ class Field:
     choices: Sequence[str] = ()
     #: for ``"choice"``: earlier spellings still accepted, each mapped to its current choice
     aliases: Optional[Dict[str, str]] = None
-    #: for ``"vectors"``: the length of each vector and the most vectors allowed
+    #: for ``"vectors"``: the length of each vector and the most vectors allowed; for ``"bits"``: the most bits
     width: int = 0
     most: int = 0
 
@@ -74,6 +75,13 @@ def _one(name: str, value: Any, field: Field) -> Any:
                 raise LabInputError(f"`{name}[{i}]` must be a list of {field.width} numbers, got {vec!r:.80}")
             out.append([_number(f"{name}[{i}]", x, field) for x in vec])
         return out
+    if field.kind == "bits":
+        if not isinstance(value, str):
+            raise LabInputError(f"`{name}` must be a string of 0s and 1s, got {value!r:.80}")
+        bits = "".join(value.split())  # spaces and line breaks are only for reading
+        if not 1 <= len(bits) <= field.most or set(bits) - {"0", "1"}:
+            raise LabInputError(f"`{name}` must be 1 to {field.most} characters 0 or 1, got {value!r:.80}")
+        return bits
     raise AssertionError(field.kind)
 
 

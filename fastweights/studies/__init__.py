@@ -11,13 +11,17 @@ study          what it runs                                     entry point
 ``retrieval``  Schlag et al. (2021) retrieval settings 1 and 2  :func:`retrieval.run_retrieval`
 ``mqar``       multi-query associative recall (Arora et al.     :func:`mqar.run_mqar`
                2023) on :class:`fastweights.models.LM`
+``state-       parity, sums mod m and permutation-group word    :func:`state_tracking.
+tracking``     problems: which memory tracks state, at longer   run_state_tracking`
+               lengths than it was trained on (Grazzi et al.
+               2025; Siems et al. 2025)
 =============  ===============================================  ===============================
 
 Every study is deterministic given its root seed, has a quick default and a
 ``full`` setting, prints a table (``report(result)``), and with an output folder
 writes ``<study>.json``, ``<study>.csv`` and PNG plots. The capacity, costs and
 retrieval studies call :mod:`fastweights.ops` directly (docs/design.md: a study never
-re-implements a layer; a raw memory is an op); MQAR trains full models.
+re-implements a layer; a raw memory is an op); MQAR and state tracking train full models.
 
 Run one from the shell with ``fastweights study <name> [--full] [--out DIR]``.
 """
@@ -31,6 +35,7 @@ STUDIES = {
     "costs": "fastweights.studies.costs",
     "retrieval": "fastweights.studies.retrieval",
     "mqar": "fastweights.studies.mqar",
+    "state-tracking": "fastweights.studies.state_tracking",
 }
 
 

@@ -237,6 +237,10 @@ def test_memory_equals_study_costs():
     ("spotlight", {"t": 4, "target": 9}, "`target`"),
     ("memory", {"layers": 4, "softmax_layers": 9}, "softmax_layers"),
     ("memory", {"kv_dtype": "float8"}, "`kv_dtype` must be one of"),
+    ("tracking", {"bits": "01201"}, "`bits` must be 1 to 512 characters 0 or 1"),
+    ("tracking", {"bits": "1" * 513}, "`bits` must be 1 to 512"),
+    ("tracking", {"bits": 101}, "`bits` must be a string of 0s and 1s"),
+    ("tracking", {"arm": "linear"}, "`arm` must be one of"),
 ], ids=lambda x: x if isinstance(x, str) and len(x) < 14 else None)
 def test_bad_fields_name_the_field(panel, fields, words):
     with pytest.raises(LabInputError) as info:
@@ -349,6 +353,7 @@ def test_largest_requests_are_bounded_in_time(lab_url):
         "spotlight": {"t": 64, "d": 64, "features": 256, "nu": 3, "target": 63},
         "memory": {"context": 2**30, "layers": 1024, "heads": 1024, "head_dim_k": 4096, "head_dim_v": 4096,
                    "softmax_layers": 1024},
+        "tracking": {"bits": "10" * 256},
     }
     for panel, fields in biggest.items():
         start = time.perf_counter()
@@ -401,3 +406,29 @@ def test_geometry_seed_is_the_earlier_name_of_example():
     assert old == new
     with pytest.raises(LabInputError, match="`geometry` must be one of"):
         parse({"geometry": "seeds"}, compute.INTERFERENCE, "interference")
+
+
+def test_tracking_panel_reads_the_shipped_parity_models():
+    """The β ∈ [0, 2] model's 1-bits are reflections (eigenvalue < 0), its 0-bits are not, the sign of the
+    running determinant is (−1)^parity at every token, and its answers are right at 4× its training
+    length; the β ∈ [0, 1] model has no negative eigenvalue and answers at chance. The numbers are the
+    model's own: β is what the layer hands the op, recomputed here from the layer's projections."""
+    bits = "".join(str(int(b)) for b in torch.randint(0, 2, (256,), generator=torch.Generator().manual_seed(5)))
+    r = run("tracking", bits=bits, arm="deltanet[0,2]")
+    eig = torch.tensor(r["eigenvalue"])
+    ones = torch.tensor([b == "1" for b in bits])
+    print(f"β∈[0,2]: eigenvalues of 1-bits in [{eig[ones].min():.3f}, {eig[ones].max():.3f}], of 0-bits in "
+          f"[{eig[~ones].min():.3f}, {eig[~ones].max():.3f}]; token accuracy {r['token_accuracy']}")
+    assert bool((eig[ones] < 0).all() and (eig[~ones] > 0).all()) and r["sign_is_parity"]
+    assert r["truth"] == [sum(map(int, bits[:t + 1])) % 2 for t in range(len(bits))]
+    assert r["token_accuracy"] >= 0.99 and r["train_length"] == 64
+    from fastweights.lab import tracking
+
+    model, _ = tracking.load_model("deltanet[0,2]")
+    layer = model.blocks[0].mixer
+    x = model.embed(torch.tensor([[int(b) for b in bits]]))
+    beta = layer.write_and_decay(torch.nn.functional.linear(model.blocks[0].mixer_norm(x), layer.b_proj.weight))[0]
+    assert torch.allclose(1 - beta[0, :, 0].double(), eig.double(), atol=1e-6)
+    low = run("tracking", bits=bits, arm="deltanet[0,1]")
+    print(f"β∈[0,1]: min eigenvalue {min(low['eigenvalue']):.3f}, token accuracy {low['token_accuracy']}")
+    assert min(low["eigenvalue"]) >= 0 and not low["sign_is_parity"] and low["token_accuracy"] < 0.65

@@ -100,7 +100,7 @@ def test_lab_in_chromium(lab, tmp_path):
     print(f"\npage load: DOMContentLoaded {nav[0]:.0f} ms, load {nav[1]:.0f} ms, all four panels drawn "
           f"{nav[2]:.0f} ms after navigation start ({wall_ms:.0f} ms wall, from driver.get)")
     assert all(driver.execute_script(f"return document.getElementById('{p}').dataset.status") == "200"
-               for p in ("interference", "geometry", "spotlight", "memory"))
+               for p in ("interference", "geometry", "spotlight", "memory", "tracking"))
 
     # move N from below d to past it: the displayed recall drops
     d = int(driver.find_element(By.CSS_SELECTOR, "#interference input[type=number][name=d]").get_attribute("value"))
@@ -159,6 +159,23 @@ def test_lab_in_chromium(lab, tmp_path):
     memory_row = text(driver, "#memory-table tr[data-kind=softmax]")
     assert "64.0 GiB" in memory_row  # 32 layers × 32 heads × 131072 tokens × 256 × 2 bytes
     driver.find_element(By.ID, "memory").screenshot(str(FIGURES / "lab_memory.png"))
-    for name in ("interference", "geometry", "spotlight", "memory"):
+
+    # state tracking: type bits, the model's running answers and the reflections are drawn
+    box = driver.find_element(By.CSS_SELECTOR, "#tracking textarea[name=bits]")
+    panel_update(driver, "tracking", lambda: (box.clear(), box.send_keys("1101" * 40)))
+    readout = text(driver, "#tracking-readout")
+    print("tracking:", readout)
+    assert "160 of 160 running answers right" in readout and "equals" in readout
+    bars = driver.find_elements(By.CSS_SELECTOR, "#tracking-chart rect")
+    assert len(bars) == 2 * 160
+    panel_update(driver, "tracking", lambda: Select(driver.find_element(By.CSS_SELECTOR, "#tracking select[name=arm]")).select_by_value("deltanet[0,1]"))
+    assert "does not follow" in text(driver, "#tracking-readout")
+    panel_update(driver, "tracking", lambda: (box.clear(), box.send_keys("10a1")))
+    assert "`bits` must be 1 to 512 characters 0 or 1" in text(driver, "#tracking .error")
+    panel_update(driver, "tracking", lambda: driver.find_element(By.CSS_SELECTOR, "#tracking .reset").click())
+    tracking = driver.find_element(By.ID, "tracking")
+    driver.execute_script("arguments[0].scrollIntoView();", tracking)
+    tracking.screenshot(str(FIGURES / "lab_tracking.png"))
+    for name in ("interference", "geometry", "spotlight", "memory", "tracking"):
         path = FIGURES / f"lab_{name}.png"
         assert path.stat().st_size > 10_000, path

@@ -14,6 +14,7 @@ from fastweights.studies.capacity import CapacityConfig, run_capacity
 from fastweights.studies.costs import CostsConfig, run_costs
 from fastweights.studies.mqar import MQARConfig, run_mqar
 from fastweights.studies.retrieval import RetrievalConfig, MemoryTrainConfig, run_retrieval
+from fastweights.studies.state_tracking import StateTrackingConfig, run_state_tracking
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
@@ -49,13 +50,21 @@ def _costs(seed):
     return run_costs(config, progress=False, plots=False)["table"]
 
 
-@pytest.mark.parametrize("study", [_retrieval, _mqar, _capacity, _costs], ids=["retrieval", "mqar", "capacity", "costs"])
+def _state_tracking(seed):
+    config = StateTrackingConfig(root_seed=seed, tasks=("parity", "S3"), arms=("deltanet[0,2]", "linear"), train_max_length=8,
+                                 test_lengths=(8, 16), d_model=16, seeds=2, max_steps=6, warmup_steps=2, batch_size=4,
+                                 test_size=16, workers=1)
+    return run_state_tracking(config, progress=False, plots=False)["results"]
+
+
+@pytest.mark.parametrize("study", [_retrieval, _mqar, _capacity, _costs, _state_tracking],
+                         ids=["retrieval", "mqar", "capacity", "costs", "state-tracking"])
 def test_same_root_seed_gives_identical_tables(study):
     first, second = _numbers(study(3)), _numbers(study(3))
     print(f"{study.__name__}: {len(first)} rows; first row {first[0]}")
     assert first == second
 
 
-@pytest.mark.parametrize("study", [_retrieval, _capacity], ids=["retrieval", "capacity"])
+@pytest.mark.parametrize("study", [_retrieval, _capacity, _state_tracking], ids=["retrieval", "capacity", "state-tracking"])
 def test_another_root_seed_changes_the_numbers(study):
     assert _numbers(study(3)) != _numbers(study(4))

@@ -464,6 +464,34 @@ function drawMemory(r) {
 }
 
 // ---------------------------------------------------------------------------
+// 5. state tracking
+
+function drawTracking(r) {
+  const T = r.bits.length;
+  const wrong = r.right.filter((x) => !x).length;
+  $("#tracking-readout").textContent = `${r.arm}: ${T} bits, ${T - wrong} of ${T} running answers right ` +
+    `(token accuracy ${num(r.token_accuracy, 3)}${r.all_right ? ", every one" : ""}); the sign of the memory's ` +
+    `determinant ${r.sign_is_parity ? "equals" : "does not follow"} (−1)^parity at every token.`;
+  const svg = $("#tracking-chart");
+  const F = frame(svg, [0, T], [-1.15, 1.6], { xlabel: "token", yticks: [-1, -0.5, 0, 0.5, 1] });
+  const w = (F.x(1) - F.x(0));
+  for (let t = 0; t < T; t++) {
+    const e = r.eigenvalue[t];
+    el("rect", { x: F.x(t) + 0.1 * w, y: Math.min(F.y(0), F.y(e)), width: Math.max(0.8 * w, 0.5),
+                 height: Math.abs(F.y(e) - F.y(0)), fill: r.bits[t] === "1" ? ORANGE : BLUE, opacity: 0.75 }, F.g);
+    el("rect", { x: F.x(t), y: F.y(1.55), width: Math.max(w, 0.5), height: F.y(1.25) - F.y(1.55),
+                 fill: r.right[t] ? GREEN : RED }, F.g);
+  }
+  const pts = r.sign.map((s, t) => `${F.x(t + 0.5)},${F.y(s * 0.95)}`).join(" ");
+  el("polyline", { points: pts, fill: "none", stroke: PURPLE, "stroke-width": 1.5 }, F.g);
+  if (r.train_length < T) el("line", { x1: F.x(r.train_length), y1: F.y(-1.15), x2: F.x(r.train_length), y2: F.y(1.6),
+                                        stroke: GRAY, "stroke-dasharray": "4 3" }, F.g);
+  [["1-bit: 1 − β", ORANGE], ["0-bit: 1 − β", BLUE], ["sign of the determinant", PURPLE]].forEach(([text, color], i) => {
+    el("text", { x: F.x(0) + 8 + 170 * i, y: F.y(-1.1), fill: color }, F.g, text);
+  });
+}
+
+// ---------------------------------------------------------------------------
 
 const PANELS = {
   interference: {
@@ -487,6 +515,10 @@ const PANELS = {
   memory: {
     params: () => paramsOf("memory", Object.keys(LAB.config.memory.fields)),
     draw: drawMemory,
+  },
+  tracking: {
+    params: () => paramsOf("tracking", Object.keys(LAB.config.tracking.fields)),
+    draw: drawTracking,
   },
 };
 
