@@ -200,7 +200,7 @@ def test_bad_inputs_are_refused_naming_the_argument(fn):
         fn(**{n: t for n, t in x.items() if n != "b"})
     with pytest.raises(TypeError, match=rf"{name}: `b` must have the dtype of `q`"):
         fn(**{**x, "b": x["b"].float()})
-    with pytest.raises(ValueError, match=rf"{name}: `gk` \(a per-channel log decay\) must be <= 0, got values up to 0.5"):
+    with pytest.raises(ValueError, match=rf"{name}: `gk` \(a per-key-channel log decay\) must be <= 0, got values up to 0.5"):
         fn(**{**x, "gk": x["gk"].clone().index_fill_(3, torch.tensor([1]), 0.5)})
     with pytest.raises(ValueError, match=rf"{name}: `cp_context`"):
         fn(**x, cp_context=object())

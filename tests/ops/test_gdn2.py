@@ -230,7 +230,7 @@ def test_bad_inputs_are_refused_naming_the_argument(fn):
         fn(**{**x, "b": x["b"].clone().index_fill_(3, torch.tensor([1]), 2.5)})
     with pytest.raises(ValueError, match=rf"{name}: `w` \(the write gate\) must lie in \[0, 1\], got values down to -0.1"):
         fn(**{**x, "w": x["w"].clone().index_fill_(3, torch.tensor([0]), -0.1)})
-    with pytest.raises(ValueError, match=rf"{name}: `g` \(a per-channel log decay\) must be <= 0, got values up to 0.5"):
+    with pytest.raises(ValueError, match=rf"{name}: `g` \(a per-key-channel log decay\) must be <= 0, got values up to 0.5"):
         fn(**{**x, "g": x["g"].clone().index_fill_(3, torch.tensor([1]), 0.5)})
     with pytest.raises(ValueError, match=rf"{name}: `g` .*\[B, T, H, K\] = \[1, 6, 2, 4\], got \[1, 6, 2\]"):
         fn(**{**x, "g": x["g"][..., 0]})
