@@ -244,3 +244,50 @@ def test_deterministic_and_batch_invariant_on_every_path(path, kernels, low, one
     assert torch.equal(batch_o, again_o) and torch.equal(batch_h, again_h)
     assert torch.equal(alone_o[0], batch_o[3]) and torch.equal(alone_h[0], batch_h[3])
     assert torch.equal(packed_o[0, 3 * 70:4 * 70], batch_o[3]) and torch.equal(packed_h[3], batch_h[3])
+
+
+@pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])
+def test_plain_bf16_inputs_are_widened_in_the_kernel_on_every_path(path, kernels, rule_name, one_thread):
+    """Plain bf16 q, k, v in inference reach the fp32 kernel as they are (no cast pass first) and
+    are widened in its gather: bitwise the fp32 kernel on the widened inputs (output rounded to
+    bf16 the way ``.to(torch.bfloat16)`` does, the same fp32 state) — so exactly the fp32 path's
+    accuracy, which the tests above hold to the rule — and the bf16 output within 2× of the
+    recurrence's error on the same inputs. T = 1, 63, 100; K = 60 ≠ V; packed; with h0."""
+    rule = RULES[rule_name]
+    for T, K, V, packed in [(1, 16, 24, False), (63, 60, 33, False), (100, 32, 40, True)]:
+        x = make_inputs(rule, 1 if packed else 2, T, 2, K, V, initial_state=not packed, seed=T)
+        low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float()) for n, t in x.items()}
+        wide = {n: t.float() for n, t in low.items()}
+        extra = {"cu_seqlens": torch.tensor([0, 1, 40, T])} if packed else {}
+        with torch.no_grad():
+            o, h = call(rule.forms[2], rule, low, output_final_state=True, **extra)
+            o32, h32 = call(rule.forms[2], rule, wide, output_final_state=True, **extra)
+            o_rec, h_rec = call(rule.reference, rule, low, output_final_state=True, **extra)
+        o_ref, h_ref = call(rule.reference, rule, {n: t.double() for n, t in low.items()}, output_final_state=True,
+                            **extra)
+        assert o.dtype == torch.bfloat16 and h.dtype == torch.float32
+        assert torch.equal(o, o32.to(torch.bfloat16)) and torch.equal(h, h32), f"{path} T={T}"
+        e_fast, e_rec = rel_err(o, o_ref), rel_err(o_rec, o_ref)
+        assert e_fast <= 2 * e_rec, f"{path} T={T} o: {e_fast:.2e} > 2 x recurrent {e_rec:.2e}"
+        assert rel_err(h, h_ref) < 1e-5 and rel_err(h_rec, h_ref) < 1e-5  # fp32-level state: no bf16 rounding in it
+
+
+def test_plain_bf16_inputs_without_the_kernels_and_with_grad(kernels, one_thread):
+    """The same call with the kernels off (the PyTorch path widens the inputs itself), and with a
+    backward to follow (the training path: widened by the front end), agrees with the kernel."""
+    rule = RULES["gated_delta"]
+    x = make_inputs(rule, 2, 70, 2, 32, 24, initial_state=True, seed=6)
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float()) for n, t in x.items()}
+    with torch.no_grad():
+        o, h = call(rule.forms[2], rule, low, output_final_state=True)
+        cpu_kernels.set_enabled(False)
+        try:
+            o_off, h_off = call(rule.forms[2], rule, low, output_final_state=True)
+        finally:
+            cpu_kernels.set_enabled(None)
+    assert o_off.dtype == torch.bfloat16 and rel_err(h_off, h) < 1e-5 and rel_err(o_off, o) < 1e-2
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in low.items()}
+    o_g, h_g = call(rule.forms[2], rule, leaves, output_final_state=True)
+    (o_g.float().sum() + h_g.sum()).backward()
+    assert leaves["q"].grad.dtype == torch.bfloat16 and torch.isfinite(leaves["q"].grad.float()).all()
+    assert rel_err(h_g, h) < 1e-5 and rel_err(o_g, o) < 1e-2

@@ -140,6 +140,27 @@ inline void prefetch_rows(const E* base, int64_t stride, int64_t t0, int64_t row
 // the copy of a chunk of them into scratch: q → Q [C, K], k | v → KV [C, K + V], β → bvec, g →
 // bcum; rows past the end are zeros (a no-op token for the rule). The next chunk's rows are
 // prefetched meanwhile.
+// n elements from src to dst: a copy, or bf16 widened to fp32 (exact) on the way.
+template <typename E, typename D>
+inline void copy_row(const E* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<E, D>) {
+    std::memcpy(dst, src, sizeof(E) * n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = D(static_cast<float>(src[j]));
+  }
+}
+
+// n fp32/fp64 results to an output row of type E: a copy, or rounded to bf16 (torch's rounding).
+template <typename T, typename E>
+inline void store_row(const T* src, E* dst, int64_t n) {
+  if constexpr (std::is_same_v<E, T>) {
+    std::memcpy(dst, src, sizeof(T) * n);
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<E, at::BFloat16>, "store_row: fp32 -> bf16 only");
+    to_bf16(src, dst, n);
+  }
+}
+
 template <typename E, typename A>
 struct HeadRows {
   const E *q, *k, *v;
@@ -156,7 +177,9 @@ struct HeadRows {
                     q_s[2], k_s[2], v_s[2], beta_s[2], g_s[2], L, K, V, C};
   }
 
-  void gather(int64_t t0, E* Q, E* KV, A* bvec, A* bcum) const {
+  // Into scratch of type D: E itself, or fp32 for bf16 inputs (widened here, once per element).
+  template <typename D>
+  void gather(int64_t t0, D* Q, D* KV, A* bvec, A* bcum) const {
     const int64_t rows = std::min(C, L - t0), KVw = K + V;
     if (t0 + C < L) {
       const int64_t next = std::min(C, L - t0 - C);
@@ -167,14 +190,14 @@ struct HeadRows {
     for (int64_t i = 0; i < C; ++i) {
       if (i < rows) {
         const int64_t t = t0 + i;
-        std::memcpy(Q + i * K, q + t * q_t, sizeof(E) * K);
-        std::memcpy(KV + i * KVw, k + t * k_t, sizeof(E) * K);
-        std::memcpy(KV + i * KVw + K, v + t * v_t, sizeof(E) * V);
+        copy_row(q + t * q_t, Q + i * K, K);
+        copy_row(k + t * k_t, KV + i * KVw, K);
+        copy_row(v + t * v_t, KV + i * KVw + K, V);
         bvec[i] = beta[t * beta_t];
         bcum[i] = g != nullptr ? g[t * g_t] : A(0);
       } else {
-        std::fill(Q + i * K, Q + (i + 1) * K, E(0.f));
-        std::fill(KV + i * KVw, KV + (i + 1) * KVw, E(0.f));
+        std::fill(Q + i * K, Q + (i + 1) * K, D(0.f));
+        std::fill(KV + i * KVw, KV + (i + 1) * KVw, D(0.f));
         bvec[i] = A(0);
         bcum[i] = A(0);
       }

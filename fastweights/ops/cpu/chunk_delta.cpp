@@ -29,13 +29,16 @@ using namespace fastweights::cpu::chunk;
 using fastweights::cpu::mm;
 using fastweights::cpu::round16;
 
-template <typename T>
+// E: the type of q, k, v and o — T, or bf16 (inference only: plain bf16 inputs widened in the
+// gather and the output rounded on its way out, so no pass over the inputs converts them first).
+template <typename T, typename E = T>
 struct Forward {
   // inputs, head-first [N, H, T, ·] with unit stride in the last dim; strides (n, h, t) in elements
-  const T *q, *k, *v, *beta, *g, *h0;
+  const E *q, *k, *v;
+  const T *beta, *g, *h0;
   int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, g_s[3] = {};
   // outputs
-  T* o;       // [N, NC·C, H, V] contiguous
+  E* o;       // [N, NC·C, H, V] contiguous
   T* h_out;   // [N·H, K, V]
   T* states;  // [NC, N·H, K, V]: the state entering each chunk (keep only)
   T *q_flat, *kv_flat, *wu, *inverses;  // kept: [NC·N·H, C, K], [.., C, K+V], [.., C, K+V], [nb, NC·N·H, bs, bs]
@@ -69,7 +72,7 @@ struct Forward {
 
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
-    const auto in = HeadRows<T, T>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
+    const auto in = HeadRows<E, T>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
     const bool gated = g != nullptr;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
@@ -115,7 +118,7 @@ struct Forward {
       }
       mm<T>(true, false, K, V, C, T(1), kwrite, gated ? K : KV, Up, KV, T(1), h, V);
       // outputs of the chunk
-      for (int64_t i = 0; i < C; ++i) std::memcpy(o + ((n * NC * C + t0 + i) * H + hh) * V, O + i * V, sizeof(T) * V);
+      for (int64_t i = 0; i < C; ++i) store_row(O + i * V, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
       if (keep) {
         std::memcpy(q_flat + row * C * K, Q, sizeof(T) * C * K);
         std::memcpy(kv_flat + row * C * KV, KVm, sizeof(T) * C * KV);
@@ -318,15 +321,15 @@ struct Backward {
   }
 };
 
-template <typename T>
+template <typename T, typename E = T>
 void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& beta,
                  const c10::optional<torch::Tensor>& g, const c10::optional<torch::Tensor>& h0, double scale,
                  int64_t C, int64_t nb, bool keep, torch::Tensor& o, torch::Tensor& h_out, torch::Tensor& states,
                  torch::Tensor& q_flat, torch::Tensor& kv_flat, torch::Tensor& wu, torch::Tensor& inverses) {
-  Forward<T> f;
-  f.q = q.data_ptr<T>();
-  f.k = k.data_ptr<T>();
-  f.v = v.data_ptr<T>();
+  Forward<T, E> f;
+  f.q = q.data_ptr<E>();
+  f.k = k.data_ptr<E>();
+  f.v = v.data_ptr<E>();
   f.beta = beta.data_ptr<T>();
   f.g = g.has_value() ? g->data_ptr<T>() : nullptr;
   f.h0 = h0.has_value() ? h0->data_ptr<T>() : nullptr;
@@ -335,7 +338,7 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   strides3(v, f.v_s);
   strides3(beta, f.beta_s);
   if (g.has_value()) strides3(*g, f.g_s);
-  f.o = o.data_ptr<T>();
+  f.o = o.data_ptr<E>();
   f.h_out = h_out.data_ptr<T>();
   f.states = keep ? states.data_ptr<T>() : nullptr;
   f.q_flat = keep ? q_flat.data_ptr<T>() : nullptr;
@@ -356,7 +359,9 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
 }
 
 // Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V], q_flat, kv_flat, wu, inverses);
-// all but o and h_T are what the backward keeps, and empty unless keep.
+// all but o and h_T are what the backward keeps, and empty unless keep. q, k, v (and o) are of
+// beta's dtype (fp32, fp64), or bf16 with fp32 beta for inference (keep false): fp32 arithmetic
+// throughout, the inputs widened as they are gathered.
 std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& beta, const c10::optional<torch::Tensor>& g,
                                            const c10::optional<torch::Tensor>& h0, double scale, int64_t C,
@@ -366,8 +371,14 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
   TORCH_CHECK(C > 0 && nb > 0 && C % nb == 0, "chunk_delta_fwd: bad chunk size / row blocks");
   const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = (L + C - 1) / C;
   const int64_t rows = NC * N * H, bs = C / nb;
-  auto opts = v.options();
-  torch::Tensor o = torch::empty({N, NC * C, H, V}, opts);
+  auto opts = beta.options();  // the arithmetic's dtype: the state, what is kept
+  const bool bf16_io = v.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(!bf16_io || (!keep && beta.scalar_type() == torch::kFloat && q.scalar_type() == torch::kBFloat16 &&
+                           k.scalar_type() == torch::kBFloat16),
+              "chunk_delta_fwd: bf16 q, k, v take float32 beta and are for inference (keep false)");
+  TORCH_CHECK(bf16_io || (q.scalar_type() == v.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                          beta.scalar_type() == v.scalar_type()), "chunk_delta_fwd: q, k, v, beta of one dtype");
+  torch::Tensor o = torch::empty({N, NC * C, H, V}, v.options());
   torch::Tensor h_out = torch::empty({N * H, K, V}, opts);
   torch::Tensor states, q_flat, kv_flat, wu, inverses;
   if (keep) {
@@ -381,10 +392,13 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
   }
   c10::optional<torch::Tensor> h0c;
   if (h0.has_value()) h0c = h0->contiguous();
-  if (v.scalar_type() == torch::kFloat) {
+  if (bf16_io) {
+    run_forward<float, at::BFloat16>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu,
+                                     inverses);
+  } else if (v.scalar_type() == torch::kFloat) {
     run_forward<float>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu, inverses);
   } else {
-    TORCH_CHECK(v.scalar_type() == torch::kDouble, "chunk_delta_fwd: float32 or float64 only");
+    TORCH_CHECK(v.scalar_type() == torch::kDouble, "chunk_delta_fwd: float32, float64 or bf16 inputs only");
     run_forward<double>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu, inverses);
   }
   return {o, h_out, states, q_flat, kv_flat, wu, inverses};
