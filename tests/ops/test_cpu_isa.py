@@ -291,3 +291,26 @@ def test_plain_bf16_inputs_without_the_kernels_and_with_grad(kernels, one_thread
     (o_g.float().sum() + h_g.sum()).backward()
     assert leaves["q"].grad.dtype == torch.bfloat16 and torch.isfinite(leaves["q"].grad.float()).all()
     assert rel_err(h_g, h) < 1e-5 and rel_err(o_g, o) < 1e-2
+
+
+def test_the_variable_is_read_when_the_kernels_load(kernels, monkeypatch):
+    """A fresh process with FASTWEIGHTS_CPU_ISA=portable takes the portable path from its first
+    call and says so; in a running process a misspelt value is a ValueError naming the variable."""
+    import subprocess
+    import sys
+
+    code = ("from fastweights.ops import cpu; print(cpu.isa()); print(cpu.status()); "
+            "print(cpu.kernel_report()['chunk_delta_fwd_bf16 (bf16 products)'])")
+    env = dict(os.environ, **{isa.ENV: "portable"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "portable" and "forced by FASTWEIGHTS_CPU_ISA=portable" in lines[1]
+    assert "portable" in lines[2]
+    monkeypatch.setenv(isa.ENV, "sse9")
+    try:
+        with pytest.raises(ValueError, match="FASTWEIGHTS_CPU_ISA must be one of"):
+            cpu_kernels.set_isa(None)
+    finally:
+        monkeypatch.delenv(isa.ENV)
+        cpu_kernels.set_isa(None)
