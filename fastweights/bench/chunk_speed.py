@@ -331,7 +331,12 @@ def print_table(rows, matmul, ratio, meta) -> None:
           f"fp32 on {meta['device_name']}, {meta['threads']} threads, torch {meta['torch']}")
     print(f"torch.matmul: {matmul['square_1024']:.1f} GFLOP/s (1024³), {matmul['batched_chunk']:.1f} GFLOP/s "
           f"(batched 64×64 chunk products); fractions below are of the 1024³ rate")
-    print("FLOPs: the chunk algorithm's matmuls, 2C²(3K+2V) + 6CKV per chunk and head; backward = 2× forward\n")
+    print("FLOPs: the chunk algorithm's matmuls, 2C²(3K+2V) + 6CKV per chunk and head; backward = 2× forward")
+    if meta.get("cpu_path"):
+        print(f"CPU kernels: {meta['cpu_path']}")
+        for kernel, path in meta.get("cpu_kernels", {}).items():
+            print(f"  {kernel}: {path}")
+    print()
     head = f"{'T':>6} {'impl':>10} {'mode':>8} {'ms med':>9} {'ms min':>9} {'tok/s':>10} {'GFLOP/s':>8} {'of mm':>6} {'peak MiB':>9} {'saved MiB':>9}"
     print(head)
     print("-" * len(head))
@@ -409,6 +414,10 @@ def run(args: argparse.Namespace) -> int:
                 allocator="glibc mmap/trim thresholds raised in the timing process (fastweights/training/allocator.py), "
                 "the same for every contender" if tuned else "the platform's default malloc settings",
                 time_s=time.strftime("%Y-%m-%d %H:%M:%S"))
+    if args.device == "cpu":  # which compiled path (ISA) each CPU kernel took, and why
+        from ..ops import cpu as cpu_kernels
+
+        meta.update(cpu_path=cpu_kernels.status(), cpu_kernels=cpu_kernels.kernel_report())
     if getattr(args, "roofline_only", False):
         result = dict(meta=meta, roofline=_roofline(args))
         return _write(args, result)

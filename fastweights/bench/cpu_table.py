@@ -158,7 +158,7 @@ def run(T: int = 2048, repeats: int = 5, threads: int = 2, clock: str = "wall") 
     from ..ops import cpu as cpu_kernels
 
     return {"T": T, "threads": threads, "clock": clock, "repeats": repeats, "cpu_path": cpu_kernels.status(),
-            "fp32_mm_rate": fp32_rate, "rows": rows, "ratios": ratios, "load_average": os.getloadavg()}
+            "cpu_kernels": cpu_kernels.kernel_report(), "fp32_mm_rate": fp32_rate, "rows": rows, "ratios": ratios, "load_average": os.getloadavg()}
 
 
 def main(argv=None) -> int:
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     result = run(a.T, a.repeats, a.threads, a.clock)
     print(f"{result['threads']} threads, {result['clock']} clock, best of {result['repeats']}; {result['cpu_path']}")
+    for kernel, path in result["cpu_kernels"].items():
+        print(f"  {kernel}: {path}")
     for r in result["rows"]:
         frac = f"  {r['fraction_of_fp32_mm']:.2f} of fp32 mm" if "fraction_of_fp32_mm" in r else ""
         print(f"  {r['name']:66s} {r['ms']:9.2f} ms {r['gflops']:8.1f} GFLOP/s{frac}")

@@ -1,5 +1,6 @@
 """``fastweights bench``: training speed of the delta rule's chunk path (``fastweights/bench/chunk_speed.py``);
-``fastweights bench --lm``: the whole LM per mixer, training step and decoding step (``fastweights/bench/lm_speed.py``)."""
+``fastweights bench --lm``: the whole LM per mixer, training step and decoding step (``fastweights/bench/lm_speed.py``);
+``fastweights bench --cpu-peers``: the gated delta rule against its CPU peers (``fastweights/bench/cpu_peers.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lm", action="store_true",
                    help="time the LM per mixer instead (fastweights/bench/lm_speed.py; JSON to docs/results/lm_speed.json)")
     add_lm_arguments(p, standalone=False)
+    p.add_argument("--cpu-peers", action="store_true",
+                   help="time the gated delta rule against what a CPU user would otherwise run (transformers, fla, "
+                   "attn-gym where installed), prefill and decode, 1 and 2 threads (fastweights/bench/cpu_peers.py)")
     p.set_defaults(func=run)
 
 
@@ -31,6 +35,10 @@ def run(args) -> int:
         for v in value if isinstance(value, list) else [value]:
             if v is not None and v < 1:
                 raise ValueError(f"bench: `--{name.replace('_', '-')}` must be >= 1, got {v}")
+    if getattr(args, "cpu_peers", False):
+        from ..bench.cpu_peers import main as run_peers
+
+        return run_peers(["--repeats", str(args.repeats or 5)] + (["--json", args.json] if args.json else []))
     if args.lm:
         from ..bench.lm_speed import run as run_lm
 

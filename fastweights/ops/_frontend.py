@@ -410,6 +410,13 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
             and not backward_can_follow(q, k, v, beta, g, initial_state)):
         low = product_dtype(out_dtype)
     keep_low = low is not None and isinstance(phi, Identity) and qk_norm is None
+    # plain bf16 q, k, v in inference, for a core that widens them itself (the compiled CPU
+    # kernel, in its gather): no separate pass casting them to fp32 first
+    raw_bf16 = (low is None and segments is None and not normalize and getattr(core, "reads_bf16_inputs", False)
+                and q.device.type == "cpu" and isinstance(phi, Identity) and qk_norm is None
+                and q.dtype == k.dtype == v.dtype == torch.bfloat16
+                and not backward_can_follow(q, k, v, beta, g, initial_state))
+    keep_low = keep_low or raw_bf16
 
     def cast(t):
         return t if keep_low else t.to(dt)
@@ -418,7 +425,7 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
         single = getattr(core, "single_backward", False)  # the core has no double backward: compiled norms may serve it
         q = normalize_qk(phi(cast(q)), qk_norm, op, compiled=single)
         k = normalize_qk(phi(cast(k)), qk_norm, op, compiled=single)
-        v = v if low is not None and not normalize else v.to(dt)
+        v = v if (low is not None or raw_bf16) and not normalize else v.to(dt)
         if normalize:
             # The normalizer z_t = α_t z_{t-1} + φ(k_t) is the state written with value 1:
             # carry it as one extra value column, so h = [S | z] is a single [K, V+1] state.

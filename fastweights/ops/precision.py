@@ -22,6 +22,12 @@ carries bf16-level error (~1e-3 relative) instead of fp32-level (~1e-7); the out
 which is returned in bf16 anyway, moves from ~0.3 % to ~0.5 % relative error. Under
 the mode the recurrent form uses bf16 operands too, so the two forms can be compared
 at the same precision, and the chunk form stays within 2× of the recurrence's error.
+
+Why it is not the default for bf16 inputs in inference: without the mode those inputs are
+computed in fp32, and against that (the same inputs' recurrence) bf16 products roughly double
+the output's error and raise the state's from ~1e-7 to ~3e-3 — more than the 2× the error rule
+allows (measured in ``fastweights/ops/cpu/README.md``, "bf16 inputs"). Plain bf16 inputs instead
+go to the compiled fp32 kernel unconverted, widened as it gathers each chunk.
 """
 
 from __future__ import annotations

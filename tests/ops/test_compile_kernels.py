@@ -124,6 +124,8 @@ def _op_samples():
         "chunk_delta_bwd": [(*fwd[3:6], fwd[2], beta, g, rand(n, h, t, dv), rand(n * h, dk, dv), 0.5, c)],
         "delta_step_out": [(*step, state, 0.3), (*step[:4], None, state.double(), 0.3)],
         "delta_step_inplace": [(*step, state.clone(), 0.3)],
+        "delta_step_pool": [(*step, rand(5, h, dk, dv), torch.tensor([3, -1]), None, 0.3),
+                            (*step, rand(5, h, dk, dv), torch.tensor([0, 4]), torch.tensor([True, False]), 0.3)],
         "short_conv_fwd": [(x.requires_grad_(), cstate.requires_grad_(), taps.requires_grad_())],
         "short_conv_bwd": [(rand(2, 7, 6), x.detach(), cstate.detach(), taps.detach())],
         "l2norm_fwd": [(rand(3, 4, dk).requires_grad_(), 1e-6)],

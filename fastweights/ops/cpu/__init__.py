@@ -12,6 +12,10 @@ never loads a stale library. Nothing here runs at ``import fastweights``: the fi
 chunk call builds (about 50 s on 2 cores) or loads it. If the build fails, or
 ``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once
 in a one-line warning and never raises.
+
+Which instruction-set path each kernel takes (AMX, AVX512-BF16, AVX2, portable) is decided once
+when the kernels load (``fastweights/ops/cpu/dispatch.py``; ``FASTWEIGHTS_CPU_ISA`` forces a lower
+one) and reported by :func:`status`, :func:`kernel_report` and ``python -m fastweights.ops.cpu``.
 """
 
 from __future__ import annotations
@@ -28,16 +32,20 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status"]
+__all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status", "isa",
+           "set_isa", "kernel_report"]
 
-_SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp", "short_conv.cpp", "l2norm.cpp")
-_HEADERS = ("gemm_bf16.h",)  # included by the sources: part of the build key
+#: One file per kernel family, and module.cpp, the one module definition that registers them all.
+_SOURCES = ("module.cpp", "chunk_delta.cpp", "chunk_delta_bf16.cpp", "gemm_bf16_check.cpp", "decode_step.cpp",
+            "short_conv.cpp", "l2norm.cpp")
+_HEADERS = ("chunk_common.h", "gemm_bf16.h", "gemm.h", "isa.h")  # included by the sources: part of the build key
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _module = None
 _error: Optional[str] = None
 _tried = False
 _enabled_override: Optional[bool] = None
+_isa_choice = None  # isa.Choice, once the kernels are loaded
 
 
 def _cpu_signature() -> str:
@@ -50,9 +58,17 @@ def _cpu_signature() -> str:
     return "".join(lines)
 
 
+_MACHINE = platform.machine().lower()
+#: The build targets this CPU: ``-march=native`` on x86-64, ``-mcpu=native`` on ARM, nothing else.
+_NATIVE = {"x86_64": ("-march=native",), "amd64": ("-march=native",), "aarch64": ("-mcpu=native",),
+           "arm64": ("-mcpu=native",)}.get(_MACHINE, ())
+#: MKL's BLAS symbols (``sgemm_``, ``MKL_Set_Num_Threads_Local``) are used only where torch has MKL
+#: on x86-64; elsewhere the kernels build without them (the portable products, isa.h).
+_MKL = _MACHINE in ("x86_64", "amd64") and torch.backends.mkl.is_available()
+
 #: Compiler and linker flags (part of the build's key). ``-fopenmp``: ``at::parallel_for`` is
 #: inline OpenMP in torch's headers; compiled without it, the heads run one after another.
-_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_CFLAGS = ("-O3", *_NATIVE, "-fno-math-errno", "-fopenmp") + (("-DFASTWEIGHTS_MKL",) if _MKL else ())
 _LDFLAGS = ("-fopenmp",)
 
 
@@ -102,6 +118,9 @@ def _put_ninja_on_path() -> None:
 def build(verbose: bool = False):
     """Compile (or load the cached build of) the kernels; returns the module or None, never raises."""
     global _module, _error, _tried
+    from .dispatch import requested
+
+    requested()  # a misspelt FASTWEIGHTS_CPU_ISA is the caller's error: ValueError, not a silent fallback
     with _lock:
         if _tried:
             return _module
@@ -122,6 +141,7 @@ def build(verbose: bool = False):
                 build_directory=str(folder),
                 verbose=verbose,
             )
+            _apply_isa(_module)
         except Exception as exc:  # a missing compiler, ninja or header: fall back, say so once
             _module = None
             _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -130,6 +150,50 @@ def build(verbose: bool = False):
                 RuntimeWarning, stacklevel=3,
             )
         return _module
+
+
+def _apply_isa(mod, name: Optional[str] = None, check_cpu: bool = True) -> None:
+    """Decide the ISA path (dispatch.py) for the loaded module and set it in the kernels."""
+    global _isa_choice
+    from . import dispatch as _isa
+
+    env = None if name is None else {_isa.ENV: name}
+    choice = _isa.choose(int(mod.build_max_isa), bool(mod.build_has_mkl), bool(mod.build_has_brgemm),
+                         environ=env, check_cpu=check_cpu)
+    mod.set_isa(choice.level)
+    _isa_choice = choice
+
+
+def isa() -> Optional[str]:
+    """The ISA path the compiled kernels take (``"amx"``, ``"avx512bf16"``, ``"avx2"`` or
+    ``"portable"``; builds them on the first call), or None when they are off or unavailable."""
+    return None if kernels() is None else _isa_choice.name
+
+
+def set_isa(name: Optional[str] = None, *, check_cpu: bool = True) -> Optional[str]:
+    """Take another ISA path from now on, in this process: ``name`` as ``FASTWEIGHTS_CPU_ISA``
+    reads it (a lower path than the CPU's; a higher one is ignored with a warning), or None to
+    decide again from the environment. ``check_cpu=False`` lets tests run the AMX code on a CPU
+    without AMX (oneDNN runs the same brgemm on its vector units). Returns the path taken, or
+    None when the kernels are off or unavailable."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"set_isa: `name` must be a str or None, got {type(name).__name__}")
+    mod = kernels()
+    if mod is None:
+        return None
+    with _lock:
+        _apply_isa(mod, name, check_cpu)
+    return _isa_choice.name
+
+
+def kernel_report() -> dict:
+    """``{kernel: path}`` for every compiled kernel at the current ISA path (empty when the
+    kernels are off or unavailable)."""
+    if kernels() is None:
+        return {}
+    from . import dispatch as _isa
+
+    return _isa.kernel_paths(_isa_choice.level, native=bool(_NATIVE))
 
 
 def kernels():
@@ -180,7 +244,7 @@ def status() -> str:
     mod = kernels()
     if mod is None:
         return f"PyTorch path (compiled CPU kernels unavailable: {_error})"
-    return f"compiled CPU kernels ({cache_dir()})"
+    return f"compiled CPU kernels ({cache_dir()}), ISA path {_isa_choice.name} ({'; '.join(_isa_choice.reasons)})"
 
 
 from . import library  # noqa: E402  (the custom ops; registering them builds nothing)

@@ -2,35 +2,50 @@
 //
 //   gemm_bf16(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, ws)
 //     C[m×n] = alpha · op(A) op(B) + beta · C, row major, op(X) = Xᵀ when its flag is set
-//     (the semantics of `mm<T>` in chunk_delta.cpp). op(A) is m×k, op(B) is k×n; A is stored
+//     (the semantics of `mm<T>` in gemm.h). op(A) is m×k, op(B) is k×n; A is stored
 //     m×k (ta false) or k×m (ta true) with row stride lda, B likewise k×n or n×k with ldb.
 //     beta == 0 does not read C (as in BLAS: C may hold NaN).
+//   gemm_bf16_release(): after a run of calls (a head), gives back the AMX tile state.
 //   to_bf16(src, dst, n): fp32 → bf16, round to nearest even, bit for bit torch's
 //     `tensor.to(torch.bfloat16)` (denormals kept, NaN → 0xFFFF).
 //
-// Where the compiler targets AVX512-BF16 (`__AVX512BF16__`, e.g. `-march=native` on Zen 4/5 or
-// Cooper Lake and later), both operands are packed into "VNNI" pairs, the layout `vdpbf16ps`
+// Three implementations, picked per call by the process's ISA level (isa.h):
+//
+// AMX (kAmx): oneDNN's brgemm micro-kernel through torch's `at::native::cpublas::brgemm`
+// (the one PyTorch's CPU flash attention uses): A row major, B in VNNI-2 layout (pairs of
+// k rows interleaved per column, packed here with the same packer as below), fp32 C.
+// oneDNN runs the same call with AVX512-BF16 or AVX2 code where the CPU has no AMX, which is
+// how the path is tested on such CPUs; it is chosen only where /proc/cpuinfo says `amx_bf16`.
+//
+// AVX512-BF16 (kAvx512Bf16, where the compiler targets it: `-march=native` on Zen 4/5 or Cooper
+// Lake and later): both operands are packed into "VNNI" pairs, the layout `vdpbf16ps`
 // (`_mm512_dpbf16_ps`) reads: word p of a packed row holds the bf16 pair (X[2p], X[2p+1]) of
 // the k dimension (a zero pads an odd k), stored pair-major, [⌈k/2⌉, round16(rows)] 32-bit
 // words. A register-blocked micro-kernel then keeps an MR × 16·NV tile of C in zmm registers,
 // and for each k-pair broadcasts one A word per row and multiplies it into NV B vectors: one
-// instruction does 16 lanes × 2 products, twice the fp32 FMA's work. Everything lives in a
-// caller-owned Workspace (64-byte aligned, grown only when a call needs more), so a call in a
-// loop allocates nothing.
+// instruction does 16 lanes × 2 products, twice the fp32 FMA's work.
 //
-// Numerics: a bf16 × bf16 product is exact in fp32, so the result is the fp32 matmul of the
+// Otherwise (kAvx2, kPortable) the operands are widened to fp32 in the workspace and gemm.h's
+// `mm<float>` runs (MKL's sgemm_, or the portable loop): the same results, at the fp32 rate.
+//
+// Everything lives in a caller-owned Workspace (64-byte aligned, grown only when a call needs
+// more), so a call in a loop allocates nothing.
+//
+// Numerics: a bf16 × bf16 product is exact in fp32, so every path gives the fp32 matmul of the
 // bf16 values up to the order of the fp32 additions. `vdpbf16ps` treats bf16 denormal inputs
 // as zero and flushes denormal outputs (values below 1.2e-38); nothing else differs.
-//
-// Elsewhere (no AVX512-BF16) the operands are widened to fp32 in the workspace and MKL's
-// `sgemm_` (exported by libtorch_cpu) runs: the same results, at the fp32 rate.
-// `kHasFastBf16` says which path this build took.
+// `kHasFastBf16` says whether this build has the vdpbf16ps kernel.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
+#include "gemm.h"
+#include "isa.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -39,18 +54,15 @@
 #include <cstring>
 #include <utility>
 
-extern "C" {
-void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-            const int*, const float*, const int*, const float*, float*, const int*);
-}
-
 namespace fastweights {
 namespace cpu {
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-constexpr bool kHasFastBf16 = true;
-#else
-constexpr bool kHasFastBf16 = false;
+constexpr bool kHasFastBf16 = kBuildHasAvx512Bf16;
+
+// The AMX path needs the AVX-512 packers below as well as torch's brgemm.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && \
+    (defined(__x86_64__) || defined(_M_X64))
+#define FASTWEIGHTS_BRGEMM 1
 #endif
 
 // Caller-owned scratch, 64-byte aligned; grows (never shrinks) to the largest request.
@@ -84,8 +96,6 @@ struct Workspace {
 };
 
 namespace bf16_detail {
-
-inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 inline uint16_t to_bf16_bits(float x) {
   uint32_t u;
@@ -123,9 +133,11 @@ inline void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  for (; i < n; i += 16) {
-    const __mmask16 live = bf16_detail::live16(n - i);
-    _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(_mm512_maskz_loadu_ps(live, src + i)));
+  if (isa() > kPortable) {
+    for (; i < n; i += 16) {
+      const __mmask16 live = bf16_detail::live16(n - i);
+      _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(_mm512_maskz_loadu_ps(live, src + i)));
+    }
   }
 #endif
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i]);
@@ -138,7 +150,7 @@ inline void scale_to_bf16(const at::BFloat16* src, float factor, at::BFloat16* d
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const __m512 f = _mm512_set1_ps(factor);
-  for (; i < n; i += 16) {
+  for (; i < n && isa() > kPortable; i += 16) {
     const __mmask16 live = bf16_detail::live16(n - i);
     const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, in + i)), 16);
     const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(wide), f);
@@ -148,13 +160,13 @@ inline void scale_to_bf16(const at::BFloat16* src, float factor, at::BFloat16* d
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(bf16_detail::bf16_to_float(in[i]) * factor);
 }
 
-// Bytes of workspace one gemm_bf16 call of this shape needs.
+// Bytes of workspace one gemm_bf16 call of this shape needs (the most any path takes).
 inline size_t gemm_bf16_workspace_bytes(int64_t m, int64_t n, int64_t k) {
-  if (kHasFastBf16) {
-    const int64_t kp = (k + 1) / 2;
-    return size_t(kp * (bf16_detail::round16(m) + bf16_detail::round16(n))) * 4 + 64;
-  }
-  return size_t(bf16_detail::round16(m * k) + bf16_detail::round16(k * n)) * 4 + 64;
+  const int64_t kp = (k + 1) / 2;
+  const int64_t vnni = kp * (round16(m) + round16(n));                         // vdpbf16ps: both packed (words)
+  const int64_t amx = round16(m * kp) + round16(kp * round16(n)) + round16(m * n);  // A, VNNI B (words), fp32 C
+  const int64_t wide = round16(m * k) + round16(k * n);                        // both widened (floats)
+  return size_t(std::max({vnni, amx, wide})) * 4 + 64;
 }
 
 namespace bf16_detail {
@@ -293,6 +305,55 @@ inline constexpr auto kKernels = kernel_table(std::make_index_sequence<kNV>());
 
 }  // namespace bf16_detail
 
+#if defined(FASTWEIGHTS_BRGEMM)
+namespace bf16_detail {
+
+// The AMX path of gemm_bf16 (see the top of this file). brgemm computes C (+)= A·B for A row
+// major [m, k2], B in VNNI-2 words [k2/2, ldb] and fp32 C, k2 = k rounded up to even (a zero row
+// and column pad an odd k). A is used in place when it already is row major with an even k;
+// otherwise it is copied. C is written directly when alpha = 1 and beta ∈ {0, 1}, else through
+// an fp32 tile.
+inline void gemm_bf16_brgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a16,
+                             int64_t lda, const uint16_t* b16, int64_t ldb, float beta, float* C, int64_t ldc,
+                             Workspace& ws) {
+  const int64_t kp = (k + 1) / 2, k2 = 2 * kp, sb = round16(n);
+  uint32_t* base = static_cast<uint32_t*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
+  uint16_t* pa = reinterpret_cast<uint16_t*>(base);          // [m, k2] bf16: round16(m·kp) words
+  uint32_t* pb = base + round16(m * kp);                     // [kp, sb] words
+  float* ct = reinterpret_cast<float*>(pb + round16(kp * sb));  // [m, n] fp32
+  if (tb) pack_pairs_along_rows(b16, ldb, n, k, pb, sb);    // B: [n, k]
+  else pack_pairs_across_rows(b16, ldb, k, n, pb, sb);      // B: [k, n]
+  const uint16_t* a_rows = a16;
+  int64_t a_ld = lda;
+  if (ta || k2 != k) {
+    for (int64_t i = 0; i < m; ++i) {
+      uint16_t* row = pa + i * k2;
+      if (ta)
+        for (int64_t p = 0; p < k; ++p) row[p] = a16[p * lda + i];
+      else std::memcpy(row, a16 + i * lda, sizeof(uint16_t) * k);
+      if (k2 != k) row[k] = 0;
+    }
+    a_rows = pa;
+    a_ld = k2;
+  }
+  const bool direct = alpha == 1.f && (beta == 0.f || beta == 1.f);
+  at::native::cpublas::brgemm(m, n, k2, a_ld, sb, direct ? ldc : n, direct && beta == 1.f,
+                              reinterpret_cast<const at::BFloat16*>(a_rows),
+                              reinterpret_cast<const at::BFloat16*>(pb), direct ? C : ct, true);
+  if (direct) return;
+  for (int64_t i = 0; i < m; ++i) {
+    float* c = C + i * ldc;
+    const float* t = ct + i * n;
+    if (beta == 0.f)
+      for (int64_t j = 0; j < n; ++j) c[j] = alpha * t[j];
+    else
+      for (int64_t j = 0; j < n; ++j) c[j] = alpha * t[j] + beta * c[j];
+  }
+}
+
+}  // namespace bf16_detail
+#endif  // FASTWEIGHTS_BRGEMM
+
 // C[m×n] = alpha · op(A) op(B) + beta · C (row major; see the top of this file).
 inline void gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* A,
                       int64_t lda, const at::BFloat16* B, int64_t ldb, float beta, float* C, int64_t ldc,
@@ -305,25 +366,35 @@ inline void gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float a
   }
   const uint16_t* a16 = reinterpret_cast<const uint16_t*>(A);
   const uint16_t* b16 = reinterpret_cast<const uint16_t*>(B);
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-  const int64_t kp = (k + 1) / 2, sa = round16(m), sb = round16(n);
-  uint32_t* pa = static_cast<uint32_t*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
-  uint32_t* pb = pa + kp * sa;
-  if (ta) pack_pairs_across_rows(a16, lda, k, m, pa, sa);  // A: [k, m]
-  else pack_pairs_along_rows(a16, lda, m, k, pa, sa);      // A: [m, k]
-  if (tb) pack_pairs_along_rows(b16, ldb, n, k, pb, sb);   // B: [n, k]
-  else pack_pairs_across_rows(b16, ldb, k, n, pb, sb);     // B: [k, n]
-  for (int64_t j0 = 0; j0 < n; j0 += kNR) {
-    const int64_t w = std::min<int64_t>(kNR, n - j0), nv = (w + 15) / 16, tail = w - 16 * (nv - 1);
-    const __mmask16 last = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
-    const auto& row = kKernels[nv - 1];
-    for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-      const int64_t rows = std::min<int64_t>(kMR, m - i0);
-      row[rows - 1](kp, pa + i0, sa, pb + j0, sb, C + i0 * ldc + j0, ldc, alpha, beta, last);
-    }
+  const int level = isa();
+#if defined(FASTWEIGHTS_BRGEMM)
+  if (level >= kAmx) {
+    gemm_bf16_brgemm(ta, tb, m, n, k, alpha, a16, lda, b16, ldb, beta, C, ldc, ws);
+    return;
   }
-#else
-  // widen both operands, as stored, to fp32 and let sgemm_ do the product
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  if (level >= kAvx512Bf16) {
+    const int64_t kp = (k + 1) / 2, sa = round16(m), sb = round16(n);
+    uint32_t* pa = static_cast<uint32_t*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
+    uint32_t* pb = pa + kp * sa;
+    if (ta) pack_pairs_across_rows(a16, lda, k, m, pa, sa);  // A: [k, m]
+    else pack_pairs_along_rows(a16, lda, m, k, pa, sa);      // A: [m, k]
+    if (tb) pack_pairs_along_rows(b16, ldb, n, k, pb, sb);   // B: [n, k]
+    else pack_pairs_across_rows(b16, ldb, k, n, pb, sb);     // B: [k, n]
+    for (int64_t j0 = 0; j0 < n; j0 += kNR) {
+      const int64_t w = std::min<int64_t>(kNR, n - j0), nv = (w + 15) / 16, tail = w - 16 * (nv - 1);
+      const __mmask16 last = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
+      const auto& row = kKernels[nv - 1];
+      for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+        const int64_t rows = std::min<int64_t>(kMR, m - i0);
+        row[rows - 1](kp, pa + i0, sa, pb + j0, sb, C + i0 * ldc + j0, ldc, alpha, beta, last);
+      }
+    }
+    return;
+  }
+#endif
+  // widen both operands, as stored, to fp32 and let gemm.h's fp32 product run
   const int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
   float* fa = static_cast<float*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
   float* fb = fa + round16(m * k);
@@ -331,10 +402,14 @@ inline void gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float a
     for (int64_t j = 0; j < ac; ++j) fa[i * ac + j] = bf16_to_float(a16[i * lda + j]);
   for (int64_t i = 0; i < br; ++i)
     for (int64_t j = 0; j < bc; ++j) fb[i * bc + j] = bf16_to_float(b16[i * ldb + j]);
-  // row-major C = op(A) op(B) is column-major Cᵀ = op(B)ᵀ op(A)ᵀ
-  const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
-  const int m_ = int(m), n_ = int(n), k_ = int(k), lda_ = int(ac), ldb_ = int(bc), ldc_ = int(ldc);
-  sgemm_(&opb, &opa, &n_, &m_, &k_, &alpha, fb, &ldb_, fa, &lda_, &beta, C, &ldc_);
+  mm<float>(ta, tb, m, n, k, alpha, fa, ac, fb, bc, beta, C, ldc);
+}
+
+// After a run of gemm_bf16 calls on one thread: on the AMX path, oneDNN's brgemm leaves the tile
+// configuration loaded until told; elsewhere nothing to do.
+inline void gemm_bf16_release() {
+#if defined(FASTWEIGHTS_BRGEMM)
+  if (isa() >= kAmx) at::native::cpublas::brgemm_release(true);
 #endif
 }
 

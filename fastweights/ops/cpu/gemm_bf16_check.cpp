@@ -1,6 +1,7 @@
 // Python entry points of gemm_bf16.h, for its tests and its benchmark (the forward itself calls
 // the header from C++): gemm_bf16_check runs one call on torch tensors, to_bf16_check the
-// conversion, gemm_bf16_bench times the kernel against MKL's sgemm_ on the same shape.
+// conversion, gemm_bf16_bench times the kernel against the fp32 product (gemm.h: MKL's sgemm_,
+// or the portable loop) on the same shape, each on the path the ISA level (isa.h) selects.
 #include <torch/extension.h>
 
 #include <time.h>
@@ -9,8 +10,6 @@
 #include <vector>
 
 #include "gemm_bf16.h"
-
-extern "C" int MKL_Set_Num_Threads_Local(int);
 
 namespace {
 
@@ -40,6 +39,7 @@ torch::Tensor gemm_bf16_check(const torch::Tensor& A, const torch::Tensor& B, bo
   Workspace ws;
   gemm_bf16(ta, tb, m, n, k, float(alpha), A.data_ptr<at::BFloat16>(), A.stride(0), B.data_ptr<at::BFloat16>(),
             B.stride(0), float(beta), C.data_ptr<float>(), C.stride(0), ws);
+  fastweights::cpu::gemm_bf16_release();
   return C;
 }
 
@@ -58,9 +58,10 @@ double thread_seconds() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-// GFLOP/s (2·m·n·k per call) of gemm_bf16 and of sgemm_ on the same shape and transposes, one
-// thread, best of `rounds` rounds of `reps` calls each, the two kernels interleaved round by
-// round; the packing is inside the bf16 timing. Returns {bf16, sgemm, has_fast_bf16}.
+// GFLOP/s (2·m·n·k per call) of gemm_bf16 and of the fp32 product on the same shape and
+// transposes, one thread, best of `rounds` rounds of `reps` calls each, the two kernels
+// interleaved round by round; the packing is inside the bf16 timing. Returns
+// {bf16, fp32, isa level the calls ran at}.
 std::vector<double> gemm_bf16_bench(int64_t m, int64_t n, int64_t k, int64_t reps, bool ta, bool tb,
                                     int64_t rounds) {
   TORCH_CHECK(m > 0 && n > 0 && k > 0, "gemm_bf16_bench: m, n, k must be positive, got ", m, ", ", n, ", ", k);
@@ -80,14 +81,11 @@ std::vector<double> gemm_bf16_bench(int64_t m, int64_t n, int64_t k, int64_t rep
   for (int64_t i = 0; i < m * k; ++i) af[i] = float(ah[i]);
   for (int64_t i = 0; i < k * n; ++i) bfp[i] = float(bh[i]);
   Workspace ws;
-  const int previous = MKL_Set_Num_Threads_Local(1);
-  const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
-  const int m_ = int(m), n_ = int(n), k_ = int(k), lda_ = int(lda), ldb_ = int(ldb), ldc_ = int(n);
-  const float one = 1.f, zero = 0.f;
+  const fastweights::cpu::OneThreadBlas one_core;
   auto run_bf16 = [&]() {
     gemm_bf16(ta, tb, m, n, k, 1.f, ah.data(), lda, bh.data(), ldb, 0.f, c.data(), n, ws);
   };
-  auto run_sgemm = [&]() { sgemm_(&opb, &opa, &n_, &m_, &k_, &one, bfp.data(), &ldb_, af.data(), &lda_, &zero, c.data(), &ldc_); };
+  auto run_sgemm = [&]() { fastweights::cpu::mm<float>(ta, tb, m, n, k, 1.f, af.data(), lda, bfp.data(), ldb, 0.f, c.data(), n); };
   run_bf16();
   run_sgemm();
   double best_bf16 = 1e30, best_sgemm = 1e30;
@@ -99,9 +97,9 @@ std::vector<double> gemm_bf16_bench(int64_t m, int64_t n, int64_t k, int64_t rep
     for (int64_t i = 0; i < reps; ++i) run_sgemm();
     best_sgemm = std::min(best_sgemm, thread_seconds() - t0);
   }
-  MKL_Set_Num_Threads_Local(previous);
+  fastweights::cpu::gemm_bf16_release();
   const double flops = 2.0 * double(m) * double(n) * double(k) * double(reps);
-  return {flops / best_bf16 * 1e-9, flops / best_sgemm * 1e-9, fastweights::cpu::kHasFastBf16 ? 1.0 : 0.0};
+  return {flops / best_bf16 * 1e-9, flops / best_sgemm * 1e-9, double(fastweights::cpu::isa())};
 }
 
 }  // namespace
@@ -112,7 +110,7 @@ void register_gemm_bf16(pybind11::module& m) {
         pybind11::arg("A"), pybind11::arg("B"), pybind11::arg("ta"), pybind11::arg("tb"), pybind11::arg("alpha"),
         pybind11::arg("beta"), pybind11::arg("C"));
   m.def("to_bf16_check", &to_bf16_check, "fp32 → bf16 by gemm_bf16.h's to_bf16", pybind11::arg("x"));
-  m.def("gemm_bf16_bench", &gemm_bf16_bench, "GFLOP/s of gemm_bf16 and of sgemm_ on one shape, one thread",
+  m.def("gemm_bf16_bench", &gemm_bf16_bench, "GFLOP/s of gemm_bf16 and of the fp32 product on one shape, one thread, and the ISA level",
         pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("reps"),
         pybind11::arg("ta") = false, pybind11::arg("tb") = false, pybind11::arg("rounds") = 5);
   m.attr("has_fast_bf16") = fastweights::cpu::kHasFastBf16;

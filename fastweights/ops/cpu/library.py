@@ -40,7 +40,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["kernel", "OPS", "chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_delta_bwd", "delta_step",
+__all__ = ["kernel", "OPS", "chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_delta_bwd", "delta_step", "delta_step_pool",
            "short_conv_fwd", "short_conv_bwd", "l2norm_fwd", "l2norm_bwd"]
 
 #: name -> the registered op, ``torch.ops.fastweights.<name>.default``.
@@ -183,6 +183,15 @@ def delta_step_inplace(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optiona
     """:func:`delta_step_out` writing the new state into ``state``; returns ``o [N, H, V]``."""
     n, nh, _, dv = state.shape
     return state.new_empty(n, nh, dv, dtype=v.dtype)
+
+
+@kernel(mutates_args=("pool",))
+def delta_step_pool(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], pool: Tensor, slots: Tensor,
+                    has_initial_state: Optional[Tensor], scale: float) -> Tensor:
+    """One token for N sessions held in a pool ``[S, H, K, V]`` (contiguous), each reading and writing its
+    slot ``slots [N]`` (int64, −1: a fresh state, not written) in place; ``has_initial_state [N]`` bool or
+    None; ``q, k [N, H, K]``, ``v [N, H, V]``, ``beta, g [N, H]`` -> ``o [N, H, V]`` in v's dtype."""
+    return pool.new_empty(q.shape[0], pool.shape[1], pool.shape[3], dtype=v.dtype)
 
 
 def delta_step(q, k, v, beta, g, state, scale: float, inplace: bool):

@@ -179,7 +179,11 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
         return None
     if low is not None:
         return _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low)
-    mod = kernels_for(q, k, v, beta, g, h0)
+    if v.dtype == torch.bfloat16 and not keep:  # plain bf16 inputs: fp32 arithmetic, widened in the kernel's gather
+        mod = kernels_for(beta, g, h0, dtypes=(torch.float32,))
+        mod = mod if mod is not None and q.dtype == k.dtype == v.dtype and q.device.type == "cpu" else None
+    else:
+        mod = kernels_for(q, k, v, beta, g, h0)
     if mod is None:
         return None
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
@@ -221,6 +225,8 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
     native = _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low)
     if native is not None:
         return native
+    if low is None and v.dtype != beta.dtype:  # plain bf16 inputs the compiled kernel did not take: widen here
+        q, k, v = (t.to(beta.dtype) for t in (q, k, v))
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
@@ -501,6 +507,7 @@ def delta_rule_chunk(
 
 
 delta_rule_chunk.takes_low_products = True  # run_op passes ``low`` (fastweights.ops.precision)
+delta_rule_chunk.reads_bf16_inputs = True  # run_op may pass plain bf16 q, k, v in inference (fp32 beta, g, state)
 delta_rule_chunk.single_backward = True  # no double backward: run_op may use the compiled q/k norm
 
 

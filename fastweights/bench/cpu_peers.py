@@ -1,0 +1,189 @@
+"""Peers on the CPU, side by side: what a CPU user would otherwise run for the gated delta rule.
+
+``python -m fastweights.bench.cpu_peers [--threads 1 2] [--T 2048] [--repeats 5] [--clock wall|cpu] [--json PATH]``
+
+For each thread count and head shape — Qwen3-Next's (16 key / 32 value heads × 128: the keys
+repeated to the 32 value heads, as the model does before the op) and H 8 × 128 — it times,
+interleaved round by round (best of ``--repeats``), fp32, no grad:
+
+- prefill, T tokens from a zero state: ours (``chunk_gated_delta_rule``), transformers'
+  ``torch_chunk_gated_delta_rule`` (the Qwen3-Next torch fallback), fla's
+  ``naive_chunk_gated_delta_rule`` (its plain-PyTorch reference), Attention Gym's reference;
+- decode, one token from a state: ours (``gated_delta_rule_step``), transformers'
+  ``torch_recurrent_gated_delta_rule``, fla's ``naive_recurrent_gated_delta_rule``.
+
+A peer that is not installed (or lacks the function) is a row with ``skipped`` and the reason,
+never a failure; no peer's code is shipped. Ratios are the peer's time over ours (> 1: ours is
+faster). The path each of our compiled kernels took is recorded (``cpu_kernels``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Callable, Dict, Union
+
+import torch
+
+from ..config import atomic_write_text
+from .cpu_table import _inputs
+from .roofline import CLOCKS, interleaved, op_flops
+
+SHAPES = {"Qwen3-Next heads (16 key / 32 value x 128)": 32, "H 8 x 128": 8}
+D = 128
+
+Case = Union[Callable[[], object], str]  # a call to time, or the reason it is skipped
+
+
+def _transformers():
+    try:
+        from transformers.models.qwen3_next import modeling_qwen3_next as qwen
+    except Exception as exc:  # not installed, or too old for Qwen3-Next
+        return f"transformers' Qwen3-Next module is not importable ({type(exc).__name__}: {exc})"
+    return qwen
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import naive
+    except Exception as exc:
+        return f"flash-linear-attention is not importable ({type(exc).__name__}: {exc})"
+    return naive
+
+
+def _attn_gym():
+    try:
+        import attn_gym  # noqa: F401
+    except Exception as exc:
+        return f"attn-gym is not installed ({type(exc).__name__}); pip install attn-gym to add its row"
+    return "attn-gym is installed but has no gated delta rule reference this benchmark knows how to call"
+
+
+def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
+    from .. import ops
+
+    q, k, v, beta, g = _inputs(1, T, H, D, D, gen)
+    out: Dict[str, Case] = {}
+
+    def ours():
+        with torch.no_grad():
+            ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
+
+    out["fastweights chunk_gated_delta_rule"] = ours
+    qwen = _transformers()
+    if isinstance(qwen, str):
+        out["transformers torch_chunk_gated_delta_rule"] = qwen
+    else:
+        fn = getattr(qwen.torch_chunk_gated_delta_rule, "__wrapped__", qwen.torch_chunk_gated_delta_rule)
+
+        def transformers_chunk():
+            with torch.no_grad():
+                fn(q, k, v, g=g, beta=beta, chunk_size=64, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False)
+
+        out["transformers torch_chunk_gated_delta_rule"] = transformers_chunk
+    naive = _fla()
+    if isinstance(naive, str):
+        out["fla naive_chunk_gated_delta_rule"] = naive
+    else:
+        def fla_chunk():
+            with torch.no_grad():
+                naive.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
+
+        out["fla naive_chunk_gated_delta_rule"] = fla_chunk
+    out["attn-gym reference"] = _attn_gym()
+    return out
+
+
+def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
+    from .. import ops
+
+    q, k, v, beta, g = _inputs(1, 1, H, D, D, gen)
+    state = torch.randn(1, H, D, D, generator=gen) * 0.1
+    out: Dict[str, Case] = {}
+
+    def ours():
+        with torch.no_grad():
+            ops.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], state)
+
+    out["fastweights gated_delta_rule_step"] = ours
+    qwen = _transformers()
+    if isinstance(qwen, str):
+        out["transformers torch_recurrent_gated_delta_rule"] = qwen
+    else:
+        fn = getattr(qwen.torch_recurrent_gated_delta_rule, "__wrapped__", qwen.torch_recurrent_gated_delta_rule)
+
+        def transformers_step():
+            with torch.no_grad():
+                fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False)
+
+        out["transformers torch_recurrent_gated_delta_rule"] = transformers_step
+    naive = _fla()
+    if isinstance(naive, str):
+        out["fla naive_recurrent_gated_delta_rule"] = naive
+    else:
+        def fla_step():
+            with torch.no_grad():
+                naive.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=state, output_final_state=True)
+
+        out["fla naive_recurrent_gated_delta_rule"] = fla_step
+    return out
+
+
+def run(T: int = 2048, threads=(1, 2), repeats: int = 5, clock: str = "wall") -> Dict:
+    """Every (threads, shape, phase) group timed interleaved; rows with ms, or skipped with the reason."""
+    from ..ops import cpu as cpu_kernels
+
+    previous = torch.get_num_threads()
+    rows, gen = [], torch.Generator().manual_seed(0)
+    try:
+        for n_threads in threads:
+            torch.set_num_threads(n_threads)
+            for shape, H in SHAPES.items():
+                for phase, cases in (("prefill", prefill_cases(T, H, gen)), ("decode", decode_cases(H, gen))):
+                    timed = {n: c for n, c in cases.items() if callable(c)}
+                    best = {n: min(ts) for n, ts in interleaved(timed, repeats, "cpu", clock).items()}
+                    ours = next(n for n in cases if n.startswith("fastweights"))
+                    for name, case in cases.items():
+                        row = {"threads": n_threads, "shape": shape, "phase": phase, "impl": name}
+                        if isinstance(case, str):
+                            row["skipped"] = case
+                        else:
+                            row["ms"] = 1e3 * best[name]
+                            row["peer_time_over_ours"] = best[name] / best[ours]
+                            if phase == "prefill":
+                                row["gflops"] = op_flops(1, H, T, D, D, 64) / best[name] / 1e9
+                        rows.append(row)
+    finally:
+        torch.set_num_threads(previous)
+    return {"T": T, "repeats": repeats, "clock": clock, "dtype": "float32", "cpu_path": cpu_kernels.status(),
+            "cpu_kernels": cpu_kernels.kernel_report(), "rows": rows, "load_average": os.getloadavg()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastweights.bench.cpu_peers", description=__doc__.splitlines()[0])
+    p.add_argument("--T", type=int, default=2048)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    for name, value in (("T", a.T), ("repeats", a.repeats), *(("threads", t) for t in a.threads)):
+        if value < 1:
+            raise ValueError(f"cpu_peers: `--{name}` must be >= 1, got {value}")
+    result = run(a.T, tuple(a.threads), a.repeats, a.clock)
+    print(f"T {result['T']}, fp32, no grad, {result['clock']} clock, best of {result['repeats']}; {result['cpu_path']}")
+    for r in result["rows"]:
+        head = f"  {r['threads']} thr  {r['shape']:42s} {r['phase']:7s} {r['impl']:47s}"
+        if "skipped" in r:
+            print(f"{head} skipped: {r['skipped']}")
+        else:
+            print(f"{head} {r['ms']:9.3f} ms  peer/ours {r['peer_time_over_ours']:5.2f}x")
+    if a.json:
+        atomic_write_text(a.json, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+// The pieces the chunk kernels share (chunk_delta.cpp: fp32/fp64 forward and backward;
+// chunk_delta_bf16.cpp: the bf16-products forward): the per-chunk masks, decays and triangular
+// inverse, the gather of one head's chunk into scratch, and the per-head task loop. The algebra
+// is fastweights/ops/delta_rule/chunk.py's (the WY/UT form, Yang et al. 2024, arXiv:2406.06484).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "gemm.h"
+#include "gemm_bf16.h"
+#include "isa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+namespace fastweights {
+namespace cpu {
+namespace chunk {
+
+// --- the per-chunk pieces the forward and the backward share ---------------------------
+
+// b = cumsum(g) in place (bcum holds g on entry), e^b and e^{b_C − b}.
+template <typename T>
+void chunk_decays(int64_t C, T* bcum, T* rd, T* te) {
+  for (int64_t i = 1; i < C; ++i) bcum[i] += bcum[i - 1];
+  for (int64_t i = 0; i < C; ++i) {
+    rd[i] = std::exp(bcum[i]);
+    te[i] = std::exp(bcum[C - 1] - bcum[i]);
+  }
+}
+
+// S = strictly-lower(K Kᵀ ⊙ Γ) and P = scale · lower(Q Kᵀ ⊙ Γ), with Γ[i, j] = exp(b_i − b_j)
+// (bcum == nullptr: no gate); the decays are also written into G (lower triangle) when given.
+template <typename T>
+void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G);
+
+template <typename T>
+void masked_scores(int64_t C, int64_t K, const T* Q, int64_t ldq, const T* Km, int64_t ldk, T scale,
+                   const T* bcum, T* S, T* P, T* G) {
+  mm<T>(false, true, C, C, K, T(1), Km, ldk, Km, ldk, T(0), S, C);
+  mm<T>(false, true, C, C, K, scale, Q, ldq, Km, ldk, T(0), P, C);
+  mask_scores(C, bcum, S, P, G);
+}
+
+// The masks and decays of S = K Kᵀ and P = scale · Q Kᵀ (see masked_scores), in place.
+template <typename T>
+void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G) {
+  // Γ[i, j] = exp(b_i − b_j). With every |b| ≤ 60 in the chunk it is exp(b_i) · exp(−b_j) (2·C
+  // exponentials instead of C²/2; no factor over- or underflows); otherwise the difference's.
+  T up[512], down[512];
+  bool split = bcum != nullptr && C <= 512;
+  for (int64_t i = 0; split && i < C; ++i) split = std::abs(bcum[i]) <= T(60);
+  if (split) {
+    for (int64_t i = 0; i < C; ++i) {
+      up[i] = std::exp(bcum[i]);
+      down[i] = std::exp(-bcum[i]);
+    }
+  }
+  for (int64_t i = 0; i < C; ++i) {
+    T* s = S + i * C;
+    T* p = P + i * C;
+    if (bcum != nullptr) {
+      for (int64_t j = 0; j <= i; ++j) {
+        const T gam = split ? up[i] * down[j] : std::exp(bcum[i] - bcum[j]);
+        if (G != nullptr) G[i * C + j] = gam;
+        p[j] *= gam;
+        s[j] *= gam;
+      }
+    }
+    std::fill(s + i, s + C, T(0));
+    std::fill(p + i + 1, p + C, T(0));
+  }
+}
+
+#if defined(__AVX512F__)
+// The fp32 inverse below with each row held in (at most 8) zmm registers while it is summed: only
+// the 16-wide blocks where T_i can be nonzero are touched, and a row is stored once.
+inline bool unit_lower_inverse_avx512(int64_t C, const float* S, const float* beta, float* Tm) {
+  if (C % 16 != 0 || C > 128) return false;
+  const int64_t blocks = C / 16;
+  for (int64_t r = 0; r < C; ++r) {
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) acc[v] = _mm512_setzero_ps();
+    const float* s = S + r * C;
+    const float minus_beta = -beta[r];
+    for (int64_t i = 0; i < r; ++i) {
+      const __m512 a = _mm512_set1_ps(minus_beta * s[i]);
+      const float* ti = Tm + i * C;
+      const int64_t live = i / 16 + 1;
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v)
+        if (v < live) acc[v] = _mm512_fmadd_ps(a, _mm512_loadu_ps(ti + 16 * v), acc[v]);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v)
+      if (v < blocks) _mm512_storeu_ps(Tm + r * C + 16 * v, acc[v]);
+    Tm[r * C + r] = 1.f;
+  }
+  return true;
+}
+#endif
+
+// Tm = (I + diag(β) S)⁻¹ for strictly lower S, row by row: T_r = e_r − β_r Σ_{i<r} S[r, i] T_i.
+template <typename T>
+void unit_lower_inverse(int64_t C, const T* S, const T* beta, T* Tm) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (isa() > kPortable && unit_lower_inverse_avx512(C, S, beta, Tm)) return;
+  }
+#endif
+  std::fill(Tm, Tm + C * C, T(0));
+  for (int64_t r = 0; r < C; ++r) {
+    T* tr = Tm + r * C;
+    const T* s = S + r * C;
+    for (int64_t i = 0; i < r; ++i) {  // (T_i is zero past i: the loop runs to r, a bound the compiler vectorises)
+      const T a = -beta[r] * s[i];
+      const T* ti = Tm + i * C;
+      for (int64_t j = 0; j < r; ++j) tr[j] += a * ti[j];
+    }
+    tr[r] = T(1);
+  }
+}
+
+// Asks for the next chunk's input rows while this chunk computes: the rows are strided (one per
+// token, H heads apart), so the hardware prefetcher does not follow them.
+template <typename E>
+inline void prefetch_rows(const E* base, int64_t stride, int64_t t0, int64_t rows, int64_t width) {
+  const int64_t bytes = width * int64_t(sizeof(E));
+  for (int64_t i = 0; i < rows; ++i) {
+    const char* p = reinterpret_cast<const char*>(base + (t0 + i) * stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  }
+}
+
+// One head's inputs (q, k, v of element type E; β and g of type A) with their time strides, and
+// the copy of a chunk of them into scratch: q → Q [C, K], k | v → KV [C, K + V], β → bvec, g →
+// bcum; rows past the end are zeros (a no-op token for the rule). The next chunk's rows are
+// prefetched meanwhile.
+// n elements from src to dst: a copy, or bf16 widened to fp32 (exact) on the way.
+template <typename E, typename D>
+inline void copy_row(const E* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<E, D>) {
+    std::memcpy(dst, src, sizeof(E) * n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = D(static_cast<float>(src[j]));
+  }
+}
+
+// n fp32/fp64 results to an output row of type E: a copy, or rounded to bf16 (torch's rounding).
+template <typename T, typename E>
+inline void store_row(const T* src, E* dst, int64_t n) {
+  if constexpr (std::is_same_v<E, T>) {
+    std::memcpy(dst, src, sizeof(T) * n);
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<E, at::BFloat16>, "store_row: fp32 -> bf16 only");
+    to_bf16(src, dst, n);
+  }
+}
+
+template <typename E, typename A>
+struct HeadRows {
+  const E *q, *k, *v;
+  const A *beta, *g;  // g == nullptr: no gate
+  int64_t q_t, k_t, v_t, beta_t, g_t;
+  int64_t L, K, V, C;
+
+  // Head hh of sequence n of head-first [N, H, T, ·] tensors with strides (n, h, t) in elements.
+  static HeadRows at(int64_t n, int64_t hh, const E* q, const int64_t* q_s, const E* k, const int64_t* k_s,
+                     const E* v, const int64_t* v_s, const A* beta, const int64_t* beta_s, const A* g,
+                     const int64_t* g_s, int64_t L, int64_t K, int64_t V, int64_t C) {
+    return HeadRows{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
+                    beta + n * beta_s[0] + hh * beta_s[1], g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1],
+                    q_s[2], k_s[2], v_s[2], beta_s[2], g_s[2], L, K, V, C};
+  }
+
+  // Into scratch of type D: E itself, or fp32 for bf16 inputs (widened here, once per element).
+  template <typename D>
+  void gather(int64_t t0, D* Q, D* KV, A* bvec, A* bcum) const {
+    const int64_t rows = std::min(C, L - t0), KVw = K + V;
+    if (t0 + C < L) {
+      const int64_t next = std::min(C, L - t0 - C);
+      prefetch_rows(q, q_t, t0 + C, next, K);
+      prefetch_rows(k, k_t, t0 + C, next, K);
+      prefetch_rows(v, v_t, t0 + C, next, V);
+    }
+    for (int64_t i = 0; i < C; ++i) {
+      if (i < rows) {
+        const int64_t t = t0 + i;
+        copy_row(q + t * q_t, Q + i * K, K);
+        copy_row(k + t * k_t, KV + i * KVw, K);
+        copy_row(v + t * v_t, KV + i * KVw + K, V);
+        bvec[i] = beta[t * beta_t];
+        bcum[i] = g != nullptr ? g[t * g_t] : A(0);
+      } else {
+        std::fill(Q + i * K, Q + (i + 1) * K, D(0.f));
+        std::fill(KV + i * KVw, KV + (i + 1) * KVw, D(0.f));
+        bvec[i] = A(0);
+        bcum[i] = A(0);
+      }
+    }
+  }
+};
+
+// Runs work.head(nh, scratch) for every (sequence, head), spread over torch's threads; each
+// thread owns one 64-byte-aligned scratch block (gemm_bf16.h's Workspace: BLAS sees the same
+// alignment for every head) and calls BLAS single-threaded.
+template <typename Work>
+void per_head(const Work& work) {
+  using T = std::remove_cv_t<decltype(Work::scale)>;
+  const int64_t tasks = work.N * work.H, size = work.scratch_size();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const OneThreadBlas one_core;  // one core per head, whatever the caller's threads
+    Workspace scratch;
+    T* base = static_cast<T*>(scratch.get(sizeof(T) * size_t(size)));
+    for (int64_t nh = begin; nh < end; ++nh) work.head(nh, base);
+  });
+}
+
+// The strides of a tensor's first three dims (n, h, t of [N, H, T, ·]; n, h, t of [N, H, T]).
+inline void strides3(const torch::Tensor& t, int64_t* s) {
+  for (int i = 0; i < 3; ++i) s[i] = t.stride(i);
+}
+
+}  // namespace chunk
+}  // namespace cpu
+}  // namespace fastweights

@@ -1,0 +1,146 @@
+// The (gated) delta rule's chunk forward with bf16 products, on the CPU, one (sequence, head)
+// per task (inference: nothing kept for a backward). The products run on whatever gemm_bf16.h's
+// ISA path is (AMX, AVX512-BF16, or widened to fp32); the shared pieces are chunk_common.h.
+#include "chunk_common.h"
+
+namespace {
+
+using namespace fastweights::cpu::chunk;
+using fastweights::cpu::round16;
+
+// The forward with bf16 products (inference: nothing kept for a backward). Every product takes
+// bf16 operands and accumulates in fp32 (gemm_bf16.h: AVX512-BF16's dot-product instruction where
+// the CPU has it); the state, the decays, the triangular solve for T and every sum stay fp32, and
+// an operand is rounded to bf16 once, right before its product: T and diag(β)[K e^b | V] for
+// [W | U], W and h for U' = U − W h, Q e^b, h, P and U' for O, K̄ and U' for the state's update.
+struct ForwardBf16 {
+  using B16 = at::BFloat16;
+  const B16 *q, *k, *v;
+  const float *beta, *g, *h0;
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, g_s[3] = {};
+  B16* o;        // [N, NC·C, H, V]
+  float* h_out;  // [N·H, K, V]
+  int64_t N, H, L, K, V, C, NC;
+  float scale;
+
+  int64_t scratch_size() const {  // in floats; the bf16 buffers take half a float each, rounded up
+    return round16(C * K) * 2 + round16(C * (K + V)) * 2 + round16(C * C) * 4 + round16(C * V) * 2 +
+           round16(K * V) * 2 + round16(C) * 4;
+  }
+
+  void head(int64_t nh, float* scratch) const {
+    const int64_t n = nh / H, hh = nh % H, KV = K + V;
+    float* p = scratch;
+    auto take = [&p](int64_t floats) { float* out = p; p += round16(floats); return out; };
+    auto take16 = [&take](int64_t count) { return reinterpret_cast<B16*>(take((count + 1) / 2)); };
+    B16* Qh = take16(C * K);     // Q, then Q e^b
+    B16* KVh = take16(C * KV);   // K | V as given
+    B16* Rh = take16(C * KV);    // diag(β) [K e^b | V]
+    B16* Kbh = take16(C * K);    // K̄
+    float* WU = take(C * KV);    // [W | U]
+    float* S = take(C * C);
+    float* P = take(C * C);
+    float* Tm = take(C * C);
+    B16* Th = take16(C * C);     // T, then P
+    B16* Wh = take16(C * K);
+    B16* Uph = take16(C * V);
+    float* O = take(C * V);
+    float* h = take(K * V);
+    B16* hh16 = take16(K * V);
+    float* Up = WU + K;          // U', in place of U (leading dimension K + V)
+    float* bvec = take(C);
+    float* bcum = take(C);
+    float* rd = take(C);
+    float* te = take(C);
+    fastweights::cpu::Workspace ws;
+
+    if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(float) * K * V);
+    else std::fill(h, h + K * V, 0.f);
+    const auto in = HeadRows<B16, float>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
+    const bool gated = g != nullptr;
+    using fastweights::cpu::gemm_bf16;
+    using fastweights::cpu::scale_to_bf16;
+    using fastweights::cpu::to_bf16;
+
+    for (int64_t c = 0; c < NC; ++c) {
+      const int64_t t0 = c * C;
+      in.gather(t0, Qh, KVh, bvec, bcum);
+      if (gated) chunk_decays(C, bcum, rd, te);
+      gemm_bf16(false, true, C, C, K, 1.f, KVh, KV, KVh, KV, 0.f, S, C, ws);
+      gemm_bf16(false, true, C, C, K, scale, Qh, K, KVh, KV, 0.f, P, C, ws);
+      mask_scores<float>(C, gated ? bcum : nullptr, S, P, nullptr);
+      unit_lower_inverse<float>(C, S, bvec, Tm);
+      // [W | U] = T diag(β) [K e^b | V]
+      for (int64_t i = 0; i < C; ++i) {
+        scale_to_bf16(KVh + i * KV, gated ? bvec[i] * rd[i] : bvec[i], Rh + i * KV, K);
+        scale_to_bf16(KVh + i * KV + K, bvec[i], Rh + i * KV + K, V);
+      }
+      to_bf16(Tm, Th, C * C);
+      gemm_bf16(false, false, C, KV, C, 1.f, Th, C, Rh, KV, 0.f, WU, KV, ws);
+      // U' = U − W h
+      to_bf16(h, hh16, K * V);
+      for (int64_t i = 0; i < C; ++i) to_bf16(WU + i * KV, Wh + i * K, K);
+      gemm_bf16(false, false, C, V, K, -1.f, Wh, K, hh16, V, 1.f, Up, KV, ws);
+      for (int64_t i = 0; i < C; ++i) to_bf16(Up + i * KV, Uph + i * V, V);
+      // O = scale · (Q e^b) h + P U'
+      if (gated) {
+        for (int64_t i = 0; i < C; ++i) {
+          scale_to_bf16(Qh + i * K, rd[i], Qh + i * K, K);
+          scale_to_bf16(KVh + i * KV, te[i], Kbh + i * K, K);
+        }
+      }
+      gemm_bf16(false, false, C, V, K, scale, Qh, K, hh16, V, 0.f, O, V, ws);
+      to_bf16(P, Th, C * C);
+      gemm_bf16(false, false, C, V, C, 1.f, Th, C, Uph, V, 1.f, O, V, ws);
+      // h ← e^{b_C} h + K̄ᵀ U'
+      if (gated) {
+        const float last = rd[C - 1];
+        for (int64_t i = 0; i < K * V; ++i) h[i] *= last;
+      }
+      gemm_bf16(true, false, K, V, C, 1.f, gated ? Kbh : KVh, gated ? K : KV, Uph, V, 1.f, h, V, ws);
+      for (int64_t i = 0; i < C; ++i) to_bf16(O + i * V, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
+    }
+    fastweights::cpu::gemm_bf16_release();
+    std::memcpy(h_out + nh * K * V, h, sizeof(float) * K * V);
+  }
+};
+
+// The bf16-products forward: q, k, v bf16 [N, H, T, ·] (unit last stride), beta / g / h0 fp32.
+// Returns (o [N, NC·C, H, V] bf16, h_T [N·H, K, V] fp32).
+std::vector<torch::Tensor> chunk_delta_fwd_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                                const torch::Tensor& beta, const c10::optional<torch::Tensor>& g,
+                                                const c10::optional<torch::Tensor>& h0, double scale, int64_t C) {
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+              v.scalar_type() == torch::kBFloat16, "chunk_delta_fwd_bf16: q, k, v must be bfloat16");
+  TORCH_CHECK(beta.scalar_type() == torch::kFloat && (!g.has_value() || g->scalar_type() == torch::kFloat) &&
+              (!h0.has_value() || h0->scalar_type() == torch::kFloat), "chunk_delta_fwd_bf16: beta, g, h0 must be float32");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "chunk_delta_fwd_bf16: last dims must be unit-stride");
+  const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = (L + C - 1) / C;
+  torch::Tensor o = torch::empty({N, NC * C, H, V}, v.options());
+  torch::Tensor h_out = torch::empty({N * H, K, V}, beta.options());
+  torch::Tensor h0c = h0.has_value() ? h0->contiguous() : torch::Tensor();
+  ForwardBf16 f;
+  f.q = q.data_ptr<at::BFloat16>();
+  f.k = k.data_ptr<at::BFloat16>();
+  f.v = v.data_ptr<at::BFloat16>();
+  f.beta = beta.data_ptr<float>();
+  f.g = g.has_value() ? g->data_ptr<float>() : nullptr;
+  f.h0 = h0.has_value() ? h0c.data_ptr<float>() : nullptr;
+  strides3(q, f.q_s);
+  strides3(k, f.k_s);
+  strides3(v, f.v_s);
+  strides3(beta, f.beta_s);
+  if (g.has_value()) strides3(*g, f.g_s);
+  f.o = o.data_ptr<at::BFloat16>();
+  f.h_out = h_out.data_ptr<float>();
+  f.N = N; f.H = H; f.L = L; f.K = K; f.V = V; f.C = C; f.NC = NC;
+  f.scale = float(scale);
+  per_head(f);
+  return {o, h_out};
+}
+
+}  // namespace
+
+void register_chunk_delta_bf16(pybind11::module& m) {
+  m.def("chunk_delta_fwd_bf16", &chunk_delta_fwd_bf16, "the inference forward with bf16 products");
+}
