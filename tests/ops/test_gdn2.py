@@ -242,8 +242,6 @@ def test_bad_inputs_are_refused_naming_the_argument(fn):
     poisoned[0, 2, 1, 1] = float("nan")
     with pytest.raises(ValueError, match=rf"{name}: `b` contains 1 non-finite"):
         fn(**{**x, "b": poisoned})
-    with pytest.raises(ValueError, match=rf"{name}: `return_intermediate_states`"):
-        fn(**x, return_intermediate_states=True)
     with pytest.raises(TypeError, match=rf"{name}\(\) got an unexpected keyword argument `cu_seqlen`; did you mean"):
         fn(**x, cu_seqlen=torch.tensor([0, 6]))
     with ops.value_checks(False):  # out-of-range gates, when asked for
@@ -282,3 +280,16 @@ def test_chunk_compiles_without_graph_breaks_and_equals_eager():
     errors = {"o": rel_err(o_c, o_e), "h_T": rel_err(h_c, h_e), **{f"d{n}": rel_err(g_c[n], g_e[n]) for n in g_e}}
     assert all(e <= 1e-12 for e in errors.values()), errors
     torch._dynamo.reset()
+
+
+def test_intermediate_states_are_the_recurrence_at_chunk_entries():
+    """``return_intermediate_states=True`` (fla's serving output): ``h[:, c]`` is the state entering chunk c,
+    the recurrence's final state after c·C tokens (float64, T not a multiple of C, an initial state)."""
+    x = gdn2_inputs(2, 23, 2, 5, 3, seed=4)
+    o, h_t, states = ops.chunk_gdn2(**x, chunk_size=8, output_final_state=True, return_intermediate_states=True)
+    assert states.shape == (2, 3, 2, 5, 3)
+    for c in range(3):
+        prefix = {n: (t[:, :8 * c] if n != "initial_state" else t) for n, t in x.items()}
+        want = x["initial_state"] if c == 0 else ops.recurrent_gdn2(**prefix, output_final_state=True)[1]
+        assert_close(f"entry state of chunk {c}", states[:, c], want, 1e-12)
+    assert_close("o", o, ops.recurrent_gdn2(**x)[0], 1e-12)

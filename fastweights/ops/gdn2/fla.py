@@ -16,7 +16,7 @@ fla argument                   what we do
 ``disable_recompute``,
 ``cu_seqlens_cpu``             a host copy of ``cu_seqlens``
 ``chunk_size``                 any positive int (fla's kernel requires 64)
-``return_intermediate_states``  refused (fla returns per-chunk states for inference engines)
+``return_intermediate_states``  the state entering every chunk, ``[B, NT, HV, K, V]`` (fla's layout), a third return
 ``cp_context``                 refused (context parallelism)
 grouped value heads            v [B, T, HV, V], HV a multiple of H (as fla's recurrent kernel)
 =============================  =================================================================
@@ -91,8 +91,6 @@ def run_gdn2(
     form's solver ``core``, which receives ``b`` and ``w`` head-first as keywords."""
     from .._frontend import run_op
 
-    if return_intermediate_states:
-        kwargs["return_intermediate_states"] = True  # refused by name in kda_inputs
     q, k, _, g, _, initial_state, cu_seqlens, _ = kda_inputs(
         op, q, k, v, g, None, initial_state, cu_seqlens, gv_supported=False, use_gate_in_kernel=use_gate_in_kernel,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=kwargs,
@@ -104,7 +102,7 @@ def run_gdn2(
         op, core, q, k, v, gk=g, gk_name="g", scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         max_seqlen=max_seqlen, chunk_size=chunk_size, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
-        extra=dict(b=b, w=w),
+        extra=dict(b=b, w=w), return_intermediate_states=return_intermediate_states,
     )
 
 
