@@ -16,7 +16,6 @@ in a one-line warning and never raises.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
@@ -28,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from . import kernel_cache
+
 __all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status"]
 
 _SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp", "short_conv.cpp", "l2norm.cpp")
@@ -38,6 +39,7 @@ _module = None
 _error: Optional[str] = None
 _tried = False
 _enabled_override: Optional[bool] = None
+_compiler_line: Optional[str] = None
 
 
 def _cpu_signature() -> str:
@@ -57,14 +59,18 @@ _LDFLAGS = ("-fopenmp",)
 
 
 def _build_key() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update((_HERE / name).read_bytes())
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(sys.version.encode())
-    h.update(_cpu_signature().encode())
-    return h.hexdigest()[:16]
+    """What changes the built library, and nothing else: the sources' bytes (not their folder, so
+    every checkout shares one build), the flags, torch's and Python's versions, the CPU and the
+    compiler. ninja is not in it: it only schedules the compiler."""
+    return kernel_cache.build_key(_HERE, _SOURCES + _HEADERS, " ".join(_CFLAGS + _LDFLAGS), torch.__version__,
+                                  sys.version, platform.machine(), _cpu_signature(), _compiler())
+
+
+def _compiler() -> str:
+    global _compiler_line
+    if _compiler_line is None:  # one subprocess per process, not per call
+        _compiler_line = kernel_cache.compiler_version()
+    return _compiler_line
 
 
 def cache_dir() -> Path:
@@ -99,32 +105,39 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _compile_into(folder: Path, name: str, verbose: bool) -> Path:
+    """torch's JIT builder in a private folder (its ninja file names this checkout's paths, so it
+    is never shared); returns the built library, which the cache then verifies and publishes."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    print(f"fastweights: compiling the CPU kernels once (about 50 s on 2 cores) into {folder.parent}", file=sys.stderr, flush=True)
+    load(name=name, sources=[str(_HERE / s) for s in _SOURCES], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+         build_directory=str(folder), verbose=verbose)
+    return folder / (name + ".so")
+
+
 def build(verbose: bool = False):
-    """Compile (or load the cached build of) the kernels; returns the module or None, never raises."""
+    """Load the verified cached build of the kernels, or compile it (waiting for another process's
+    build at most ``$FASTWEIGHTS_KERNEL_WAIT`` seconds, default 300); returns the module or None,
+    never raises (a SIGINT while waiting ends the wait, then acts as usual)."""
     global _module, _error, _tried
     with _lock:
         if _tried:
             return _module
         _tried = True
         try:
-            from torch.utils.cpp_extension import load
-
-            _put_ninja_on_path()
             folder = cache_dir()
-            folder.mkdir(parents=True, exist_ok=True)
-            if not any(folder.glob("*.so")):
-                print("fastweights: compiling the CPU kernels once (about 50 s on 2 cores) into " + str(folder), file=sys.stderr)
-            _module = load(
-                name="fastweights_cpu_" + folder.name,
-                sources=[str(_HERE / s) for s in _SOURCES],
-                extra_cflags=list(_CFLAGS),
-                extra_ldflags=list(_LDFLAGS),
-                build_directory=str(folder),
-                verbose=verbose,
-            )
-        except Exception as exc:  # a missing compiler, ninja or header: fall back, say so once
+            name = "fastweights_cpu_" + folder.name
+            _module = kernel_cache.load_or_build(
+                folder, name, lambda private: _compile_into(private, name, verbose),
+                describe={"torch": torch.__version__, "python": sys.version.split()[0], "compiler": _compiler(),
+                          "flags": " ".join(_CFLAGS + _LDFLAGS), "sources": list(_SOURCES + _HEADERS)})
+        except BaseException as exc:  # a missing compiler, ninja or header, a wait given up: fall back, say so once
             _module = None
             _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            if not isinstance(exc, Exception):  # KeyboardInterrupt while waiting: no warning, the interrupt goes on
+                raise
             warnings.warn(
                 f"fastweights: the compiled CPU kernels are unavailable ({_error}); using the PyTorch path",
                 RuntimeWarning, stacklevel=3,
