@@ -396,6 +396,27 @@ def test_the_package_falls_back_with_one_warning_when_the_wait_ends(tmp_path, mo
     assert f"waiting for the CPU kernel build by pid {os.getpid()} on host here" in r.stderr
 
 
+def test_the_report_names_the_path_each_op_takes(capsys):
+    """``python -m fastweights.ops.cpu``'s table: every op reaches the compiled kernels when they are
+    loaded, and none does when they are turned off."""
+    from fastweights.ops.cpu.__main__ import report
+
+    if not cpu.available():
+        pytest.skip(f"compiled CPU kernels unavailable: {cpu.status()}")
+    assert report() == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("compiled CPU kernels") and len(lines) > 5
+    assert all(" compiled (" in ln for ln in lines[1:]), lines
+    assert any("chunk_delta_fwd" in ln for ln in lines) and any("chunk_delta_bwd" in ln for ln in lines)
+    cpu.set_enabled(False)
+    try:
+        assert report() == 0
+    finally:
+        cpu.set_enabled(None)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "turned off" in lines[0] and all(ln.endswith("PyTorch path") for ln in lines[1:]), lines
+
+
 @pytest.mark.slow
 def test_a_real_build_is_shared_by_two_checkouts(tmp_path):
     """One real compile (about a minute on 2 cores): from a copy of the package at one path, then
