@@ -5,13 +5,14 @@ task, each product one BLAS call on a whole tile; the PyTorch path in
 ``fastweights/ops/delta_rule/chunk.py`` is the same algebra and stays the fallback.
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
-needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`` too) into
-``$FASTWEIGHTS_CACHE`` (default ``~/.cache/fastweights``), in a folder named by a hash of the
-sources, the torch version and the CPU, so a changed source or machine builds anew and
-never loads a stale library. Nothing here runs at ``import fastweights``: the first CPU
-chunk call builds (about 50 s on 2 cores) or loads it. If the build fails, or
-``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once
-in a one-line warning and never raises.
+needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`` too) from the
+sources next to this file, which the wheel and the sdist ship, into
+``$FASTWEIGHTS_CACHE/cpu_kernels/<key>`` (default ``~/.cache/fastweights``); ``kernel_cache.py``
+keeps that cache (the key, verified entries, the build lock and its bounded wait, README.md here
+says how). Nothing here runs at ``import fastweights``: the first CPU chunk call builds (about
+50 s on 2 cores) or loads it. If the build fails, the wait for another process's build ends, or
+``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once in a
+one-line warning and never raises.
 """
 
 from __future__ import annotations
