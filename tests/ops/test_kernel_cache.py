@@ -170,6 +170,22 @@ def test_a_damaged_library_is_rebuilt_never_loaded(tmp_path, probe_so, damage):
     assert _compiles(folder) == 2 and kc.check_entry(folder, "fwprobe") is None
 
 
+def test_a_failed_compile_leaves_no_entry_and_no_lock_holder(tmp_path):
+    """The compile step's error reaches the caller (which falls back); the private folder is gone,
+    the lock released, and the next call builds."""
+    folder = tmp_path / "entry"
+    name = "fwprobe_inproc_b"
+
+    def broken(private):
+        (private / "half.o").write_bytes(b"x")
+        raise RuntimeError("compiler said no")
+
+    with pytest.raises(RuntimeError, match="compiler said no"):
+        kc.load_or_build(folder, name, broken, say=lambda m: None)
+    assert sorted(p.name for p in folder.iterdir()) == [kc.LOCK] and (folder / kc.LOCK).read_text() == ""
+    assert kc.load_or_build(folder, name, lambda d: compile_probe(name, d / f"{name}.so"), say=lambda m: None).answer() == 42
+
+
 def test_a_stale_lock_is_taken_over_with_a_note(tmp_path, probe_so):
     """A lock file naming a holder that is gone (it holds no flock): the next process builds at once."""
     folder = tmp_path / "cpu_kernels" / "k"

@@ -284,7 +284,11 @@ def load_or_build(folder: Path, module: str, compile_step: Callable[[Path], Path
         private = folder / f"build-{socket.gethostname()}-{os.getpid()}"
         private.mkdir()
         t0 = time.perf_counter()
-        built = Path(compile_step(private))
+        try:
+            built = Path(compile_step(private))
+        except BaseException:
+            shutil.rmtree(private, ignore_errors=True)  # a failed build leaves nothing behind
+            raise
         seconds = time.perf_counter() - t0
         size, digest = file_digest(built)
         target = folder / _library_name(module)
