@@ -5,13 +5,14 @@ task, each product one BLAS call on a whole tile; the PyTorch path in
 ``fastweights/ops/delta_rule/chunk.py`` is the same algebra and stays the fallback.
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
-needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`` too) into
-``$FASTWEIGHTS_CACHE`` (default ``~/.cache/fastweights``), in a folder named by a hash of the
-sources, the torch version and the CPU, so a changed source or machine builds anew and
-never loads a stale library. Nothing here runs at ``import fastweights``: the first CPU
-chunk call builds (about 50 s on 2 cores) or loads it. If the build fails, or
-``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once
-in a one-line warning and never raises.
+needed; ``make setup`` builds it ahead of time, ``python -m fastweights.ops.cpu`` too) from the
+sources next to this file, which the wheel and the sdist ship, into
+``$FASTWEIGHTS_CACHE/cpu_kernels/<key>`` (default ``~/.cache/fastweights``); ``kernel_cache.py``
+keeps that cache (the key, verified entries, the build lock and its bounded wait, README.md here
+says how). Nothing here runs at ``import fastweights``: the first CPU chunk call builds (about
+50 s on 2 cores) or loads it. If the build fails, the wait for another process's build ends, or
+``FASTWEIGHTS_CPU_KERNELS=0`` is set, the PyTorch path runs; a failed build says so once in a
+one-line warning and never raises.
 
 Which instruction-set path each kernel takes (AMX, AVX512-BF16, AVX2, portable) is decided once
 when the kernels load (``fastweights/ops/cpu/dispatch.py``; ``FASTWEIGHTS_CPU_ISA`` forces a lower
@@ -20,7 +21,6 @@ one) and reported by :func:`status`, :func:`kernel_report` and ``python -m fastw
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from . import kernel_cache
 
 __all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status", "isa",
            "set_isa", "kernel_report"]
@@ -46,6 +48,7 @@ _error: Optional[str] = None
 _tried = False
 _enabled_override: Optional[bool] = None
 _isa_choice = None  # isa.Choice, once the kernels are loaded
+_compiler_line: Optional[str] = None
 
 
 def _cpu_signature() -> str:
@@ -73,14 +76,18 @@ _LDFLAGS = ("-fopenmp",)
 
 
 def _build_key() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update((_HERE / name).read_bytes())
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(sys.version.encode())
-    h.update(_cpu_signature().encode())
-    return h.hexdigest()[:16]
+    """What changes the built library, and nothing else: the sources' bytes (not their folder, so
+    every checkout shares one build), the flags, torch's and Python's versions, the CPU and the
+    compiler. ninja is not in it: it only schedules the compiler."""
+    return kernel_cache.build_key(_HERE, _SOURCES + _HEADERS, " ".join(_CFLAGS + _LDFLAGS), torch.__version__,
+                                  sys.version, platform.machine(), _cpu_signature(), _compiler())
+
+
+def _compiler() -> str:
+    global _compiler_line
+    if _compiler_line is None:  # one subprocess per process, not per call
+        _compiler_line = kernel_cache.compiler_version()
+    return _compiler_line
 
 
 def cache_dir() -> Path:
@@ -115,8 +122,22 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _compile_into(folder: Path, name: str, verbose: bool) -> Path:
+    """torch's JIT builder in a private folder (its ninja file names this checkout's paths, so it
+    is never shared); returns the built library, which the cache then verifies and publishes."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    print(f"fastweights: compiling the CPU kernels once (about 50 s on 2 cores) into {folder.parent}", file=sys.stderr, flush=True)
+    load(name=name, sources=[str(_HERE / s) for s in _SOURCES], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+         build_directory=str(folder), verbose=verbose)
+    return folder / (name + ".so")
+
+
 def build(verbose: bool = False):
-    """Compile (or load the cached build of) the kernels; returns the module or None, never raises."""
+    """Load the verified cached build of the kernels, or compile it (waiting for another process's
+    build at most ``$FASTWEIGHTS_KERNEL_WAIT`` seconds, default 300); returns the module or None,
+    never raises (a SIGINT while waiting ends the wait, then acts as usual)."""
     global _module, _error, _tried
     from .dispatch import requested
 
@@ -126,25 +147,18 @@ def build(verbose: bool = False):
             return _module
         _tried = True
         try:
-            from torch.utils.cpp_extension import load
-
-            _put_ninja_on_path()
             folder = cache_dir()
-            folder.mkdir(parents=True, exist_ok=True)
-            if not any(folder.glob("*.so")):
-                print("fastweights: compiling the CPU kernels once (about 50 s on 2 cores) into " + str(folder), file=sys.stderr)
-            _module = load(
-                name="fastweights_cpu_" + folder.name,
-                sources=[str(_HERE / s) for s in _SOURCES],
-                extra_cflags=list(_CFLAGS),
-                extra_ldflags=list(_LDFLAGS),
-                build_directory=str(folder),
-                verbose=verbose,
-            )
+            name = "fastweights_cpu_" + folder.name
+            _module = kernel_cache.load_or_build(
+                folder, name, lambda private: _compile_into(private, name, verbose),
+                describe={"torch": torch.__version__, "python": sys.version.split()[0], "compiler": _compiler(),
+                          "flags": " ".join(_CFLAGS + _LDFLAGS), "sources": list(_SOURCES + _HEADERS)})
             _apply_isa(_module)
-        except Exception as exc:  # a missing compiler, ninja or header: fall back, say so once
+        except BaseException as exc:  # a missing compiler, ninja or header, a wait given up: fall back, say so once
             _module = None
             _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            if not isinstance(exc, Exception):  # KeyboardInterrupt while waiting: no warning, the interrupt goes on
+                raise
             warnings.warn(
                 f"fastweights: the compiled CPU kernels are unavailable ({_error}); using the PyTorch path",
                 RuntimeWarning, stacklevel=3,
