@@ -30,8 +30,9 @@ import torch
 
 __all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status"]
 
-_SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp", "short_conv.cpp", "l2norm.cpp")
-_HEADERS = ("gemm_bf16.h",)  # included by the sources: part of the build key
+_SOURCES = ("chunk_delta.cpp", "gemm_bf16_check.cpp", "decode_step.cpp", "short_conv.cpp", "l2norm.cpp",
+            "chunk_linear_attn.cpp", "chunk_kda.cpp")
+_HEADERS = ("gemm_bf16.h", "chunk_common.h")  # included by the sources: part of the build key
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _module = None
