@@ -33,9 +33,10 @@ from torch import Tensor
 
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from .._frontend import autocast_off
+from ..cpu import kernels_for
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
 from .fla import kda_form
-from .parallel import block_terms, block_terms_backward
+from .parallel import block_terms, block_terms_backward, sub_block
 
 #: Row blocks of the UT solve (``delta_rule/wy.py``'s block substitution).
 UT_BLOCKS = 4
@@ -71,13 +72,30 @@ def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1):
     return flat, block_terms(*flat, scale, solve=_solve_blocks)
 
 
+def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size):
+    """:func:`chunk_kda_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the
+    same algebra and sub-block reference points, one (sequence, head) per task), or None where it
+    does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the inputs."""
+    if k.shape[2] == 0:
+        return None
+    mod = kernels_for(q, k, v, beta, gk, h0)
+    if mod is None:
+        return None
+    q, k, v, gk = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk))
+    o, h, states = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size), True)
+    return from_chunk_buffer(o, k.shape[2]), h, states
+
+
 def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``, ``states[c]`` the
     state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
-    of the loop, its outputs.
+    of the loop, its outputs. On the CPU the compiled kernel runs it where it applies.
     """
+    native = _native_forward(q, k, v, beta, gk, h0, scale, chunk_size)
+    if native is not None:
+        return native
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
