@@ -117,11 +117,29 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int):
     return from_chunk_buffer(out, t_len), h, states
 
 
+def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
+    """:func:`chunk_kda_bwd` by the compiled CPU kernel (one (sequence, head) per task, last chunk
+    first, the state-free terms recomputed per chunk), or None where it does not apply."""
+    if k.shape[2] == 0:
+        return None
+    mod = kernels_for(q, k, v, beta, gk, states, do, dh_final)
+    if mod is None:
+        return None
+    t_len = k.shape[2]
+    q, k, v, gk, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk, do))
+    grads = mod.chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, float(scale), int(chunk_size), sub_block(chunk_size))
+    return (*(from_chunk_buffer(g, t_len) for g in grads[:5]), grads[5])
+
+
 def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int):
     """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring).
 
     Group by group, last group first: recompute the group's block terms and U' (from the saved
-    states), run the group's part of the adjoint loop, then its input gradients."""
+    states), run the group's part of the adjoint loop, then its input gradients. On the CPU the
+    compiled kernel runs it where it applies."""
+    native = _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size)
+    if native is not None:
+        return native
     n, nh, t_len, dk = k.shape
     nc, rows, _, dv = states.shape
     buffers = [chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, gk)]
