@@ -12,7 +12,9 @@ loops, T/C times (and not at all without decay: the states are then a running
 sum over chunks, ``torch.cumsum``). :class:`ChunkLinearAttnFunction` carries a
 hand-written backward that keeps the inputs and the T/C chunk-entry states only;
 ``delta_rule/README.md`` derives it (linear attention is the delta rule's chunk
-algebra with W = 0, U = V).
+algebra with W = 0, U = V). On the CPU (fp32/fp64) the forward and backward run compiled
+(``fastweights/ops/cpu/chunk_linear_attn.cpp``, one (sequence, head) per task); this code
+is the fallback (``FASTWEIGHTS_CPU_KERNELS=0``).
 """
 
 from __future__ import annotations
