@@ -1,10 +1,8 @@
 """The compiled CPU kernels of linear attention (``chunk_linear_attn.cpp``: forward and backward)
-and KDA (``chunk_kda.cpp``: the chunk forward and the decode step) against the float64
-recurrence, against the fp32 recurrence's own error, and against the PyTorch path
-(``FASTWEIGHTS_CPU_KERNELS=0``) they replace.
-
-``chunk_kda``'s backward is the PyTorch one working from the compiled forward's chunk-entry
-states, so its gradients here also check those states.
+and KDA (``chunk_kda.cpp``: the chunk forward and backward, and the decode step) against the
+float64 recurrence, against the fp32 recurrence's own error, and against the PyTorch path
+(``FASTWEIGHTS_CPU_KERNELS=0``) they replace. A fixture counts the kernels' calls, so a test
+that silently ran the PyTorch path fails.
 """
 
 import os
@@ -38,7 +36,7 @@ def native_calls(monkeypatch):
     """Counts the compiled kernels' calls, so that a test fails if the PyTorch path ran instead."""
     seen = []
     for module, names in ((linear_chunk_module, ("_native_forward", "_native_backward")),
-                          (kda_chunk_module, ("_native_forward",))):
+                          (kda_chunk_module, ("_native_forward", "_native_backward"))):
         for name in names:
             original = getattr(module, name)
 
@@ -134,10 +132,11 @@ def test_linear_attn_fp32_kernel_error_within_2x_of_the_fp32_recurrence(kernels,
 
 @pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
 def test_linear_attn_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, rule_name, one_thread):
-    """Uneven packed sequences with an empty and a length-1 segment, an initial state each: the
+    """Uneven packed sequences with length-1 segments (cu_seqlens must increase strictly: no empty
+    segment is accepted), an initial state each: the
     kernel and ``FASTWEIGHTS_CPU_KERNELS=0``'s path agree to 1e-13, forward and every gradient."""
     rule = RULES[rule_name]
-    lengths = [5, 0, 70, 1, 33]
+    lengths = [5, 70, 1, 33, 2]
     x = make_inputs(rule, 1, sum(lengths), 3, 20, 12, initial_state=False, seed=8)
     kd, vd = rule.state_dims(20, 12)
     x["initial_state"] = torch.randn(len(lengths), 3, kd, vd, dtype=torch.float64).abs()
@@ -170,13 +169,13 @@ def test_linear_attn_kernel_is_bitwise_the_same_on_one_and_two_threads_and_in_a_
 @pytest.mark.parametrize("T,K,V,C,h0", [(1, 16, 24, 64, True), (63, 60, 33, 64, False), (100, 16, 24, 32, True),
                                        (1000, 8, 12, 64, True)])
 def test_kda_float64_kernel_equals_the_recurrence(kernels, native_calls, T, K, V, C, h0, one_thread):
-    """The compiled forward (and the backward from the states it keeps): ~1e-12 of the recurrence."""
+    """The compiled forward and backward: output, final state and every gradient ~1e-12 of the recurrence."""
     x = _kda_inputs(2, T, 2, K, V, initial_state=h0, seed=T)
     got = _run(ops.chunk_kda, x, chunk_size=C)
     want = _run(ops.recurrent_kda, x, kernels_on=False)
     for name, a, b in zip(_names(x), got, want):
         assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
-    assert "fastweights.ops.kda.chunk._native_forward" in native_calls
+    assert {"fastweights.ops.kda.chunk._native_forward", "fastweights.ops.kda.chunk._native_backward"} <= set(native_calls)
 
 
 @pytest.mark.parametrize("decay,C", [(0.05, 64), (7.0, 64), (7.0, 128)])
@@ -204,7 +203,7 @@ def test_kda_fp32_kernel_error_within_2x_of_the_fp32_recurrence(kernels, decay, 
 
 
 def test_kda_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, one_thread):
-    lengths = [5, 0, 70, 1, 33]
+    lengths = [5, 70, 1, 33, 2]
     x = _kda_inputs(1, sum(lengths), 3, 20, 12, initial_state=False, seed=8)
     x["initial_state"] = torch.randn(len(lengths), 3, 20, 12, dtype=torch.float64)
     cu = torch.tensor([0] + lengths).cumsum(0)
