@@ -264,3 +264,15 @@ def test_kda_decode_step_keeps_the_pytorch_step_for_gradients(kernels):
     o, h_new = ops.kda_step(*leaves, h, 0.5)
     (o.sum() + h_new.sum()).backward()
     assert all(t.grad is not None for t in leaves + [h])
+
+
+def test_linear_attention_flop_count_of_the_roofline_rows():
+    from fastweights.bench.roofline import linear_attn_flops
+
+    # C = 64, K = V = 128: Q Kᵀ and P V (2·64²·128 each), Q h and K̄ᵀ V (2·64·128² each)
+    assert linear_attn_flops(1, 1, 64, 128, 128, 64) == 2 * 1048576 + 2 * 2097152
+    # the backward adds Q Kᵀ, dP K, dPᵀ Q, Pᵀ dO, dO Vᵀ (C²·K or C²·V) and four C·K·V products
+    fwd = 2 * 1048576 + 2 * 2097152
+    assert linear_attn_flops(1, 1, 64, 128, 128, 64, backward=True) == fwd + 5 * 1048576 + 4 * 2097152
+    # a partial chunk counts as a whole one
+    assert linear_attn_flops(2, 3, 65, 8, 8, 64) == 2 * 3 * 2 * linear_attn_flops(1, 1, 64, 8, 8, 64)
