@@ -10,8 +10,9 @@ figure is the best of its rounds), it times:
   multiplies bf16 in hardware (AVX512-BF16 or AMX) or on CUDA, in bf16; and the
   memory copy bandwidth (``dst.copy_(src)``, read + write) at 64 MiB and at the decode
   step's state size;
-- the ops: ``chunk_delta_rule`` and ``chunk_gated_delta_rule`` forward (no grad) and
-  forward+backward in fp32 (on the CPU with the compiled kernels, :mod:`fastweights.ops.cpu`,
+- the ops: ``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` (per-channel
+  decay) and ``chunk_linear_attn`` (scalar decay) forward (no grad) and forward+backward in fp32
+  (on the CPU with the compiled kernels, :mod:`fastweights.ops.cpu`,
   and the same calls on the PyTorch path beside them), the forward on bf16 inputs under
   :func:`fastweights.ops.bf16_products`, and decode steps: the gated op at T = 1
   (``recurrent_gated_delta_rule``, the state passed in and a new one returned) and the
@@ -25,7 +26,9 @@ bandwidth at the state's size.
 
 FLOP counts per head and chunk of C tokens (docs/design.md, "Roofline"):
 forward ``2·(3·C²·K + 2·C²·V + 3·C·K·V) + C³/3``;
-backward ``2·(5·C²·K + 4·C²·V + 6·C·K·V)``.
+backward ``2·(5·C²·K + 4·C²·V + 6·C·K·V)``. KDA counts the same products (its decay factors,
+exponentials and sub-block sums are not counted). Linear attention: forward
+``2·(C²·K + C²·V + 2·C·K·V)``, backward ``2·(3·C²·K + 2·C²·V + 4·C·K·V)``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ def chunk_backward_flops(C: int, K: int, V: int) -> float:
 def op_flops(B: int, H: int, T: int, K: int, V: int, C: int, backward: bool = False) -> float:
     """FLOPs of a chunk delta op over ``B`` sequences of ``T`` tokens and ``H`` heads."""
     per_chunk = chunk_forward_flops(C, K, V) + (chunk_backward_flops(C, K, V) if backward else 0.0)
+    return B * H * -(-T // C) * per_chunk
+
+
+def linear_attn_flops(B: int, H: int, T: int, K: int, V: int, C: int, backward: bool = False) -> float:
+    """FLOPs of ``chunk_linear_attn``: per head and chunk Q Kᵀ, P V, Q h, K̄ᵀ V forward; Q Kᵀ
+    (recomputed), dP K, dPᵀ Q (C²·K), Pᵀ dO, dO Vᵀ (C²·V) and dO hᵀ, V dhᵀ, K̄ dh, Q̂ᵀ dO (C·K·V) backward."""
+    per_chunk = 2 * (C * C * K + C * C * V + 2 * C * K * V)
+    if backward:
+        per_chunk += 2 * (3 * C * C * K + 2 * C * C * V + 4 * C * K * V)
     return B * H * -(-T // C) * per_chunk
 
 
@@ -178,6 +190,30 @@ def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode
             cases[f"{name} fwd+bwd fp32, PyTorch path"] = (pytorch_path(forward_backward), both, "GFLOP/s")
         if has_bf16_matmul(device):
             cases[f"{name} fwd bf16 products"] = (forward_bf16, fwd, "GFLOP/s")
+    gk = F.logsigmoid(rand(B, T, H, K) + 3.0)
+    flops = {"chunk_kda": (fwd, both),
+             "chunk_linear_attn": (linear_attn_flops(B, H, T, K, V, C), linear_attn_flops(B, H, T, K, V, C, backward=True))}
+    for name, (f_fwd, f_both) in flops.items():
+
+        def run(q, k, v, beta, name=name):
+            if name == "chunk_kda":
+                return ops.chunk_kda(q, k, v, gk, beta, chunk_size=C)
+            return ops.chunk_linear_attn(q, k, v, g=g, chunk_size=C)
+
+        def forward(run=run):
+            with torch.no_grad():
+                run(q, k, v, beta)
+
+        def forward_backward(run=run):
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v, beta)]
+            o, _ = run(*leaves)
+            (o * do).sum().backward()
+
+        cases[f"{name} fwd fp32"] = (forward, f_fwd, "GFLOP/s")
+        cases[f"{name} fwd+bwd fp32"] = (forward_backward, f_both, "GFLOP/s")
+        if device == "cpu" and cpu_kernels.available():
+            cases[f"{name} fwd fp32, PyTorch path"] = (pytorch_path(forward), f_fwd, "GFLOP/s")
+            cases[f"{name} fwd+bwd fp32, PyTorch path"] = (pytorch_path(forward_backward), f_both, "GFLOP/s")
     sq, sk, sv = rand(decode_batch, 1, H, K), F.normalize(rand(decode_batch, 1, H, K), dim=-1), rand(decode_batch, 1, H, V)
     sb, sg = torch.sigmoid(rand(decode_batch, 1, H)), F.logsigmoid(rand(decode_batch, 1, H) + 3.0)
     state = rand(decode_batch, H, K, V)

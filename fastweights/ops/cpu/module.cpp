@@ -10,6 +10,8 @@ void register_gemm_bf16(pybind11::module& m);         // gemm_bf16_check.cpp (te
 void register_decode_step(pybind11::module& m);       // decode_step.cpp
 void register_short_conv(pybind11::module& m);        // short_conv.cpp
 void register_l2norm(pybind11::module& m);            // l2norm.cpp
+void register_chunk_linear_attn(pybind11::module& m); // chunk_linear_attn.cpp
+void register_chunk_kda(pybind11::module& m);         // chunk_kda.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the ISA level: fastweights/ops/cpu/dispatch.py reads what the build can run and sets what the kernels take
@@ -29,4 +31,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_step(m);
   register_short_conv(m);
   register_l2norm(m);
+  register_chunk_linear_attn(m);
+  register_chunk_kda(m);
 }

@@ -33,9 +33,10 @@ from torch import Tensor
 
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from .._frontend import autocast_off
+from ..cpu import kernels_for
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
 from .fla import kda_form
-from .parallel import block_terms, block_terms_backward
+from .parallel import block_terms, block_terms_backward, sub_block
 
 #: Row blocks of the UT solve (``delta_rule/wy.py``'s block substitution).
 UT_BLOCKS = 4
@@ -71,6 +72,20 @@ def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms=block_terms
     return flat, terms(*flat, scale, solve=_solve_blocks)
 
 
+def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size):
+    """:func:`chunk_kda_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the
+    same algebra and sub-block reference points, one (sequence, head) per task), or None where it
+    does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the inputs."""
+    if k.shape[2] == 0:
+        return None
+    mod = kernels_for(q, k, v, beta, gk, h0)
+    if mod is None:
+        return None
+    q, k, v, gk = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk))
+    o, h, states = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size), True)
+    return from_chunk_buffer(o, k.shape[2]), h, states
+
+
 def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=block_terms):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
@@ -79,8 +94,12 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=bl
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``, ``states[c]`` the
     state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
-    of the loop, its outputs.
+    of the loop, its outputs. On the CPU the compiled kernel runs it where it applies.
     """
+    # the compiled kernel is KDA's own block terms (another rule's terms run the PyTorch code below)
+    native = _native_forward(q, k, v, beta, gk, h0, scale, chunk_size) if terms is block_terms else None
+    if native is not None:
+        return native
     n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
@@ -102,13 +121,32 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=bl
     return from_chunk_buffer(out, t_len), h, states
 
 
+def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
+    """:func:`chunk_kda_bwd` by the compiled CPU kernel (one (sequence, head) per task, last chunk
+    first, the state-free terms recomputed per chunk), or None where it does not apply."""
+    if k.shape[2] == 0:
+        return None
+    mod = kernels_for(q, k, v, beta, gk, states, do, dh_final)
+    if mod is None:
+        return None
+    t_len = k.shape[2]
+    q, k, v, gk, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk, do))
+    grads = mod.chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, float(scale), int(chunk_size), sub_block(chunk_size))
+    return (*(from_chunk_buffer(g, t_len) for g in grads[:5]), grads[5])
+
+
 def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int,
                   terms=block_terms, terms_backward=block_terms_backward):
     """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring);
     ``terms``/``terms_backward`` as in :func:`chunk_kda_fwd`.
 
     Group by group, last group first: recompute the group's block terms and U' (from the saved
-    states), run the group's part of the adjoint loop, then its input gradients."""
+    states), run the group's part of the adjoint loop, then its input gradients. On the CPU the
+    compiled kernel runs KDA's own terms where it applies."""
+    native = (_native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size)
+              if terms is block_terms and terms_backward is block_terms_backward else None)
+    if native is not None:
+        return native
     n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     nc, rows, _, dv = states.shape
     buffers = [chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, gk)]

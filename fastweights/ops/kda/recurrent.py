@@ -25,16 +25,44 @@ from typing import Optional, Tuple
 import torch
 
 from .._fla_compat import accepts_state_v_first
+from ..cpu import kernels_for
 from .fla import kda_form
+
+
+def _native_step(q, k, v, beta, gk, h, scale):
+    """:func:`kda_step` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the state
+    read once and written once, one head per task), or None where it does not apply: not the CPU,
+    a non-contiguous or empty state, a gradient to record, or the kernels off or unbuilt."""
+    if not h.is_contiguous() or h.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta, gk, h)):
+        return None
+    mod = kernels_for(h)  # (the kernel casts the inputs to the state's dtype itself)
+    if mod is None or any(t.device.type != "cpu" for t in (q, k, v, beta, gk)):
+        return None
+    dk, dv = h.shape[-2:]
+    o, h_new = mod.kda_step(q, k, v, beta, gk, h.view(-1, dk, dv), float(scale))
+    return o.view(h.shape[:-2] + (dv,)).to(v.dtype), h_new.view(h.shape)
 
 
 def kda_step(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One token of KDA: ``q, k, gk [..., K]``, ``v [..., V]``, ``beta [...]``, state
     ``h [..., K, V]`` (``gv [..., V]`` optional) -> ``(o [..., V], h')``.
 
-    :func:`kda_recurrence` runs it token by token, and a layer's decoding step calls it
-    on tensors it has already checked, in the compute dtype.
+    A layer's decoding step calls it on tensors it has already checked, in the compute
+    dtype. On the CPU, with no gradient to record and no ``gv``, the compiled step runs it
+    (:mod:`fastweights.ops.cpu`); otherwise, and in :func:`kda_recurrence` (the reference),
+    :func:`kda_update`.
     """
+    if gv is None:
+        native = _native_step(q, k, v, beta, gk, h, scale)
+        if native is not None:
+            return native
+    return kda_update(q, k, v, beta, gk, h, scale, gv)
+
+
+def kda_update(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kda_step` in PyTorch (same arguments and returns): the reference's step."""
     shape, (dk, dv) = h.shape, h.shape[-2:]
     h = h.reshape(-1, dk, dv) * torch.exp(gk).reshape(-1, dk, 1)  # diag(α) h
     if gv is not None:
@@ -52,7 +80,7 @@ def kda_recurrence(q, k, v, beta, gk, h0, scale, chunk_size=None, gv=None) -> Tu
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
     outputs = []
     for t in range(t_len):
-        o_t, h = kda_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], gk[:, :, t], h, scale,
+        o_t, h = kda_update(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], gk[:, :, t], h, scale,
                           None if gv is None else gv[:, :, t])
         outputs.append(o_t)
     return torch.stack(outputs, dim=2), h

@@ -12,7 +12,9 @@ loops, T/C times (and not at all without decay: the states are then a running
 sum over chunks, ``torch.cumsum``). :class:`ChunkLinearAttnFunction` carries a
 hand-written backward that keeps the inputs and the T/C chunk-entry states only;
 ``delta_rule/README.md`` derives it (linear attention is the delta rule's chunk
-algebra with W = 0, U = V).
+algebra with W = 0, U = V). On the CPU (fp32/fp64) the forward and backward run compiled
+(``fastweights/ops/cpu/chunk_linear_attn.cpp``, one (sequence, head) per task); this code
+is the fallback (``FASTWEIGHTS_CPU_KERNELS=0``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .._chunk import (
     state_scan_backward, unflat_chunks,
 )
 from .._frontend import autocast_off, run_op
+from ..cpu import kernels_for
 from ..feature_maps import FeatureMapLike
 
 
@@ -79,6 +82,36 @@ def _not_aliasing(x: Tensor, source: Tensor) -> Tensor:
     return x.clone() if x.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else x
 
 
+def _native_forward(q, k, v, g, h0, scale, chunk_size):
+    """The custom op's forward by the compiled CPU kernel (``fastweights/ops/cpu/chunk_linear_attn.cpp``:
+    the same algebra, one (sequence, head) per task, writing the kept flattened chunks as it gathers
+    them), or None where it does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for`
+    the inputs."""
+    if k.shape[2] == 0:
+        return None
+    mod = kernels_for(q, k, v, g, h0)
+    if mod is None:
+        return None
+    n, nh, t_len, dk = k.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+    o, h_final, states, qc, kc, vc, gc = mod.chunk_linear_attn_fwd(q, k, v, g, h0_, float(scale), int(chunk_size), True)
+    return from_chunk_buffer(o, t_len), h_final, states, qc, kc, vc, gc
+
+
+def _native_backward(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size):
+    """The custom op's backward by the compiled CPU kernel, or None where it does not apply."""
+    mod = kernels_for(qc, kc, vc, gc, states, do, dh_final)
+    if mod is None:
+        return None
+    t_len = do.shape[2]
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    dq, dk, dv, dg, dh0 = mod.chunk_linear_attn_bwd(qc, kc, vc, gc, states, do, dh_final, float(scale), int(chunk_size))
+    grads = [from_chunk_buffer(x, t_len) for x in (dq, dk, dv)]
+    grads.append(dg if gc is None else from_chunk_buffer(dg, t_len))
+    return (*grads, dh0)
+
+
 @torch.library.custom_op("fastweights::chunk_linear_attn_fwd", mutates_args=())
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float, chunk_size: int,
@@ -88,6 +121,9 @@ def _fwd_op(
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     with autocast_off(q.device):
+        native = _native_forward(q, k, v, g, h0, scale, chunk_size)
+        if native is not None:
+            return native
         # flat_chunks returns the input itself when it is already laid out chunk-major (N = H = 1,
         # C dividing T); a custom op's outputs must not alias its inputs, so copy it then.
         qc, kc, vc, gc = (None if x is None else _not_aliasing(flat_chunks(x, chunk_size), x) for x in (q, k, v, g))
@@ -115,6 +151,9 @@ def _bwd_op(
     """``(dq, dk, dv, dg, dh0)`` for ``do [N, H, T, V]``, head-first; ``dg`` empty without g."""
     n, nh, t_len = do.shape[:3]
     with autocast_off(do.device):
+        native = _native_backward(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size)
+        if native is not None:
+            return native
         doc = flat_chunks(do, chunk_size)
         dq, dk, dv, dg, dh0 = chunk_linear_attn_bwd(qc, kc, vc, gc, states, doc, dh_final, scale)
         grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv)]

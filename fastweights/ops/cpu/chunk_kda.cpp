@@ -1,0 +1,640 @@
+// Kimi Delta Attention's chunk forward and decode step on the CPU, one (sequence, head) per task.
+//
+// The algebra is fastweights/ops/kda/chunk.py's and kda/parallel.py's (Kimi Team 2025, "Kimi
+// Linear", arXiv:2510.26692; the UT transform of Yang et al. 2024, arXiv:2406.06484). Per chunk
+// of C tokens, with b = cumsum(gk) inside the chunk (one column per key channel):
+//   S[r, i] = Σ_d k_r[d] k_i[d] e^{b_r[d] − b_i[d]} (i < r),  P = scale · the same with q_r (i ≤ r)
+//   T = (I + diag(β) S)⁻¹,  [W | U] = T diag(β) [K ⊙ e^b | V]
+//   U' = U − W h,  O = scale · (Q ⊙ e^b) h + P U',  h ← diag(e^{b_C}) h + (K ⊙ e^{b_C − b})ᵀ U'
+//
+// S and P are computed in the relative form of kda/parallel.py, with the same reference points:
+// rows in sub-blocks of s tokens, sub-block j measured from m = js − 1 (b_{−1} = 0), so the
+// factors e^{b_r − b_m} of its rows and e^{b_m − b_i} of earlier columns are both ≤ 1 and
+// nothing overflows however strong the decay. The earlier columns' factor is taken as
+// e^{b_m − b_e(j')} · e^{b_e(j') − b_i}, e(j') the last token of the column's sub-block (two ≤ 1
+// factors; C·K + nb²·K/2 exponentials instead of C²·K/(2s)). Pairs inside a sub-block are
+// e^{b_r − b_m} · e^{b_m − b_i} when every channel decays by less than e^{±60} across the
+// sub-block (the second factor ≥ 1 but finite: the whole row block is then one product),
+// else summed exactly pair by pair. Each sub-block's rows of S and P are one BLAS call
+// ([K ⊙ e_left ; scale · Q ⊙ e_left] against the columns' factors). The cumulative decays
+// are summed in float64 and every exponential is taken of a float64 difference, rounded to the
+// working precision only as a result (the PyTorch form rounds the exponent itself).
+//
+// The forward keeps the chunk-entry states; the backward recomputes the rest from the inputs.
+#include "chunk_rows.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace fastweights::cpu::chunk;
+
+#if defined(__AVX512F__)
+// e^x for 16 floats from float64 exponents x (x ≤ 88): n = round(x / ln 2) and r = x − n ln 2 are
+// formed in float64, so the result carries no error from rounding a large x to float (e^{55}
+// from a float exponent would be off by ~55 ulp of float, in relative terms 3e-6); then
+// Cephes' degree-6 polynomial for e^r on |r| ≤ ln2/2 in float and the exact scaling by 2^n.
+// e^x for x < −87.3 (below the smallest normal float) is returned as 0. About 1 ulp.
+inline __m256 narrow(__m512d x) { return _mm512_cvtpd_ps(x); }
+inline __m512 join(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+
+inline __m512 exp16(const double* x) {
+  const __m512d log2e = _mm512_set1_pd(1.4426950408889634), ln2 = _mm512_set1_pd(0.6931471805599453);
+  const __m512d x0 = _mm512_loadu_pd(x), x1 = _mm512_loadu_pd(x + 8);
+  const __m512d n0 = _mm512_roundscale_pd(_mm512_mul_pd(x0, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512d n1 = _mm512_roundscale_pd(_mm512_mul_pd(x1, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = join(narrow(_mm512_fnmadd_pd(n0, ln2, x0)), narrow(_mm512_fnmadd_pd(n1, ln2, x1)));
+  const __m512 n = join(narrow(n0), narrow(n1)), xf = join(narrow(x0), narrow(x1));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __mmask16 live = _mm512_cmp_ps_mask(xf, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+#endif
+
+// out[i] = e^{x[i]} for float64 exponents x, rounded to T once, at the end.
+template <typename T>
+inline void exp_of(const double* x, T* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(x + i));
+  }
+#endif
+  for (; i < n; ++i) out[i] = T(std::exp(x[i]));
+}
+
+// Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
+
+// One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides.
+template <typename T>
+struct HeadInputs {
+  const T *q, *k, *v, *beta, *gk;
+  int64_t q_t, k_t, v_t, beta_t, gk_t;
+};
+
+// Every per-chunk quantity that does not need the state, in one task's scratch (the forward and the
+// backward share it). `compute` takes chunk t0 of one head and leaves:
+//   Q, Km, Vm, bvec: the gathered chunk (rows past the end zero); bd: b = cumsum(gk) in float64;
+//   fac = e^b, Qr = scale · Q ⊙ e^b, Kw = K ⊙ e^{b_C − b}, last = e^{b_C};
+//   eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i}, kr[i] = k_i ⊙ tosub[i];
+//   S, P (relative form, file comment), Tm = (I + diag(β) S)⁻¹, R = diag(β) [K ⊙ e^b | V], WU = Tm R.
+template <typename T>
+struct Terms {
+  static constexpr int64_t kDoubles = int64_t(sizeof(double) / sizeof(T));  // T elements per double
+  int64_t C, K, V, s;
+  T scale;
+  T *Q, *Km, *Vm, *eleft, *kr, *tosub, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P, *Tm, *R,
+      *WU, *bvec, *last;
+  double *bd, *ex, *exr;
+
+  static int64_t size(int64_t C, int64_t K, int64_t V, int64_t s) {
+    const int64_t CK = round16(C * K);
+    return 13 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
+           round16(2 * s * C) + 3 * round16(C * C) + 2 * round16(C * (K + V)) + round16(C) + round16(K);
+  }
+
+  Terms(Carve<T>& sc, int64_t C_, int64_t K_, int64_t V_, int64_t s_, T scale_)
+      : C(C_), K(K_), V(V_), s(s_), scale(scale_) {
+    Q = sc.take(C * K); Km = sc.take(C * K); Vm = sc.take(C * V);
+    bd = reinterpret_cast<double*>(sc.take(kDoubles * C * K));
+    ex = reinterpret_cast<double*>(sc.take(kDoubles * C * K));
+    exr = reinterpret_cast<double*>(sc.take(kDoubles * K));
+    eleft = sc.take(C * K); kr = sc.take(C * K); tosub = sc.take(C * K); Qr = sc.take(C * K); Kw = sc.take(C * K);
+    inside = sc.take(C * K); Right = sc.take(C * K); across = sc.take(C * K); fac = sc.take(C * K);
+    gin = sc.take(C * K); erow = sc.take(C * K);
+    Lf = sc.take(2 * s * K); M = sc.take(2 * s * C);
+    S = sc.take(C * C); P = sc.take(C * C); Tm = sc.take(C * C);
+    R = sc.take(C * (K + V)); WU = sc.take(C * (K + V)); bvec = sc.take(C); last = sc.take(K);
+  }
+
+  double bm(int64_t m, int64_t d) const { return m < 0 ? 0.0 : bd[m * K + d]; }  // b_{−1} = 0
+
+  // Right[i] = k_i ⊙ e^{b_m − b_i} for the columns i < js before sub-block j (m = js − 1), as
+  // kr[i] ⊙ e^{b_m − b_e(j')}; the factors themselves into F when given.
+  void right_before(int64_t j, T* F) {
+    const int64_t m = j * s - 1;
+    for (int64_t jp = 0; jp < j; ++jp) {
+      const int64_t e = jp * s + s - 1;
+      for (int64_t d = 0; d < K; ++d) exr[d] = bd[m * K + d] - bd[e * K + d];
+      exp_of(exr, across, K);
+      for (int64_t i = jp * s; i <= e; ++i)
+        for (int64_t d = 0; d < K; ++d) {
+          Right[i * K + d] = kr[i * K + d] * across[d];
+          if (F != nullptr) F[i * K + d] = tosub[i * K + d] * across[d];
+        }
+    }
+  }
+
+  void compute(const HeadInputs<T>& in, int64_t t0, int64_t L) {
+    const int64_t KV = K + V, nb = C / s;
+    const double limit = std::is_same_v<T, float> ? 60.0 : 600.0;  // e^{±limit} stays finite in T
+    gather_rows(in.q, in.q_t, t0, L, C, K, Q, K);
+    gather_rows(in.k, in.k_t, t0, L, C, K, Km, K);
+    gather_rows(in.v, in.v_t, t0, L, C, V, Vm, V);
+    gather_rows(in.gk, in.gk_t, t0, L, C, K, gin, K);
+    for (int64_t i = 0; i < C; ++i) bvec[i] = t0 + i < L ? in.beta[(t0 + i) * in.beta_t] : T(0);
+    for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
+    for (int64_t i = 1; i < C; ++i)
+      for (int64_t j = 0; j < K; ++j) bd[i * K + j] = bd[(i - 1) * K + j] + double(gin[i * K + j]);
+    const double* bC = bd + (C - 1) * K;
+    // e^b (the state's reads), e^{b_C − b} (its writes), e^{b_C}
+    exp_of(bd, fac, C * K);
+    for (int64_t i = 0; i < C; ++i)
+      for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
+    exp_of(ex, erow, C * K);
+    for (int64_t i = 0; i < C * K; ++i) {
+      Qr[i] = Q[i] * fac[i] * scale;
+      Kw[i] = Km[i] * erow[i];
+    }
+    std::memcpy(last, fac + (C - 1) * K, sizeof(T) * K);
+    for (int64_t i = 0; i < C; ++i) {
+      for (int64_t j = 0; j < K; ++j) R[i * KV + j] = bvec[i] * Km[i * K + j] * fac[i * K + j];
+      for (int64_t j = 0; j < V; ++j) R[i * KV + K + j] = bvec[i] * Vm[i * V + j];
+    }
+    // the sub-block factors: eleft, kr, and inside[i] = e^{b_m(i) − b_i} ≥ 1 (used only where finite)
+    for (int64_t i = 0; i < C; ++i) {
+      const int64_t m = (i / s) * s - 1, e = (i / s) * s + s - 1;
+      for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bd[i * K + j] - bm(m, j);
+      exp_of(ex + i * K, eleft + i * K, K);
+      for (int64_t j = 0; j < K; ++j) exr[j] = bd[e * K + j] - bd[i * K + j];
+      exp_of(exr, tosub + i * K, K);
+      for (int64_t j = 0; j < K; ++j) {
+        kr[i * K + j] = Km[i * K + j] * tosub[i * K + j];
+        exr[j] = -ex[i * K + j];
+      }
+      exp_of(exr, inside + i * K, K);
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t r0 = j * s, m = r0 - 1;
+      for (int64_t r = 0; r < s; ++r)  // rows [K ⊙ e_left ; scale · Q ⊙ e_left]
+        for (int64_t d = 0; d < K; ++d) {
+          const T e = eleft[(r0 + r) * K + d];
+          Lf[r * K + d] = Km[(r0 + r) * K + d] * e;
+          Lf[(s + r) * K + d] = Q[(r0 + r) * K + d] * e * scale;
+        }
+      right_before(j, nullptr);
+      bool split = true;  // the sub-block's own pairs by the split factors when every channel stays finite
+      for (int64_t i = r0; i < r0 + s && split; ++i)
+        for (int64_t d = 0; d < K; ++d)
+          if (std::abs(bm(m, d) - bd[i * K + d]) > limit) { split = false; break; }
+      const int64_t cols = split ? r0 + s : r0;
+      if (split)
+        for (int64_t i = r0; i < r0 + s; ++i)
+          for (int64_t d = 0; d < K; ++d) Right[i * K + d] = Km[i * K + d] * inside[i * K + d];
+      if (cols > 0) mm<T>(false, true, 2 * s, cols, K, T(1), Lf, K, Right, K, T(0), M, C);
+      for (int64_t r = 0; r < s; ++r) {
+        const int64_t rr = r0 + r;
+        for (int64_t i = 0; i < r0; ++i) {
+          S[rr * C + i] = M[r * C + i];
+          P[rr * C + i] = M[(s + r) * C + i];
+        }
+        for (int64_t i = r0; i <= rr; ++i) {
+          T sv, pv;
+          if (split) {
+            sv = M[r * C + i];
+            pv = M[(s + r) * C + i];
+          } else {  // exactly: Σ_d x_r y_i e^{b_r − b_i}
+            for (int64_t d = 0; d < K; ++d) exr[d] = bd[rr * K + d] - bd[i * K + d];
+            exp_of(exr, across, K);
+            sv = pv = T(0);
+            for (int64_t d = 0; d < K; ++d) {
+              const T ky = Km[i * K + d] * across[d];
+              sv += Km[rr * K + d] * ky;
+              pv += Q[rr * K + d] * ky;
+            }
+            pv *= scale;
+          }
+          S[rr * C + i] = i < rr ? sv : T(0);
+          P[rr * C + i] = pv;
+        }
+        std::fill(S + rr * C + rr + 1, S + (rr + 1) * C, T(0));
+        std::fill(P + rr * C + rr + 1, P + (rr + 1) * C, T(0));
+      }
+    }
+    unit_lower_inverse<T>(C, S, bvec, Tm);
+    mm<T>(false, false, C, KV, C, T(1), Tm, C, R, KV, T(0), WU, KV);  // [W | U] = T R
+  }
+};
+
+template <typename T>
+HeadInputs<T> head_inputs(const T* q, const int64_t* q_s, const T* k, const int64_t* k_s, const T* v,
+                          const int64_t* v_s, const T* beta, const int64_t* beta_s, const T* gk, const int64_t* gk_s,
+                          int64_t n, int64_t hh) {
+  return HeadInputs<T>{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
+                       beta + n * beta_s[0] + hh * beta_s[1], gk + n * gk_s[0] + hh * gk_s[1],
+                       q_s[2], k_s[2], v_s[2], beta_s[2], gk_s[2]};
+}
+
+template <typename T>
+struct Forward {
+  const T *q, *k, *v, *beta, *gk, *h0;  // head-first [N, H, T, ·] (beta [N, H, T]), unit last stride
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {};
+  T *o, *h_out, *states;                // [N, NC·C, H, V], [N·H, K, V], [NC, N·H, K, V] (keep only)
+  int64_t N, H, L, K, V, C, NC, s;      // s: the sub-block size (C a multiple of it)
+  T scale;
+  bool keep;
+
+  int64_t scratch_size() const { return Terms<T>::size(C, K, V, s) + round16(C * V) + round16(K * V); }
+
+  void head(int64_t nh, T* scratch) const {
+    const int64_t n = nh / H, hh = nh % H, NH = N * H, KV = K + V;
+    Carve<T> sc{scratch};
+    Terms<T> x(sc, C, K, V, s, scale);
+    T *O = sc.take(C * V), *h = sc.take(K * V);
+    T* Up = x.WU + K;  // U' in place of U
+    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, n, hh);
+    if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
+    else std::fill(h, h + K * V, T(0));
+    for (int64_t c = 0; c < NC; ++c) {
+      const int64_t t0 = c * C, row = c * NH + nh;
+      x.compute(in, t0, L);
+      // U' = U − W h;  O = Q_r h + P U';  h ← diag(e^{b_C}) h + K_wᵀ U'
+      if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
+      mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, KV);
+      mm<T>(false, false, C, V, K, T(1), x.Qr, K, h, V, T(0), O, V);
+      mm<T>(false, false, C, V, C, T(1), x.P, C, Up, KV, T(1), O, V);
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t j = 0; j < V; ++j) h[i * V + j] *= x.last[i];
+      mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
+      scatter_rows(O, V, C, V, o, n, NC * C, H, hh, t0);
+    }
+    std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
+  }
+};
+
+// The backward, one (sequence, head) per task, last chunk first: the adjoint of the loop
+// (kda/chunk.py's chunk_kda_bwd) and of the state-free terms (kda/parallel.py's
+// block_terms_backward and RelativeDecay.products_backward) per chunk, from the inputs and the
+// chunk-entry states, everything else recomputed. Per chunk, with dh the gradient of the state
+// leaving it:
+//   dU' = Pᵀ dO + K_w dh,   dh_c = diag(e^{b_C}) dh + Q_rᵀ dO − Wᵀ dU'
+//   dZ = Tᵀ [−dU' hᵀ | dU'],  dA = −tril(dZ [W | U]ᵀ, −1),  dR = diag(β) dZ,  dS = diag(β) dA
+//   dβ = Σ dZ ⊙ [K ⊙ e^b | V] + Σ dA ⊙ S
+// and S, P's adjoints in the relative form: across sub-blocks one BLAS call each way per sub-block
+// (dLeft = dM Right, dRight = dMᵀ Left), inside a sub-block pair by pair. Every gk_t gradient is
+// a sum over the spans of the factors that hold it (never a difference of cumulative sums).
+template <typename T>
+struct Backward {
+  const T *q, *k, *v, *beta, *gk, *states, *dout, *dh_final;
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, do_s[3] = {};
+  T *dq, *dk, *dv, *dbeta, *dgk, *dh0;  // [N, NC·C, H, ·] (dbeta [N, NC·C, H]); dh0 [N·H, K, V]
+  int64_t N, H, L, K, V, C, NC, s;
+  T scale;
+
+  int64_t scratch_size() const {
+    const int64_t CK = round16(C * K), KV = K + V;
+    return Terms<T>::size(C, K, V, s) + 3 * round16(C * V) + 2 * round16(C * KV) + 2 * round16(C * C) + 8 * CK +
+           2 * round16(K * V) + round16(2 * s * K) + round16(2 * s * C) + round16(s * s * K) + round16(C);
+  }
+
+  void head(int64_t nh, T* scratch) const {
+    const int64_t n = nh / H, hh = nh % H, NH = N * H, KV = K + V, nb = C / s;
+    Carve<T> sc{scratch};
+    Terms<T> x(sc, C, K, V, s, scale);
+    T *dO = sc.take(C * V), *du = sc.take(C * V), *Up = sc.take(C * V), *dwu = sc.take(C * KV), *dz = sc.take(C * KV);
+    T *dA = sc.take(C * C), *dP = sc.take(C * C);
+    T *dqc = sc.take(C * K), *dkc = sc.take(C * K), *dgc = sc.take(C * K), *dQr = sc.take(C * K), *dKw = sc.take(C * K);
+    T *F = sc.take(C * K), *dR = sc.take(C * K), *span = sc.take(C * K);
+    T *dh = sc.take(K * V), *dh_new = sc.take(K * V), *dL = sc.take(2 * s * K), *dM = sc.take(2 * s * C);
+    T *Z = sc.take(s * s * K), *dbc = sc.take(C);
+    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, n, hh);
+    const T* doh = dout + n * do_s[0] + hh * do_s[1];
+    std::memcpy(dh, dh_final + nh * K * V, sizeof(T) * K * V);
+    for (int64_t c = NC - 1; c >= 0; --c) {
+      const int64_t t0 = c * C, row = c * NH + nh;
+      const T* h = states + row * K * V;
+      x.compute(in, t0, L);
+      gather_rows(doh, do_s[2], t0, L, C, V, dO, V);
+      // U' = U − W h
+      for (int64_t i = 0; i < C; ++i) std::memcpy(Up + i * V, x.WU + i * KV + K, sizeof(T) * V);
+      mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, V);
+      // the loop's adjoint: dU' = Pᵀ dO + K_w dh;  dh_c = diag(e^{b_C}) dh + Q_rᵀ dO − Wᵀ dU'
+      mm<T>(true, false, C, V, C, T(1), x.P, C, dO, V, T(0), du, V);
+      mm<T>(false, false, C, V, K, T(1), x.Kw, K, dh, V, T(1), du, V);
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t j = 0; j < V; ++j) dh_new[i * V + j] = x.last[i] * dh[i * V + j];
+      mm<T>(true, false, K, V, C, T(1), x.Qr, K, dO, V, T(1), dh_new, V);
+      mm<T>(true, false, K, V, C, T(-1), x.WU, KV, du, V, T(1), dh_new, V);
+      // the cotangents of the state-free terms: d[W | U] = [−dU' hᵀ | dU'], dP = dO U'ᵀ,
+      // dQ_r = dO hᵀ, dK_w = U' dhᵀ, d e^{b_C} = rowsum(h ⊙ dh)
+      for (int64_t i = 0; i < C; ++i) std::memcpy(dwu + i * KV + K, du + i * V, sizeof(T) * V);
+      mm<T>(false, true, C, K, V, T(-1), du, V, h, V, T(0), dwu, KV);
+      mm<T>(false, true, C, C, V, T(1), dO, V, Up, V, T(0), dP, C);
+      mm<T>(false, true, C, K, V, T(1), dO, V, h, V, T(0), dQr, K);
+      mm<T>(false, true, C, K, V, T(1), Up, V, dh, V, T(0), dKw, K);
+      // through the solve: dZ = Tᵀ d[W | U]; dA = −tril(dZ [W | U]ᵀ, −1)
+      mm<T>(true, false, C, KV, C, T(1), x.Tm, C, dwu, KV, T(0), dz, KV);
+      mm<T>(false, true, C, C, KV, T(-1), dz, KV, x.WU, KV, T(0), dA, C);
+      for (int64_t i = 0; i < C; ++i) {
+        T acc_a = T(0);
+        for (int64_t j = 0; j < i; ++j) acc_a += dA[i * C + j] * x.S[i * C + j];
+        // dβ = Σ dZ ⊙ [K e^b | V] + Σ dA ⊙ S
+        T acc_k = T(0);
+        for (int64_t j = 0; j < K; ++j) acc_k += dz[i * KV + j] * x.Km[i * K + j] * x.fac[i * K + j];
+        T acc_v = T(0);
+        for (int64_t j = 0; j < V; ++j) acc_v += dz[i * KV + K + j] * x.Vm[i * V + j];
+        dbc[i] = acc_k + acc_v + acc_a;
+        for (int64_t j = 0; j < i; ++j) dA[i * C + j] *= x.bvec[i];  // dS = diag(β) dA
+        std::fill(dA + i * C + i, dA + (i + 1) * C, T(0));
+        for (int64_t j = 0; j < C; ++j) dP[i * C + j] = j <= i ? dP[i * C + j] * scale : T(0);  // d(QKᵀ-decayed) = scale dP
+      }
+      // dK ⊙ e^b part (dR_K = β dZ_K), dQ, dK, dgk of the reads and writes
+      for (int64_t i = 0; i < C; ++i) {
+        const T bi = x.bvec[i];
+        for (int64_t j = 0; j < K; ++j) {
+          const T fr = x.fac[i * K + j], dkr = bi * dz[i * KV + j];
+          dqc[i * K + j] = dQr[i * K + j] * fr * scale;
+          dkc[i * K + j] = dkr * fr + dKw[i * K + j] * x.erow[i * K + j];
+          span[i * K + j] = dkr * x.Km[i * K + j] * fr + dQr[i * K + j] * x.Qr[i * K + j];  // reverse cumsum below
+          dgc[i * K + j] = T(0);
+        }
+        for (int64_t j = 0; j < V; ++j) dz[i * KV + K + j] *= bi;  // dV
+      }
+      // e^{b_C}: every row; the reads (span [t, C)): reverse cumsum; the writes K_w (span (r, C)): exclusive
+      {
+        std::fill(dR, dR + K, T(0));  // running sums
+        for (int64_t i = C - 1; i >= 0; --i)
+          for (int64_t j = 0; j < K; ++j) {
+            dR[j] += span[i * K + j];
+            dgc[i * K + j] += dR[j];
+          }
+        std::fill(dR, dR + K, T(0));
+        for (int64_t i = 0; i < C; ++i)
+          for (int64_t j = 0; j < K; ++j) {
+            dgc[i * K + j] += dR[j];
+            dR[j] += dKw[i * K + j] * x.Kw[i * K + j];
+          }
+        for (int64_t j = 0; j < K; ++j) {
+          T dl = T(0);
+          for (int64_t v2 = 0; v2 < V; ++v2) dl += h[j * V + v2] * dh[j * V + v2];
+          dl *= x.last[j];
+          for (int64_t i = 0; i < C; ++i) dgc[i * K + j] += dl;
+        }
+      }
+      // S (x = k, dM = dS) and P (x = q, dM = scale dP), y = k, both at once per sub-block
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t r0 = j * s, m = r0 - 1;
+        for (int64_t r = 0; r < s; ++r)
+          for (int64_t d = 0; d < K; ++d) {
+            const T e = x.eleft[(r0 + r) * K + d];
+            x.Lf[r * K + d] = x.Km[(r0 + r) * K + d] * e;
+            x.Lf[(s + r) * K + d] = x.Q[(r0 + r) * K + d] * e;
+          }
+        if (r0 > 0) {  // columns before the sub-block: M = Left Rightᵀ
+          x.right_before(j, F);
+          for (int64_t r = 0; r < s; ++r) {
+            std::memcpy(dM + r * C, dA + (r0 + r) * C, sizeof(T) * r0);
+            std::memcpy(dM + (s + r) * C, dP + (r0 + r) * C, sizeof(T) * r0);
+          }
+          mm<T>(false, false, 2 * s, K, r0, T(1), dM, C, x.Right, K, T(0), dL, K);
+          mm<T>(true, false, r0, K, 2 * s, T(1), dM, C, x.Lf, K, T(0), dR, K);
+          // left: dx_r += dL ⊙ e_left, dgk over (m, r]: a reverse cumsum inside the sub-block
+          for (int64_t d = 0; d < K; ++d) {
+            T run = T(0);
+            for (int64_t r = s - 1; r >= 0; --r) {
+              const int64_t rr = r0 + r;
+              const T e = x.eleft[rr * K + d], a = dL[r * K + d], b = dL[(s + r) * K + d];
+              dkc[rr * K + d] += a * e;
+              dqc[rr * K + d] += b * e;
+              run += a * x.Lf[r * K + d] + b * x.Lf[(s + r) * K + d];
+              dgc[rr * K + d] += run;
+            }
+          }
+          // right: dy_i += dR ⊙ e^{b_m − b_i}, dgk over (i, m]: an exclusive cumsum over i < js
+          for (int64_t d = 0; d < K; ++d) {
+            T run = T(0);
+            for (int64_t i = 0; i < r0; ++i) {
+              dgc[i * K + d] += run;
+              dkc[i * K + d] += dR[i * K + d] * F[i * K + d];
+              run += dR[i * K + d] * x.Right[i * K + d];
+            }
+          }
+        }
+        // inside the sub-block, pair by pair (i ≤ r): w = dM[r, i] e^{b_r − b_i}; span (i, r]
+        std::fill(Z, Z + s * s * K, T(0));
+        for (int64_t r = 0; r < s; ++r) {
+          const int64_t rr = r0 + r;
+          for (int64_t i = 0; i <= r; ++i) {
+            const int64_t ii = r0 + i;
+            const T ds = i < r ? dA[rr * C + ii] : T(0), dp = dP[rr * C + ii];
+            if (ds == T(0) && dp == T(0)) continue;
+            for (int64_t d = 0; d < K; ++d) x.exr[d] = x.bd[rr * K + d] - x.bd[ii * K + d];
+            exp_of(x.exr, x.across, K);
+            T* z = Z + (r * s + i) * K;
+            for (int64_t d = 0; d < K; ++d) {
+              const T e = x.across[d], ws = ds * e, wp = dp * e, kr_ = x.Km[rr * K + d], qr_ = x.Q[rr * K + d],
+                      ki = x.Km[ii * K + d];
+              dkc[rr * K + d] += ws * ki;
+              dqc[rr * K + d] += wp * ki;
+              dkc[ii * K + d] += ws * kr_ + wp * qr_;
+              z[d] = (ws * kr_ + wp * qr_) * ki;
+            }
+          }
+        }
+        // dgk_t += Σ_{r ≥ t} Σ_{i < t} Z[r, i] for t inside the sub-block
+        for (int64_t t = 1; t < s; ++t)
+          for (int64_t r = t; r < s; ++r)
+            for (int64_t i = 0; i < t; ++i) {
+              const T* z = Z + (r * s + i) * K;
+              T* dst = dgc + (r0 + t) * K;
+              for (int64_t d = 0; d < K; ++d) dst[d] += z[d];
+            }
+      }
+      // write the chunk's gradients (rows past the end are padding: the buffers have NC·C rows)
+      for (int64_t i = 0; i < C; ++i) {
+        const int64_t o_row = (n * NC * C + t0 + i) * H + hh;
+        std::memcpy(dq + o_row * K, dqc + i * K, sizeof(T) * K);
+        std::memcpy(dk + o_row * K, dkc + i * K, sizeof(T) * K);
+        std::memcpy(dgk + o_row * K, dgc + i * K, sizeof(T) * K);
+        std::memcpy(dv + o_row * V, dz + i * KV + K, sizeof(T) * V);
+        dbeta[o_row] = dbc[i];
+      }
+      std::swap(dh, dh_new);
+    }
+    std::memcpy(dh0 + nh * K * V, dh, sizeof(T) * K * V);
+  }
+};
+
+// Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V] (empty unless keep)).
+std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                         const torch::Tensor& beta, const torch::Tensor& gk,
+                                         const c10::optional<torch::Tensor>& h0, double scale, int64_t C, int64_t s,
+                                         bool keep) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && gk.dim() == 4 && beta.dim() == 3,
+              "chunk_kda_fwd: q, k, v, gk must be [N, H, T, ·] and beta [N, H, T]");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && gk.stride(3) == 1,
+              "chunk_kda_fwd: last dims must be unit-stride");
+  TORCH_CHECK(C > 0 && s > 0 && C % s == 0, "chunk_kda_fwd: the chunk size must be a multiple of the sub-block size");
+  const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = (L + C - 1) / C;
+  auto opts = v.options();
+  torch::Tensor o = torch::empty({N, NC * C, H, V}, opts), h_out = torch::empty({N * H, K, V}, opts);
+  torch::Tensor states = keep ? torch::empty({NC, N * H, K, V}, opts) : torch::empty({0}, opts);
+  torch::Tensor h0c = h0.has_value() ? h0->contiguous() : torch::Tensor();
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    Forward<T> f;
+    f.q = q.data_ptr<T>();
+    f.k = k.data_ptr<T>();
+    f.v = v.data_ptr<T>();
+    f.beta = beta.data_ptr<T>();
+    f.gk = gk.data_ptr<T>();
+    f.h0 = h0.has_value() ? h0c.data_ptr<T>() : nullptr;
+    strides3(q, f.q_s);
+    strides3(k, f.k_s);
+    strides3(v, f.v_s);
+    strides3(beta, f.beta_s);
+    strides3(gk, f.gk_s);
+    f.o = o.data_ptr<T>();
+    f.h_out = h_out.data_ptr<T>();
+    f.states = keep ? states.data_ptr<T>() : nullptr;
+    f.N = N; f.H = H; f.L = L; f.K = K; f.V = V; f.C = C; f.NC = NC; f.s = s;
+    f.scale = T(scale);
+    f.keep = keep;
+    per_head(f);
+  };
+  if (v.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
+  else {
+    TORCH_CHECK(v.scalar_type() == torch::kDouble, "chunk_kda_fwd: float32 or float64 only");
+    run(static_cast<double*>(nullptr));
+  }
+  return {o, h_out, states};
+}
+
+// Returns (dq, dk, dv, dbeta, dgk [N, NC·C, H, ·] (dbeta [N, NC·C, H]), dh0 [N·H, K, V]) from the forward's
+// inputs, its chunk-entry states [NC, N·H, K, V], do [N, H, T, V] and the final state's gradient.
+std::vector<torch::Tensor> chunk_kda_bwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                         const torch::Tensor& beta, const torch::Tensor& gk,
+                                         const torch::Tensor& states, const torch::Tensor& dout,
+                                         const torch::Tensor& dh_final, double scale, int64_t C, int64_t s) {
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && gk.stride(3) == 1 && dout.stride(3) == 1,
+              "chunk_kda_bwd: last dims must be unit-stride");
+  TORCH_CHECK(states.is_contiguous() && states.dim() == 4, "chunk_kda_bwd: states must be a contiguous [NC, N·H, K, V]");
+  TORCH_CHECK(C > 0 && s > 0 && C % s == 0, "chunk_kda_bwd: the chunk size must be a multiple of the sub-block size");
+  const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = states.size(0);
+  TORCH_CHECK(NC == (L + C - 1) / C, "chunk_kda_bwd: states do not match T / C");
+  auto opts = states.options();
+  torch::Tensor dq = torch::empty({N, NC * C, H, K}, opts), dk = torch::empty({N, NC * C, H, K}, opts);
+  torch::Tensor dv = torch::empty({N, NC * C, H, V}, opts), dbeta = torch::empty({N, NC * C, H}, opts);
+  torch::Tensor dgk = torch::empty({N, NC * C, H, K}, opts), dh0 = torch::empty({N * H, K, V}, opts);
+  torch::Tensor dhf = dh_final.contiguous();
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    Backward<T> b;
+    b.q = q.data_ptr<T>();
+    b.k = k.data_ptr<T>();
+    b.v = v.data_ptr<T>();
+    b.beta = beta.data_ptr<T>();
+    b.gk = gk.data_ptr<T>();
+    b.states = states.data_ptr<T>();
+    b.dout = dout.data_ptr<T>();
+    b.dh_final = dhf.data_ptr<T>();
+    strides3(q, b.q_s);
+    strides3(k, b.k_s);
+    strides3(v, b.v_s);
+    strides3(beta, b.beta_s);
+    strides3(gk, b.gk_s);
+    strides3(dout, b.do_s);
+    b.dq = dq.data_ptr<T>();
+    b.dk = dk.data_ptr<T>();
+    b.dv = dv.data_ptr<T>();
+    b.dbeta = dbeta.data_ptr<T>();
+    b.dgk = dgk.data_ptr<T>();
+    b.dh0 = dh0.data_ptr<T>();
+    b.N = N; b.H = H; b.L = L; b.K = K; b.V = V; b.C = C; b.NC = NC; b.s = s;
+    b.scale = T(scale);
+    per_head(b);
+  };
+  if (states.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
+  else {
+    TORCH_CHECK(states.scalar_type() == torch::kDouble, "chunk_kda_bwd: float32 or float64 only");
+    run(static_cast<double*>(nullptr));
+  }
+  return {dq, dk, dv, dbeta, dgk, dh0};
+}
+
+// One decode token of KDA per head: h' = diag(α) h, u = β (v − h'ᵀ k), h' += k uᵀ, o = scale · h'ᵀ q,
+// α = e^{gk}. q, k, gk [NH, K], v [NH, V], beta [NH], h [NH, K, V] contiguous, all of one dtype.
+// Two passes over the state: the first decays it into h_out while it accumulates h'ᵀk and h'ᵀq,
+// the second adds k uᵀ; o = scale · (h'ᵀq + (kᵀq) u) needs no third pass.
+template <typename T>
+void kda_step_heads(const T* q, const T* k, const T* v, const T* beta, const T* gk, const T* h, T* h_out, T* o,
+                    int64_t NH, int64_t K, int64_t V, T scale) {
+  at::parallel_for(0, NH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> buf(2 * V + K);
+    T *hk = buf.data(), *hq = hk + V, *alpha = hq + V;
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const T *qh = q + nh * K, *kh = k + nh * K, *vh = v + nh * V, *gh = gk + nh * K, *src = h + nh * K * V;
+      T* dst = h_out + nh * K * V;
+      for (int64_t i = 0; i < K; ++i) alpha[i] = std::exp(gh[i]);
+      std::fill(hk, hk + V, T(0));
+      std::fill(hq, hq + V, T(0));
+      T kq = T(0);
+      for (int64_t i = 0; i < K; ++i) {
+        const T a = alpha[i], ki = kh[i], qi = qh[i];
+        const T* sr = src + i * V;
+        T* dr = dst + i * V;
+        kq += ki * qi;
+        for (int64_t j = 0; j < V; ++j) {
+          const T x = a * sr[j];
+          dr[j] = x;
+          hk[j] += ki * x;
+          hq[j] += qi * x;
+        }
+      }
+      const T b = beta[nh];
+      T* oh = o + nh * V;
+      for (int64_t j = 0; j < V; ++j) {
+        hk[j] = b * (vh[j] - hk[j]);  // u
+        oh[j] = scale * (hq[j] + kq * hk[j]);
+      }
+      for (int64_t i = 0; i < K; ++i) {
+        const T ki = kh[i];
+        T* dr = dst + i * V;
+        for (int64_t j = 0; j < V; ++j) dr[j] += ki * hk[j];
+      }
+    }
+  });
+}
+
+// q, k, gk [NH, K], v [NH, V], beta [NH] (cast to the state's dtype), state [NH, K, V] contiguous
+// float32/float64. Returns (o [NH, V] in the state's dtype, the new state [NH, K, V]).
+std::vector<torch::Tensor> kda_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& beta, const torch::Tensor& gk, const torch::Tensor& state,
+                                    double scale) {
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous(), "kda_step: the state must be a contiguous [NH, K, V] tensor");
+  const auto dt = state.scalar_type();
+  TORCH_CHECK(dt == torch::kFloat || dt == torch::kDouble, "kda_step: a float32 or float64 state only");
+  const int64_t NH = state.size(0), K = state.size(1), V = state.size(2);
+  auto rows = [&](const torch::Tensor& t, int64_t w) {
+    torch::Tensor r = t.to(dt).reshape(w < 0 ? at::IntArrayRef{NH} : at::IntArrayRef{NH, w});
+    return r.is_contiguous() ? r : r.contiguous();
+  };
+  torch::Tensor qr = rows(q, K), kr = rows(k, K), vr = rows(v, V), br = rows(beta, -1), gr = rows(gk, K);
+  torch::Tensor h_out = torch::empty_like(state), o = torch::empty({NH, V}, state.options());
+  if (dt == torch::kFloat) {
+    kda_step_heads<float>(qr.data_ptr<float>(), kr.data_ptr<float>(), vr.data_ptr<float>(), br.data_ptr<float>(),
+                          gr.data_ptr<float>(), state.data_ptr<float>(), h_out.data_ptr<float>(), o.data_ptr<float>(),
+                          NH, K, V, float(scale));
+  } else {
+    kda_step_heads<double>(qr.data_ptr<double>(), kr.data_ptr<double>(), vr.data_ptr<double>(), br.data_ptr<double>(),
+                           gr.data_ptr<double>(), state.data_ptr<double>(), h_out.data_ptr<double>(),
+                           o.data_ptr<double>(), NH, K, V, scale);
+  }
+  return {o, h_out};
+}
+
+}  // namespace
+
+void register_chunk_kda(pybind11::module& m) {  // called by module.cpp's PYBIND11_MODULE
+  m.def("chunk_kda_fwd", &chunk_kda_fwd, "KDA's chunk forward, one task per (sequence, head)");
+  m.def("chunk_kda_bwd", &chunk_kda_bwd, "its backward, one task per (sequence, head), last chunk first");
+  m.def("kda_step", &kda_step, "one decode token of KDA, one task per head");
+}

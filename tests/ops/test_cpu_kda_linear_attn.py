@@ -1,0 +1,278 @@
+"""The compiled CPU kernels of linear attention (``chunk_linear_attn.cpp``: forward and backward)
+and KDA (``chunk_kda.cpp``: the chunk forward and backward, and the decode step) against the
+float64 recurrence, against the fp32 recurrence's own error, and against the PyTorch path
+(``FASTWEIGHTS_CPU_KERNELS=0``) they replace. A fixture counts the kernels' calls, so a test
+that silently ran the PyTorch path fails.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweights import ops
+from fastweights.ops import cpu as cpu_kernels
+from fastweights.ops.kda import chunk as kda_chunk_module
+from fastweights.ops.kda.recurrent import kda_update
+from fastweights.ops.linear_attn import chunk as linear_chunk_module
+from helpers import RULES, call, make_inputs, rel_err
+
+LINEAR_RULES = ["linear", "linear_decay", "linear_elu_normalized"]
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the PyTorch path runs")
+    assert cpu_kernels.available(), cpu_kernels.status()
+    return cpu_kernels.kernels()
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the compiled kernels' calls, so that a test fails if the PyTorch path ran instead."""
+    seen = []
+    for module, names in ((linear_chunk_module, ("_native_forward", "_native_backward")),
+                          (kda_chunk_module, ("_native_forward", "_native_backward"))):
+        for name in names:
+            original = getattr(module, name)
+
+            def wrapped(*args, _original=original, _name=name, _module=module.__name__):
+                out = _original(*args)
+                if out is not None:
+                    seen.append(f"{_module}.{_name}")
+                return out
+
+            monkeypatch.setattr(module, name, wrapped)
+    return seen
+
+
+def _backward(o, h, leaves):
+    gen = torch.Generator().manual_seed(5)
+    (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum().add((h * h).sum()).backward()
+    return [o, h] + [leaves[n].grad for n in sorted(leaves)]
+
+
+def _run(form, x, kernels_on=True, **kwargs):
+    """``form``'s output, final state and the gradients of every input (fixed random cotangents)."""
+    cpu_kernels.set_enabled(kernels_on)
+    try:
+        leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+        o, h = form(**leaves, output_final_state=True, **kwargs)
+        return _backward(o, h, leaves)
+    finally:
+        cpu_kernels.set_enabled(None)
+
+
+def _names(x):
+    return ["o", "h_T"] + ["d" + n for n in sorted(x)]
+
+
+def _kda_inputs(B, T, H, K, V, decay=1.0, initial_state=True, seed=0, dtype=torch.float64):
+    """Random KDA inputs: unit keys, β in (0, 1), per-channel log decays in (−decay, 0)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x = dict(q=rand(B, T, H, K), k=F.normalize(rand(B, T, H, K), dim=-1), v=rand(B, T, H, V),
+             g=-torch.rand(B, T, H, K, generator=gen, dtype=torch.float64) * decay, beta=torch.sigmoid(rand(B, T, H)))
+    if initial_state:
+        x["initial_state"] = rand(B, H, K, V)
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+# -- linear attention ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule_name", LINEAR_RULES)
+@pytest.mark.parametrize("T,K,V,C,h0", [(1, 16, 24, 32, True), (63, 60, 33, 64, False), (100, 16, 24, 32, True),
+                                       (1000, 8, 12, 64, True)])
+def test_linear_attn_float64_kernel_equals_the_recurrence(kernels, native_calls, rule_name, T, K, V, C, h0, one_thread):
+    """Forward, final state and every gradient (decay and normalizer included): ~1e-12 of the recurrence."""
+    rule = RULES[rule_name]
+    x = make_inputs(rule, 2, T, 2, K, V, initial_state=h0, seed=T)
+    got = _run(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=C)
+    want = _run(lambda **a: call(rule.reference, rule, a), x, kernels_on=False)
+    for name, a, b in zip(_names(x), got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    assert {"fastweights.ops.linear_attn.chunk._native_forward",
+            "fastweights.ops.linear_attn.chunk._native_backward"} <= set(native_calls)
+
+
+@pytest.mark.parametrize("decay", [0.05, 7.0])
+def test_linear_attn_float64_kernel_with_mild_and_strong_decays(kernels, native_calls, decay, one_thread):
+    """Log decays of −0.05 and −7 per token (|b| reaches 448 in a chunk of 64: Γ from each
+    difference's exponential): still the recurrence to ~1e-12."""
+    rule = RULES["linear_decay"]
+    x = make_inputs(rule, 1, 150, 2, 16, 20, initial_state=True, seed=6)
+    x["g"] = torch.full_like(x["g"], -decay) + 0.01 * torch.rand_like(x["g"])
+    got = _run(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=64)
+    want = _run(lambda **a: call(rule.reference, rule, a), x, kernels_on=False)
+    for name, a, b in zip(_names(x), got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    assert native_calls
+
+
+@pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
+def test_linear_attn_fp32_kernel_error_within_2x_of_the_fp32_recurrence(kernels, rule_name, one_thread):
+    rule = RULES[rule_name]
+    x64 = make_inputs(rule, 2, 300, 2, 32, 40, initial_state=True, seed=3)
+    x32 = {n: t.float() for n, t in x64.items()}
+    exact = _run(lambda **a: call(rule.reference, rule, a), x64, kernels_on=False)
+    ref32 = _run(lambda **a: call(rule.reference, rule, a), x32, kernels_on=False)
+    got = _run(lambda **a: call(rule.forms[2], rule, a), x32)
+    for i, (name, a, r, e) in enumerate(zip(_names(x64), got, ref32, exact)):
+        bound = (2.0 if i < 2 else 3.0) * max(rel_err(r, e), 1e-7)
+        assert rel_err(a, e) <= bound, f"{name}: {rel_err(a, e):.2e} vs the recurrence's {rel_err(r, e):.2e}"
+
+
+@pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
+def test_linear_attn_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, rule_name, one_thread):
+    """Uneven packed sequences with length-1 segments (cu_seqlens must increase strictly: no empty
+    segment is accepted), an initial state each: the
+    kernel and ``FASTWEIGHTS_CPU_KERNELS=0``'s path agree to 1e-13, forward and every gradient."""
+    rule = RULES[rule_name]
+    lengths = [5, 70, 1, 33, 2]
+    x = make_inputs(rule, 1, sum(lengths), 3, 20, 12, initial_state=False, seed=8)
+    kd, vd = rule.state_dims(20, 12)
+    x["initial_state"] = torch.randn(len(lengths), 3, kd, vd, dtype=torch.float64).abs()
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    form = (lambda **a: call(rule.forms[2], rule, a, cu_seqlens=cu, chunk_size=32))
+    on, off = _run(form, x, True), _run(form, x, False)
+    for name, a, b in zip(_names(x), on, off):
+        assert rel_err(a, b) < 1e-13, f"{name}: {rel_err(a, b):.2e}"
+
+
+def test_linear_attn_kernel_is_bitwise_the_same_on_one_and_two_threads_and_in_a_batch(kernels):
+    rule = RULES["linear_decay"]
+    x = {n: t.float() for n, t in make_inputs(rule, 3, 130, 3, 32, 32, initial_state=True, seed=2).items()}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(lambda **a: call(rule.forms[2], rule, a), x)
+        torch.set_num_threads(2)
+        two = _run(lambda **a: call(rule.forms[2], rule, a), x)
+        alone = _run(lambda **a: call(rule.forms[2], rule, a), {n: t[:1] for n, t in x.items()})
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(alone[0], one[0][:1]) and torch.equal(alone[1], one[1][:1])
+
+
+# -- KDA -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,K,V,C,h0", [(1, 16, 24, 64, True), (63, 60, 33, 64, False), (100, 16, 24, 32, True),
+                                       (1000, 8, 12, 64, True)])
+def test_kda_float64_kernel_equals_the_recurrence(kernels, native_calls, T, K, V, C, h0, one_thread):
+    """The compiled forward and backward: output, final state and every gradient ~1e-12 of the recurrence."""
+    x = _kda_inputs(2, T, 2, K, V, initial_state=h0, seed=T)
+    got = _run(ops.chunk_kda, x, chunk_size=C)
+    want = _run(ops.recurrent_kda, x, kernels_on=False)
+    for name, a, b in zip(_names(x), got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    assert {"fastweights.ops.kda.chunk._native_forward", "fastweights.ops.kda.chunk._native_backward"} <= set(native_calls)
+
+
+@pytest.mark.parametrize("decay,C", [(0.05, 64), (7.0, 64), (7.0, 128)])
+def test_kda_float64_kernel_with_mild_and_strong_decays(kernels, native_calls, decay, C, one_thread):
+    """α down to 1e-3 per token and channel: across a sub-block of 8 the decay passes e^{-60}, so the
+    sub-blocks' own pairs are summed exactly (the other branch of the kernel); still ~1e-12."""
+    x = _kda_inputs(1, 150, 2, 16, 20, decay=decay, seed=6)
+    got = _run(ops.chunk_kda, x, chunk_size=C)
+    want = _run(ops.recurrent_kda, x, kernels_on=False)
+    for name, a, b in zip(_names(x), got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    assert native_calls
+
+
+@pytest.mark.parametrize("decay", [1.0, 7.0])
+def test_kda_fp32_kernel_error_within_2x_of_the_fp32_recurrence(kernels, decay, one_thread):
+    x64 = _kda_inputs(2, 300, 2, 32, 40, decay=decay, seed=3)
+    x32 = {n: t.float() for n, t in x64.items()}
+    exact = _run(ops.recurrent_kda, x64, kernels_on=False)
+    ref32 = _run(ops.recurrent_kda, x32, kernels_on=False)
+    got = _run(ops.chunk_kda, x32)
+    for i, (name, a, r, e) in enumerate(zip(_names(x64), got, ref32, exact)):
+        bound = (2.0 if i < 2 else 3.0) * max(rel_err(r, e), 1e-7)
+        assert rel_err(a, e) <= bound, f"{name}: {rel_err(a, e):.2e} vs the recurrence's {rel_err(r, e):.2e}"
+
+
+def test_kda_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, one_thread):
+    lengths = [5, 70, 1, 33, 2]
+    x = _kda_inputs(1, sum(lengths), 3, 20, 12, initial_state=False, seed=8)
+    x["initial_state"] = torch.randn(len(lengths), 3, 20, 12, dtype=torch.float64)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    on = _run(ops.chunk_kda, x, True, cu_seqlens=cu, chunk_size=32)
+    off = _run(ops.chunk_kda, x, False, cu_seqlens=cu, chunk_size=32)
+    for name, a, b in zip(_names(x), on, off):
+        assert rel_err(a, b) < 1e-13, f"{name}: {rel_err(a, b):.2e}"
+
+
+def test_kda_kernel_is_bitwise_the_same_on_one_and_two_threads_and_in_a_batch(kernels):
+    x = _kda_inputs(3, 130, 3, 32, 32, seed=2, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = ops.chunk_kda(**x, output_final_state=True)
+            torch.set_num_threads(2)
+            two = ops.chunk_kda(**x, output_final_state=True)
+            alone = ops.chunk_kda(**{n: t[:1] for n, t in x.items()}, output_final_state=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(alone[0], one[0][:1]) and torch.equal(alone[1], one[1][:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kda_decode_step_kernel_equals_the_pytorch_step(kernels, dtype, one_thread):
+    """The compiled step (no grad, CPU) against :func:`kda_update` (the reference's step): float64
+    to 1e-13; fp32 within 2× of the PyTorch step's own error against float64. A new state is
+    returned and the old one left as it was."""
+    gen = torch.Generator().manual_seed(1)
+    N, H, K, V = 3, 4, 60, 33
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v, h = rand(N, H, K), F.normalize(rand(N, H, K), dim=-1), rand(N, H, V), rand(N, H, K, V)
+    g, beta = -rand(N, H, K).abs() * 3, torch.rand(N, H, generator=gen, dtype=torch.float64)
+    exact = kda_update(q, k, v, beta, g, h, 0.3)
+    args = [t.to(dtype) for t in (q, k, v, beta, g, h)]
+    before = args[-1].clone()
+    with torch.no_grad():
+        got = ops.kda_step(*args, 0.3)
+        torch_step = kda_update(*args, 0.3)
+    assert torch.equal(args[-1], before) and got[1].data_ptr() != args[-1].data_ptr()
+    for a, t, e in zip(got, torch_step, exact):
+        if dtype == torch.float64:
+            assert rel_err(a, e) < 1e-13
+        else:
+            assert rel_err(a, e) <= 2.0 * max(rel_err(t, e), 1e-7)
+
+
+def test_kda_decode_step_keeps_the_pytorch_step_for_gradients(kernels):
+    """With a gradient to record the step is the PyTorch one (autograd reaches every input)."""
+    x = _kda_inputs(2, 1, 2, 8, 6, seed=4)
+    leaves = [x[n][:, 0].clone().requires_grad_(True) for n in ("q", "k", "v", "beta", "g")]
+    h = x["initial_state"].clone().requires_grad_(True)
+    o, h_new = ops.kda_step(*leaves, h, 0.5)
+    (o.sum() + h_new.sum()).backward()
+    assert all(t.grad is not None for t in leaves + [h])
+
+
+def test_linear_attention_flop_count_of_the_roofline_rows():
+    from fastweights.bench.roofline import linear_attn_flops
+
+    # C = 64, K = V = 128: Q Kᵀ and P V (2·64²·128 each), Q h and K̄ᵀ V (2·64·128² each)
+    assert linear_attn_flops(1, 1, 64, 128, 128, 64) == 2 * 1048576 + 2 * 2097152
+    # the backward adds Q Kᵀ, dP K, dPᵀ Q, Pᵀ dO, dO Vᵀ (C²·K or C²·V) and four C·K·V products
+    fwd = 2 * 1048576 + 2 * 2097152
+    assert linear_attn_flops(1, 1, 64, 128, 128, 64, backward=True) == fwd + 5 * 1048576 + 4 * 2097152
+    # a partial chunk counts as a whole one
+    assert linear_attn_flops(2, 3, 65, 8, 8, 64) == 2 * 3 * 2 * linear_attn_flops(1, 1, 64, 8, 8, 64)
