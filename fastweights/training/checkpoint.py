@@ -51,7 +51,7 @@ CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_sta
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
     "load_weights", "tokenizer_of", "verify_manifest", "FORMAT", "save_model_file", "load_model_file", "export_model",
-    "tensors_sha256",
+    "tensors_sha256", "check_export_target", "checkpoint_folder_of",
 ]
 
 
@@ -377,10 +377,48 @@ def load_model_file(path: "str | os.PathLike") -> Tuple[LMConfig, Dict[str, torc
     return config, weights, train
 
 
-def export_model(source: "str | os.PathLike", out: "str | os.PathLike", dtype: Optional[torch.dtype] = None) -> str:
+def checkpoint_folder_of(path: "str | os.PathLike") -> Optional[str]:
+    """The checkpoint folder (a folder holding a ``manifest.json``) that ``path`` lies in, itself or
+    any folder above it, symlinks resolved; ``None`` when there is none."""
+    folder = os.path.dirname(os.path.realpath(os.fspath(path)))
+    while True:
+        if os.path.isfile(os.path.join(folder, MANIFEST)):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def check_export_target(out: "str | os.PathLike", overwrite: bool = False) -> str:
+    """Refuse an ``export`` target that would lose data (a ``ValueError`` naming ``--out``); returns it.
+
+    A file inside a checkpoint folder is refused always: replacing one of its files would make the
+    checkpoint fail its manifest's SHA-256 check, so it could neither resume nor be loaded. Any other
+    existing file is replaced only with ``overwrite``; a folder or other non-file never is."""
+    out = os.fspath(out)
+    if not out.endswith(".safetensors"):
+        raise ValueError(f"export: `--out` must name a .safetensors file, got {out!r}")
+    inside = checkpoint_folder_of(out)
+    if inside is not None:
+        raise ValueError(f"export: `--out` {out!r} lies inside the checkpoint folder {inside!r} (it has a {MANIFEST}); "
+                         f"writing there would break the checkpoint. Choose a path outside any checkpoint folder")
+    if os.path.lexists(out):
+        if not os.path.isfile(out) or os.path.islink(out):
+            raise ValueError(f"export: `--out` {out!r} exists and is not a plain file; refusing to replace it")
+        if not overwrite:
+            raise ValueError(f"export: `--out` {out!r} already exists; pass --overwrite to replace it, or choose another path")
+    return out
+
+
+def export_model(source: "str | os.PathLike", out: "str | os.PathLike", dtype: Optional[torch.dtype] = None,
+                 overwrite: bool = False) -> str:
     """Write the model of ``source`` (a run folder, a checkpoint folder, one process's or sharded, or a
-    single-file model) as one file at ``out``; returns its path. ``dtype``: the weights' (default: as saved)."""
-    if not os.fspath(out).endswith(".safetensors"):
-        raise ValueError(f"export: `--out` must name a .safetensors file, got {os.fspath(out)!r}")
+    single-file model) as one file at ``out``; returns its path. ``dtype``: the weights' (default: as saved).
+
+    ``out`` is checked by :func:`check_export_target` before anything is read, and again just before
+    the rename (a file that appeared meanwhile is not replaced without ``overwrite``)."""
+    check_export_target(out, overwrite)
     model, ckpt = load_model(source, dtype=dtype)
+    check_export_target(out, overwrite)
     return save_model_file(model, out, {k: ckpt.train[k] for k in RUN_FIELDS if k in (ckpt.train or {})})
