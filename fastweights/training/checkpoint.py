@@ -43,7 +43,7 @@ from ..models import LM, LMConfig
 from .dcp_checkpoint import is_dcp_file, is_sharded_checkpoint, load_full_weights
 from .errors import CheckpointError, CheckpointWriteError
 from .listing import is_model_file, resolve_checkpoint
-from .sealing import MANIFEST, file_digest, publish, reason, write_manifest
+from .sealing import MANIFEST, check_own_file, file_digest, publish, read_manifest, reason, write_manifest
 
 FORMAT = "fastweights-lm-1"
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_state.safetensors"}
@@ -138,26 +138,19 @@ def verify_manifest(path: str) -> None:
     none is refused: a lost manifest must not switch the checksums off.
     """
     manifest_file = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_file):
+    if not os.path.lexists(manifest_file):
         if is_sharded_checkpoint(path):  # sharded checkpoints always had manifests
             raise CheckpointError(f"{path}: {MANIFEST} is missing: the sharded checkpoint is incomplete (its files cannot be verified)")
         if _header_metadata(os.path.join(path, "model.safetensors")).get("manifest"):
             raise CheckpointError(f"{path}: {MANIFEST} is missing, but model.safetensors says the checkpoint was "
                                   f"written with one: the checkpoint is incomplete (its files cannot be verified)")
         return
-    try:
-        with open(manifest_file, encoding="utf-8") as f:
-            files = json.load(f)["files"]
-        entries = [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from None
+    entries = read_manifest(path)
     unlisted = sorted({n for n in os.listdir(path) if n in CHECKPOINT_FILES or is_dcp_file(n)} - {name for name, _, _ in entries})
     if unlisted:
         raise CheckpointError(f"{path}: checkpoint file {unlisted[0]} is not listed in {MANIFEST}: it cannot be verified")
     for name, sha256, size in entries:
-        file = os.path.join(path, name)
-        if os.path.basename(name) != name or not os.path.isfile(file):
-            raise CheckpointError(f"{path}: checkpoint file {name} listed in {MANIFEST} is missing")
+        file = check_own_file(path, name)  # a plain name, a regular file: no symlink, FIFO or outside path
         found = _file_digest(file)
         if found["bytes"] != size or found["sha256"] != sha256:
             raise CheckpointError(
