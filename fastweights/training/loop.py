@@ -52,7 +52,7 @@ from .config import TrainConfig
 from .dcp_checkpoint import load_sharded, save_sharded
 from .distributed import Heartbeat, all_reduce_, collective, current_heartbeat, dist_info, maybe_init_distributed, set_heartbeat
 from .errors import CheckpointWriteError, RunFolderError
-from .data_files import check_data_files, data_fingerprints
+from .data_files import BusErrorGuard, DataWatch, check_data_files, data_fingerprints
 from .evaluation import evaluate, token_losses
 from .listing import mark_latest, remove_folder
 from .metrics import rewrite_metrics, write_metrics
@@ -153,9 +153,10 @@ def train(
                                 pulse=min(1.0, config.ddp_timeout / 10)).start_pulse())
         if config.threads:
             torch.set_num_threads(config.threads)
-        with StopSignals(on_force=lock.release if lock is not None else lambda: None) as stop:
+        release = lock.release if lock is not None else lambda: None
+        with StopSignals(on_force=release) as stop, BusErrorGuard(None, on_fault=release) as guard:
             return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop,
-                          allow_data_change=allow_data_change, plan=plan)
+                          allow_data_change=allow_data_change, plan=plan, guard=guard)
     finally:
         if current_heartbeat() is not None:
             current_heartbeat().stop_pulse()
@@ -168,11 +169,16 @@ def train(
 
 
 def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None,
-           allow_data_change=False, plan=None) -> TrainResult:
+           allow_data_change=False, plan=None, guard=None) -> TrainResult:
     plan = plan or ParallelPlan(rank, world, dp=world, cp=1)
     task = make_task(config)
     plan.check_batch(config.batch_size, task.seq_len)
     data_files = data_fingerprints(config)  # recorded in every checkpoint, checked on resume
+    # the mapped files' sizes, checked before every step and evaluation (a truncated mapping is SIGBUS)
+    watch = DataWatch({k: fp["path"] for k, fp in data_files.items()},
+                      (lambda: describe_latest(out_dir)) if out_dir is not None and rank == 0 else (lambda: ""))
+    if guard is not None:
+        guard.watch = watch  # closed by the guard
     if model_config.vocab_size != task.vocab_size:
         raise ValueError(
             f"train: the model's `vocab_size`={model_config.vocab_size} does not match the data's "
@@ -223,6 +229,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     step_seconds = 0.0  # time in training steps since this process started (evaluations excluded)
     for step in range(start, config.steps):
         step_t0 = time.perf_counter()
+        watch.check()
         lr = learning_rate(config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -268,6 +275,8 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
 
         last = step + 1 == config.steps
         evaluating = (config.eval_every and (step + 1) % config.eval_every == 0) or last
+        if evaluating:
+            watch.check()
         if evaluating and plan.fsdp and rank != 0:  # a sharded model's forward needs every rank
             guarded("the evaluation", evaluate, model, task, config)
         if evaluating and rank == 0:
