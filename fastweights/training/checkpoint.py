@@ -317,9 +317,12 @@ def tensors_sha256(tensors: Dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[str, Any]] = None) -> str:
+def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[str, Any]] = None,
+                    replace: bool = True) -> str:
     """Write ``model`` as one safetensors file at ``path`` (a temp file, fsync, rename); returns the path.
-    ``train``: what the loaders need of the run (``tokenizer``, ``train_config``, ``step``, ``run_id``)."""
+    ``train``: what the loaders need of the run (``tokenizer``, ``train_config``, ``step``, ``run_id``).
+    ``replace=False``: a file that exists at ``path`` when the temp file is published is kept (a hard
+    link publishes it, which fails on an existing name) and a ``ValueError`` names ``--out``."""
     from safetensors.torch import save_file
 
     from safetensors import SafetensorError
@@ -336,7 +339,7 @@ def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[s
         save_file(weights, tmp, metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _publish_file(tmp, path, replace)
     except BaseException as e:  # a full disk or an interrupt: no temp file left behind
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -344,6 +347,24 @@ def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[s
             raise CheckpointWriteError(f"could not write {path}: {reason(e)}") from None
         raise
     return path
+
+
+def _publish_file(tmp: str, path: str, replace: bool) -> None:
+    """Rename ``tmp`` to ``path``; without ``replace``, never over an existing file."""
+    if replace:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)  # atomic, and fails if the name exists (a file that appeared meanwhile)
+    except FileExistsError:
+        raise ValueError(f"export: `--out` {path!r} already exists; pass --overwrite to replace it, "
+                         f"or choose another path") from None
+    except OSError:  # a filesystem without hard links: check, then rename
+        if os.path.lexists(path):
+            raise ValueError(f"export: `--out` {path!r} already exists; pass --overwrite to replace it") from None
+        os.replace(tmp, path)
+        return
+    os.remove(tmp)
 
 
 def load_model_file(path: "str | os.PathLike") -> Tuple[LMConfig, Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:
@@ -409,9 +430,11 @@ def export_model(source: "str | os.PathLike", out: "str | os.PathLike", dtype: O
     """Write the model of ``source`` (a run folder, a checkpoint folder, one process's or sharded, or a
     single-file model) as one file at ``out``; returns its path. ``dtype``: the weights' (default: as saved).
 
-    ``out`` is checked by :func:`check_export_target` before anything is read, and again just before
-    the rename (a file that appeared meanwhile is not replaced without ``overwrite``)."""
+    ``out`` is checked by :func:`check_export_target` before anything is read and again before the
+    write; without ``overwrite`` the file is published by a hard link, so even a file that appeared
+    in between is not replaced."""
     check_export_target(out, overwrite)
     model, ckpt = load_model(source, dtype=dtype)
     check_export_target(out, overwrite)
-    return save_model_file(model, out, {k: ckpt.train[k] for k in RUN_FIELDS if k in (ckpt.train or {})})
+    return save_model_file(model, out, {k: ckpt.train[k] for k in RUN_FIELDS if k in (ckpt.train or {})},
+                           replace=overwrite)

@@ -65,3 +65,23 @@ def test_a_symlink_into_a_checkpoint_folder_is_refused(tmp_path, capsys):
     code, err = export(capsys, ckpt.parent, "--out", link / "model.safetensors", "--overwrite")
     assert code == 2 and "lies inside the checkpoint folder" in err, err
     load_checkpoint(ckpt)
+
+
+def test_a_file_that_appears_during_the_write_is_kept(tmp_path, capsys, monkeypatch):
+    """The last check and the rename are not one step: without --overwrite the file is published by a
+    hard link, which fails on an existing name, so a file created in between survives."""
+    import safetensors.torch
+
+    run = tiny_run(tmp_path / "run").parent
+    out = tmp_path / "model.safetensors"
+    original = safetensors.torch.save_file
+
+    def save_then_someone_writes(*args, **kwargs):
+        original(*args, **kwargs)
+        out.write_bytes(b"written meanwhile")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_someone_writes)
+    code, err = export(capsys, run, "--out", out)
+    assert code == 2 and "already exists" in err, err
+    assert out.read_bytes() == b"written meanwhile"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
