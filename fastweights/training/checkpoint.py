@@ -391,12 +391,26 @@ def load_model_file(path: "str | os.PathLike") -> Tuple[LMConfig, Dict[str, torc
     return config, weights, train
 
 
+def _is_checkpoint_manifest(file: str) -> bool:
+    """Whether ``file`` is a checkpoint's manifest: one of this library's formats, or unreadable
+    (a damaged checkpoint is still one); another project's ``manifest.json`` is not."""
+    from .dcp_checkpoint import FORMAT_DCP
+
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return True
+    return not isinstance(data, dict) or data.get("format") in (FORMAT, FORMAT_DCP) or "files" in data
+
+
 def checkpoint_folder_of(path: "str | os.PathLike") -> Optional[str]:
-    """The checkpoint folder (a folder holding a ``manifest.json``) that ``path`` lies in, itself or
-    any folder above it, symlinks resolved; ``None`` when there is none."""
+    """The checkpoint folder (a folder holding a checkpoint's ``manifest.json``) that ``path`` lies in,
+    itself or any folder above it, symlinks resolved; ``None`` when there is none."""
     folder = os.path.dirname(os.path.realpath(os.fspath(path)))
     while True:
-        if os.path.isfile(os.path.join(folder, MANIFEST)):
+        manifest = os.path.join(folder, MANIFEST)
+        if os.path.isfile(manifest) and _is_checkpoint_manifest(manifest):
             return folder
         parent = os.path.dirname(folder)
         if parent == folder:

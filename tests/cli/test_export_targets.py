@@ -85,3 +85,14 @@ def test_a_file_that_appears_during_the_write_is_kept(tmp_path, capsys, monkeypa
     assert code == 2 and "already exists" in err, err
     assert out.read_bytes() == b"written meanwhile"
     assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+
+
+def test_another_projects_manifest_does_not_make_a_checkpoint_folder(tmp_path, capsys):
+    run = tiny_run(tmp_path / "run").parent
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "manifest.json").write_text('{"name": "a web app", "icons": []}')
+    assert export(capsys, run, "--out", site / "model.safetensors")[0] == 0
+    (site / "manifest.json").write_text("{not json")  # a damaged checkpoint manifest is still one
+    code, err = export(capsys, run, "--out", site / "other.safetensors")
+    assert code == 2 and "lies inside the checkpoint folder" in err, err
