@@ -84,6 +84,9 @@ def _run(args) -> int:
     for mixer, (model, acc, result) in results.items():
         print(f"  {mixer:<10}{model.num_parameters():>9,}{acc['all']:>9.3f}{acc['overwritten']:>13.3f}"
               f"{acc['once']:>14.3f}{result.seconds:>9.1f}")
+    # the run stops before convergence, so rounding that differs per CPU moves these figures
+    print("  (the figures vary between machines by several points: training stops before it converges, and the\n"
+          "   compiled kernels round differently per CPU; DeltaNet far above linear attention is the result)")
 
     print("\ndecode state (bytes) after prefilling a prompt of a given length:")
     softmax = LM(LMConfig.from_dict({**DEMO_MODEL, "vocab_size": data.vocab_size, "mixer": "softmax"})).eval()

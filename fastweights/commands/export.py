@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a run's (or checkpoint's) model as one safetensors file",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", metavar="RUN", help="run folder, checkpoint folder (single-process or sharded), or model file")
-    p.add_argument("--out", metavar="FILE", required=True, help="the .safetensors file to write (replaced atomically)")
+    p.add_argument("--out", metavar="FILE", required=True, help="the .safetensors file to write (a temp file, then a rename); an existing file is "
+                        "kept unless --overwrite; a path inside a checkpoint folder is refused")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (never a checkpoint's own file)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None,
                    help="the weights' dtype in the file (default: as saved)")
     p.set_defaults(func=run)
@@ -33,6 +35,6 @@ def run(args) -> int:
     from ..training.checkpoint import export_model
 
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    path = export_model(args.run, args.out, dtype)
+    path = export_model(args.run, args.out, dtype, overwrite=args.overwrite)
     print(f"wrote {path}")
     return 0

@@ -87,6 +87,7 @@ def build_configs(args):
 
 
 def run(args) -> int:
+    import os
     import sys
 
     from ..training import DistributedTimeout, TrainingInterrupted, train
@@ -97,12 +98,13 @@ def run(args) -> int:
         result = train(model_config, train_config, args.out, resume=args.resume, overwrite=args.overwrite,
                        progress=progress, allow_data_change=args.allow_data_change)
     except TrainingInterrupted as e:  # SIGINT/SIGTERM: saved, then 130/143 as a shell expects
-        print(e, file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # the one that saved speaks for the job
+            print(e, file=sys.stderr)
         return e.exit_code
     except DistributedTimeout as e:
         print(e, file=sys.stderr)
         return 1
-    if result.history:
+    if result.history and result.rank == 0:  # a distributed run: rank 0 reports for every rank
         last = result.evals[-1] if result.evals else {}
         print(f"done: step {result.history[-1]['step']}, loss {result.history[-1]['loss']:.4f}"
               + (f", eval accuracy {last['eval_accuracy']:.3f}" if last else "")

@@ -348,6 +348,12 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         vectorized reductions over unaligned memory round differently (5e-17 in float64),
         so without it a round trip would change logits in the last bit."""
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        # transformers does not list a tied weight that is absent under both of its names
+        # (model.embed.weight with a tied head): it stays a meta tensor. Any tensor still on the
+        # meta device was never loaded, so it counts as missing, named like the others.
+        never_loaded = {name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
+        if never_loaded:
+            info = {**info, "missing_keys": set(info.get("missing_keys") or ()) | never_loaded}
         check_loading_info(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
         with torch.no_grad():
             for param in model.parameters():  # a tied weight is one Parameter: copied once

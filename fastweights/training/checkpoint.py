@@ -43,7 +43,7 @@ from ..models import LM, LMConfig
 from .dcp_checkpoint import is_dcp_file, is_sharded_checkpoint, load_full_weights
 from .errors import CheckpointError, CheckpointWriteError
 from .listing import is_model_file, resolve_checkpoint
-from .sealing import MANIFEST, file_digest, publish, reason, write_manifest
+from .sealing import MANIFEST, check_own_file, file_digest, publish, read_manifest, reason, write_manifest
 
 FORMAT = "fastweights-lm-1"
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_state.safetensors"}
@@ -51,7 +51,7 @@ CHECKPOINT_FILES = {"config.json", "model.safetensors", "train.json", "train_sta
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "Checkpoint", "save_checkpoint", "load_checkpoint", "load_model",
     "load_weights", "tokenizer_of", "verify_manifest", "FORMAT", "save_model_file", "load_model_file", "export_model",
-    "tensors_sha256",
+    "tensors_sha256", "check_export_target", "checkpoint_folder_of",
 ]
 
 
@@ -138,26 +138,19 @@ def verify_manifest(path: str) -> None:
     none is refused: a lost manifest must not switch the checksums off.
     """
     manifest_file = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_file):
+    if not os.path.lexists(manifest_file):
         if is_sharded_checkpoint(path):  # sharded checkpoints always had manifests
             raise CheckpointError(f"{path}: {MANIFEST} is missing: the sharded checkpoint is incomplete (its files cannot be verified)")
         if _header_metadata(os.path.join(path, "model.safetensors")).get("manifest"):
             raise CheckpointError(f"{path}: {MANIFEST} is missing, but model.safetensors says the checkpoint was "
                                   f"written with one: the checkpoint is incomplete (its files cannot be verified)")
         return
-    try:
-        with open(manifest_file, encoding="utf-8") as f:
-            files = json.load(f)["files"]
-        entries = [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from None
+    entries = read_manifest(path)
     unlisted = sorted({n for n in os.listdir(path) if n in CHECKPOINT_FILES or is_dcp_file(n)} - {name for name, _, _ in entries})
     if unlisted:
         raise CheckpointError(f"{path}: checkpoint file {unlisted[0]} is not listed in {MANIFEST}: it cannot be verified")
     for name, sha256, size in entries:
-        file = os.path.join(path, name)
-        if os.path.basename(name) != name or not os.path.isfile(file):
-            raise CheckpointError(f"{path}: checkpoint file {name} listed in {MANIFEST} is missing")
+        file = check_own_file(path, name)  # a plain name, a regular file: no symlink, FIFO or outside path
         found = _file_digest(file)
         if found["bytes"] != size or found["sha256"] != sha256:
             raise CheckpointError(
@@ -324,9 +317,12 @@ def tensors_sha256(tensors: Dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[str, Any]] = None) -> str:
+def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[str, Any]] = None,
+                    replace: bool = True) -> str:
     """Write ``model`` as one safetensors file at ``path`` (a temp file, fsync, rename); returns the path.
-    ``train``: what the loaders need of the run (``tokenizer``, ``train_config``, ``step``, ``run_id``)."""
+    ``train``: what the loaders need of the run (``tokenizer``, ``train_config``, ``step``, ``run_id``).
+    ``replace=False``: a file that exists at ``path`` when the temp file is published is kept (a hard
+    link publishes it, which fails on an existing name) and a ``ValueError`` names ``--out``."""
     from safetensors.torch import save_file
 
     from safetensors import SafetensorError
@@ -343,7 +339,7 @@ def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[s
         save_file(weights, tmp, metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _publish_file(tmp, path, replace)
     except BaseException as e:  # a full disk or an interrupt: no temp file left behind
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -351,6 +347,24 @@ def save_model_file(model: LM, path: "str | os.PathLike", train: Optional[Dict[s
             raise CheckpointWriteError(f"could not write {path}: {reason(e)}") from None
         raise
     return path
+
+
+def _publish_file(tmp: str, path: str, replace: bool) -> None:
+    """Rename ``tmp`` to ``path``; without ``replace``, never over an existing file."""
+    if replace:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)  # atomic, and fails if the name exists (a file that appeared meanwhile)
+    except FileExistsError:
+        raise ValueError(f"export: `--out` {path!r} already exists; pass --overwrite to replace it, "
+                         f"or choose another path") from None
+    except OSError:  # a filesystem without hard links: check, then rename
+        if os.path.lexists(path):
+            raise ValueError(f"export: `--out` {path!r} already exists; pass --overwrite to replace it") from None
+        os.replace(tmp, path)
+        return
+    os.remove(tmp)
 
 
 def load_model_file(path: "str | os.PathLike") -> Tuple[LMConfig, Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:
@@ -377,10 +391,64 @@ def load_model_file(path: "str | os.PathLike") -> Tuple[LMConfig, Dict[str, torc
     return config, weights, train
 
 
-def export_model(source: "str | os.PathLike", out: "str | os.PathLike", dtype: Optional[torch.dtype] = None) -> str:
+def _is_checkpoint_manifest(file: str) -> bool:
+    """Whether ``file`` is a checkpoint's manifest: one of this library's formats, or unreadable
+    (a damaged checkpoint is still one); another project's ``manifest.json`` is not."""
+    from .dcp_checkpoint import FORMAT_DCP
+
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return True
+    return not isinstance(data, dict) or data.get("format") in (FORMAT, FORMAT_DCP) or "files" in data
+
+
+def checkpoint_folder_of(path: "str | os.PathLike") -> Optional[str]:
+    """The checkpoint folder (a folder holding a checkpoint's ``manifest.json``) that ``path`` lies in,
+    itself or any folder above it, symlinks resolved; ``None`` when there is none."""
+    folder = os.path.dirname(os.path.realpath(os.fspath(path)))
+    while True:
+        manifest = os.path.join(folder, MANIFEST)
+        if os.path.isfile(manifest) and _is_checkpoint_manifest(manifest):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def check_export_target(out: "str | os.PathLike", overwrite: bool = False) -> str:
+    """Refuse an ``export`` target that would lose data (a ``ValueError`` naming ``--out``); returns it.
+
+    A file inside a checkpoint folder is refused always: replacing one of its files would make the
+    checkpoint fail its manifest's SHA-256 check, so it could neither resume nor be loaded. Any other
+    existing file is replaced only with ``overwrite``; a folder or other non-file never is."""
+    out = os.fspath(out)
+    if not out.endswith(".safetensors"):
+        raise ValueError(f"export: `--out` must name a .safetensors file, got {out!r}")
+    inside = checkpoint_folder_of(out)
+    if inside is not None:
+        raise ValueError(f"export: `--out` {out!r} lies inside the checkpoint folder {inside!r} (it has a {MANIFEST}); "
+                         f"writing there would break the checkpoint. Choose a path outside any checkpoint folder")
+    if os.path.lexists(out):
+        if not os.path.isfile(out) or os.path.islink(out):
+            raise ValueError(f"export: `--out` {out!r} exists and is not a plain file; refusing to replace it")
+        if not overwrite:
+            raise ValueError(f"export: `--out` {out!r} already exists; pass --overwrite to replace it, or choose another path")
+    return out
+
+
+def export_model(source: "str | os.PathLike", out: "str | os.PathLike", dtype: Optional[torch.dtype] = None,
+                 overwrite: bool = False) -> str:
     """Write the model of ``source`` (a run folder, a checkpoint folder, one process's or sharded, or a
-    single-file model) as one file at ``out``; returns its path. ``dtype``: the weights' (default: as saved)."""
-    if not os.fspath(out).endswith(".safetensors"):
-        raise ValueError(f"export: `--out` must name a .safetensors file, got {os.fspath(out)!r}")
+    single-file model) as one file at ``out``; returns its path. ``dtype``: the weights' (default: as saved).
+
+    ``out`` is checked by :func:`check_export_target` before anything is read and again before the
+    write; without ``overwrite`` the file is published by a hard link, so even a file that appeared
+    in between is not replaced."""
+    check_export_target(out, overwrite)
     model, ckpt = load_model(source, dtype=dtype)
-    return save_model_file(model, out, {k: ckpt.train[k] for k in RUN_FIELDS if k in (ckpt.train or {})})
+    check_export_target(out, overwrite)
+    return save_model_file(model, out, {k: ckpt.train[k] for k in RUN_FIELDS if k in (ckpt.train or {})},
+                           replace=overwrite)

@@ -27,7 +27,7 @@ WHOLE_FILE = 256 << 20
 BLOCK = 1 << 20
 SAMPLES = 16
 
-__all__ = ["fingerprint", "data_fingerprints", "check_data_files", "DataChangedError"]
+__all__ = ["fingerprint", "data_fingerprints", "check_data_files", "DataChangedError", "DataWatch", "BusErrorGuard", "DATA_CHANGED"]
 
 
 class DataChangedError(RunFolderError):
@@ -97,3 +97,107 @@ def check_data_files(recorded: Optional[Dict[str, Dict[str, Any]]], current: Dic
             continue
         raise DataChangedError(f"train --resume: {what}. Resume with the run's own file, or pass "
                                f"--allow-data-change to continue on this one")
+
+
+# -- a data file that changes under a running trainer -------------------------------------------------
+#
+# The text data is memory-mapped (fastweights.tasks.text.read_bytes). If the file is truncated while
+# the run reads it, the next read of a page past the new end raises SIGBUS, which kills the process
+# with no message (rc 135). Two defences: DataWatch compares each file's size (through a descriptor
+# of the very file that is mapped, so a file renamed over it, which leaves the mapping valid, does not
+# count) before every step and every evaluation, so every epoch boundary is covered, and says so in one
+# line while the last checkpoint is intact; a truncation in the instant between that check and the read
+# is caught by a SIGBUS handler that prints the same line and exits 2.
+
+DATA_CHANGED = "the data file changed while training"
+
+
+class DataWatch:
+    """The sizes of a run's data files, as they were when the run mapped them; see above.
+
+    Args:
+        files: ``{flag key: path}`` (``{"data": ..., "val_data": ...}``).
+        describe: a callable giving the state of the run's checkpoints for the message
+            (``"the previous checkpoint ckpt-000010 (latest) is intact"``).
+    """
+
+    def __init__(self, files: Dict[str, str], describe=lambda: "") -> None:
+        self.describe = describe
+        self.files = []  # (flag, path, descriptor, size)
+        for key, path in files.items():
+            fd = os.open(path, os.O_RDONLY)
+            self.files.append(("--" + key.replace("_", "-"), path, fd, os.fstat(fd).st_size))
+
+    def message(self) -> Optional[str]:
+        """The one line saying which file changed, or ``None`` when every size is as it was."""
+        for flag, path, fd, size in self.files:
+            now = os.fstat(fd).st_size
+            if now != size:
+                latest = self.describe()
+                return (f"train: {DATA_CHANGED}: {flag} {path} was {size:,} bytes when the run began, now {now:,}; "
+                        f"training reads it in place, so it must not change until the run ends"
+                        + (f"; {latest}" if latest else ""))
+        return None
+
+    def check(self) -> None:
+        """Raise :class:`DataChangedError` if a file's size changed (a ``fstat`` per file: microseconds)."""
+        message = self.message()
+        if message is not None:
+            raise DataChangedError(message)
+
+    def close(self) -> None:
+        for _, _, fd, _ in self.files:
+            os.close(fd)
+        self.files = []
+
+
+class BusErrorGuard:
+    """While active (a context manager; it closes ``watch`` on exit), SIGBUS (a read of a mapped page past the end of a truncated file) prints
+    ``watch``'s one line (or a generic one) to stderr, calls ``on_fault`` (the trainer releases its
+    run lock) and ends the process with exit code 2, instead of dying silently with rc 135.
+
+    Python's own ``signal.signal`` cannot do this: its handler only sets a flag, and the faulting
+    instruction would run again forever. The handler here is a C function pointer (``ctypes``)
+    installed with the C library's ``signal``; it runs at the fault, on the faulting thread, and
+    takes the GIL (torch releases it inside its ops). Linux and macOS only; elsewhere a no-op."""
+
+    def __init__(self, watch: Optional[DataWatch], on_fault=lambda: None) -> None:
+        self.watch, self.on_fault = watch, on_fault
+        self._libc = self._handler = self._previous = None
+
+    def _fault(self, signum: int) -> None:
+        try:
+            message = self.watch.message() if self.watch is not None else None
+            message = message or (f"train: {DATA_CHANGED}: a read of the memory-mapped data failed (SIGBUS: the file "
+                                  f"was truncated or its storage went away)")
+            os.write(2, (message + "\n").encode("utf-8", "replace"))
+            self.on_fault()
+        finally:
+            os._exit(2)
+
+    def __enter__(self) -> "BusErrorGuard":
+        import ctypes
+        import signal
+        import sys
+        import threading
+
+        if not hasattr(signal, "SIGBUS") or not sys.platform.startswith(("linux", "darwin")) \
+                or threading.current_thread() is not threading.main_thread():
+            return self
+        handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self._handler = handler_type(self._fault)  # kept alive while installed
+        self._libc = libc
+        self._previous = libc.signal(int(signal.SIGBUS), ctypes.cast(self._handler, ctypes.c_void_p))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._libc is not None:
+            self._libc.signal(int(signal.SIGBUS), self._previous)
+            self._libc = self._handler = None
+        if self.watch is not None:
+            self.watch.close()

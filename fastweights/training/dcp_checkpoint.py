@@ -24,6 +24,10 @@ Loading resharded: DCP reads each rank's slices from whichever files hold them, 
 run saved by 4 processes resumes on 2 (or on 1, or is exported to one file). The same
 world size reads back exactly the bytes that were written: resume is bitwise.
 
+Every file a load reads is a regular file of the folder itself, listed in the manifest
+(:func:`checked_metadata`): a ``.metadata`` naming another folder's shards, a FIFO or a symlink is
+refused in one line before DCP opens anything.
+
 No code runs on load: DCP's ``.metadata`` is a pickle, read here with an unpickler that
 builds only DCP's own metadata classes, ``torch.Size`` and dtypes (anything else is
 refused); the shards are read with ``torch.load(weights_only=True)``; entries DCP would
@@ -41,7 +45,7 @@ from typing import Any, ClassVar
 import torch
 
 from .errors import CheckpointError, CheckpointWriteError
-from .sealing import publish, reason, write_manifest
+from .sealing import MANIFEST, check_own_file, publish, read_manifest, reason, write_manifest
 
 FORMAT_DCP = "fastweights-dcp-1"
 DCP_METADATA = ".metadata"
@@ -50,6 +54,7 @@ DCP_SUFFIX = ".distcp"
 __all__ = [
     "FORMAT_DCP",
     "SafeFileSystemReader",
+    "checked_metadata",
     "is_sharded_checkpoint",
     "load_full_weights",
     "load_sharded",
@@ -79,7 +84,8 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     allowed = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
                ("collections", "OrderedDict"): __import__("collections").OrderedDict,
                ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-               ("pathlib", "Path"): pathlib.PurePath,
+               ("pathlib", "Path"): pathlib.PurePath, ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+               ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath, ("pathlib", "PurePath"): pathlib.PurePath,
                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo}
     for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
                  "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"):
@@ -121,20 +127,46 @@ def _read_metadata(file: str):
     return metadata
 
 
-def SafeFileSystemReader(path: str):
-    """A DCP ``FileSystemReader`` for ``path`` whose ``read_metadata`` runs no code (see the module docstring)."""
+def checked_metadata(path: str):
+    """DCP's ``Metadata`` of the sharded checkpoint folder ``path``, read without running code, with
+    every file it makes DCP read checked: a shard file (``*.distcp``) of this folder itself, listed
+    in its ``manifest.json`` (whose SHA-256 :func:`~fastweights.training.checkpoint.verify_manifest`
+    checks), a regular file, not a symbolic link. Anything else is a one-line :class:`CheckpointError`
+    naming the file, raised before DCP opens anything (a FIFO would block it forever; a path
+    outside the folder would read another checkpoint's weights)."""
+    folder = os.fspath(path)
+    metadata = _read_metadata(check_own_file(folder, DCP_METADATA))
+    listed = {name for name, _, _ in read_manifest(folder)}
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{folder}/{DCP_METADATA}: no index of the shards (storage_data is {type(storage).__name__})")
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        what = getattr(index, "fqn", index)
+        if not isinstance(name, str) or not name.endswith(DCP_SUFFIX) or os.path.basename(name) != name:
+            raise CheckpointError(f"{folder}/{DCP_METADATA}: {what} is stored in {name!r}, which is not a shard file "
+                                  f"of this folder; refused (a checkpoint reads only its own files)")
+        if name not in listed:
+            raise CheckpointError(f"{folder}/{DCP_METADATA}: {what} is stored in {name}, which {MANIFEST} does not "
+                                  f"list: it cannot be verified; refused")
+        check_own_file(folder, name)
+    return metadata
+
+
+def SafeFileSystemReader(path: str, metadata=None):
+    """A DCP ``FileSystemReader`` for ``path`` whose ``read_metadata`` runs no code and returns
+    :func:`checked_metadata` (or ``metadata``, already checked); rank-local metadata files
+    (which this writer never writes, and no manifest lists) are never read."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class _Reader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            rank = kwargs.get("rank")
-            name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
-            metadata = _read_metadata(os.path.join(os.fspath(self.path), name))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            checked = metadata if metadata is not None else checked_metadata(os.fspath(self.path))
+            if getattr(checked, "storage_meta", None) is None:
+                checked.storage_meta = StorageMeta()
+            checked.storage_meta.load_id = self.load_id
+            return checked
 
     return _Reader(path)
 
@@ -295,8 +327,11 @@ def _dcp_load(state, path: str, what: str, no_dist: bool) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
 
+    # checked first, outside DCP: a refused file is one line here, not DCP's logged tracebacks and
+    # its fallback to rank-local metadata, ending in a misleading "does not fit"
+    metadata = checked_metadata(path)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=no_dist)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), no_dist=no_dist)
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
         e = _first_failure(e)
         if isinstance(e, CheckpointError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ from ..tasks.adapters import step_generator
 from .config import TrainConfig
 from .precision import autocast
 
-__all__ = ["evaluate", "evaluate_file", "evaluate_tokens", "split_accuracy", "token_losses"]
+__all__ = ["evaluate", "evaluate_global", "evaluate_file", "evaluate_tokens", "split_accuracy", "token_losses"]
 
 
 def token_losses(model: LM, inputs: torch.Tensor, targets: torch.Tensor, precision: str = "fp32", cp_group=None):
@@ -41,6 +41,7 @@ def _score(model, inputs, targets, precision, totals) -> None:
 @torch.no_grad()
 def evaluate_tokens(
     model: LM, tokens: torch.Tensor, seq_len: int, batch_size: int, precision: str = "fp32", max_tokens: int = 0,
+    share: Tuple[int, int] = (0, 1),
 ) -> Dict[str, float]:
     """Next-token loss over a token stream, every token scored once.
 
@@ -51,6 +52,10 @@ def evaluate_tokens(
     that many predictions. ``tokens`` may be a memory-mapped ``uint8`` file
     (:func:`~fastweights.tasks.text.read_bytes`): each batch of windows is converted to
     int64 on its own, so memory does not grow with the stream.
+
+    ``share=(rank, world)``: a collective of ``world`` processes; this one scores every
+    world-th batch of windows (from its ``rank``-th) and the sums are all-reduced, so every rank
+    returns the figures of the whole stream.
 
     Returns ``{"loss": mean nats per token, "accuracy", "tokens": how many were scored}``.
     """
@@ -66,36 +71,79 @@ def evaluate_tokens(
     def window(a: int, b: int) -> torch.Tensor:  # tokens [a, b) as int64 on the model's device: a copy of b - a
         return tokens[a:b].to(device=device, dtype=torch.long)
 
-    for i in range(0, full, batch_size):
+    for j, i in enumerate(range(0, full, batch_size)):
+        if j % share[1] != share[0]:
+            continue
         rows = min(batch_size, full - i)
         a, b = i * seq_len, (i + rows) * seq_len
         _score(model, window(a, b).view(rows, seq_len), window(a + 1, b + 1).view(rows, seq_len), precision, totals)
-    if n > full * seq_len:  # the last, shorter window
+    if n > full * seq_len and -(-full // batch_size) % share[1] == share[0]:  # the last, shorter window
         a = full * seq_len
         _score(model, window(a, n)[None], window(a + 1, n + 1)[None], precision, totals)
     model.train(was_training)
+    totals = _sum_over_ranks(totals, share)
     return {"loss": totals[0] / totals[2], "accuracy": totals[1] / totals[2], "tokens": totals[2]}
 
 
+def _sum_over_ranks(totals, share: Tuple[int, int]):
+    """``[loss sum, hits, tokens]`` summed over the ``share[1]`` ranks (as they are for one rank)."""
+    if share[1] == 1:
+        return totals
+    from .distributed import all_reduce_
+
+    t = torch.tensor([float(totals[0]), float(totals[1]), float(totals[2])], dtype=torch.float64)
+    all_reduce_([t])
+    return [float(t[0]), int(t[1]), int(t[2])]
+
+
 @torch.no_grad()
-def evaluate(model: LM, task, config: TrainConfig, batches: Optional[int] = None) -> Dict[str, float]:
+def evaluate(model: LM, task, config: TrainConfig, batches: Optional[int] = None,
+             share: Tuple[int, int] = (0, 1)) -> Dict[str, float]:
     """Loss and next-token accuracy on held-out data (the same data at every call).
 
     Text: the first ``eval_tokens`` tokens of the held-out text, every one scored once
     (:func:`evaluate_tokens`), also as bits per byte. Recall: ``eval_batches`` batches.
+    ``share=(rank, world)``: a collective; each rank scores its share of the batches and every
+    rank returns the figures of them all (see :func:`evaluate_global`).
     """
     if isinstance(task, ByteText):
-        r = evaluate_tokens(model, task.val, config.seq_len, config.batch_size, config.precision, config.eval_tokens)
+        r = evaluate_tokens(model, task.val, config.seq_len, config.batch_size, config.precision, config.eval_tokens,
+                            share=share)
         return {"eval_loss": r["loss"], "eval_accuracy": r["accuracy"], "eval_bpb": r["loss"] / math.log(2),
                 "eval_tokens": r["tokens"]}
     was_training = model.training
     model.eval()
     totals = [0.0, 0, 0]
     for i in range(batches or config.eval_batches):
+        if i % share[1] != share[0]:
+            continue
         inputs, targets = task.sample(config.batch_size, step_generator(config.seed, i, stream=1), split="val")
         _score(model, inputs, targets, config.precision, totals)
     model.train(was_training)
+    totals = _sum_over_ranks(totals, share)
     return {"eval_loss": totals[0] / max(totals[2], 1), "eval_accuracy": totals[1] / max(totals[2], 1)}
+
+
+def evaluate_global(model: LM, task, config: TrainConfig, rank: int = 0, world: int = 1,
+                    fsdp: bool = False) -> Dict[str, float]:
+    """:func:`evaluate` in a job of ``world`` processes (a collective): every rank returns the same
+    figures, those of the whole held-out set, so what rank 0 prints and records is the global one.
+
+    Data (and context) parallel: each rank scores every world-th batch of the held-out windows,
+    whole sequences, and the sums of losses, hits and tokens are all-reduced. FSDP: a sharded
+    model's every forward needs every rank, so all ranks score all the windows, and rank 0's
+    figures are shared (all ranks hold the same model, so they agree up to rounding)."""
+    if world == 1:
+        return evaluate(model, task, config)
+    if not fsdp:
+        return evaluate(model, task, config, share=(rank, world))
+    from .distributed import all_reduce_
+
+    result = evaluate(model, task, config)
+    keys = sorted(result)
+    values = torch.tensor([float(result[k]) if rank == 0 else 0.0 for k in keys], dtype=torch.float64)
+    all_reduce_([values])  # rank 0's figures on every rank
+    return {k: (int(v) if isinstance(result[k], int) else float(v)) for k, v in zip(keys, values.tolist())}
 
 
 def split_accuracy(model: LM, data, batches: int, seed: int):

@@ -52,8 +52,8 @@ from .config import TrainConfig
 from .dcp_checkpoint import load_sharded, save_sharded
 from .distributed import Heartbeat, all_reduce_, collective, current_heartbeat, dist_info, maybe_init_distributed, set_heartbeat
 from .errors import CheckpointWriteError, RunFolderError
-from .data_files import check_data_files, data_fingerprints
-from .evaluation import evaluate, token_losses
+from .data_files import BusErrorGuard, DataWatch, check_data_files, data_fingerprints
+from .evaluation import evaluate_global, token_losses
 from .listing import mark_latest, remove_folder
 from .metrics import rewrite_metrics, write_metrics
 from .optim import learning_rate, make_optimizer
@@ -74,6 +74,7 @@ class TrainResult:
     evals: List[Dict[str, Any]]
     seconds: float
     task: Any
+    rank: int = 0  # of the process that returns it: only rank 0 reports a distributed run
 
 
 def _progress(total: int, initial: int, enabled: Optional[bool], desc: str):
@@ -153,9 +154,11 @@ def train(
                                 pulse=min(1.0, config.ddp_timeout / 10)).start_pulse())
         if config.threads:
             torch.set_num_threads(config.threads)
-        with StopSignals(on_force=lock.release if lock is not None else lambda: None) as stop:
-            return _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=stop,
-                          allow_data_change=allow_data_change, plan=plan)
+        release = lock.release if lock is not None else lambda: None
+        with StopSignals(on_force=release) as stop, BusErrorGuard(None, on_fault=release) as guard:
+            quiet = log if rank == 0 else (lambda _: None)  # one rank speaks for the job
+            return _train(model_config, config, out_dir, resume, progress, quiet, desc, rank, world, stop=stop,
+                          allow_data_change=allow_data_change, plan=plan, guard=guard)
     finally:
         if current_heartbeat() is not None:
             current_heartbeat().stop_pulse()
@@ -168,11 +171,16 @@ def train(
 
 
 def _train(model_config, config, out_dir, resume, progress, log, desc, rank, world, stop=None,
-           allow_data_change=False, plan=None) -> TrainResult:
+           allow_data_change=False, plan=None, guard=None) -> TrainResult:
     plan = plan or ParallelPlan(rank, world, dp=world, cp=1)
     task = make_task(config)
     plan.check_batch(config.batch_size, task.seq_len)
     data_files = data_fingerprints(config)  # recorded in every checkpoint, checked on resume
+    # the mapped files' sizes, checked before every step and evaluation (a truncated mapping is SIGBUS)
+    watch = DataWatch({k: fp["path"] for k, fp in data_files.items()},
+                      (lambda: describe_latest(out_dir)) if out_dir is not None and rank == 0 else (lambda: ""))
+    if guard is not None:
+        guard.watch = watch  # closed by the guard
     if model_config.vocab_size != task.vocab_size:
         raise ValueError(
             f"train: the model's `vocab_size`={model_config.vocab_size} does not match the data's "
@@ -215,6 +223,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
 
     # with FSDP or context parallelism the forward and backward passes run collectives too
     guarded = collective if world > 1 and (plan.fsdp or plan.cp > 1) else (lambda what, fn, *a, **k: fn(*a, **k))
+    collective_eval = collective if world > 1 else guarded  # the evaluation's sums are all-reduced
     tokens_per_step = config.batch_size * task.seq_len
     bar = _progress(config.steps, start, progress if rank == 0 else False, desc)
     model.train()
@@ -223,6 +232,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
     step_seconds = 0.0  # time in training steps since this process started (evaluations excluded)
     for step in range(start, config.steps):
         step_t0 = time.perf_counter()
+        watch.check()
         lr = learning_rate(config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -268,11 +278,12 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
 
         last = step + 1 == config.steps
         evaluating = (config.eval_every and (step + 1) % config.eval_every == 0) or last
-        if evaluating and plan.fsdp and rank != 0:  # a sharded model's forward needs every rank
-            guarded("the evaluation", evaluate, model, task, config)
-        if evaluating and rank == 0:
-            result = {"step": step + 1, **guarded("the evaluation", evaluate, model, task, config)}
+        if evaluating:  # every rank takes part and gets the global figures (evaluate_global)
+            watch.check()
+            result = {"step": step + 1, **collective_eval("the evaluation", evaluate_global, model, task, config,
+                                                          rank, world, plan.fsdp)}
             evals.append(result)
+        if evaluating and rank == 0:
             write_metrics(out_dir, result)
             message = (f"step {step + 1}: loss {loss:.4f}, eval loss {result['eval_loss']:.4f}"
                        + (f" ({result['eval_bpb']:.3f} bits/byte)" if "eval_bpb" in result else "")
@@ -297,7 +308,7 @@ def _train(model_config, config, out_dir, resume, progress, log, desc, rank, wor
             raise TrainingInterrupted(stop.requested if stop is not None and stop.requested else signal.SIGTERM,
                                       step + 1, saved if rank == 0 else None)
     bar.close()
-    return TrainResult(model, history, evals, time.perf_counter() - t0, task)
+    return TrainResult(model, history, evals, time.perf_counter() - t0, task, rank)
 
 
 def _train_json(config, task, step, history, evals, run_id, data_files=None) -> Dict[str, Any]:

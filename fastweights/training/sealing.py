@@ -13,11 +13,50 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Dict
+import stat
+from typing import Any, Dict, List, Tuple
+
+from .errors import CheckpointError
 
 MANIFEST = "manifest.json"
 
-__all__ = ["MANIFEST", "file_digest", "reason", "write_manifest", "publish"]
+__all__ = ["MANIFEST", "check_own_file", "file_digest", "read_manifest", "reason", "write_manifest", "publish"]
+
+
+def check_own_file(folder: str, name: str) -> str:
+    """``folder/name`` if it is a regular file of the checkpoint ``folder`` itself; otherwise a one-line
+    :class:`CheckpointError` naming it. Refused: a name with a folder part (``../other/x``, an
+    absolute path), a symbolic link (it could point at another checkpoint's file), and anything
+    that is not a regular file (a FIFO would block the reader forever, a device never ends)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or os.path.basename(name) != name:
+        raise CheckpointError(f"{folder}: the checkpoint names the file {name!r}, which is not in its own folder; "
+                              f"refused (a checkpoint reads only its own files)")
+    file = os.path.join(folder, name)
+    try:
+        mode = os.lstat(file).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: checkpoint file {name} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{folder}: checkpoint file {name} cannot be read: {reason(e)}") from None
+    if stat.S_ISLNK(mode):
+        raise CheckpointError(f"{folder}: checkpoint file {name} is a symbolic link; refused (a checkpoint reads "
+                              f"only its own files)")
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{folder}: checkpoint file {name} is not a regular file (a FIFO, a device or a "
+                              f"folder); refused")
+    return file
+
+
+def read_manifest(folder: str) -> List[Tuple[str, str, int]]:
+    """``(name, sha256, bytes)`` of every file ``folder/manifest.json`` lists (the manifest itself
+    checked by :func:`check_own_file`); a one-line :class:`CheckpointError` if it cannot be read."""
+    file = check_own_file(folder, MANIFEST)
+    try:
+        with open(file, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        return [(str(name), str(e["sha256"]), int(e["bytes"])) for name, e in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{folder}: {MANIFEST} is corrupt: {e}") from None
 
 
 def file_digest(file: str) -> Dict[str, Any]:

@@ -17,6 +17,7 @@ def test_demo_runs_and_reports(capsys, tmp_path):
     assert states["deltanet"].endswith("constant") and states["linear"].endswith("constant")
     assert states["softmax"].endswith("grows with the context")
     assert out.count("expected") == 4
+    assert "the figures vary between machines" in out  # no reader takes a different figure for a broken install
     # the saved models answer through the generate command
     capsys.readouterr()
     assert cli_main(["generate", str(tmp_path / "deltanet"), "--prompt", "a 3 b 5 a 1 ? a", "--max-new-tokens", "1",
