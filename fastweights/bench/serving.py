@@ -26,11 +26,14 @@ vocabulary 256, fp32, random weights: serving cost does not depend on what was l
    kernel on the CPU) against gathering the N states, stepping them and scattering them back
    (what a layer that takes one state per row needs); best of 30.
 6. **prompt lookup on transformers' Qwen3-Next** routed onto our ops (``use_fastweights_kernels``;
-   needs transformers): a random Qwen3-Next (hidden 256, 3 linear-attention layers and 1 full,
-   vocabulary 1024) greedily generates ``--lookup-new`` tokens after a repetitive prompt (a seed,
-   the model's own greedy continuation of it, the seed again: the continuation repeats, as text
-   that quotes itself does), plainly and with ``prompt_lookup_num_tokens`` = ``--lookup-k``;
-   tokens/s of both, the speed-up and whether the tokens are identical.
+   needs transformers): a Qwen3-Next (hidden 256, 3 linear-attention layers and 1 full,
+   vocabulary 1024, 4 experts) trained for ``--lookup-train-steps`` steps (about a CPU minute)
+   on a repetitive text (8 "verses" of 24 tokens in random order), so that its greedy
+   continuation follows the text it has read, greedily generates ``--lookup-new`` tokens after a
+   repetitive prompt (three verses, the model's own greedy continuation of them, the three verses
+   again), plainly and with ``prompt_lookup_num_tokens`` = ``--lookup-k``; tokens/s of both, the
+   speed-up, the share of drafted tokens accepted and whether the tokens are identical. The same
+   with random weights, whose continuation does not follow its prompt, beside it.
 
 Timing: ``--clock cpu`` (the default) is time.process_time, the CPU seconds of the process,
 with one thread (``--threads 1``): on a shared, oversubscribed machine wall time mostly
@@ -233,8 +236,42 @@ def pool_step(sessions, slots: int = 256, heads: int = 4, dim: int = 128, repeat
     return rows
 
 
-def routed_lookup(new_tokens: int, k: int, repeats: int, seed: int = 0) -> Dict:
-    """Greedy vs prompt lookup on a routed random Qwen3-Next, on a prompt whose continuation repeats."""
+def _repeat_corpus(vocab: int, verses: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """``[verses, length]`` distinct token ids: the "verses" of a repetitive text (a text made of
+    whole verses in any order: within a verse every token follows from the one before)."""
+    return torch.randperm(vocab - 1, generator=gen)[: verses * length].add(1).view(verses, length)
+
+
+def _train_to_repeat(model, corpus: torch.Tensor, steps: int, gen: torch.Generator, batch: int = 8,
+                     per_row: int = 6, lr: float = 3e-3) -> Dict:
+    """Train ``model`` (a transformers causal LM) for ``steps`` AdamW steps on rows of ``per_row``
+    random verses of ``corpus``: a minute's training that makes its greedy continuation follow
+    the text it has read (within a verse; the next verse is a guess). Returns the last loss and
+    the CPU seconds spent."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    t0, loss = time.process_time(), None
+    for _ in range(steps):
+        rows = corpus[torch.randint(0, corpus.shape[0], (batch, per_row), generator=gen)].reshape(batch, -1)
+        loss = model(input_ids=rows, labels=rows).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return {"train_steps": steps, "train_loss": None if loss is None else loss.item(),
+            "train_cpu_s": time.process_time() - t0}
+
+
+def routed_lookup(new_tokens: int, k: int, repeats: int, train_steps: int = 0, seed: int = 0) -> Dict:
+    """Greedy vs prompt lookup on a routed Qwen3-Next, on a prompt whose continuation repeats.
+
+    With ``train_steps`` the model is first trained on a repetitive text (:func:`_train_to_repeat`),
+    so that its greedy continuation of a prompt made of that text follows the text, as a model
+    quoting its context does; with 0 its weights are random. The prompt is a seed (three verses),
+    the model's own greedy continuation of it, and the seed again. The acceptance rate is the
+    share of the drafted tokens the model kept: (new tokens − forwards) / drafted tokens, counted
+    from the forwards' inputs (every forward keeps one token of its own beyond the accepted ones).
+    """
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     from ..hf import use_fastweights_kernels
@@ -250,25 +287,38 @@ def routed_lookup(new_tokens: int, k: int, repeats: int, seed: int = 0) -> Dict:
     use_fastweights_kernels()
     try:
         model = Qwen3NextForCausalLM(cfg).eval()
-        greedy = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
         gen = torch.Generator().manual_seed(seed)
-        seed_ids = torch.randint(1, cfg.vocab_size, (1, 16), generator=gen)
+        corpus = _repeat_corpus(cfg.vocab_size, 8, 24, gen)
+        trained = _train_to_repeat(model, corpus, train_steps, gen) if train_steps else {"train_steps": 0}
+        greedy = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+        seed_ids = corpus[torch.randint(0, corpus.shape[0], (3,), generator=gen)].reshape(1, -1)
+        inputs: List[int] = []  # the length of every forward's input_ids (a verify: 1 + its drafts)
+        hook = model.register_forward_pre_hook(
+            lambda module, args, kwargs: inputs.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
         with torch.no_grad():
             continuation = model.generate(seed_ids, **greedy)[:, seed_ids.shape[1]:]
             prompt = torch.cat([seed_ids, continuation, seed_ids], dim=1)
             out, times = {}, {"greedy": [], "lookup": []}
             for _ in range(repeats):  # interleaved
                 for name, extra in (("greedy", {}), ("lookup", {"prompt_lookup_num_tokens": k})):
+                    inputs.clear()
                     t0 = _clock()
                     out[name] = model.generate(prompt, **greedy, **extra)
                     times[name].append(_clock() - t0)
+        hook.remove()
     finally:
         use_fastweights_kernels(False)
     g, lk = (statistics.median(times[n]) for n in ("greedy", "lookup"))
     made = out["greedy"].shape[1] - prompt.shape[1]
-    return {"model": "Qwen3-Next (random, hidden 256, 3 linear + 1 full attention layers)", "prompt_tokens":
+    forwards = len(inputs)  # of the last lookup run
+    drafted = (inputs[0] - prompt.shape[1]) + sum(n - 1 for n in inputs[1:]) if inputs else 0
+    accepted = out["lookup"].shape[1] - prompt.shape[1] - forwards
+    weights = f"trained {train_steps} steps on a repetitive text" if train_steps else "random"
+    return {"model": f"Qwen3-Next ({weights}; hidden 256, 3 linear + 1 full attention layers)", "prompt_tokens":
             prompt.shape[1], "new_tokens": made, "k": k, "greedy_tokens_per_s": made / g,
-            "lookup_tokens_per_s": made / lk, "speedup": g / lk, "identical": bool(torch.equal(out["greedy"], out["lookup"]))}
+            "lookup_tokens_per_s": made / lk, "speedup": g / lk, "identical": bool(torch.equal(out["greedy"], out["lookup"])),
+            "lookup_forwards": forwards, "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None, **trained}
 
 
 def run(args) -> Dict:
@@ -295,9 +345,10 @@ def run(args) -> Dict:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            result["prompt_lookup"] = None
+            result["prompt_lookup"] = result["prompt_lookup_random_weights"] = None
         else:
-            result["prompt_lookup"] = routed_lookup(args.lookup_new, args.lookup_k, args.repeats)
+            result["prompt_lookup"] = routed_lookup(args.lookup_new, args.lookup_k, args.repeats, args.lookup_train_steps)
+            result["prompt_lookup_random_weights"] = routed_lookup(args.lookup_new, args.lookup_k, args.repeats)
     return result
 
 
@@ -325,12 +376,15 @@ def table(result: Dict) -> str:
         for r in result["pool_step"]:
             lines.append(f"| {r['sessions']} ({r['state_mib']:.1f} MiB) | {r['in_place_us']:.0f} µs | "
                          f"{r['gather_step_scatter_us']:.0f} µs | {r['ratio']:.1f}× |")
-    lk = result.get("prompt_lookup")
-    if lk:
-        lines.append(f"Prompt lookup (k = {lk['k']}) on {lk['model']}, routed onto fastweights' ops, {lk['new_tokens']} "
-                     f"tokens after a {lk['prompt_tokens']}-token repetitive prompt: greedy {lk['greedy_tokens_per_s']:.1f} "
-                     f"tokens/s, prompt lookup {lk['lookup_tokens_per_s']:.1f} tokens/s ({lk['speedup']:.2f}×; identical "
-                     f"tokens: {lk['identical']}).")
+    for key in ("prompt_lookup", "prompt_lookup_random_weights"):
+        lk = result.get(key)
+        if lk:
+            rate = "n/a" if lk.get("acceptance_rate") is None else f"{100 * lk['acceptance_rate']:.0f}%"
+            lines += ["", f"Prompt lookup (k = {lk['k']}) on {lk['model']}, routed onto fastweights' ops, "
+                      f"{lk['new_tokens']} tokens after a {lk['prompt_tokens']}-token repetitive prompt: greedy "
+                      f"{lk['greedy_tokens_per_s']:.1f} tokens/s, prompt lookup {lk['lookup_tokens_per_s']:.1f} tokens/s "
+                      f"({lk['speedup']:.2f}×; {lk.get('lookup_forwards', '?')} forwards, {rate} of "
+                      f"{lk.get('drafted_tokens', '?')} drafted tokens accepted; identical tokens: {lk['identical']})."]
     return "\n".join(lines)
 
 
@@ -349,8 +403,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--prefix", type=int, default=1024, help="system prompt tokens")
     p.add_argument("--turn", type=int, default=32, help="user turn tokens")
-    p.add_argument("--lookup-new", type=int, default=48, help="prompt lookup: new tokens (0: skip it)")
+    p.add_argument("--lookup-new", type=int, default=64, help="prompt lookup: new tokens (0: skip it)")
     p.add_argument("--lookup-k", type=int, default=8, help="prompt lookup: proposals per round")
+    p.add_argument("--lookup-train-steps", type=int, default=40,
+                   help="prompt lookup: training steps on a repetitive text before measuring (about a CPU minute)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: as torch has them)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     p.add_argument("--json", default=DEFAULT_JSON)

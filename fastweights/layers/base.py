@@ -129,11 +129,15 @@ class FastWeightMixer(nn.Module):
         raise NotImplementedError
 
     def memory_step(
-        self, qk: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, memory: torch.Tensor
+        self, qk: torch.Tensor, v: torch.Tensor, extra: torch.Tensor, memory: torch.Tensor,
+        state_indices: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """One decoding token of the op: ``qk [N, 2, H, K]`` (q and k side by side), ``v [N, H, V]``
         (activated), ``extra [N, ·]`` (the outputs of :meth:`step_projections` beyond q, k, v and
-        the gate) and the state ``[N, H, K, V]`` -> ``(o [N, H, V] in the compute dtype, new state)``."""
+        the gate) and the state ``[N, H, K, V]`` -> ``(o [N, H, V] in the compute dtype, new state)``.
+        With ``state_indices [N]`` (int64, slots in ``[0, S)``, distinct), ``memory`` is a pool
+        ``[S, H, K, V]``: row n reads and writes slot ``state_indices[n]`` in place (the op's pool
+        form, :mod:`fastweights.ops.state_pool`), and the pool is returned."""
         raise NotImplementedError
 
     def chunk_length(self, like: torch.Tensor) -> int:
@@ -308,8 +312,18 @@ class FastWeightMixer(nn.Module):
         conv = None if keep.conv is None else window_conv_state(before.conv, keep.conv[:, :accepted])
         return FastWeightState(memory, conv)
 
-    def step(self, x: torch.Tensor, state: FastWeightState) -> Tuple[torch.Tensor, FastWeightState]:
+    def step(
+        self, x: torch.Tensor, state: FastWeightState, state_indices: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, FastWeightState]:
         """One decoding step: ``x [N, 1, d_model]`` and the state -> ``(y [N, 1, d_model], state)``.
+
+        With ``state_indices [N]`` (an int64 tensor of distinct slots in ``[0, S)``, checked by
+        the caller: :class:`~fastweights.models.pool.SessionPool`), ``state`` holds pools of S
+        sessions (memory ``[S, H, K, V]``, convolution ``[S, W − 1, C]``) and row n steps the
+        session at slot ``state_indices[n]`` in place: the memory through the op's pool form
+        (on the CPU the compiled kernel updates the slots where they lie: no gathered copy of
+        the states), the convolution's small window gathered and written back. ``state`` itself
+        is returned. The rows' arithmetic is that of the same sessions stepped one state per row.
 
         The same function as :meth:`forward` with T = 1 (which calls it), in about 45
         aten calls per layer (views included): every projection of x is one matmul
@@ -327,21 +341,27 @@ class FastWeightMixer(nn.Module):
         modules = self._modules  # (plain dict lookups: nn.Module.__getattr__ costs ~1 µs a call)
         conv = modules.get("conv")
         if conv is not None:
-            conv.check_state(state.conv, N)
+            conv.check_state(state.conv, N if state_indices is None else state.conv.shape[0])
         elif state.conv is not None:
             raise ValueError(f"{name}: `state` carries a convolution state but this layer has no short convolution")
         memory = state.memory
         want = self.memory_shape(N)
+        if state_indices is not None and isinstance(memory, torch.Tensor):  # a pool: any number of slots
+            want = tuple(memory.shape[:1]) + want[1:]
         if not isinstance(memory, torch.Tensor) or tuple(memory.shape) != want or memory.dtype != compute_dtype(x.dtype):
             got = f"{list(memory.shape)} {memory.dtype}" if isinstance(memory, torch.Tensor) else type(memory).__name__
+            rows = "S" if state_indices is not None else "N"
             raise ValueError(
-                f"{name}: `state.memory` must have shape [N, H, K, V] = {list(want)} and dtype {compute_dtype(x.dtype)}, got {got}"
+                f"{name}: `state.memory` must have shape [{rows}, H, K, V] = {list(want)} and dtype {compute_dtype(x.dtype)}, got {got}"
             )
         w_in, w_out, w_conv = self._step_weights()
         proj = x.reshape(N, self.d_model) @ w_in  # [N, 3D + gate + extra]: q, k, v, then the rest
         qkv, rest = proj[:, : 3 * D], proj[:, 3 * D:]
         conv_state = None
-        if conv is not None:
+        if conv is not None and state_indices is not None:  # the W − 1 inputs: a few KiB per session
+            qkv, window = conv.step(qkv, state.conv.index_select(0, state_indices), w_conv)
+            conv_state = state.conv.index_copy_(0, state_indices, window)
+        elif conv is not None:
             qkv, conv_state = conv.step(qkv, state.conv, w_conv)
         if self.activation is self.value_activation:
             qkv = self.activation(qkv)
@@ -349,7 +369,8 @@ class FastWeightMixer(nn.Module):
             qkv = torch.cat([self.activation(qkv[:, : 2 * D]), self.value_activation(qkv[:, 2 * D:])], dim=-1)
         qkv = qkv.view(N, 3, H, K)
         gated = modules.get("g_proj") is not None
-        o, memory = self.memory_step(qkv[:, :2], qkv[:, 2], rest[:, D:] if gated else rest, memory)
+        o, memory = self.memory_step(qkv[:, :2], qkv[:, 2], rest[:, D:] if gated else rest, memory,
+                                     **({} if state_indices is None else {"state_indices": state_indices}))
         o = modules["o_norm"].unit(o.to(x.dtype))  # the norm's weight is folded into w_out
         if gated:
             o = o * F.silu(rest[:, :D].view(N, H, K))
@@ -412,6 +433,17 @@ def resolve_fla_names(owner: str, given: dict, **ours):
     return tuple(ours.values())
 
 
+def pool_step_rows(step, pool: torch.Tensor, state_indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The pool form of a one-token ``step(h [N, H, K, V]) -> (o, h')`` that takes one state per row:
+    the rows' states gathered from ``pool [S, H, K, V]`` at ``state_indices [N]``, stepped and
+    written back in place; returns ``(o, pool)``."""
+    from ..ops.state_pool import gather_states, scatter_states
+
+    o, h = step(gather_states(pool, state_indices))
+    scatter_states(pool, state_indices, h)
+    return o, pool
+
+
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     """x with softplus(x) = y (for y > 0)."""
     return y + torch.log(-torch.expm1(-y))
@@ -430,4 +462,4 @@ def write_strength(logits: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor
     return 2 * beta if allow_neg_eigval else beta
 
 
-__all__ = ["FastWeightMixer", "FLA_NAMES", "resolve_fla_names", "write_strength", "inverse_softplus", "log_uniform"]
+__all__ = ["FastWeightMixer", "FLA_NAMES", "resolve_fla_names", "write_strength", "pool_step_rows", "inverse_softplus", "log_uniform"]

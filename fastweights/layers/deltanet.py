@@ -71,9 +71,10 @@ class DeltaNet(FastWeightMixer):
     def step_projections(self):
         return super().step_projections() + ("b_proj",)
 
-    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory, state_indices=None) -> Tuple[torch.Tensor, torch.Tensor]:
         beta = write_strength(extra, self.allow_neg_eigval)  # extra is [N, H]: β's logits
-        return delta_rule_step(*self.step_qkv(qk, v, memory.dtype), beta.to(memory.dtype), memory, self.head_dim ** -0.5)
+        return delta_rule_step(*self.step_qkv(qk, v, memory.dtype), beta.to(memory.dtype), memory, self.head_dim ** -0.5,
+                               state_indices=state_indices)
 
     def window_step_inputs(self, q, k, v, extra, dtype):
         qk = normalize_qk(torch.stack([q, k], 2).to(dtype), self.qk_norm)  # [N, P, 2, H, K]

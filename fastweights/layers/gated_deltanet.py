@@ -68,10 +68,11 @@ class GatedDeltaNet(DeltaNet):
     def step_projections(self):
         return super().step_projections() + ("a_proj",)
 
-    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory, state_indices=None) -> Tuple[torch.Tensor, torch.Tensor]:
         dt = memory.dtype
         beta, g = self.write_and_decay(extra)
-        return gated_delta_rule_step(*self.step_qkv(qk, v, dt), beta.to(dt), g.to(dt), memory, self.head_dim ** -0.5)
+        return gated_delta_rule_step(*self.step_qkv(qk, v, dt), beta.to(dt), g.to(dt), memory, self.head_dim ** -0.5,
+                                     state_indices=state_indices)
 
     def write_and_decay(self, extra):
         H = self.num_v_heads  # extra is [b_proj(x) | a_proj(x)]

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_kda, kda_step, recurrent_kda
-from .base import inverse_softplus, log_uniform, write_strength
+from .base import inverse_softplus, pool_step_rows, log_uniform, write_strength
 from .deltanet import DeltaNet
 
 
@@ -81,9 +81,12 @@ class KimiDeltaAttention(DeltaNet):
     def step_projections(self):
         return super().step_projections() + ("f_a_proj",)
 
-    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory, state_indices=None) -> Tuple[torch.Tensor, torch.Tensor]:
         dt = memory.dtype
         beta, g = self.write_and_decay(extra)  # g: [N, H, K]
+        if state_indices is not None:  # kda_step takes one state per row: its pool form gathers and writes back
+            return pool_step_rows(lambda h: kda_step(*self.step_qkv(qk, v, dt), beta.to(dt), g.to(dt), h,
+                                                     self.head_dim ** -0.5), memory, state_indices)
         return kda_step(*self.step_qkv(qk, v, dt), beta.to(dt), g.to(dt), memory, self.head_dim ** -0.5)
 
     # Verify windows (fastweights.models.window): a padded row cannot be made a no-op of the

@@ -62,7 +62,8 @@ class LinearAttention(FastWeightMixer):
     def memory_shape(self, n: int):
         return (n, self.n_heads, self.feature_map.output_dim(self.head_dim), self.head_dim + int(self.normalize))
 
-    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory, state_indices=None) -> Tuple[torch.Tensor, torch.Tensor]:
         dt = memory.dtype
         qk = normalize_qk(self.feature_map(qk.to(dt)), self.qk_norm)
-        return linear_attn_step(qk[:, 0], qk[:, 1], v.to(dt), memory, None, self.head_dim ** -0.5, normalize=self.normalize)
+        return linear_attn_step(qk[:, 0], qk[:, 1], v.to(dt), memory, None, self.head_dim ** -0.5, normalize=self.normalize,
+                                state_indices=state_indices)

@@ -229,6 +229,13 @@ class Block(nn.Module):
         x = x + h
         return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state
 
+    def step_slots(self, x: torch.Tensor, state, state_indices: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for one decoding token ``x [N, 1, D]`` of N sessions held in pools
+        (``state``: the mixer's pooled state, stepped in place at ``state_indices [N]``;
+        :meth:`~fastweights.layers.base.FastWeightMixer.step`): returns x."""
+        x = x + self.mixer.step(self.mixer_norm(x), state, state_indices)[0]
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
+
     def forward_window(self, x: torch.Tensor, state, real: int, chunk_from: int):
         """:meth:`forward` for a verify window (``x [B, P, D]``, the first ``real`` rows tokens):
         ``(x, the state after the real tokens, what the mixer keeps to roll back)``."""
@@ -493,6 +500,27 @@ class LM(nn.Module):
             new.recording = True
             new.window = cache.window + ([self._segment(cache.states, T, None)] if window == "step" else [])
         return logits, new
+
+    def step_slots(self, tokens: torch.Tensor, states: list, state_indices: torch.Tensor) -> torch.Tensor:
+        """One decoding token for N sessions whose states sit in per-layer pools, in place.
+
+        Args:
+            tokens: ``[N]`` token ids, one per session.
+            states: one :class:`~fastweights.layers.FastWeightState` of pools per layer (memory
+                ``[S, H, K, V]``, convolution ``[S, W − 1, C]`` or None), as
+                :class:`~fastweights.models.pool.SessionPool` holds them.
+            state_indices: ``[N]`` int64, the sessions' slots: distinct, in ``[0, S)`` (checked by
+                the caller; fast-weight mixers with the fused step only).
+
+        Returns:
+            logits ``[N, vocab]``; each session's state advanced at its slot. Equal to
+            :meth:`forward` of the token with those sessions' states as an N-row cache (the
+            same step arithmetic; no state is gathered or copied back).
+        """
+        x = self.embed(tokens.view(-1, 1))  # [N, 1, D]
+        for block, state in zip(self.blocks, states):
+            x = block.step_slots(x, state, state_indices)
+        return self.lm_head(self.norm(x))[:, -1]
 
     def _window_mode(self, keep_window, cache, T: int, cu_seqlens, mask, return_cache: bool) -> Optional[str]:
         """``"window"`` (the padded window form, :meth:`_forward_window`), ``"step"`` (a one-token step

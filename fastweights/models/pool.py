@@ -12,10 +12,13 @@ leave (the slot is freed, nothing is reallocated)::
     logits = pool.step(next_tokens, torch.tensor([slot, ...]))   # [N] tokens of N live sessions
     pool.release(slot)
 
-:meth:`SessionPool.step` runs the LM's ordinary one-token forward on the N sessions' states:
-it gathers them from their slots (one copy of N states per layer), steps, and writes the new
-states back (another). A session's logits are those of the same session decoded alone, to
-the batch's rounding (bitwise with the compiled CPU step, which is batch invariant). The
+:meth:`SessionPool.step` runs the LM's one-token step on the N sessions where they lie
+(:meth:`LM.step_slots <fastweights.models.lm.LM.step_slots>`): every layer passes its pool and
+the slots to the op's pool form, which on the CPU is the compiled kernel updating each slot in
+place, so no state is gathered into a batch or copied back (only the short convolution's
+window, a few KiB per session, is). A session's logits are those of the same session decoded
+alone, to the batch's rounding (the projections are batched matmuls; the state update itself
+is the same kernel per row). The
 pool's memory is ``slots`` × the per-session state, constant in the context length:
 :attr:`SessionPool.nbytes`.
 """
@@ -52,6 +55,7 @@ class SessionPool:
             mem = s.memory
             self.memory.append(mem.new_zeros((slots,) + tuple(mem.shape[1:]), dtype=dtype or mem.dtype))
             self.conv.append(None if s.conv is None else s.conv.new_zeros((slots,) + tuple(s.conv.shape[1:])))
+        self._states = [FastWeightState(m, c) for m, c in zip(self.memory, self.conv)]  # the pools, per layer
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.free = list(range(slots - 1, -1, -1))  # a stack: the lowest free slot is taken first
         self._live = torch.zeros(slots, dtype=torch.bool)
@@ -92,40 +96,21 @@ class SessionPool:
 
     def cache(self, slots: torch.Tensor) -> LMCache:
         """The sessions at ``slots [N]`` as an N-row :class:`LMCache` (a copy of their states)."""
-        return self._gathered(slots, reuse=False)
-
-    def _gathered(self, slots: torch.Tensor, reuse: bool = True) -> LMCache:
-        """:meth:`cache`; with ``reuse`` into buffers kept from one step to the next (valid until the next
-        step: a fresh multi-MiB allocation per step costs its page faults)."""
-        idx = slots.to(self.memory[0].device)
-        n = len(idx)
-        if not reuse or getattr(self, "_buffers", (None, 0))[1] != n:
-            buffers = ([(m.new_empty((n,) + m.shape[1:]), None if c is None else c.new_empty((n,) + c.shape[1:]))
-                        for m, c in zip(self.memory, self.conv)], n)
-            if reuse:
-                self._buffers = buffers
-        else:
-            buffers = self._buffers
-        states = []
-        for (m, c), (m_out, c_out) in zip(zip(self.memory, self.conv), buffers[0]):
-            states.append(FastWeightState(torch.index_select(m, 0, idx, out=m_out),
-                                          None if c is None else torch.index_select(c, 0, idx, out=c_out)))
-        return LMCache(states, length=int(self.lengths[slots].max()), batch_size=n, mixers=list(self.mixers))
+        idx = slots.to(self.memory[0].device).long()
+        states = [FastWeightState(m.index_select(0, idx), None if c is None else c.index_select(0, idx))
+                  for m, c in zip(self.memory, self.conv)]
+        return LMCache(states, length=int(self.lengths[slots].max()), batch_size=len(idx), mixers=list(self.mixers))
 
     def step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token for each session at ``slots [N]`` (``tokens [N]``): logits ``[N, vocab]``, states
-        advanced in place at their slots."""
+        advanced in place at their slots (:meth:`LM.step_slots <fastweights.models.lm.LM.step_slots>`)."""
         from ..ops.state_pool import check_state_indices
 
         check_state_indices("SessionPool.step", self.memory[0], slots, len(slots), pool_name="pool")
         if bool((slots < 0).any()) or not bool(self._live[slots.long()].all()):
             raise ValueError("SessionPool.step: `slots` must name live sessions")
+        idx = slots.to(self.memory[0].device).long()
         with torch.no_grad():
-            logits, cache = self.model(tokens.view(-1, 1), self._gathered(slots))
-            idx = slots.to(self.memory[0].device)
-            for i, s in enumerate(cache.states):
-                self.memory[i].index_copy_(0, idx, s.memory)
-                if self.conv[i] is not None:
-                    self.conv[i].index_copy_(0, idx, s.conv)
+            logits = self.model.step_slots(tokens, self._states, idx)
         self.lengths[slots] += 1
-        return logits[:, -1]
+        return logits

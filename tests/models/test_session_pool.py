@@ -52,6 +52,44 @@ def test_pool_sessions_equal_each_session_alone(mixer):
         pool.step(tokens[:2], torch.tensor([1, 1]))
 
 
+@pytest.mark.parametrize("mixer", ["deltanet", "gated_deltanet"])
+def test_pool_step_works_at_the_slots_bitwise(mixer, monkeypatch):
+    """On the CPU the delta rules' pool step runs the compiled kernel at the slots: no state is
+    gathered (a gather would raise here), the idle slots keep their bytes, and one session in
+    the pool (fp32) decodes bitwise what it decodes alone (the same matmul shapes and update)."""
+    from fastweights.ops import state_pool
+    from fastweights.ops.cpu import kernels_for
+
+    torch.manual_seed(2)
+    model = LM(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mixer=mixer)).eval()
+    if kernels_for(next(model.parameters())) is None:
+        pytest.skip("the compiled CPU kernels are not built here")
+    gen = torch.Generator().manual_seed(3)
+    pool = SessionPool(model, slots=5)
+    with torch.no_grad():
+        caches = [model(torch.randint(0, VOCAB, (1, n), generator=gen))[1] for n in (7, 1, 12)]
+    slots = [pool.admit(fork_cache(c)) for c in caches]  # 0, 1, 2; slots 3, 4 stay empty
+    idle = [m[3:].clone() for m in pool.memory]
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the pool step gathered the states")
+
+    monkeypatch.setattr(state_pool, "gather_states", no_gather)
+    token, alone = torch.tensor([5]), fork_cache(caches[1])
+    with torch.no_grad():
+        for _ in range(4):
+            logits = pool.step(token, torch.tensor([slots[1]]))
+            ref, alone = model(token.view(1, 1), alone)
+            assert torch.equal(logits[0], ref[0, -1])
+            token = logits.argmax(-1)
+        for i, s in enumerate(alone.states):
+            assert torch.equal(pool.memory[i][slots[1]], s.memory[0]) and torch.equal(pool.conv[i][slots[1]], s.conv[0])
+        batch = pool.step(torch.tensor([1, 2, 3]), torch.tensor([slots[2], slots[0], slots[1]]))
+    assert batch.shape == (3, VOCAB) and bool(torch.isfinite(batch).all())
+    for i in range(len(pool.memory)):
+        assert torch.equal(pool.memory[i][3:], idle[i])
+
+
 def test_pool_refuses_softmax_and_a_full_pool():
     model = LM(LMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, mixer=["deltanet", "softmax"]))
     with pytest.raises(ValueError, match=r"SessionPool: mixers .* include softmax"):
