@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..ops import chunk_gated_delta_product, gated_delta_product_step, recurrent_gated_delta_product
 from ..ops.feature_maps import normalize_qk
-from .base import write_strength
+from .base import pool_step_rows, write_strength
 from .gated_deltanet import GatedDeltaNet
 
 
@@ -84,13 +84,18 @@ class DeltaProduct(GatedDeltaNet):
     def step_projections(self):
         return super().step_projections() + (() if self.ks_proj is None else ("ks_proj", "vs_proj"))
 
-    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory, state_indices=None) -> Tuple[torch.Tensor, torch.Tensor]:
         dt = memory.dtype
         ks, vs, betas, g = self.steps(qk[:, 1], v, extra)  # [N, n_h, H, ·]
         q = normalize_qk(qk[:, 0].to(dt), self.qk_norm)
         ks = normalize_qk(ks.to(dt), self.qk_norm)
-        return gated_delta_product_step(q, ks.transpose(1, 2), vs.to(dt).transpose(1, 2), betas.to(dt).transpose(1, 2),
-                                        g.to(dt), memory, self.head_dim ** -0.5)
+
+        def step(h):
+            return gated_delta_product_step(q, ks.transpose(1, 2), vs.to(dt).transpose(1, 2),
+                                            betas.to(dt).transpose(1, 2), g.to(dt), h, self.head_dim ** -0.5)
+
+        # a pool (SessionPool): the step takes one state per row, so its pool form gathers and writes back
+        return step(memory) if state_indices is None else pool_step_rows(step, memory, state_indices)
 
     def window_step_inputs(self, q, k, v, extra, dtype):
         return None  # verify windows step with memory_step (the sub-steps do not fit window_step's slots)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..ops import chunk_gdn2, gdn2_step, recurrent_gdn2
-from .base import write_strength
+from .base import pool_step_rows, write_strength
 from .kda import KimiDeltaAttention
 
 
@@ -65,10 +65,12 @@ class GatedDeltaNet2(KimiDeltaAttention):
     def step_projections(self):
         return super().step_projections() + ("w_proj",)
 
-    def memory_step(self, qk, v, extra, memory) -> Tuple[torch.Tensor, torch.Tensor]:
+    def memory_step(self, qk, v, extra, memory, state_indices=None) -> Tuple[torch.Tensor, torch.Tensor]:
         dt = memory.dtype
         g, b, w = (t.to(dt) for t in self.gates(extra))
         q, k, v = self.step_qkv(qk, v, dt)
+        if state_indices is not None:  # a pool (SessionPool): gdn2_step takes one state per row
+            return pool_step_rows(lambda h: gdn2_step(q, k, v, g, b, w, h, self.head_dim ** -0.5), memory, state_indices)
         return gdn2_step(q, k, v, g, b, w, memory, self.head_dim ** -0.5)
 
     def window_step_inputs(self, q, k, v, extra, dtype):
