@@ -60,6 +60,21 @@ def _probes():
             else:
                 ops.delta_rule_step(q, k, v, beta, state)
 
+    def kda():
+        q, k, v = x(1, 40, 2, 16), x(1, 40, 2, 16), x(1, 40, 2, 16)
+        gk = -torch.rand(1, 40, 2, 16, generator=g)
+        o, _ = ops.chunk_kda(q, torch.nn.functional.normalize(k, dim=-1), v, gk, torch.rand(1, 40, 2, generator=g))
+        o.sum().backward()
+
+    def linear():
+        q, k, v = x(1, 40, 2, 16), x(1, 40, 2, 16), x(1, 40, 2, 16)
+        ops.chunk_linear_attn(q, k, v, normalize=False)[0].sum().backward()
+
+    def kda_decode():
+        q, k, v = (x(1, 2, 16, grad=False) for _ in range(3))
+        with torch.no_grad():
+            ops.kda_step(q, k, v, torch.rand(1, 2, generator=g), -torch.rand(1, 2, 16, generator=g), torch.zeros(1, 2, 16, 16), 0.25)
+
     def conv():
         causal_conv1d(x(1, 40, 8), x(8, 4)).sum().backward()
 
@@ -70,6 +85,9 @@ def _probes():
         ("chunk_delta_rule, bf16 products (inference)", bf16),
         ("delta_rule_step", lambda: step(False)),
         ("gated_delta_rule_step", lambda: step(True)),
+        ("chunk_kda (forward + backward)", kda),
+        ("chunk_linear_attn (forward + backward)", linear),
+        ("kda_step", kda_decode),
         ("causal_conv1d (the layers' short convolution)", conv),
     ]
 
