@@ -45,8 +45,7 @@ import torch.nn.functional as F
 
 from ..layers import causal_conv1d
 from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
-from . import rollback
-from .rollback import note_call
+from .rollback import install as install_rollback, note_call, uninstall as uninstall_rollback
 
 __all__ = ["use_fastweights_kernels", "torch_fallbacks", "KERNELS", "causal_conv1d_fn", "causal_conv1d_update"]
 
@@ -245,7 +244,7 @@ def use_fastweights_kernels(enable: bool = True) -> List[str]:
                     setattr(module, attr, original)
                     restored.append(f"{mod_name}.{attr}")
         _originals.clear()
-        rollback.uninstall()
+        uninstall_rollback()
         if _factory_original is not None:
             hub.use_kernel_func_from_hub_with_fallback = _factory_original
             integrations.use_kernel_func_from_hub_with_fallback = _factory_original
@@ -270,5 +269,5 @@ def use_fastweights_kernels(enable: bool = True) -> List[str]:
     for mod_name, module in list(sys.modules.items()):
         if mod_name.startswith("transformers.models.") and module is not None:
             changed += _patch_module(module)
-    rollback.install()  # assisted generation: the routed models' caches roll back by replay
+    install_rollback()  # assisted generation: the routed models' caches roll back by replay
     return changed

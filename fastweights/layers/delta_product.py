@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..config import check_int
 from ..ops import chunk_gated_delta_product, gated_delta_product_step, recurrent_gated_delta_product
 from ..ops.feature_maps import normalize_qk
 from .base import pool_step_rows, write_strength
@@ -51,8 +52,7 @@ class DeltaProduct(GatedDeltaNet):
         super().__init__(d_model, n_heads, **kwargs)
         name = type(self).__name__
         n_h = num_householder
-        if isinstance(n_h, bool) or not isinstance(n_h, int) or n_h < 1:
-            raise ValueError(f"{name}: `num_householder` must be an int >= 1, got {n_h!r}")
+        check_int(name, "num_householder", n_h, what="an int >= 1")
         if self.num_v_heads != self.n_heads:
             raise ValueError(f"{name}: `num_v_heads` must equal `n_heads` ({self.n_heads}), got {self.num_v_heads}")
         self.num_householder = n_h

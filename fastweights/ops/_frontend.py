@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..config import check_int
 from ._chunk import resolve_chunk_size
 from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
 from ._backend import backward_can_follow
@@ -278,8 +279,7 @@ def intermediate_every(op: str, chunk_size: Optional[int], return_intermediate_s
         raise ValueError(f"{op}: intermediate states are not returned with `cp_group` (context parallelism)")
     if return_intermediate_states:
         return int(chunk_size), True
-    if isinstance(state_block_size, bool) or not isinstance(state_block_size, int) or state_block_size <= 0:
-        raise ValueError(f"{op}: `state_block_size` must be a positive int, got {state_block_size!r}")
+    check_int(op, "state_block_size", state_block_size)
     if op.startswith("chunk_") and state_block_size % chunk_size:
         raise ValueError(f"{op}: `state_block_size` must be a multiple of the chunk size {chunk_size} (a block "
                          f"boundary must be a chunk boundary), got {state_block_size}")

@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..config import add_declared_arguments, check_int, config_from_declared, flag
+from ..config import add_declared_arguments, check_int, check_ints, config_from_declared, flag
 from ..tasks.state_tracking import TASKS, make_state_tracking_task
 from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
 
@@ -136,8 +136,7 @@ class StateTrackingConfig:
         for name in ("train_max_length", "d_model", "n_layers", "seeds", "max_steps", "batch_size", "test_size", "workers"):
             check_int("StateTrackingConfig", name, getattr(self, name))
         check_int("StateTrackingConfig", "warmup_steps", self.warmup_steps, minimum=0)
-        if not self.test_lengths or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.test_lengths):
-            raise ValueError(f"StateTrackingConfig: `test_lengths` must be positive ints, got {self.test_lengths!r}")
+        check_ints("StateTrackingConfig", "test_lengths", self.test_lengths)
         if not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"StateTrackingConfig: `lr` must be a positive number, got {self.lr!r}")
 

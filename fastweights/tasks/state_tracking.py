@@ -41,6 +41,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..config import check_int
+
 __all__ = ["TASKS", "GroupWordProblem", "StateTrackingBatch", "make_state_tracking_task"]
 
 
@@ -128,8 +130,7 @@ class GroupWordProblem:
     def sample(self, batch_size: int, length: int, generator: Optional[torch.Generator] = None) -> StateTrackingBatch:
         """``batch_size`` sequences of ``length`` elements drawn uniformly, with their labels."""
         for arg, value in (("batch_size", batch_size), ("length", length)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}.sample: `{arg}` must be a positive int, got {value!r}")
+            check_int(f"{self.name}.sample", arg, value)
         inputs = torch.randint(0, self.vocab_size, (batch_size, length), generator=generator)
         return StateTrackingBatch(inputs, self.running_product(inputs))
 

@@ -248,9 +248,9 @@ class _BuildLock:
 
 
 def _write_json_atomic(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    from fastweights.config import atomic_write_text  # (absolute: a copy of this file elsewhere works too)
+
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def load_or_build(folder: Path, module: str, compile_step: Callable[[Path], Path], *,

@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...config import check_int
 from .._checks import _check_tensor, _shape, check_values, state_dtype
 from .._fla_compat import fla_inputs
 from ..feature_maps import normalize_qk
@@ -81,8 +82,7 @@ def run_delta_product(
     from .._frontend import run_op
 
     n_h = num_householder
-    if isinstance(n_h, bool) or not isinstance(n_h, int) or n_h < 1:
-        raise ValueError(f"{op}: `num_householder` must be an int >= 1 (Householder sub-steps per token), got {n_h!r}")
+    check_int(op, "num_householder", n_h, what="an int >= 1 (Householder sub-steps per token)")
     if qk_norm not in (None, "l2", "sum"):
         raise ValueError(f"{op}: unknown `qk_norm` {qk_norm!r}; expected None, 'l2' or 'sum'")
     qk_norm = "l2" if use_qk_l2norm_in_kernel else qk_norm
