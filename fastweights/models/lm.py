@@ -175,7 +175,7 @@ class LMConfig(Config):
 
 # LMConfig fields added after checkpoints were first written, with the value a checkpoint
 # saved before them was trained with.
-LEGACY_FIELDS = {"rope_theta": None, "gradient_checkpointing": False}
+LEGACY_FIELDS = {"rope_theta": None, "gradient_checkpointing": False, "num_householder": 2}
 
 
 def build_mixer(name: str, config: LMConfig) -> nn.Module:
