@@ -426,6 +426,7 @@ def test_the_report_names_the_path_each_op_takes(capsys):
         cpu.set_enabled(None)
     lines = capsys.readouterr().out.strip().splitlines()
     assert "turned off" in lines[0] and all(ln.endswith("PyTorch path") for ln in lines[1:]), lines
+    assert cpu.kernels() is not None, "the report left the package without its loaded kernels"
 
 
 @pytest.mark.slow

@@ -95,12 +95,14 @@ def _probes():
 def report() -> int:
     """Print the status line and the path each op takes; 1 when the kernels are on but could not be
     loaded or a probe failed, else 0."""
-    module = package.kernels()  # the package's loaded module (None: off, or the build failed)
+    module = package.kernels()  # the module the calls may use (None: off, or the build failed)
+    loaded = package._module     # what the package holds, put back after each probe (also when turned off)
     print(package.status())
     failed = False
     for name, call in _probes():
         watch = _Watch(module) if module is not None else None
-        package._module = watch if watch is not None else module  # kernels_for() hands out the watcher
+        if watch is not None:
+            package._module = watch  # kernels_for() hands out the watcher
         try:
             call()
             used = sorted(set(watch.used)) if watch is not None else []
@@ -108,7 +110,7 @@ def report() -> int:
         except Exception as exc:  # a probe that fails is reported, not hidden
             failed, line = True, f"error: {type(exc).__name__}: {exc}"
         finally:
-            package._module = module
+            package._module = loaded
         print(f"  {name:<46} {line}")
     return 1 if (module is None and package.enabled()) or failed else 0
 
