@@ -235,3 +235,37 @@ def test_bad_state_indices_leave_the_pool_untouched(name):
     with pytest.raises(TypeError, match=rf"{name}: `has_initial_state` must be a bool tensor"):
         call(torch.tensor([0, 1]), has_initial_state=torch.tensor([1, 0]))
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_kda_step_pool_equals_each_session_alone(dtype):
+    """KDA's one-token step in the pool form: shuffled slots, a fresh row (−1) and a row told it has no
+    initial state; each equals its session stepped alone, bitwise (the same step on the gathered rows),
+    the other slots untouched; a bad slot is refused naming ``state_indices`` with the pool unchanged."""
+    H, K, V, S = 2, 60, 7, 9
+    gen = torch.Generator().manual_seed(11)
+    pool = torch.randn(S, H, K, V, dtype=dtype, generator=gen)
+    before = pool.clone()
+    slots = torch.tensor([4, -1, 8, 1])
+    has = torch.tensor([True, True, False, True])
+    n = len(slots)
+    q = torch.randn(n, H, K, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(n, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(n, H, V, generator=gen, dtype=dtype)
+    beta = torch.rand(n, H, generator=gen, dtype=dtype)
+    gk = -torch.rand(n, H, K, generator=gen, dtype=dtype)
+    with torch.no_grad():
+        o, out = ops.kda_step(q, k, v, beta, gk, pool, K ** -0.5, state_indices=slots, has_initial_state=has)
+        assert out is pool
+        for i, s in enumerate(slots.tolist()):
+            alone = before[s:s + 1].clone() if s >= 0 and has[i] else torch.zeros(1, H, K, V, dtype=dtype)
+            o_i, h_i = ops.kda_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], beta[i:i + 1], gk[i:i + 1], alone, K ** -0.5)
+            assert torch.equal(o[i:i + 1], o_i), i
+            if s >= 0:
+                assert torch.equal(pool[s:s + 1], h_i), i
+        rest = [s for s in range(S) if s not in slots.tolist()]
+        assert torch.equal(pool[rest], before[rest])
+        kept = pool.clone()
+        with pytest.raises(ValueError, match=r"kda_step: `state_indices`\[1\] = 9 is out of range"):
+            ops.kda_step(q[:2], k[:2], v[:2], beta[:2], gk[:2], pool, K ** -0.5, state_indices=torch.tensor([0, 9]))
+        assert torch.equal(pool, kept)

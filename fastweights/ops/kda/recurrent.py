@@ -45,7 +45,8 @@ def _native_step(q, k, v, beta, gk, h, scale):
     return o.view(h.shape[:-2] + (dv,)).to(v.dtype), h_new.view(h.shape)
 
 
-def kda_step(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def kda_step(q, k, v, beta, gk, h, scale, gv=None, *, state_indices: Optional[torch.Tensor] = None,
+             has_initial_state: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One token of KDA: ``q, k, gk [..., K]``, ``v [..., V]``, ``beta [...]``, state
     ``h [..., K, V]`` (``gv [..., V]`` optional) -> ``(o [..., V], h')``.
 
@@ -53,7 +54,21 @@ def kda_step(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.
     dtype. On the CPU, with no gradient to record and no ``gv``, the compiled step runs it
     (:mod:`fastweights.ops.cpu`); otherwise, and in :func:`kda_recurrence` (the reference),
     :func:`kda_update`.
+
+    The pool form (the serving engines' call, as :func:`~fastweights.ops.delta_rule_step`'s):
+    ``h [S, H, K, V]`` a pool of states, ``q [N, H, K]``, ``state_indices [N]`` the slot each row
+    reads and writes in place (−1: a fresh zero state, not written back), ``has_initial_state
+    [N]`` bool (False: start from zeros, still write the slot); returns ``(o, the pool)``. Bad
+    slots are a ``ValueError`` naming ``state_indices``, with the pool untouched.
     """
+    if state_indices is not None or has_initial_state is not None:
+        from ..step import _check_pool, _pool_step
+
+        if state_indices is None:
+            raise ValueError("kda_step: `has_initial_state` needs `state_indices` (the pool's slot of each row)")
+        _check_pool("kda_step", q, v, h, state_indices, has_initial_state)
+        return _pool_step("kda_step", lambda h0: kda_step(q, k, v, beta, gk, h0, scale, gv), q, h, state_indices,
+                          has_initial_state)
     if gv is None:
         native = _native_step(q, k, v, beta, gk, h, scale)
         if native is not None:
