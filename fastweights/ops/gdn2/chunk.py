@@ -19,7 +19,6 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._chunk import backward_only
 from .._frontend import autocast_off
 from ..kda import chunk as kda_chunk
 from .fla import gdn2_form
@@ -56,26 +55,7 @@ def _bwd_fake(q, k, e, x, g, states, do, dh_final, scale, chunk_size):
     return dq, dk, de, dx, dg, dh0
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, e, x, g, h0, scale, chunk_size = inputs
-    states = output[2]
-    ctx.save_for_backward(q, k, e, x, g, states)
-    backward_only(ctx, states)
-    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
-
-
-def _backward(ctx, do, dh_final, _states):
-    q, k, e, x, g, states = ctx.saved_tensors
-    if dh_final is None:
-        dh_final = states.new_zeros(states.shape[1:])
-    if do is None:  # only h_T was used
-        do = x.new_zeros(x.shape)
-    dq, dk, de, dx, dg, dh0 = _bwd_op(q, k, e, x, g, states, do, dh_final, ctx.scale, ctx.chunk_size)
-    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, de, dx, dg, dh0, None, None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+kda_chunk.register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, e, x, g: x.new_zeros(x.shape))
 
 
 def gdn2_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, b, w) -> Tuple[torch.Tensor, torch.Tensor]:

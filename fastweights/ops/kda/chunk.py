@@ -217,26 +217,33 @@ def _bwd_fake(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
     return grads + (torch.empty_like(dh_final),)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, beta, gk, h0, scale, chunk_size = inputs
-    states = output[2]
-    ctx.save_for_backward(q, k, v, beta, gk, states)
-    backward_only(ctx, states)
-    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+def register_chunk_autograd(fwd_op, bwd_op, zero_output) -> None:
+    """The backward of a chunk op with KDA's shape, shared by KDA, GDN-2 and DeltaProduct:
+    ``fwd_op(*five inputs, h0, scale, chunk_size) -> (o, h_T, states)`` and ``bwd_op(*five inputs,
+    states, do, dh_final, scale, chunk_size) -> (the five inputs' gradients, dh0)``; only the chunk
+    states are kept beside the inputs. ``zero_output(*five inputs)``: a zero ``o`` for a loss that
+    used only ``h_T``."""
+
+    def setup_context(ctx, inputs, output):
+        *tensors, h0, scale, chunk_size = inputs
+        states = output[2]
+        ctx.save_for_backward(*tensors, states)
+        backward_only(ctx, states)
+        ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+
+    def backward(ctx, do, dh_final, _states):
+        *tensors, states = ctx.saved_tensors
+        if dh_final is None:
+            dh_final = states.new_zeros(states.shape[1:])
+        if do is None:  # only h_T was used
+            do = zero_output(*tensors)
+        *grads, dh0 = bwd_op(*tensors, states, do, dh_final, ctx.scale, ctx.chunk_size)
+        return (*grads, None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape), None, None)
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, do, dh_final, _states):
-    q, k, v, beta, gk, states = ctx.saved_tensors
-    if dh_final is None:
-        dh_final = states.new_zeros(states.shape[1:])
-    if do is None:  # only h_T was used
-        do = v.new_zeros(v.shape)
-    dq, dk, dv, dbeta, dgk, dh0 = _bwd_op(q, k, v, beta, gk, states, do, dh_final, ctx.scale, ctx.chunk_size)
-    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, dbeta, dgk, dh0, None, None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, beta, gk: v.new_zeros(v.shape))
 
 
 def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
