@@ -220,6 +220,18 @@ void per_head(const Work& work) {
   });
 }
 
+// Runs run(T* tag) with T = float for a float32 `dtype` and double for float64 (the tag is a null
+// pointer that carries the type); any other dtype is an error naming `op`.
+template <typename Run>
+void fp32_or_fp64(torch::ScalarType dtype, const char* op, Run&& run) {
+  if (dtype == torch::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(dtype == torch::kDouble, op, ": float32 or float64 only");
+    run(static_cast<double*>(nullptr));
+  }
+}
+
 // The strides of a tensor's first three dims (n, h, t of [N, H, T, ·]; n, h, t of [N, H, T]).
 inline void strides3(const torch::Tensor& t, int64_t* s) {
   for (int i = 0; i < 3; ++i) s[i] = t.stride(i);

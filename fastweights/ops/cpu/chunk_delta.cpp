@@ -445,11 +445,7 @@ std::vector<torch::Tensor> chunk_delta_bwd(const torch::Tensor& q_flat, const to
     b.scale = T(scale);
     per_head(b);
   };
-  if (states.scalar_type() == torch::kFloat) fill(static_cast<float*>(nullptr));
-  else {
-    TORCH_CHECK(states.scalar_type() == torch::kDouble, "chunk_delta_bwd: float32 or float64 only");
-    fill(static_cast<double*>(nullptr));
-  }
+  fp32_or_fp64(states.scalar_type(), "chunk_delta_bwd", fill);
   return {dq, dk, dv, dbeta, dg, dh0};
 }
 

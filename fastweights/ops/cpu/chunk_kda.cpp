@@ -500,11 +500,7 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
     f.keep = keep;
     per_head(f);
   };
-  if (v.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
-  else {
-    TORCH_CHECK(v.scalar_type() == torch::kDouble, "chunk_kda_fwd: float32 or float64 only");
-    run(static_cast<double*>(nullptr));
-  }
+  fp32_or_fp64(v.scalar_type(), "chunk_kda_fwd", run);
   return {o, h_out, states};
 }
 
@@ -552,11 +548,7 @@ std::vector<torch::Tensor> chunk_kda_bwd(const torch::Tensor& q, const torch::Te
     b.scale = T(scale);
     per_head(b);
   };
-  if (states.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
-  else {
-    TORCH_CHECK(states.scalar_type() == torch::kDouble, "chunk_kda_bwd: float32 or float64 only");
-    run(static_cast<double*>(nullptr));
-  }
+  fp32_or_fp64(states.scalar_type(), "chunk_kda_bwd", run);
   return {dq, dk, dv, dbeta, dgk, dh0};
 }
 

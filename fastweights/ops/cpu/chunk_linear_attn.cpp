@@ -264,11 +264,7 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
     f.keep = keep;
     per_head(f);
   };
-  if (v.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
-  else {
-    TORCH_CHECK(v.scalar_type() == torch::kDouble, "chunk_linear_attn_fwd: float32 or float64 only");
-    run(static_cast<double*>(nullptr));
-  }
+  fp32_or_fp64(v.scalar_type(), "chunk_linear_attn_fwd", run);
   return {o, h_out, states, qc, kc, vc, gc};
 }
 
@@ -307,11 +303,7 @@ std::vector<torch::Tensor> chunk_linear_attn_bwd(const torch::Tensor& qc, const 
     b.scale = T(scale);
     per_head(b);
   };
-  if (states.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
-  else {
-    TORCH_CHECK(states.scalar_type() == torch::kDouble, "chunk_linear_attn_bwd: float32 or float64 only");
-    run(static_cast<double*>(nullptr));
-  }
+  fp32_or_fp64(states.scalar_type(), "chunk_linear_attn_bwd", run);
   return {dq, dk, dv, dg, dh0};
 }
 
