@@ -121,3 +121,25 @@ def saved_by_function(monkeypatch, fn):
         patch.setattr(torch.autograd.function.FunctionCtx, "save_for_backward", spy)
         fn()
     return sum(seen)
+
+
+def forward_backward(form: Callable, inputs: Dict[str, torch.Tensor], options=None, seed: int = 1):
+    """Forward and backward of ``(o·do).sum() + (h_T·dh).sum()`` with seeded random ``do``, ``dh``:
+    ``(o, h_T, {name: gradient})`` (``options``: further keywords of ``form``)."""
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
+    o, h = form(**leaves, output_final_state=True, **(options or {}))
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
+    loss = loss + (h * torch.randn(h.shape, generator=gen, dtype=torch.float64).to(h.dtype)).sum()
+    loss.backward()
+    return o, h, {n: t.grad for n, t in leaves.items()}
+
+
+def assert_all_close(label: str, got, want, tol: float, grad_tol: float) -> None:
+    """:func:`assert_close` on the output, the final state and every gradient of two :func:`forward_backward` results."""
+    o, h, grads = got
+    o_ref, h_ref, g_ref = want
+    assert_close(f"{label} o", o, o_ref, tol)
+    assert_close(f"{label} h_T", h, h_ref, tol)
+    for name in g_ref:
+        assert_close(f"{label} d{name}", grads[name], g_ref[name], grad_tol)

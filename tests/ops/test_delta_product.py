@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from fastweights import ops
 
-from helpers import assert_close, rel_err
+from helpers import assert_all_close, forward_backward, assert_close, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,23 +58,10 @@ def loop_dp(q, k, v, g, beta, n_h, initial_state=None):
 
 
 def run(form, x, n_h, options=None, seed=1):
-    """Forward and backward of ``(o·do).sum() + (h_T·dh).sum()``: ``(o, h_T, grads)``."""
-    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
-    o, h = form(**leaves, num_householder=n_h, output_final_state=True, allow_neg_eigval=True, **(options or {}))
-    gen = torch.Generator().manual_seed(seed)
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=F64).to(o.dtype)).sum()
-    loss = loss + (h * torch.randn(h.shape, generator=gen, dtype=F64).to(h.dtype)).sum()
-    loss.backward()
-    return o, h, {n: t.grad for n, t in leaves.items()}
+    """:func:`helpers.forward_backward` with ``n_h`` Householder steps and β ∈ [0, 2]: ``(o, h_T, grads)``."""
+    return forward_backward(form, x, dict(num_householder=n_h, allow_neg_eigval=True, **(options or {})), seed)
 
 
-def assert_all_close(label, got, want, tol, grad_tol):
-    o, h, grads = got
-    o_ref, h_ref, g_ref = want
-    assert_close(f"{label} o", o, o_ref, tol)
-    assert_close(f"{label} h_T", h, h_ref, tol)
-    for name in g_ref:
-        assert_close(f"{label} d{name}", grads[name], g_ref[name], grad_tol)
 
 
 @pytest.mark.parametrize("n_h", [2, 3])

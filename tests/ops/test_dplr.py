@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fastweights import ops
 
-from helpers import assert_close, rel_err
+from helpers import assert_all_close, forward_backward, assert_close, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,22 +52,9 @@ def loop_dplr(q, k, v, a, b, gk, initial_state=None):
     return o, h
 
 
-def run(form, x, options=None, seed=1):
-    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
-    o, h = form(**leaves, output_final_state=True, **(options or {}))
-    gen = torch.Generator().manual_seed(seed)
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=F64).to(o.dtype)).sum()
-    loss = loss + (h * torch.randn(h.shape, generator=gen, dtype=F64).to(h.dtype)).sum()
-    loss.backward()
-    return o, h, {n: t.grad for n, t in leaves.items()}
+run = forward_backward  # (o, h_T, grads) of (o·do).sum() + (h_T·dh).sum()
 
 
-def assert_all_close(label, got, want, tol, grad_tol):
-    o, h, grads = got
-    assert_close(f"{label} o", o, want[0], tol)
-    assert_close(f"{label} h_T", h, want[1], tol)
-    for name in want[2]:
-        assert_close(f"{label} d{name}", grads[name], want[2][name], grad_tol)
 
 
 def test_recurrence_equals_the_plain_loop_and_kda_as_a_special_case():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fastweights import ops
 
-from helpers import assert_close, rel_err
+from helpers import assert_all_close, assert_close, forward_backward, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,24 +66,9 @@ SHAPES = {  # B, T, H, K, V
 }
 
 
-def run(form, x, options=None, seed=1):
-    """Forward and backward of ``(o·do).sum() + (h_T·dh).sum()``: ``(o, h_T, grads)``."""
-    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
-    o, h = form(**leaves, output_final_state=True, **(options or {}))
-    gen = torch.Generator().manual_seed(seed)
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=F64).to(o.dtype)).sum()
-    loss = loss + (h * torch.randn(h.shape, generator=gen, dtype=F64).to(h.dtype)).sum()
-    loss.backward()
-    return o, h, {n: t.grad for n, t in leaves.items()}
+run = forward_backward  # (o, h_T, grads) of (o·do).sum() + (h_T·dh).sum()
 
 
-def assert_all_close(label, got, want, tol, grad_tol):
-    o, h, grads = got
-    o_ref, h_ref, g_ref = want
-    assert_close(f"{label} o", o, o_ref, tol)
-    assert_close(f"{label} h_T", h, h_ref, tol)
-    for name in g_ref:
-        assert_close(f"{label} d{name}", grads[name], g_ref[name], grad_tol)
 
 
 def test_recurrence_equals_the_plain_loop_and_kda_when_b_equals_w():
