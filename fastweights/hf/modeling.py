@@ -178,17 +178,28 @@ class FastWeightsCache(Cache):
         self.mixers = list(mixers)
         self.lm_cache = lm_cache
         self.record_past = False
+        self.recurrent_states_to_keep = 0  # transformers 5.25+: the rollback window it asked for
 
     @property
     def is_croppable(self) -> bool:
         """transformers' check before assisted decoding: every layer can roll back a window."""
         return True
 
-    def activate_past_recording(self) -> None:
-        """Keep every forward in the window (one-token steps too) until the next :meth:`crop`."""
+    def activate_past_recording(self, recurrent_states_to_keep: Optional[int] = None) -> None:
+        """Keep every forward in the window (one-token steps too) until the next :meth:`crop`.
+
+        ``recurrent_states_to_keep`` is how many past steps transformers (5.25 and later) may roll
+        back; this cache keeps the whole window until :meth:`crop`, so any count is served. It is
+        recorded for :meth:`get_recurrent_states_to_keep`."""
         self.record_past = True
+        if recurrent_states_to_keep is not None:
+            self.recurrent_states_to_keep = max(int(recurrent_states_to_keep), self.recurrent_states_to_keep)
         if self.lm_cache is not None:
             self.lm_cache.recording = True
+
+    def get_recurrent_states_to_keep(self, layer_idx: Optional[int] = None) -> int:
+        """How many past steps a rollback may undo (transformers' cache API): 0 unless recording."""
+        return self.recurrent_states_to_keep if self.record_past else 0
 
     def __len__(self) -> int:
         return len(self.mixers)
