@@ -73,7 +73,7 @@ def measure(label, env, args):
         ckpt = os.path.join(tmp, "ckpt")
         subprocess.run([sys.executable, "-c", (
             "import torch\n"
-            "try:\n    from fastweights.training.checkpoint import save_checkpoint\n"
+            "try:\n    from fastweights.io.checkpoint import save_checkpoint\n"
             "except ImportError:  # a checkout from before fastweights.training\n"
             "    from fastweights.checkpoint import save_checkpoint\n"
             "from fastweights.models import LM, LMConfig\n"

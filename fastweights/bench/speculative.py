@@ -142,7 +142,7 @@ def _prompts(ckpt, count: int, seed: int, data):
 @torch.no_grad()
 def lookup(checkpoint: str, k: int = 4, prompts: int = 8, max_new_tokens: int = 64, repeats: int = 3, seed: int = 0,
            data=None) -> dict:
-    from ..training.checkpoint import load_model
+    from ..io.checkpoint import load_model
 
     model, ckpt = load_model(checkpoint)
     model.eval()

@@ -63,7 +63,7 @@ print("GROWTH_MB", hwm() - before)
 
 
 def eval_growth_mb(tmp_path, size):
-    from fastweights.training.checkpoint import save_checkpoint
+    from fastweights.io.checkpoint import save_checkpoint
     from fastweights.models import LM, LMConfig
 
     torch.manual_seed(0)
