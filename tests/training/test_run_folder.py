@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from fastweights.training import checkpoint as ckpt_module
+from fastweights.io import checkpoint as ckpt_module
 from fastweights.training import CheckpointError, load_checkpoint
 from fastweights.cli import main as cli_main
 from fastweights.models import LMConfig
