@@ -18,13 +18,14 @@ A write that fails (a full disk) removes its temp folder and raises
 :class:`CheckpointWriteError` in one line; what was there before is untouched.
 Every folder that is on its way out (a replaced or pruned checkpoint) is first
 renamed to a ``*.tmp-*`` name, so a kill in the middle of deleting it never
-leaves a half checkpoint under a checkpoint's name; :func:`clean_stray` removes
+leaves a half checkpoint under a checkpoint's name; :func:`~fastweights.io.listing.clean_stray` removes
 such leftovers when the next run takes the folder.
 
 Loading reads only JSON and safetensors (no pickle, no ``torch.load``), checks every
 file against the manifest's SHA-256 (a flipped bit in the weights is refused, not
-trained on), checks that the weights match the config exactly, and checks
-``train.json`` against its schema (:func:`check_train_state`); anything else raises
+trained on) and checks that the weights match the config exactly (the training room checks
+``train.json`` against its schema when it resumes:
+:func:`fastweights.training.train_state.check_train_state`); anything else raises
 :class:`CheckpointError` (a ``ValueError``) in one line saying what is wrong.
 """
 
