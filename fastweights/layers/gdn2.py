@@ -67,10 +67,12 @@ class GatedDeltaNet2(KimiDeltaAttention):
         return self.decay_from_projection(f_a), b, torch.sigmoid(w_logits).unflatten(-1, (hv, dv))
 
     def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None, cp_group=None):
-        if cp_group is not None:
-            raise ValueError(f"{type(self).__name__}: context parallelism (`cp_group`) is not supported by the GDN-2 "
-                             f"ops; run the sequence on one rank")
         g, b, w = self.gates(extra)
+        if cp_group is not None:  # this rank's slice; the ranks exchange (A, b) summaries (no final state)
+            from ..ops.context_parallel import gdn2_context_parallel
+
+            return gdn2_context_parallel(q, k, v, g, b, w, cp_group=cp_group, cu_seqlens=cu_seqlens,
+                                         chunk_size=self.chunk_length(q), qk_norm=self.qk_norm)
         op = recurrent_gdn2 if recurrent else chunk_gdn2
         return op(q, k, v, g, b, w, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
                   max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm)
