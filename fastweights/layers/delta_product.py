@@ -9,8 +9,9 @@ Per head and token, on top of :mod:`fastweights.layers.gated_deltanet`::
     h ← exp(g_t) h,  then for j = 1 … n_h: h ← (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) h + β_{t,j} k_{t,j} v_{t,j}ᵀ
     o_t = scale · hᵀ q_t,   then RMSNorm(o_t) · silu(W_g x_t)
 
-(fla's layer convolves the n_h keys and values as one long sequence; here the first step's
-go through the layer's convolution and the others are plain projections). The recurrence
+(fla's layer runs every step's keys and values through short convolutions over the tokens;
+here the first step's go through the layer's convolution and the others are plain projections,
+so fla's weights load for n_h = 1 or without convolutions: :mod:`fastweights.layers.fla_weights`). The recurrence
 lives in :func:`fastweights.ops.chunk_gated_delta_product` (prefill, training) and
 :func:`fastweights.ops.gated_delta_product_step` (decoding: a constant-size state).
 """
