@@ -78,7 +78,7 @@ class DeltaProduct(GatedDeltaNet):
             from ..ops.context_parallel import gated_delta_product_context_parallel
 
             return gated_delta_product_context_parallel(
-                q, ks.flatten(1, 2), vs.flatten(1, 2), g, betas.flatten(1, 2), self.num_householder, cp_group=cp_group,
+                chunk_gated_delta_product, q, ks.flatten(1, 2), vs.flatten(1, 2), g, betas.flatten(1, 2), self.num_householder, cp_group=cp_group,
                 cu_seqlens=cu_seqlens, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
                 allow_neg_eigval=self.allow_neg_eigval)
         op = recurrent_gated_delta_product if recurrent else chunk_gated_delta_product

@@ -71,7 +71,7 @@ class GatedDeltaNet2(KimiDeltaAttention):
         if cp_group is not None:  # this rank's slice; the ranks exchange (A, b) summaries (no final state)
             from ..ops.context_parallel import gdn2_context_parallel
 
-            return gdn2_context_parallel(q, k, v, g, b, w, cp_group=cp_group, cu_seqlens=cu_seqlens,
+            return gdn2_context_parallel(chunk_gdn2, q, k, v, g, b, w, cp_group=cp_group, cu_seqlens=cu_seqlens,
                                          chunk_size=self.chunk_length(q), qk_norm=self.qk_norm)
         op = recurrent_gdn2 if recurrent else chunk_gdn2
         return op(q, k, v, g, b, w, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,

@@ -837,12 +837,15 @@ def _run_family(op: str, solve_rule, q, k, v, beta, g, gates, initial_state, out
 
 
 def gdn2_context_parallel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, *,
+    chunk_op: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+    w: torch.Tensor, *,
     cp_group, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64,
     qk_norm: Optional[str] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`~fastweights.ops.chunk_gdn2` on this rank's slice of a sequence split over ``cp_group``.
+    """``chunk_op`` (:func:`~fastweights.ops.chunk_gdn2`, or another GDN-2 form with its signature) on
+    this rank's slice of a sequence split over ``cp_group``. The op is passed in: this module sits
+    below the rule folders in the import graph (their front end imports it).
 
     The same arguments and layout as ``chunk_gdn2`` (``q, k [B, L, H, K]``, ``v [B, L, HV, V]``,
     ``g, b [B, L, HV, K]``, ``w [B, L, HV, V]``; ``cu_seqlens`` global), the conventions of this
@@ -862,13 +865,11 @@ def gdn2_context_parallel(
     packed = torch.cat([b, w], dim=-1) if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (b, w)) else b
 
     def solve_rule(s: float):
-        from .gdn2 import chunk_gdn2
-
         def solve(q, k, v, beta, g, h0, cu, max_len):
             b_, w_ = beta.split([K, beta.shape[-1] - K], dim=-1)
             if v.shape[-1] > w_.shape[-1]:  # the identity columns: w = 1 (their values are 0)
                 w_ = torch.cat([w_, w_.new_ones(w_.shape[:-1] + (v.shape[-1] - w_.shape[-1],))], dim=-1)
-            return chunk_gdn2(q, k, v, g, b_, w_, scale=s, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+            return chunk_op(q, k, v, g, b_, w_, scale=s, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                               max_seqlen=max_len, chunk_size=chunk_size)
         return solve
 
@@ -877,13 +878,15 @@ def gdn2_context_parallel(
 
 
 def gated_delta_product_context_parallel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_householder: int, *,
+    chunk_op: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    num_householder: int, *,
     cp_group, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64,
     qk_norm: Optional[str] = None, allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`~fastweights.ops.chunk_gated_delta_product` on this rank's slice of a sequence split over
-    ``cp_group``, in its fla layout: ``q [B, L, H, K]``, ``k [B, L·n_h, H, K]``, ``v [B, L·n_h, H, V]``,
+    """``chunk_op`` (:func:`~fastweights.ops.chunk_gated_delta_product`, or another form with its
+    signature; passed in as for :func:`gdn2_context_parallel`) on this rank's slice of a sequence
+    split over ``cp_group``, in its fla layout: ``q [B, L, H, K]``, ``k [B, L·n_h, H, K]``, ``v [B, L·n_h, H, V]``,
     ``beta [B, L·n_h, H]``, ``g [B, L, H]`` (``cu_seqlens``: global token offsets). A token's
     transition is the product of its n_h steps ``I − β k kᵀ`` and its decay: K×K, so the slice's
     summary is the delta rules' ``(A, b)``. The sub-steps travel folded into the head axis
@@ -908,12 +911,10 @@ def gated_delta_product_context_parallel(
     gates = [("g", g, (B, L, H), None, 0.0), ("beta", betas, (B, L, n_h * H), 0.0, high)]
 
     def solve_rule(s: float):
-        from .delta_product import chunk_gated_delta_product
-
         def solve(q, k, v, beta, g, h0, cu, max_len):
             b_, t_ = q.shape[:2]
             unfold = (lambda t: t.reshape((b_, t_ * n_h, H) + tuple(t.shape[3:])))
-            return chunk_gated_delta_product(q, unfold(k), unfold(v), g, unfold(beta), n_h, scale=s, initial_state=h0,
+            return chunk_op(q, unfold(k), unfold(v), g, unfold(beta), n_h, scale=s, initial_state=h0,
                                              output_final_state=True, cu_seqlens=cu, max_seqlen=max_len,
                                              chunk_size=chunk_size, allow_neg_eigval=allow_neg_eigval)
         return solve

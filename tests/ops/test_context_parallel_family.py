@@ -63,13 +63,14 @@ def _call(rule, x, cu, chunk, opts, group):
     if rule == "gdn2":
         if group is None:
             return chunk_gdn2(x["q"], x["k"], x["v"], x["g"], x["b"], x["w"], qk_norm="l2", **kw)
-        return gdn2_context_parallel(x["q"], x["k"], x["v"], x["g"], x["b"], x["w"], qk_norm="l2", cp_group=group, **kw)
+        return gdn2_context_parallel(chunk_gdn2, x["q"], x["k"], x["v"], x["g"], x["b"], x["w"], qk_norm="l2",
+                                     cp_group=group, **kw)
     n_h, neg = int(rule[2:]), bool(opts.get("neg"))
     if group is None:
         return chunk_gated_delta_product(x["q"], x["k"], x["v"], x["g"], x["beta"], n_h, qk_norm="l2",
                                          allow_neg_eigval=neg, **kw)
-    return gated_delta_product_context_parallel(x["q"], x["k"], x["v"], x["g"], x["beta"], n_h, qk_norm="l2",
-                                                allow_neg_eigval=neg, cp_group=group, **kw)
+    return gated_delta_product_context_parallel(chunk_gated_delta_product, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                n_h, qk_norm="l2", allow_neg_eigval=neg, cp_group=group, **kw)
 
 
 def _case_errors(rank, world, case):
