@@ -900,7 +900,7 @@ def gated_delta_product_context_parallel(
     B, L, H, K = (_shape_of(q, i) for i in range(4))
     V = _shape_of(v, 3)
     high = 2.0 if allow_neg_eigval else 1.0
-    for name, t, rank, width in (("k", k, 4, K), ("v", v, 4, V), ("beta", beta, 3, None)):
+    for name, t, width in (("k", k, K), ("v", v, V), ("beta", beta, None)):
         want = (B, L * n_h, H) + (() if width is None else (width,))
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
