@@ -11,8 +11,10 @@ token, so the weights concatenate as they are.
 **GatedDeltaNet2** (fla's ``GatedDeltaNet2``). Build ours with ``fla_gate=True`` (fla's output gate
 is ``sigmoid(W_g2 W_g1 x + bias)``: loaded as the product W_g2 W_g1 into ``g_proj`` and the bias
 into ``gate_bias``). fla's decay map ``f_proj.0``/``f_proj.1`` is our ``f_a_proj``/``f_b_proj``.
-fla keeps the erase gate and the decay per key head, ours per value head: one value head per
-head (``num_v_heads`` = ``num_heads``) and ``expand_v = 1`` (the decay map's rank) load.
+fla keeps the erase gate and the decay per key head and repeats them over a head's value heads;
+ours are per value head, so with grouped value heads (``num_v_heads`` > ``num_heads``) their rows
+are repeated likewise (the same numbers reach the op). ``expand_v = 1`` (the decay map's rank is
+fla's V, ours K).
 
 **DeltaProduct** (fla's ``GatedDeltaProduct``). fla's ``k_proj``/``v_proj`` give all n_h steps'
 keys and values (``[n_h · H · K, D]``, step-major): step 1's rows are our ``k_proj``/``v_proj``,
@@ -85,6 +87,14 @@ def _gdn2_to_ours(sd: Dict[str, torch.Tensor], layer) -> Dict[str, torch.Tensor]
                          "build ours with `fla_gate`=True to load it")
     renames = {"f_proj.0.weight": "f_a_proj.weight", "f_proj.1.weight": "f_b_proj.weight", "g_proj.1.bias": "gate_bias"}
     out = {renames.get(k, k): v for k, v in sd.items() if k not in ("g_proj.0.weight", "g_proj.1.weight")}
+    group = layer.num_v_heads // layer.n_heads
+    if group > 1:  # per key head in fla, per value head here: value head j reads key head j // group
+        K = layer.head_dim
+        for name, per_head in (("A_log", 1), ("dt_bias", K), ("b_proj.weight", K), ("f_b_proj.weight", K)):
+            t = out.get(name)
+            if t is not None and t.shape[0] == layer.n_heads * per_head:
+                heads = t.reshape((layer.n_heads, per_head) + tuple(t.shape[1:]))
+                out[name] = heads.repeat_interleave(group, dim=0).reshape((-1,) + tuple(t.shape[1:]))
     if "g_proj.0.weight" in sd and "g_proj.1.weight" in sd:  # the low-rank gate as one matrix
         out["g_proj.weight"] = sd["g_proj.1.weight"] @ sd["g_proj.0.weight"]
     return out

@@ -110,6 +110,7 @@ def compare(case, theirs, ours, x, *fla_args, **fla_kw):
 GDN2_CASES = {
     "gdn2": dict(hidden_size=32, num_heads=2, head_dim=16),
     "gdn2-neg-no-conv": dict(hidden_size=48, num_heads=4, head_dim=12, allow_neg_eigval=True, use_short_conv=False),
+    "gdn2-grouped-value-heads": dict(hidden_size=32, num_heads=2, head_dim=8, num_v_heads=4),
 }
 
 
