@@ -23,13 +23,13 @@ themselves). The input ``state`` is not modified unless ``inplace=True``.
 
 On CUDA the (gated) delta step runs a fused Triton kernel that reads and writes the state
 once (``backend="auto"`` picks it when Triton is installed, the inputs are fp32/bf16/fp16,
-the state is fp32 and K, V <= 256). Elsewhere, and with ``backend="torch"``, it is the
-PyTorch step, except on the CPU with a contiguous state and no gradient to record: there
-the compiled kernel ``fastweights/ops/cpu/decode_step.cpp`` runs the same algebra, reading
+the state is fp32 and K, V <= 256). On the CPU (``backend="auto"`` or ``"cpu"``) with a
+contiguous state and no gradient to record the compiled kernel ``fastweights/ops/cpu/decode_step.cpp`` runs the same algebra, reading
 the state from memory once and writing it once (``FASTWEIGHTS_CPU_KERNELS=0`` or
 ``fastweights.ops.cpu.set_enabled(False)`` turns it off; a failed build falls back); under
 ``torch.compile`` the graph calls it as the custom op ``fastweights::delta_step_out`` (or
-``delta_step_inplace``), the same kernel as eager.
+``delta_step_inplace``), the same kernel as eager. Elsewhere, and always with
+``backend="torch"``, it is the PyTorch step.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._checks import resolve_scale
 from .cpu import kernels_for
 from ._backend import BACKENDS, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting
 
@@ -104,10 +105,6 @@ def _check(op: str, q, k, v, state, value_dim: Optional[int] = None, **per_head)
         raise TypeError(f"{op}: `state` must be float32 (float64 for a float64 computation), got {state.dtype}")
 
 
-def _scale(scale: Optional[float], key_dim: int) -> float:
-    return key_dim ** -0.5 if scale is None else float(scale)
-
-
 def _native_step(q, k, v, beta, g, state, scale, inplace):
     """The step by the compiled CPU kernel (``fastweights/ops/cpu/decode_step.cpp``: the algebra of
     :func:`delta_update`, the state read from memory once and written once, one head per task),
@@ -158,22 +155,25 @@ def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend, state_indi
         _check_pool(op, q, v, state, state_indices, has_initial_state)
         mod = None
         if state.is_contiguous() and not (torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (q, k, v, beta, g, state))) and backend != "triton":
+                t is not None and t.requires_grad for t in (q, k, v, beta, g, state))) and backend in ("auto", "cpu"):
             mod = kernels_for(state)
         if mod is not None and not state_indices.is_cuda:  # in place at the slots: no gathered copy
             rows = torch.empty((q.shape[0],) + tuple(state.shape[1:]), dtype=state.dtype, device="meta")
             _check(op, q, k, v, rows, beta=beta, g=g)  # the other inputs' shapes, against N rows of the pool
             fresh = None if has_initial_state is None else has_initial_state.cpu()
-            o = mod.delta_step_pool(q, k, v, beta, g, state, state_indices.long(), fresh, float(_scale(scale, q.shape[-1])))
+            o = mod.delta_step_pool(q, k, v, beta, g, state, state_indices.long(), fresh, float(resolve_scale(scale, q.shape[-1])))
             return o, state
         return _pool_step(op, lambda h0: _delta_step(op, q, k, v, beta, g, h0, scale, True, backend),
                           q, state, state_indices, has_initial_state)
     _check(op, q, k, v, state, beta=beta, g=g)
     dk, dv = q.shape[-1], v.shape[-1]
-    scale = _scale(scale, dk)
+    scale = resolve_scale(scale, dk)
     fits = q.dtype in TRITON_DTYPES and state.dtype == torch.float32 and max(dk, dv) <= MAX_HEAD_DIM
     if backend == "auto":
-        backend = "triton" if HAS_TRITON and q.is_cuda and fits else "torch"
+        backend = "triton" if HAS_TRITON and q.is_cuda and fits else ("cpu" if state.device.type == "cpu" else "torch")
+    if backend == "cpu" and state.device.type != "cpu":
+        raise ValueError(f"{op}: backend='cpu' runs the compiled CPU kernel on CPU tensors, got `state` on {state.device}; "
+                         f"use backend='auto' or 'torch'")
     if backend == "triton":
         if not HAS_TRITON:
             raise ImportError(f"{op}: backend='triton' needs the triton package: pip install 'fastweights[triton]'")
@@ -189,7 +189,7 @@ def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend, state_indi
         o = fused_delta_rule_step(q, k, v, beta, g, state, scale)
         return o, state
     dt = state.dtype
-    native = _native_step(q, k, v, beta, g, state, scale, inplace)
+    native = _native_step(q, k, v, beta, g, state, scale, inplace) if backend == "cpu" else None  # "torch": PyTorch only
     if native is not None:
         return native
     direct = inplace and state.is_contiguous()  # update the state where it lies: no copy back
@@ -216,7 +216,8 @@ def delta_rule_step(
         state: ``[N, H, K, V]``, fp32 (fp64 for a float64 computation).
         scale: read scale; ``None`` means ``K ** -0.5``.
         inplace: write the new state into ``state`` (and return it) instead of a new tensor.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (the fused kernel; see the module docstring).
+        backend: ``"auto"``, ``"torch"`` (PyTorch only), ``"cpu"`` (the compiled CPU kernel) or
+            ``"triton"`` (the fused kernel; see the module docstring).
         state_indices: ``[N]`` int32/int64 or None. Given, ``state`` is a pool ``[S, H, K, V]`` and row n
             reads and writes slot ``state_indices[n]`` in place (-1: start from zeros, write nothing);
             ``has_initial_state [N]`` bool marks fresh sessions (start from zeros, write the slot).
@@ -285,7 +286,7 @@ def linear_attn_step(
     v_in = v.to(dt)
     if normalize:
         v_in = normalizer_column(v_in)
-    o, h = sum_update(q.to(dt), k.to(dt), v_in, None if g is None else g.to(dt), state, _scale(scale, q.shape[-1]))
+    o, h = sum_update(q.to(dt), k.to(dt), v_in, None if g is None else g.to(dt), state, resolve_scale(scale, q.shape[-1]))
     if normalize:
         o = divide_by_normalizer(o, eps)
     if inplace:

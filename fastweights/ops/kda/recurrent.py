@@ -20,11 +20,14 @@ before the write; only this form has it (README.md in this folder says why).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import torch
 
 from .._fla_compat import accepts_state_v_first
+from .._spec import Form, OpSpec, Rule
 from ..cpu import kernels_for
 from .fla import kda_form
 
@@ -101,7 +104,10 @@ def kda_recurrence(q, k, v, beta, gk, h0, scale, chunk_size=None, gv=None) -> Tu
     return torch.stack(outputs, dim=2), h
 
 
-recurrent_kda = kda_form("recurrent_kda", kda_recurrence, gv_supported=True, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_KDA = OpSpec("recurrent_kda", Rule.DELTA, Form.RECURRENT, torch=kda_recurrence, step=kda_step)
+
+recurrent_kda = kda_form(RECURRENT_KDA, gv_supported=True, doc="""
     Kimi Delta Attention, one token at a time: the reference form (module docstring).
 
     Args:
@@ -165,9 +171,16 @@ def fused_recurrent_kda(
 ):
     """Alias of :func:`~fastweights.ops.recurrent_kda` with fla 0.6.0's signature and positional
     order ``(q, k, v, g, beta, A_log, dt_bias, scale, ...)``; ``state_v_first`` as in fla."""
-    return recurrent_kda.named("fused_recurrent_kda")(
+    return recurrent_kda_as("fused_recurrent_kda")(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         lower_bound=lower_bound, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **kwargs,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def recurrent_kda_as(alias: str):
+    """:func:`recurrent_kda` under an alias's name (``fused_recurrent_kda``, ``fused_recurrent_gated_delta_rule``
+    with ``gk``/``gv``), so that its errors name the function the caller called."""
+    return kda_form(dataclasses.replace(RECURRENT_KDA, name=alias), gv_supported=True, doc=recurrent_kda.__doc__)
