@@ -279,9 +279,12 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _inputs(op, seed=0):
+def _inputs(op, packed: bool, seed=0):
+    """Awkward shapes: T not a multiple of C, K != V, head size 60, an initial state; B = 2, or three
+    sequences of uneven lengths packed in one row."""
     gen = torch.Generator().manual_seed(seed)
-    B, T, H, K, V = 2, 63, 2, 60, 20  # T not a multiple of C, K != V, head size 60
+    B, T, H, K, V = (1 if packed else 2), 63, 2, 60, 20
+    N = 3 if packed else B
 
     def r(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
@@ -289,38 +292,41 @@ def _inputs(op, seed=0):
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
     beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
     g = -torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    h0 = r(B, H, K, V)
+    h0 = r(N, H, K, V)
+    packing = dict(cu_seqlens=torch.tensor([0, 20, 23, 63])) if packed else {}
     if op is ops.chunk_delta_rule:
-        return dict(q=q, k=k, v=v, beta=beta, initial_state=h0, qk_norm="l2")
+        return dict(q=q, k=k, v=v, beta=beta, initial_state=h0, qk_norm="l2", **packing)
     if op is ops.chunk_gated_delta_rule:
-        return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, qk_norm="l2")
+        return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, qk_norm="l2", **packing)
     if op is ops.chunk_linear_attn:
-        return dict(q=q, k=k, v=v, g=g, initial_state=h0, qk_norm="l2")
+        return dict(q=q, k=k, v=v, g=g, initial_state=h0, qk_norm="l2", **packing)
     gk = -torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
-    return dict(q=q, k=k, v=v, g=gk, beta=beta, initial_state=h0, use_qk_l2norm_in_kernel=True)
+    return dict(q=q, k=k, v=v, g=gk, beta=beta, initial_state=h0, use_qk_l2norm_in_kernel=True, **packing)
 
 
 def _run(op, backend, x):
-    leaves = {n: (t.detach().clone().requires_grad_(True) if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    leaves = {n: (t.detach().clone().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+              for n, t in x.items()}
     o, h = op(**leaves, output_final_state=True, chunk_size=16, backend=backend)
     gen = torch.Generator().manual_seed(9)
     loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() + (h * torch.randn(h.shape, generator=gen, dtype=h.dtype)).sum()
-    tensors = {n: t for n, t in leaves.items() if isinstance(t, torch.Tensor)}
+    tensors = {n: t for n, t in leaves.items() if isinstance(t, torch.Tensor) and t.requires_grad}
     return (o, h, *torch.autograd.grad(loss, list(tensors.values())))
 
 
 CPU_OPS = [ops.chunk_delta_rule, ops.chunk_gated_delta_rule, ops.chunk_linear_attn, ops.chunk_kda]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["B2", "packed-20-3-40"])
 @pytest.mark.parametrize("op", CPU_OPS, ids=lambda f: f.__name__)
-def test_backend_torch_runs_no_compiled_kernel_and_cpu_agrees_with_it(op, kernel_calls):
-    x = _inputs(op)
+def test_backend_torch_runs_no_compiled_kernel_and_cpu_agrees_with_it(op, packed, kernel_calls):
+    x = _inputs(op, packed)
     torch_out = _run(op, "torch", x)
     assert kernel_calls == [], f"backend='torch' asked for the compiled kernels: {kernel_calls}"
     cpu_out = _run(op, "cpu", x)
     assert kernel_calls, "backend='cpu' never asked for the compiled kernels"
     worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(cpu_out, torch_out))
-    print(f"{op.__name__}: cpu against torch, worst relative difference over o, h_T and the gradients {worst:.2e}")
+    print(f"{op.__name__} {'packed' if packed else 'B=2'}: cpu against torch, worst relative difference over o, h_T and the gradients {worst:.2e}")
     assert worst < 1e-12
 
 
