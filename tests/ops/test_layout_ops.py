@@ -330,13 +330,21 @@ def test_backend_torch_runs_no_compiled_kernel_and_cpu_agrees_with_it(op, packed
     assert worst < 1e-12
 
 
-def test_backend_torch_step_runs_no_compiled_kernel(kernel_calls):
+def test_backend_torch_steps_run_no_compiled_kernel(kernel_calls):
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 3, 8, generator=gen), torch.nn.functional.normalize(torch.randn(2, 3, 8, generator=gen), dim=-1)
     v, beta, state = torch.randn(2, 3, 5, generator=gen), torch.rand(2, 3, generator=gen), torch.randn(2, 3, 8, 5, generator=gen)
     o_torch, h_torch = ops.delta_rule_step(q, k, v, beta, state, backend="torch")
     assert kernel_calls == []
     o_cpu, h_cpu = ops.delta_rule_step(q, k, v, beta, state, backend="cpu")
+    assert kernel_calls
+    torch.testing.assert_close(o_cpu, o_torch, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h_cpu, h_torch, rtol=1e-5, atol=1e-6)
+    kernel_calls.clear()
+    gk = -torch.rand(2, 3, 8, generator=gen)
+    o_torch, h_torch = ops.kda_step(q, k, v, beta, gk, state, 0.3, backend="torch")
+    assert kernel_calls == []
+    o_cpu, h_cpu = ops.kda_step(q, k, v, beta, gk, state, 0.3, backend="cpu")
     assert kernel_calls
     torch.testing.assert_close(o_cpu, o_torch, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h_cpu, h_torch, rtol=1e-5, atol=1e-6)

@@ -39,7 +39,7 @@ from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solv
 from .._spec import Form, OpSpec, Rule
 from .fla import kda_form
 from .parallel import block_terms, block_terms_backward, sub_block
-from .recurrent import kda_step
+from ..step import kda_step
 
 #: Row blocks of the UT solve (``delta_rule/wy.py``'s block substitution).
 UT_BLOCKS = 4

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .._chunk import causal_mask
 from .._spec import Form, OpSpec, Rule
 from .fla import kda_form
-from .recurrent import kda_step
+from ..step import kda_step
 
 #: The parallel form pads T to a multiple of this (zero tokens), so that its sub-blocks divide it.
 SUB_BLOCK = 16
