@@ -37,7 +37,7 @@ with ``cu_seqlens`` (:class:`Packing`), so a compiled op has no graph break.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -48,8 +48,6 @@ from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map,
 from ._spec import Form, OpSpec, Rule
 from .precision import product_dtype
 from .step import divide_by_normalizer, normalizer_column
-
-Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
 
 def autocast_off(device: torch.device):
@@ -304,6 +302,7 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
     """:func:`run_op` after the serving options are resolved; returns ``(o, h_T or None[, states])``."""
     op = spec.name
     core = spec.cpu if backend == "cpu" else spec.torch
+
     def check(seq_len=None):
         return check_op_args(
             op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,

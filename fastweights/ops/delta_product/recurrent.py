@@ -51,7 +51,8 @@ def delta_product_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, *, ks
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).
-RECURRENT_GATED_DELTA_PRODUCT = OpSpec("recurrent_gated_delta_product", Rule.DELTA, Form.RECURRENT, torch=delta_product_recurrence, step=gated_delta_product_step)
+RECURRENT_GATED_DELTA_PRODUCT = OpSpec("recurrent_gated_delta_product", Rule.DELTA, Form.RECURRENT,
+                                       torch=delta_product_recurrence, step=gated_delta_product_step)
 
 recurrent_gated_delta_product = delta_product_form(RECURRENT_GATED_DELTA_PRODUCT, doc="""
     (Gated) DeltaProduct, one token (n_h Householder steps) at a time: the reference form.

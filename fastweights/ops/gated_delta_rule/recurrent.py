@@ -23,7 +23,8 @@ from ..step import gated_delta_rule_step
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).
-RECURRENT_GATED_DELTA_RULE = OpSpec("recurrent_gated_delta_rule", Rule.DELTA, Form.RECURRENT, torch=delta_rule_recurrence, low_products=True, step=gated_delta_rule_step)
+RECURRENT_GATED_DELTA_RULE = OpSpec("recurrent_gated_delta_rule", Rule.DELTA, Form.RECURRENT,
+                                    torch=delta_rule_recurrence, low_products=True, step=gated_delta_rule_step)
 
 
 @accepts_state_v_first
