@@ -75,7 +75,7 @@ class GatedDeltaNet2(KimiDeltaAttention):
                                          chunk_size=self.chunk_length(q), qk_norm=self.qk_norm)
         op = recurrent_gdn2 if recurrent else chunk_gdn2
         return op(q, k, v, g, b, w, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
-                  max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm)
+                  max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm)
 
     def step_projections(self):
         return super().step_projections() + ("w_proj",)
