@@ -818,7 +818,7 @@ def _family_checks(op: str, q, k, v, gates, initial_state, cu_seqlens, chunk_siz
 def _run_family(op: str, solve_rule, q, k, v, beta, g, gates, initial_state, output_final_state, cu_seqlens,
                 chunk_size, qk_norm, scale, cp_group):
     """Checks shared by every rank, q/k normalization, then :func:`run_context_parallel` with ``solve_rule``."""
-    from ._checks import compute_dtype
+    from ._checks import compute_dtype, resolve_scale
     from .feature_maps import normalize_qk
 
     def check(seq_len):
@@ -828,7 +828,7 @@ def _run_family(op: str, solve_rule, q, k, v, beta, g, gates, initial_state, out
                                    cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, chunk_size=chunk_size,
                                    output_final_state=output_final_state, normalize=False)
     out_dtype, dt = q.dtype, compute_dtype(q.dtype)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     q, k = normalize_qk(q.to(dt), qk_norm, op), normalize_qk(k.to(dt), qk_norm, op)
     h0 = None if initial_state is None else initial_state.to(dt)
     o, h_t = run_context_parallel(solve_rule(scale), segments, cp_group, q, k, v.to(dt), beta.to(dt), g.to(dt), h0,
