@@ -24,6 +24,8 @@ layer                  op                                 state
 ``GatedDeltaNet2``     ``chunk_gdn2`` / ``gdn2_step``     ``FastWeightState`` (fixed)
 ``DeltaProduct``       ``chunk_/recurrent_gated_delta_``  ``FastWeightState`` (fixed)
                        ``product``
+``RWKV7Attention``     ``chunk_dplr_delta_rule`` /        ``FastWeightState`` (fixed;
+                       ``dplr_step``                      ``conv``: the last token)
 =====================  ================================  =========================
 """
 
@@ -36,6 +38,7 @@ from .gated_deltanet import GatedDeltaNet
 from .gdn2 import GatedDeltaNet2
 from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
+from .rwkv7 import RWKV7Attention
 from .softmax_attention import AttentionState, SoftmaxAttention
 
 MIXERS = {
@@ -46,10 +49,11 @@ MIXERS = {
     "kda": KimiDeltaAttention,
     "gdn2": GatedDeltaNet2,
     "deltaproduct": DeltaProduct,
+    "rwkv7": RWKV7Attention,
 }
 
 __all__ = [
     "SoftmaxAttention", "AttentionState", "LinearAttention", "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention",
-    "GatedDeltaNet2", "DeltaProduct", "FastWeightMixer",
+    "GatedDeltaNet2", "DeltaProduct", "RWKV7Attention", "FastWeightMixer",
     "FastWeightState", "ShortConvolution", "causal_conv1d", "RMSNorm", "GatedRMSNorm", "MIXERS", "load_fla_state_dict",
 ]

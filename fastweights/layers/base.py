@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import check_int
-from ..ops import compute_dtype, default_chunk_size
+from ..ops import compute_dtype, resolve_chunk_size
 from .common import (
     FastWeightState, GatedRMSNorm, ShortConvolution, WindowInputs, cached_weights, check_context_parallel_input,
     check_layer_input, forward_with_mask, get_activation, window_conv_state,
@@ -141,10 +141,10 @@ class FastWeightMixer(nn.Module):
         raise NotImplementedError
 
     def chunk_length(self, like: torch.Tensor) -> int:
-        """C of this layer's chunk-op calls on tensors like ``like``: ``chunk_size``, or when it is
-        None what the op itself picks (:func:`~fastweights.ops.default_chunk_size`; the layer passes
-        None down, so the op decides)."""
-        return self.chunk_size if self.chunk_size is not None else default_chunk_size(self.head_dim, like.device)
+        """C of this layer's chunk-op calls on tensors like ``like``: what the op runs for the layer's
+        ``chunk_size`` (passed down as it is, None included), by the ops' one resolver
+        (:func:`~fastweights.ops.resolve_chunk_size`)."""
+        return resolve_chunk_size(self.chunk_size, self.head_dim, like.device)
 
     def memory_shape(self, n: int) -> Tuple[int, ...]:
         """The state's shape ``[N, H, K, V]`` for N sequences."""

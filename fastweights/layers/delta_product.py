@@ -9,8 +9,9 @@ Per head and token, on top of :mod:`fastweights.layers.gated_deltanet`::
     h ← exp(g_t) h,  then for j = 1 … n_h: h ← (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) h + β_{t,j} k_{t,j} v_{t,j}ᵀ
     o_t = scale · hᵀ q_t,   then RMSNorm(o_t) · silu(W_g x_t)
 
-(fla's layer convolves the n_h keys and values as one long sequence; here the first step's
-go through the layer's convolution and the others are plain projections). The recurrence
+(fla's layer runs every step's keys and values through short convolutions over the tokens;
+here the first step's go through the layer's convolution and the others are plain projections,
+so fla's weights load for n_h = 1 or without convolutions: :mod:`fastweights.layers.fla_weights`). The recurrence
 lives in :func:`fastweights.ops.chunk_gated_delta_product` (prefill, training) and
 :func:`fastweights.ops.gated_delta_product_step` (decoding: a constant-size state).
 """
@@ -72,14 +73,18 @@ class DeltaProduct(GatedDeltaNet):
         return ks, vs, betas, self.decay_from_projection(a)
 
     def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None, cp_group=None):
-        if cp_group is not None:
-            raise ValueError(f"{type(self).__name__}: context parallelism (`cp_group`) is not supported by the "
-                             f"DeltaProduct ops; run the sequence on one rank")
         ks, vs, betas, g = self.steps(k, v, extra)  # [B, T, n_h, H, ·]: fla's layout once T and n_h are merged
+        if cp_group is not None:  # this rank's slice; the ranks exchange (A, b) summaries (no final state)
+            from ..ops.context_parallel import gated_delta_product_context_parallel
+
+            return gated_delta_product_context_parallel(
+                chunk_gated_delta_product, q, ks.flatten(1, 2), vs.flatten(1, 2), g, betas.flatten(1, 2), self.num_householder, cp_group=cp_group,
+                cu_seqlens=cu_seqlens, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
+                allow_neg_eigval=self.allow_neg_eigval)
         op = recurrent_gated_delta_product if recurrent else chunk_gated_delta_product
         return op(q, ks.flatten(1, 2), vs.flatten(1, 2), g, betas.flatten(1, 2), self.num_householder,
                   initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                  chunk_size=self.chunk_length(q), qk_norm=self.qk_norm, allow_neg_eigval=self.allow_neg_eigval)
+                  chunk_size=self.chunk_size, qk_norm=self.qk_norm, allow_neg_eigval=self.allow_neg_eigval)
 
     def step_projections(self):
         return super().step_projections() + (() if self.ks_proj is None else ("ks_proj", "vs_proj"))

@@ -74,7 +74,7 @@ class KimiDeltaAttention(DeltaNet):
         op = recurrent_kda if recurrent else chunk_kda
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
+            max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

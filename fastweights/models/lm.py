@@ -6,7 +6,7 @@ The whole model in one file. Glossary (code name -> meaning):
   ``D``: ``d_model``; ``L``: ``n_layers``.
 - mixer: the per-layer token mixer, one of :data:`fastweights.layers.MIXERS`
   (``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``, ``"gdn2"``,
-  ``"deltaproduct"``).
+  ``"deltaproduct"``, ``"rwkv7"``).
 - cache: :class:`LMCache`, every layer's decode state. A softmax layer's state is
   a KV cache that grows by one row per token; a fast-weight layer's state is a
   fixed ``[B, H, K, V]`` matrix plus W − 1 convolution inputs, whatever the context.
@@ -61,8 +61,10 @@ class LMConfig(Config):
         vocab_size, d_model, n_layers, n_heads: the sizes (``n_heads`` divides ``d_model``).
         mixer: one of ``"softmax"``, ``"linear"``, ``"deltanet"``, ``"gated_deltanet"``, ``"kda"``
             (Kimi Delta Attention: per-key-channel decays), ``"gdn2"`` (Gated DeltaNet-2),
-            ``"deltaproduct"`` (Gated DeltaProduct, ``num_householder`` Householder steps per token), or
-            a list with one of these per layer (a hybrid).
+            ``"deltaproduct"`` (Gated DeltaProduct, ``num_householder`` Householder steps per token),
+            ``"rwkv7"`` (RWKV-7's time mixing: token shift, DPLR memory, value residual from the first
+            RWKV-7 layer; its own norms, so the options below do not reach it), or a list with one of
+            these per layer (a hybrid).
         max_seq_len: the longest input (prompt) one call accepts, for models with a softmax
             layer (its KV cache grows with the context); models without one take any length.
         rope_theta: RoPE base θ of the softmax layers (rotary position embeddings, on by
@@ -191,8 +193,8 @@ class LMConfig(Config):
 LEGACY_FIELDS = {"rope_theta": None, "gradient_checkpointing": False, "num_householder": 2}
 
 
-def build_mixer(name: str, config: LMConfig) -> nn.Module:
-    """One token mixer with the options of ``config`` that apply to it."""
+def build_mixer(name: str, config: LMConfig, layer: int = 0) -> nn.Module:
+    """One token mixer with the options of ``config`` that apply to it (``layer``: its index in the stack)."""
     shared = dict(
         use_short_conv=config.use_short_conv, conv_size=config.conv_size, use_output_gate=config.use_output_gate,
         norm_eps=config.norm_eps, chunk_size=config.chunk_size,
@@ -202,6 +204,10 @@ def build_mixer(name: str, config: LMConfig) -> nn.Module:
                             use_short_conv=config.softmax_short_conv, conv_size=config.conv_size)
     if name == "linear":
         return MIXERS[name](config.d_model, config.n_heads, feature_map=config.feature_map, normalize=config.normalize, **shared)
+    if name == "rwkv7":  # its own token shift and norms; layer_idx 0 (the first RWKV-7 layer) supplies the value residual
+        mixers = config.mixers
+        return MIXERS[name](config.d_model, config.n_heads, layer_idx=mixers[:layer].count("rwkv7"),
+                            num_hidden_layers=mixers.count("rwkv7"), chunk_size=config.chunk_size)
     if name == "deltaproduct":
         shared["num_householder"] = config.num_householder
     return MIXERS[name](
@@ -226,33 +232,40 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, mixer: str, config: LMConfig) -> None:
+    def __init__(self, mixer: str, config: LMConfig, layer: int = 0) -> None:
         super().__init__()
         self.mixer_name = mixer
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mixer = build_mixer(mixer, config)
+        self.mixer = build_mixer(mixer, config, layer)
         # mlp_hidden = 0: a mixer-only block (no MLP, no MLP norm).
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.mlp_width else None
         self.mlp = SwiGLU(config.d_model, config.mlp_width) if config.mlp_width else None
 
     def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                cp_group=None):
+                cp_group=None, value_residual: Optional[dict] = None):
+        """``value_residual``: the dict one LM call passes through its blocks, for mixers that share
+        values across layers (RWKV-7's value residual: the first such layer writes, the others read)."""
         extra = {} if cp_group is None else {"cp_group": cp_group}  # context parallelism (LM.forward)
+        extra.update(self._residual(value_residual))
         h, state = self.mixer(self.mixer_norm(x), state, cu_seqlens, max_seqlen=max_seqlen, **extra)  # (B, T, D), new state
         x = x + h
         return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state
 
-    def step_slots(self, x: torch.Tensor, state, state_indices: torch.Tensor) -> torch.Tensor:
+    def _residual(self, value_residual: Optional[dict]) -> dict:
+        return {"value_residual": value_residual} if getattr(self.mixer, "uses_value_residual", False) else {}
+
+    def step_slots(self, x: torch.Tensor, state, state_indices: torch.Tensor, value_residual: Optional[dict] = None) -> torch.Tensor:
         """:meth:`forward` for one decoding token ``x [N, 1, D]`` of N sessions held in pools
         (``state``: the mixer's pooled state, stepped in place at ``state_indices [N]``;
         :meth:`~fastweights.layers.base.FastWeightMixer.step`): returns x."""
-        x = x + self.mixer.step(self.mixer_norm(x), state, state_indices)[0]
+        x = x + self.mixer.step(self.mixer_norm(x), state, state_indices, **self._residual(value_residual))[0]
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
-    def forward_window(self, x: torch.Tensor, state, real: int, chunk_from: int):
+    def forward_window(self, x: torch.Tensor, state, real: int, chunk_from: int, value_residual: Optional[dict] = None):
         """:meth:`forward` for a verify window (``x [B, P, D]``, the first ``real`` rows tokens):
         ``(x, the state after the real tokens, what the mixer keeps to roll back)``."""
-        h, state, keep = self.mixer.forward_window(self.mixer_norm(x), state, real, chunk_from)
+        h, state, keep = self.mixer.forward_window(self.mixer_norm(x), state, real, chunk_from,
+                                                   **self._residual(value_residual))
         x = x + h
         return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state, keep
 
@@ -347,7 +360,7 @@ class LM(nn.Module):
             raise TypeError(f"LM: `config` must be an LMConfig, got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(m, config) for m in config.mixers)
+        self.blocks = nn.ModuleList(Block(m, config, i) for i, m in enumerate(config.mixers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.gradient_checkpointing = config.gradient_checkpointing  # may be switched on a built model
@@ -492,13 +505,14 @@ class LM(nn.Module):
             max_seqlen = int(mask.sum(dim=1).max())
         x = self.embed(ids)  # (B, T, D)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        states = []
+        states, shared = [], {}  # shared: values one layer hands to later ones (RWKV-7's value residual)
         for i, block in enumerate(self.blocks):
             state = None if cache is None else cache.states[i]
             if recompute:  # keep x only; the block runs again in the backward pass
-                x, state = torch.utils.checkpoint.checkpoint(block, x, state, cu_seqlens, max_seqlen, use_reentrant=False)
+                x, state = torch.utils.checkpoint.checkpoint(block, x, state, cu_seqlens, max_seqlen, None, shared,
+                                                             use_reentrant=False)
             else:
-                x, state = block(x, state, cu_seqlens, max_seqlen)
+                x, state = block(x, state, cu_seqlens, max_seqlen, None, shared)
             states.append(state)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         if slot is not None:
@@ -531,8 +545,9 @@ class LM(nn.Module):
             same step arithmetic; no state is gathered or copied back).
         """
         x = self.embed(tokens.view(-1, 1))  # [N, 1, D]
+        shared = {}
         for block, state in zip(self.blocks, states):
-            x = block.step_slots(x, state, state_indices)
+            x = block.step_slots(x, state, state_indices, shared)
         return self.lm_head(self.norm(x))[:, -1]
 
     def _window_mode(self, keep_window, cache, T: int, cu_seqlens, mask, return_cache: bool) -> Optional[str]:
@@ -567,9 +582,9 @@ class LM(nn.Module):
         P = padded_width(T, self.window_width)
         ids = torch.cat([input_ids, input_ids.new_zeros(B, P - T)], dim=1) if P > T else input_ids
         x = self.embed(ids)  # (B, P, D)
-        states, keeps = [], []
+        states, keeps, shared = [], [], {}
         for block, state in zip(self.blocks, cache.states):
-            x, state, keep = block.forward_window(x, state, T, self.window_chunk_from)
+            x, state, keep = block.forward_window(x, state, T, self.window_chunk_from, shared)
             states.append(state)
             keeps.append(keep)
         logits = self.lm_head(self.norm(x[:, :T]))  # (B, T, V)
@@ -601,11 +616,13 @@ class LM(nn.Module):
         agree_on_slice("LM", cp_group, "input_ids", input_ids, cu_seqlens, local)
         x = self.embed(input_ids)  # (B, L, D)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        shared = {}
         for block in self.blocks:
             if recompute:  # the recomputation repeats the block's collectives, in the same order on every rank
-                x, _ = torch.utils.checkpoint.checkpoint(block, x, None, cu_seqlens, None, cp_group, use_reentrant=False)
+                x, _ = torch.utils.checkpoint.checkpoint(block, x, None, cu_seqlens, None, cp_group, shared,
+                                                         use_reentrant=False)
             else:
-                x, _ = block(x, None, cu_seqlens, None, cp_group)
+                x, _ = block(x, None, cu_seqlens, None, cp_group, shared)
         return self.lm_head(self.norm(x)), None
 
     @staticmethod

@@ -1,14 +1,13 @@
-"""Which implementation runs a chunk delta op: the one place that decides (``_dispatch.py`` then runs it).
+"""Whether the Triton kernels can run a chunk delta op, and the backend names.
 
 The PyTorch chunk form (``delta_rule/chunk.py``, any device and dtype) and the
 Triton kernels (``triton/``, CUDA, fp32/bf16/fp16) are peers: neither imports
-the other. The public ops ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` hand
-their PyTorch solver and their arguments to ``_dispatch.run_chunk_delta``, which asks
-:func:`select_backend` and calls one of the two. This module imports neither, so the
-Triton package imports its limits from here without a circle. The Triton package is looked
-up, not imported, until it is chosen (importing it costs every user time, and
-Triton decides at kernel-definition time whether ``@triton.jit`` compiles for
-the GPU or runs on numpy, ``TRITON_INTERPRET=1``).
+the other. The public ops hand their spec and arguments to ``_dispatch.run``,
+whose ``choose_backend`` asks :func:`select_backend` about Triton and runs one of
+them. This module imports neither, so the Triton package imports its limits from
+here without a circle. The Triton package is looked up, not imported, until it is
+chosen (importing it costs every user time, and Triton decides at kernel-definition
+time whether ``@triton.jit`` compiles for the GPU or runs on numpy, ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -19,15 +18,19 @@ from typing import Optional
 
 import torch
 
+from ._chunk import LONG_CHUNK
+
 __all__ = [
     "HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "CHUNK_SIZE", "TRITON_DTYPES", "interpreting", "select_backend",
     "backward_can_follow",
 ]
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-BACKENDS = ("auto", "torch", "triton")
+#: The backend choices of every op: ``auto``, ``torch`` (the PyTorch code, every device),
+#: ``cpu`` (the compiled CPU kernels, ``fastweights/ops/cpu/``), ``triton`` (CUDA kernels).
+BACKENDS = ("auto", "torch", "cpu", "triton")
 MAX_HEAD_DIM = 256  # K and V the kernels accept (64 and 128 are the fast sizes)
-CHUNK_SIZE = 64  # the kernels' chunk length
+CHUNK_SIZE = LONG_CHUNK  # the kernels' chunk length: the long default chunk (``_chunk.LONG_CHUNK``), not a second 64
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -38,7 +41,8 @@ def interpreting() -> bool:
 
 def select_backend(op: str, backend: str, q: torch.Tensor, v: Optional[torch.Tensor] = None, *,
                    chunk_size: int = CHUNK_SIZE, feature_map=None) -> str:
-    """``"torch"`` or ``"triton"`` for one call of a chunk op.
+    """``"triton"`` when the Triton kernels run one call of a chunk op, else ``"torch"`` (the
+    dispatcher then picks the PyTorch code or the compiled CPU kernels).
 
     ``auto`` takes Triton for CUDA tensors in fp32/bf16/fp16 with K, V <= 256 and
     chunk size 64 when Triton is installed, and PyTorch otherwise (CPU tensors,
@@ -47,7 +51,7 @@ def select_backend(op: str, backend: str, q: torch.Tensor, v: Optional[torch.Ten
     """
     if backend not in BACKENDS:
         raise ValueError(f"{op}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
-    if backend == "torch" or not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] == 0:
+    if backend in ("torch", "cpu") or not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] == 0:
         return "torch"  # malformed inputs get the shared checks' errors; T = 0 needs no kernel
     from .feature_maps import get_feature_map
 

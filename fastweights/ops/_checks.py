@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 
 from ..config import check_int
+from ._chunk import LONG_CHUNK
 
 __all__ = [
     "check_inputs", "check_op_inputs", "finite_checks", "value_checks", "state_dtype", "compute_dtype",
@@ -188,6 +189,11 @@ def check_values(op: str, beta: Optional[torch.Tensor], g: Optional[torch.Tensor
                      "check with fastweights.ops.value_checks(False)")
 
 
+def resolve_scale(scale: Optional[float], key_dim: int) -> float:
+    """The one owner of ``scale``: the read scale itself, or ``K ** -0.5`` for ``None`` (every op's default)."""
+    return key_dim ** -0.5 if scale is None else float(scale)
+
+
 def check_scale(op: str, scale) -> None:
     if scale is None:
         return
@@ -197,18 +203,14 @@ def check_scale(op: str, scale) -> None:
         raise ValueError(f"{op}: `scale` must be a finite number > 0, got {scale!r} (None means K ** -0.5)")
 
 
-#: The shortest chunk :func:`effective_chunk_size` caps a chunk to: chunk lengths up to this one
-#: never depend on T, which keeps every sequence's result the same alone, in a batch and packed.
-MIN_CAPPED_CHUNK = 64
-
-
 def effective_chunk_size(chunk_size: int, seq_len: int) -> int:
     """The chunk length a chunk form uses: ``chunk_size``, but at most the next power of two
-    of T and never below :data:`MIN_CAPPED_CHUNK` for that cap. A chunk much longer than
+    of T and never below :data:`~._chunk.LONG_CHUNK` for that cap (so no default chunk length, and
+    none up to 64, depends on T: a sequence's result is the same alone, in a batch and packed). A chunk much longer than
     the sequence only pads it, and costs O(C²) per chunk; a cap that followed T all the
     way down would make a short sequence's arithmetic (its chunking) depend on the
     longest sequence it is batched or packed with, and its result change in the last bits."""
-    cap = max(MIN_CAPPED_CHUNK, 1 << max(seq_len - 1, 0).bit_length())
+    cap = max(LONG_CHUNK, 1 << max(seq_len - 1, 0).bit_length())
     return max(1, min(chunk_size, cap))
 
 

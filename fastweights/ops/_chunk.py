@@ -53,34 +53,37 @@ def from_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.flatten(2, 3)[:, :, :length]
 
 
-#: Chunk length C of the fast-weight layers' chunk ops when they are not given one
-#: (``chunk_size=None``, the default of the layers and of ``LMConfig``): on the CPU, 32
-#: for key sizes up to :data:`SHORT_CHUNK_MAX_KEY_DIM`, else 64; on other devices 64
-#: (the Triton kernels' only chunk length). Measured on the CPU (fp32, one thread, CPU
-#: time, d_model 128; ``fastweights/bench/lm_speed.py``'s shapes): a DeltaNet layer's
+#: Chunk length C of the chunk ops when they are not given one (``chunk_size=None``, the
+#: default of every chunk op, layer and ``LMConfig``): on the CPU, 32 for key sizes up to
+#: :data:`SHORT_CHUNK_MAX_KEY_DIM`, else 64; on other devices 64. Measured on the CPU (fp32, one
+#: thread, CPU time, d_model 128; ``fastweights/bench/lm_speed.py``'s shapes): a DeltaNet layer's
 #: forward+backward at B=8, T=256 took 30.2 ms with C=32 against 35.1 ms with C=64 at
 #: K=32, 31.0 against 34.9 at K=64, but 38.9 against 36.6 at K=128; Gated DeltaNet
 #: 34.7 against 38.3 (K=32). The C² work per token shrinks with C while the T/C-step
 #: loop grows, and at small K the C² work is most of it.
+#:
+#: :data:`LONG_CHUNK` is also the Triton kernels' one chunk length (so ``auto`` finds the default
+#: C on a GPU runnable by them) and the shortest chunk a long chunk is capped to
+#: (:func:`~._checks.effective_chunk_size`: no default C ever depends on T). One number, one name.
 SHORT_CHUNK, LONG_CHUNK, SHORT_CHUNK_MAX_KEY_DIM = 32, 64, 64
 
 
 def default_chunk_size(key_dim: int, device: torch.device) -> int:
-    """The chunk-length policy, the one place it is decided: C for key size ``key_dim`` on
-    ``device`` (see :data:`SHORT_CHUNK`). A chunk op called with ``chunk_size=None`` (its
-    default, and what the layers and ``LMConfig`` pass unless told otherwise) runs this C; a
-    call that insists on ``backend="triton"`` runs the kernels' one length, 64, which is also
-    what this gives on a GPU."""
+    """The chunk-length policy: C for key size ``key_dim`` on ``device`` (see :data:`SHORT_CHUNK`).
+    :func:`resolve_chunk_size` is the one function that applies it to a ``chunk_size=None``."""
     if torch.device(device).type == "cpu" and key_dim <= SHORT_CHUNK_MAX_KEY_DIM:
         return SHORT_CHUNK
     return LONG_CHUNK
 
 
-def resolve_chunk_size(chunk_size: Optional[int], q) -> Optional[int]:
-    """``chunk_size``, or :func:`default_chunk_size` for ``q [B, T, H, K]``'s K and device when it
-    is None (a malformed ``q`` leaves it None, for the input checks to name)."""
-    if chunk_size is None and isinstance(q, torch.Tensor) and q.dim() == 4:
-        return default_chunk_size(q.shape[-1], q.device)
+def resolve_chunk_size(chunk_size: Optional[int], key_dim: Optional[int], device, backend: str = "auto") -> Optional[int]:
+    """The one owner of ``chunk_size``: the value itself when given, else the chunk length a chunk op
+    (and a layer, which passes None on) runs for key size ``key_dim`` on ``device`` --
+    :func:`default_chunk_size`, or the Triton kernels' one length :data:`LONG_CHUNK` for a call
+    that insists on ``backend="triton"``. ``key_dim=None`` (a malformed ``q``) leaves it None, for the
+    input checks to name."""
+    if chunk_size is None and key_dim is not None:
+        chunk_size = LONG_CHUNK if backend == "triton" else default_chunk_size(key_dim, device)
     return chunk_size
 
 

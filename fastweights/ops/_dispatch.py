@@ -1,50 +1,80 @@
-"""Run a chunk delta op on the implementation ``_backend.select_backend`` picks.
+"""The one dispatcher: every linear/delta op's public function ends in :func:`run`.
 
-The PyTorch chunk form and the Triton kernels are peers; this module is the only one
-that reaches both (the Triton one imported only when it is chosen).
+The descent of a call (docs/design.md, "The path of a call"): the public function maps fla's
+options to plain inputs and passes its :class:`~._spec.OpSpec`; :func:`run` resolves
+``chunk_size`` (:func:`~._chunk.resolve_chunk_size`, the one place) and the backend
+(:func:`choose_backend`), then calls the Triton front end, or :func:`~._frontend.run_op` with the
+spec's PyTorch or compiled-CPU solver. The PyTorch chunk form and the Triton kernels are peers;
+this module is the only one that reaches both (the Triton one imported only when it is chosen).
 """
 
 from __future__ import annotations
 
-from ._backend import BACKENDS, CHUNK_SIZE, select_backend
-from ._chunk import resolve_chunk_size
+import torch
 
-__all__ = ["run_chunk_delta"]
+from ._backend import BACKENDS, select_backend
+from ._chunk import resolve_chunk_size
+from ._spec import OpSpec
+
+__all__ = ["run", "choose_backend"]
 
 #: Options of the chunk ops that only the PyTorch chunk form runs (docs/serving.md): ``auto`` picks it for them.
 SERVING_OPTIONS = ("return_intermediate_states", "state_block_size", "state_indices", "has_initial_state")
 
 
-def run_chunk_delta(op: str, torch_solver, q, k, v, *, backend: str = "auto", torch_kwargs=None, **kwargs):
-    """Run chunk delta op ``op`` on the backend :func:`select_backend` picks; returns ``(o, h_T)``.
+def choose_backend(spec: OpSpec, backend: str, q, v, *, chunk_size, feature_map=None, pytorch_only: bool = False) -> str:
+    """``"torch"``, ``"cpu"`` or ``"triton"`` for one call of ``spec``'s op.
 
-    ``torch_solver`` is the PyTorch chunk form's solver (``run_op``'s core), passed in by
-    the public op so that this module imports neither implementation at load time;
-    ``kwargs`` are the op's arguments as both paths take them, ``torch_kwargs`` those
-    only ``run_op`` takes (the Triton path packs varlen batches natively).
+    ``auto``: Triton where :func:`~._backend.select_backend` takes it (CUDA tensors the kernels
+    fit), the compiled CPU kernels on the CPU where the op has them, PyTorch otherwise.
+    ``torch``: the PyTorch code, on every device. ``cpu`` and ``triton`` insist, and say why when
+    they cannot. ``pytorch_only``: the call has options only the PyTorch code runs (serving,
+    context parallelism), so ``triton`` is refused and ``auto`` does not take it.
     """
-    if kwargs.get("chunk_size") is None and backend == "triton":
-        kwargs["chunk_size"] = CHUNK_SIZE  # the kernels' one length (what the policy gives on CUDA, too)
-    kwargs["chunk_size"] = resolve_chunk_size(kwargs.get("chunk_size"), q)
-    serving = any((torch_kwargs or {}).get(name) is not None and (torch_kwargs or {}).get(name) is not False
-                  for name in SERVING_OPTIONS)
-    if serving and backend == "triton":
-        raise ValueError(f"{op}: `backend`='triton' does not take the serving options ({', '.join(SERVING_OPTIONS)}); "
+    if backend not in BACKENDS:
+        raise ValueError(f"{spec.name}: unknown `backend` {backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+    if backend != "auto" and backend not in spec.backends():
+        raise ValueError(f"{spec.name}: `backend`={backend!r} is not one this op runs; expected one of "
+                         f"{', '.join(map(repr, ('auto',) + spec.backends()))}")
+    on_cpu = isinstance(q, torch.Tensor) and q.device.type == "cpu"
+    if backend == "cpu" and not on_cpu:
+        where = q.device if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"{spec.name}: backend='cpu' runs the compiled CPU kernels on CPU tensors, got `q` on {where}; "
                          f"use backend='auto' or 'torch'")
-    if serving or (torch_kwargs or {}).get("cp_group") is not None:  # context parallelism runs the PyTorch chunk form
-        if backend == "triton":
-            raise ValueError(f"{op}: `backend`='triton' does not run with `cp_group` (context parallelism runs "
-                             f"the PyTorch chunk form); use backend='auto' or 'torch'")
-        choice = "torch" if backend in BACKENDS else select_backend(op, backend, q, v)
-    else:
-        choice = select_backend(op, backend, q, v, chunk_size=kwargs["chunk_size"],
-                                feature_map=kwargs.get("feature_map"))
+    if backend in ("torch", "cpu"):
+        return backend
+    if spec.triton and not (pytorch_only and backend == "auto"):
+        if select_backend(spec.name, backend, q, v, chunk_size=chunk_size, feature_map=feature_map) == "triton":
+            return "triton"
+    return "cpu" if spec.cpu is not None and on_cpu else "torch"
+
+
+def run(spec: OpSpec, q, k, v, *, backend: str = "auto", chunk_size=None, feature_map=None, cp_group=None, **kwargs):
+    """Run ``spec``'s op on its chosen backend; returns what the op returns (``(o, h_T or None)``,
+    with a third item when intermediate states are asked for).
+
+    ``kwargs`` are :func:`~._frontend.run_op`'s arguments; the Triton front end takes those of
+    them it runs (it packs varlen batches natively and refuses the serving options).
+    """
+    shaped = isinstance(q, torch.Tensor) and q.dim() == 4
+    chunk_size = resolve_chunk_size(chunk_size, q.shape[-1] if shaped else None, q.device if shaped else None, backend)
+    pytorch_only = cp_group is not None or any(kwargs.get(name) is not None and kwargs.get(name) is not False
+                                               for name in SERVING_OPTIONS)
+    if pytorch_only and backend == "triton":
+        why = ("the serving options (" + ", ".join(SERVING_OPTIONS) + ")" if cp_group is None
+               else "`cp_group` (context parallelism runs the PyTorch chunk form)")
+        raise ValueError(f"{spec.name}: `backend`='triton' does not run with {why}; use backend='auto' or 'torch'")
+    choice = choose_backend(spec, backend, q, v, chunk_size=chunk_size, feature_map=feature_map,
+                            pytorch_only=pytorch_only)
     if choice == "triton":
         from ._frontend import autocast_off
         from .triton.chunk import chunk_op_triton
 
+        triton_kwargs = {name: kwargs[name] for name in ("beta", "g", "scale", "initial_state", "output_final_state",
+                                                         "cu_seqlens", "qk_norm", "requires_g", "allow_neg_eigval")
+                         if name in kwargs}
         with autocast_off(q.device):  # under torch.autocast the kernels' PyTorch glue stays fp32 too
-            return chunk_op_triton(op, q, k, v, **kwargs)
+            return chunk_op_triton(spec.name, q, k, v, chunk_size=chunk_size, feature_map=feature_map, **triton_kwargs)
     from ._frontend import run_op
 
-    return run_op(op, torch_solver, q, k, v, **kwargs, **(torch_kwargs or {}), requires_beta=True)
+    return run_op(spec, choice, q, k, v, chunk_size=chunk_size, feature_map=feature_map, cp_group=cp_group, **kwargs)

@@ -18,7 +18,7 @@ from ._checks import state_dtype
 from ._fla_compat import refuse_or_ignore
 from .delta_rule import recurrent_delta_rule
 from .gated_delta_rule import recurrent_gated_delta_rule
-from .kda import recurrent_kda
+from .kda.recurrent import recurrent_kda_as
 from .linear_attn import chunk_linear_attn, recurrent_linear_attn
 
 __all__ = ["fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
@@ -87,7 +87,7 @@ def fused_recurrent_gated_delta_rule(
             if not isinstance(g, torch.Tensor) or g.dim() != 3:
                 raise ValueError(f"{op}: `g` must be a per-head log decay [B, T, HV], got {getattr(g, 'shape', g)!r}")
             gk = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
-        return recurrent_kda.named(op)(  # its errors name this function, not recurrent_kda
+        return recurrent_kda_as(op)(  # its errors name this function, not recurrent_kda
             q, k, v, beta=beta, gk=gk, gv=gv, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,

@@ -114,10 +114,29 @@ _warned: set = set()
 def _known_arguments(op: str) -> list:
     """The keyword arguments of the public op named ``op`` (for "did you mean")."""
     ops = sys.modules.get(__name__.rsplit(".", 1)[0])  # fastweights.ops: imported by now (it called us)
-    fn = inspect.unwrap(getattr(ops, op, None) or (lambda: None))
+    public = getattr(ops, op, None) or (lambda: None)
+    fn = inspect.unwrap(public)
     names = [p.name for p in inspect.signature(fn).parameters.values()
              if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
-    return names + ["state_v_first", "transpose_state_layout"] * ("gated" in op)
+    # an op wrapped by accepts_state_v_first takes fla's state-layout flags too
+    return names + ["state_v_first", "transpose_state_layout"] * (fn is not public)
+
+
+def resolve_cu_seqlens(op: str, cu_seqlens, cu_seqlens_cpu, device):
+    """The one owner of ``cu_seqlens``: itself, or the device copy of fla's host copy ``cu_seqlens_cpu``
+    when only that is given."""
+    if cu_seqlens is None and cu_seqlens_cpu is not None:
+        if not isinstance(cu_seqlens_cpu, torch.Tensor):
+            raise TypeError(f"{op}: `cu_seqlens_cpu` must be a LongTensor [N+1], got {type(cu_seqlens_cpu).__name__}")
+        cu_seqlens = cu_seqlens_cpu.to(device)
+    return cu_seqlens
+
+
+def resolve_decay(g, shape, dtype, device):
+    """The one owner of a log decay's ``None`` (fla's default for ``g``/``gk``): no decay, zeros of ``shape``."""
+    if g is None:
+        g = torch.zeros(shape, dtype=dtype, device=device)
+    return g
 
 
 def unknown_keyword(op: str, name: str, known) -> TypeError:
@@ -177,10 +196,7 @@ def fla_inputs(
         return q, k, beta, g, initial_state, cu_seqlens  # the op's validation names the problem
     dt = state_dtype(q.dtype)
 
-    if cu_seqlens is None and cu_seqlens_cpu is not None:
-        if not isinstance(cu_seqlens_cpu, torch.Tensor):
-            raise TypeError(f"{op}: `cu_seqlens_cpu` must be a LongTensor [N+1], got {type(cu_seqlens_cpu).__name__}")
-        cu_seqlens = cu_seqlens_cpu.to(q.device)
+    cu_seqlens = resolve_cu_seqlens(op, cu_seqlens, cu_seqlens_cpu, q.device)
 
     h, hv = q.shape[2], v.shape[2]
     if hv != h and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] == h:
@@ -205,8 +221,8 @@ def fla_inputs(
             if dt_bias is not None:
                 x = x + _head_param(op, "dt_bias", dt_bias, v.shape[2]).to(dt)
             g = -torch.exp(a) * F.softplus(x)
-        elif g is None:
-            g = torch.zeros(v.shape[:3], dtype=dt, device=v.device)  # no decay
+        else:
+            g = resolve_decay(g, v.shape[:3], dt, v.device)
     if beta is None:
         beta = torch.ones(v.shape[:3], dtype=dt, device=v.device)
 

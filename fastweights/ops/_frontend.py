@@ -13,9 +13,9 @@ A solver ("core") has the signature
 compute-dtype tensors, with ``beta``/``g``/``h0`` possibly ``None``. That keeps
 each form's file down to its algorithm.
 
-The form is read from the op's name (``recurrent_*``, ``parallel_*``, ``chunk_*``,
-the naming convention of every op): a chunk form gets ``chunk_size`` capped at the
-sequence (:func:`~._checks.effective_chunk_size`), and parallel and chunk forms are
+What the op is comes from its :class:`~._spec.OpSpec` (the dispatcher, ``_dispatch.run``,
+hands it over with the backend it chose and the resolved ``chunk_size``): a chunk form
+gets ``chunk_size`` capped at the sequence (:func:`~._checks.effective_chunk_size`), and parallel and chunk forms are
 refused before they allocate score matrices that cannot fit (``check_score_memory``).
 An empty sequence (T = 0) never reaches a solver: the output is empty and the final
 state is a copy of ``initial_state`` (zeros without one), so the caller never gets
@@ -37,19 +37,17 @@ with ``cu_seqlens`` (:class:`Packing`), so a compiled op has no graph break.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from ..config import check_int
-from ._chunk import resolve_chunk_size
-from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, state_dtype
+from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, resolve_scale, state_dtype
 from ._backend import backward_can_follow
 from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map, normalize_qk
+from ._spec import Form, OpSpec, Rule
 from .precision import product_dtype
 from .step import divide_by_normalizer, normalizer_column
-
-Core = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
 
 def autocast_off(device: torch.device):
@@ -143,7 +141,7 @@ def check_op_args(
     g=None,
     initial_state=None,
     cu_seqlens=None,
-    chunk_size: int = 64,
+    chunk_size: int,
     scale=None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
@@ -184,8 +182,8 @@ def check_op_args(
 
 
 def run_op(
-    op: str,
-    core: Core,
+    spec: OpSpec,
+    backend: str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -196,7 +194,7 @@ def run_op(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: Optional[int] = None,
+    chunk_size: int,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
@@ -216,8 +214,12 @@ def run_op(
     state_indices: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
 ):
-    """Check, cast, normalize, unpack; call ``core``; undo (module docstring). Returns ``(o, h_T or None)``,
+    """Check, cast, normalize, unpack; call the solver; undo (module docstring). Returns ``(o, h_T or None)``,
     or ``(o, h_T or None, states)`` when intermediate states are asked for.
+
+    ``spec`` is the op (:class:`~._spec.OpSpec`), ``backend`` the dispatcher's choice (``"torch"``:
+    ``spec.torch``, ``"cpu"``: ``spec.cpu``), ``chunk_size`` already resolved
+    (:func:`~._chunk.resolve_chunk_size`, in the dispatcher).
 
     Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
     (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
@@ -231,8 +233,9 @@ def run_op(
     ``initial_state [S, H, K, V]`` and writes the final ones back into it
     (:mod:`fastweights.ops.state_pool`).
     """
-    chunk_size = resolve_chunk_size(chunk_size, q)
-    every, entry = intermediate_every(op, chunk_size, return_intermediate_states, state_block_size, cp_group)
+    op = spec.name
+    every, entry = intermediate_every(op, chunk_size, return_intermediate_states, state_block_size, cp_group,
+                                      chunked=spec.form is Form.CHUNK)
     pool = None
     if state_indices is not None or has_initial_state is not None:
         from .state_pool import check_state_indices, gather_states
@@ -249,7 +252,7 @@ def run_op(
         want_final = output_final_state
         output_final_state = True
     result = _run_op(
-        op, core, q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state,
+        spec, backend, q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps, requires_beta=requires_beta,
         requires_g=requires_g, allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -266,10 +269,11 @@ def run_op(
 
 
 def intermediate_every(op: str, chunk_size: Optional[int], return_intermediate_states: bool,
-                       state_block_size: Optional[int], cp_group=None) -> Tuple[Optional[int], bool]:
+                       state_block_size: Optional[int], cp_group=None, *, chunked: bool) -> Tuple[Optional[int], bool]:
     """``(every, entry)`` for the intermediate states asked for: none ``(None, False)``; fla's
     per-chunk entry states ``(C, True)``; the states after every ``m`` tokens ``(m, False)``.
-    ``m`` must be a positive multiple of the chunk size (chunks then never straddle a block)."""
+    In a chunk form (``chunked``) ``m`` must be a positive multiple of the chunk size (chunks then
+    never straddle a block)."""
     if state_block_size is not None and return_intermediate_states:
         raise ValueError(f"{op}: give `return_intermediate_states=True` (the state entering every chunk) or "
                          f"`state_block_size` (the state after every block of tokens), not both")
@@ -280,7 +284,7 @@ def intermediate_every(op: str, chunk_size: Optional[int], return_intermediate_s
     if return_intermediate_states:
         return int(chunk_size), True
     check_int(op, "state_block_size", state_block_size)
-    if op.startswith("chunk_") and state_block_size % chunk_size:
+    if chunked and state_block_size % chunk_size:
         raise ValueError(f"{op}: `state_block_size` must be a multiple of the chunk size {chunk_size} (a block "
                          f"boundary must be a chunk boundary), got {state_block_size}")
     return state_block_size, False
@@ -292,10 +296,13 @@ def intermediate_positions(lengths: torch.Tensor, every: int, entry: bool) -> to
     return (lengths + every - 1) // every if entry else lengths // every
 
 
-def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
             feature_map, qk_norm, normalize, eps, requires_beta, requires_g, allow_neg_eigval, cu_seqlens_cpu,
             max_seqlen, cp_group, gk, gv, gk_name, extra, every, entry):
     """:func:`run_op` after the serving options are resolved; returns ``(o, h_T or None[, states])``."""
+    op = spec.name
+    core = spec.cpu if backend == "cpu" else spec.torch
+
     def check(seq_len=None):
         return check_op_args(
             op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
@@ -331,8 +338,7 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
             return o, (h_t if output_final_state else None), h_t.new_empty((1 if cu_seqlens is not None else n_seq, 0)
                                                                              + tuple(h_t.shape[1:]))
         return o, (h_t if output_final_state else None)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    form = op.split("_", 1)[0]
+    scale = resolve_scale(scale, q.shape[-1])
     # The memory check asks the OS (os.sysconf), which torch.compile cannot trace: it runs in eager mode.
     check_memory = not torch.compiler.is_compiling()
 
@@ -384,17 +390,16 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
                   h.new_empty((n, 0, heads) + tuple(h.shape[2:])))
         return torch.cat(outs, dim=1), h, states
 
-    def solve_padded(q, k, v, beta, g, h0, gv=None, extra=None):
+    def solve_padded(q, k, v, beta, g, h0, gv, extra):
         """The form's solver on padded compute-dtype ``[N, T, H, ·]`` tensors -> ``(o [N, T, H, V], h_T)``."""
-        extra = extra or {}
         n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
         size = chunk_size
-        if form == "chunk":
+        if spec.form is Form.CHUNK:
             size = effective_chunk_size(chunk_size, t_len)
             if check_memory:
                 check_score_memory(op, n, heads, -(-t_len // size) * size, size, dt, q.device,
                                    f"the [C, C] chunk matrices at T={t_len}, C={size}")
-        elif form == "parallel" and check_memory:
+        elif spec.form is Form.PARALLEL and check_memory:
             check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
         o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size,
                       **({} if gv is None else {"gv": head_first(gv)}),
@@ -406,13 +411,12 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
     # them, in inference, outside context parallelism; q, k, v then stay bf16 unless a
     # feature map or q/k norm must run in fp32
     low = None
-    if (segments is None and getattr(core, "takes_low_products", False)
-            and not backward_can_follow(q, k, v, beta, g, initial_state)):
+    if segments is None and spec.low_products and not backward_can_follow(q, k, v, beta, g, initial_state):
         low = product_dtype(out_dtype)
     keep_low = low is not None and isinstance(phi, Identity) and qk_norm is None
-    # plain bf16 q, k, v in inference, for a core that widens them itself (the compiled CPU
+    # plain bf16 q, k, v in inference, for a solver that widens them itself (the compiled CPU
     # kernel, in its gather): no separate pass casting them to fp32 first
-    raw_bf16 = (low is None and segments is None and not normalize and getattr(core, "reads_bf16_inputs", False)
+    raw_bf16 = (low is None and segments is None and not normalize and spec.reads_bf16_inputs
                 and q.device.type == "cpu" and isinstance(phi, Identity) and qk_norm is None
                 and q.dtype == k.dtype == v.dtype == torch.bfloat16
                 and not backward_can_follow(q, k, v, beta, g, initial_state))
@@ -422,7 +426,8 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
         return t if keep_low else t.to(dt)
 
     with autocast_off(q.device):  # fp32 compute and state, whatever autocast would do (module docstring)
-        single = getattr(core, "single_backward", False)  # the core has no double backward: compiled norms may serve it
+        # the solver has no double backward: the compiled q/k norm may serve it (the compiled CPU backend only)
+        single = spec.single_backward and backend == "cpu"
         q = normalize_qk(phi(cast(q)), qk_norm, op, compiled=single)
         k = normalize_qk(phi(cast(k)), qk_norm, op, compiled=single)
         v = v if (low is not None or raw_bf16) and not normalize else v.to(dt)
@@ -443,7 +448,7 @@ def _run_op(op, core, q, k, v, *, beta, g, scale, initial_state, output_final_st
             from .context_parallel import run_context_parallel
 
             o, h_t = run_context_parallel(solve, segments, cp_group, q, k, v, beta, g, initial_state, output_final_state,
-                                          scale, sum_rule=op.endswith("linear_attn"))
+                                          scale, sum_rule=spec.rule is Rule.SUM)
         if normalize:
             o = divide_by_normalizer(o, eps)
         return (o.to(out_dtype), (h_t if output_final_state else None), *states)

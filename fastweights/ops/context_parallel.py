@@ -77,7 +77,7 @@ __all__ = [
     "CommunicationLog", "count_communication", "summary_bytes", "kv_gather_bytes", "check_cp_group", "agree",
     "Segments", "local_segments", "local_slice", "global_positions", "exchange_halo", "gather_sequence",
     "softmax_attn_context_parallel", "run_context_parallel", "checked_segments", "agree_on_slice",
-    "conv_states_from_halo",
+    "conv_states_from_halo", "gdn2_context_parallel", "gated_delta_product_context_parallel",
 ]
 
 
@@ -782,3 +782,142 @@ def softmax_attn_context_parallel(
         scale=key_dim ** -0.5 if scale is None else scale,
     )
     return o.transpose(1, 2).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# GDN-2 and (Gated) DeltaProduct: the same affine summaries, K×K transitions
+# --------------------------------------------------------------------------------------
+
+
+def _family_checks(op: str, q, k, v, gates, initial_state, cu_seqlens, chunk_size, seq_len: Optional[int]) -> None:
+    """The argument checks of :func:`gdn2_context_parallel` / :func:`gated_delta_product_context_parallel` on
+    this rank's slice (``gates``: ``(name, tensor, shape, low, high)``; ``seq_len``: the global length)."""
+    from ..config import check_int
+    from ._checks import _check_finite, _check_range, _check_tensor, _shape, check_cu_seqlens
+
+    for name, t, layout in (("q", q, "[B, L, H, K]"), ("k", k, "[B, L·n, H, K]"), ("v", v, "[B, L·n, HV, V]")):
+        _check_tensor(op, name, t, 4, layout)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{op}: `{name}` must have the dtype of `q` ({q.dtype}), got {t.dtype}")
+        _check_finite(op, name, t)
+    for name, t, shape, low, high in gates:
+        _check_tensor(op, name, t, len(shape), "[" + ", ".join(str(s) for s in shape) + "]")
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{op}: `{name}` must have shape {list(shape)}, got {_shape(t)}")
+        _check_finite(op, name, t)
+        _check_range(op, t, low, high, f"`{name}` must lie in [{'-inf' if low is None else f'{low:g}'}, {high:g}]")
+    check_int(op, "chunk_size", chunk_size)
+    n = q.shape[0] if cu_seqlens is None else check_cu_seqlens(op, cu_seqlens, q.shape[0], seq_len, q.device)
+    if initial_state is not None:
+        want = (n, q.shape[2], q.shape[3], v.shape[3])
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != want:
+            got = _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+            raise ValueError(f"{op}: `initial_state` must have shape [N, H, K, V] = {list(want)}, got {got}")
+
+
+def _run_family(op: str, solve_rule, q, k, v, beta, g, gates, initial_state, output_final_state, cu_seqlens,
+                chunk_size, qk_norm, scale, cp_group):
+    """Checks shared by every rank, q/k normalization, then :func:`run_context_parallel` with ``solve_rule``."""
+    from ._checks import compute_dtype, resolve_scale
+    from .feature_maps import normalize_qk
+
+    def check(seq_len):
+        _family_checks(op, q, k, v, gates, initial_state, cu_seqlens, chunk_size, seq_len)
+
+    _, segments = checked_segments(op, cp_group, check, q, k, v, beta=beta, g=g, initial_state=initial_state,
+                                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, chunk_size=chunk_size,
+                                   output_final_state=output_final_state, normalize=False)
+    out_dtype, dt = q.dtype, compute_dtype(q.dtype)
+    scale = resolve_scale(scale, q.shape[-1])
+    q, k = normalize_qk(q.to(dt), qk_norm, op), normalize_qk(k.to(dt), qk_norm, op)
+    h0 = None if initial_state is None else initial_state.to(dt)
+    o, h_t = run_context_parallel(solve_rule(scale), segments, cp_group, q, k, v.to(dt), beta.to(dt), g.to(dt), h0,
+                                  output_final_state, scale, sum_rule=False)
+    return o.to(out_dtype), h_t
+
+
+def gdn2_context_parallel(
+    chunk_op: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+    w: torch.Tensor, *,
+    cp_group, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64,
+    qk_norm: Optional[str] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``chunk_op`` (:func:`~fastweights.ops.chunk_gdn2`, or another GDN-2 form with its signature) on
+    this rank's slice of a sequence split over ``cp_group``. The op is passed in: this module sits
+    below the rule folders in the import graph (their front end imports it).
+
+    The same arguments and layout as ``chunk_gdn2`` (``q, k [B, L, H, K]``, ``v [B, L, HV, V]``,
+    ``g, b [B, L, HV, K]``, ``w [B, L, HV, V]``; ``cu_seqlens`` global), the conventions of this
+    module (initial states read where a sequence starts, final states on every rank). GDN-2's
+    transition ``(I − k (b ⊙ k)ᵀ) diag(e^g)`` is K×K and does not read the write gate w, so the
+    slice's summary is the delta rules' ``(A, b)``: the K extra value columns that start from the
+    identity get w = 1 (their values are 0, so nothing is written to them). Grouped value heads
+    (HV > H) run with q and k repeated per value head.
+    """
+    op = "gdn2_context_parallel"
+    H, HV = _shape_of(q, 2), _shape_of(v, 2)
+    if H > 0 and HV > H and HV % H == 0 and k.dim() == 4:
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    lead = tuple(v.shape[:3]) if isinstance(v, torch.Tensor) and v.dim() == 4 else (-1,)
+    K = _shape_of(q, 3)
+    gates = [("g", g, lead + (K,), None, 0.0), ("b", b, lead + (K,), 0.0, 2.0), ("w", w, lead + (_shape_of(v, 3),), 0.0, 1.0)]
+    packed = torch.cat([b, w], dim=-1) if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (b, w)) else b
+
+    def solve_rule(s: float):
+        def solve(q, k, v, beta, g, h0, cu, max_len):
+            b_, w_ = beta.split([K, beta.shape[-1] - K], dim=-1)
+            if v.shape[-1] > w_.shape[-1]:  # the identity columns: w = 1 (their values are 0)
+                w_ = torch.cat([w_, w_.new_ones(w_.shape[:-1] + (v.shape[-1] - w_.shape[-1],))], dim=-1)
+            return chunk_op(q, k, v, g, b_, w_, scale=s, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                              max_seqlen=max_len, chunk_size=chunk_size)
+        return solve
+
+    return _run_family(op, solve_rule, q, k, v, packed, g, gates, initial_state, output_final_state, cu_seqlens,
+                       chunk_size, qk_norm, scale, cp_group)
+
+
+def gated_delta_product_context_parallel(
+    chunk_op: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    num_householder: int, *,
+    cp_group, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64,
+    qk_norm: Optional[str] = None, allow_neg_eigval: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``chunk_op`` (:func:`~fastweights.ops.chunk_gated_delta_product`, or another form with its
+    signature; passed in as for :func:`gdn2_context_parallel`) on this rank's slice of a sequence
+    split over ``cp_group``, in its fla layout: ``q [B, L, H, K]``, ``k [B, L·n_h, H, K]``, ``v [B, L·n_h, H, V]``,
+    ``beta [B, L·n_h, H]``, ``g [B, L, H]`` (``cu_seqlens``: global token offsets). A token's
+    transition is the product of its n_h steps ``I − β k kᵀ`` and its decay: K×K, so the slice's
+    summary is the delta rules' ``(A, b)``. The sub-steps travel folded into the head axis
+    (``[B, L, n_h·H, ·]``) so that every per-token tensor is cut at the same token positions.
+    """
+    from ..config import check_int
+
+    op = "gated_delta_product_context_parallel"
+    n_h = num_householder
+    check_int(op, "num_householder", n_h, what="an int >= 1 (Householder sub-steps per token)")
+    B, L, H, K = (_shape_of(q, i) for i in range(4))
+    V = _shape_of(v, 3)
+    high = 2.0 if allow_neg_eigval else 1.0
+    for name, t, width in (("k", k, K), ("v", v, V), ("beta", beta, None)):
+        want = (B, L * n_h, H) + (() if width is None else (width,))
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{op}: `{name}` must have shape {list(want)} (the n_h={n_h} sub-steps of each token "
+                             f"after it), got {got}")
+    ks, vs = k.reshape(B, L, n_h * H, K), v.reshape(B, L, n_h * H, V)
+    betas = beta.reshape(B, L, n_h * H)
+    gates = [("g", g, (B, L, H), None, 0.0), ("beta", betas, (B, L, n_h * H), 0.0, high)]
+
+    def solve_rule(s: float):
+        def solve(q, k, v, beta, g, h0, cu, max_len):
+            b_, t_ = q.shape[:2]
+            unfold = (lambda t: t.reshape((b_, t_ * n_h, H) + tuple(t.shape[3:])))
+            return chunk_op(q, unfold(k), unfold(v), g, unfold(beta), n_h, scale=s, initial_state=h0,
+                                             output_final_state=True, cu_seqlens=cu, max_seqlen=max_len,
+                                             chunk_size=chunk_size, allow_neg_eigval=allow_neg_eigval)
+        return solve
+
+    return _run_family(op, solve_rule, q, ks, vs, betas, g, gates, initial_state, output_final_state, cu_seqlens,
+                       chunk_size, qk_norm, scale, cp_group)

@@ -16,6 +16,7 @@ the read ``o [N, H, V]`` comes back in ``v``'s dtype. Per head, with α = exp(g)
     delta rule         h ← h + β k (v − hᵀk)ᵀ            o = scale · hᵀq
     gated delta rule   h ← α h, then the delta write     o = scale · hᵀq
     linear attention   h ← α h + k vᵀ                    o = scale · hᵀq
+    KDA                h ← diag(α) h, then the delta write (gk [N, H, K]: one decay per key channel)
 
 ``k`` and ``q`` are used as given: apply the feature map φ and any q/k normalization
 first, as the layers do (the full ops take ``feature_map`` / ``qk_norm`` and do it
@@ -23,13 +24,13 @@ themselves). The input ``state`` is not modified unless ``inplace=True``.
 
 On CUDA the (gated) delta step runs a fused Triton kernel that reads and writes the state
 once (``backend="auto"`` picks it when Triton is installed, the inputs are fp32/bf16/fp16,
-the state is fp32 and K, V <= 256). Elsewhere, and with ``backend="torch"``, it is the
-PyTorch step, except on the CPU with a contiguous state and no gradient to record: there
-the compiled kernel ``fastweights/ops/cpu/decode_step.cpp`` runs the same algebra, reading
+the state is fp32 and K, V <= 256). On the CPU (``backend="auto"`` or ``"cpu"``) with a
+contiguous state and no gradient to record the compiled kernel ``fastweights/ops/cpu/decode_step.cpp`` runs the same algebra, reading
 the state from memory once and writing it once (``FASTWEIGHTS_CPU_KERNELS=0`` or
 ``fastweights.ops.cpu.set_enabled(False)`` turns it off; a failed build falls back); under
 ``torch.compile`` the graph calls it as the custom op ``fastweights::delta_step_out`` (or
-``delta_step_inplace``), the same kernel as eager.
+``delta_step_inplace``), the same kernel as eager. Elsewhere, and always with
+``backend="torch"``, it is the PyTorch step.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._checks import resolve_scale
 from .cpu import kernels_for
 from ._backend import BACKENDS, HAS_TRITON, MAX_HEAD_DIM, TRITON_DTYPES, interpreting
 
-__all__ = ["delta_rule_step", "gated_delta_rule_step", "linear_attn_step"]
+__all__ = ["delta_rule_step", "gated_delta_rule_step", "linear_attn_step", "kda_step"]
 
 
 def delta_update(q, k, v, beta, g, h, scale, inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -104,10 +106,6 @@ def _check(op: str, q, k, v, state, value_dim: Optional[int] = None, **per_head)
         raise TypeError(f"{op}: `state` must be float32 (float64 for a float64 computation), got {state.dtype}")
 
 
-def _scale(scale: Optional[float], key_dim: int) -> float:
-    return key_dim ** -0.5 if scale is None else float(scale)
-
-
 def _native_step(q, k, v, beta, g, state, scale, inplace):
     """The step by the compiled CPU kernel (``fastweights/ops/cpu/decode_step.cpp``: the algebra of
     :func:`delta_update`, the state read from memory once and written once, one head per task),
@@ -158,22 +156,25 @@ def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend, state_indi
         _check_pool(op, q, v, state, state_indices, has_initial_state)
         mod = None
         if state.is_contiguous() and not (torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (q, k, v, beta, g, state))) and backend != "triton":
+                t is not None and t.requires_grad for t in (q, k, v, beta, g, state))) and backend in ("auto", "cpu"):
             mod = kernels_for(state)
         if mod is not None and not state_indices.is_cuda:  # in place at the slots: no gathered copy
             rows = torch.empty((q.shape[0],) + tuple(state.shape[1:]), dtype=state.dtype, device="meta")
             _check(op, q, k, v, rows, beta=beta, g=g)  # the other inputs' shapes, against N rows of the pool
             fresh = None if has_initial_state is None else has_initial_state.cpu()
-            o = mod.delta_step_pool(q, k, v, beta, g, state, state_indices.long(), fresh, float(_scale(scale, q.shape[-1])))
+            o = mod.delta_step_pool(q, k, v, beta, g, state, state_indices.long(), fresh, float(resolve_scale(scale, q.shape[-1])))
             return o, state
         return _pool_step(op, lambda h0: _delta_step(op, q, k, v, beta, g, h0, scale, True, backend),
                           q, state, state_indices, has_initial_state)
     _check(op, q, k, v, state, beta=beta, g=g)
     dk, dv = q.shape[-1], v.shape[-1]
-    scale = _scale(scale, dk)
+    scale = resolve_scale(scale, dk)
     fits = q.dtype in TRITON_DTYPES and state.dtype == torch.float32 and max(dk, dv) <= MAX_HEAD_DIM
     if backend == "auto":
-        backend = "triton" if HAS_TRITON and q.is_cuda and fits else "torch"
+        backend = "triton" if HAS_TRITON and q.is_cuda and fits else ("cpu" if state.device.type == "cpu" else "torch")
+    if backend == "cpu" and state.device.type != "cpu":
+        raise ValueError(f"{op}: backend='cpu' runs the compiled CPU kernel on CPU tensors, got `state` on {state.device}; "
+                         f"use backend='auto' or 'torch'")
     if backend == "triton":
         if not HAS_TRITON:
             raise ImportError(f"{op}: backend='triton' needs the triton package: pip install 'fastweights[triton]'")
@@ -189,7 +190,7 @@ def _delta_step(op, q, k, v, beta, g, state, scale, inplace, backend, state_indi
         o = fused_delta_rule_step(q, k, v, beta, g, state, scale)
         return o, state
     dt = state.dtype
-    native = _native_step(q, k, v, beta, g, state, scale, inplace)
+    native = _native_step(q, k, v, beta, g, state, scale, inplace) if backend == "cpu" else None  # "torch": PyTorch only
     if native is not None:
         return native
     direct = inplace and state.is_contiguous()  # update the state where it lies: no copy back
@@ -216,7 +217,8 @@ def delta_rule_step(
         state: ``[N, H, K, V]``, fp32 (fp64 for a float64 computation).
         scale: read scale; ``None`` means ``K ** -0.5``.
         inplace: write the new state into ``state`` (and return it) instead of a new tensor.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (the fused kernel; see the module docstring).
+        backend: ``"auto"``, ``"torch"`` (PyTorch only), ``"cpu"`` (the compiled CPU kernel) or
+            ``"triton"`` (the fused kernel; see the module docstring).
         state_indices: ``[N]`` int32/int64 or None. Given, ``state`` is a pool ``[S, H, K, V]`` and row n
             reads and writes slot ``state_indices[n]`` in place (-1: start from zeros, write nothing);
             ``has_initial_state [N]`` bool marks fresh sessions (start from zeros, write the slot).
@@ -285,13 +287,76 @@ def linear_attn_step(
     v_in = v.to(dt)
     if normalize:
         v_in = normalizer_column(v_in)
-    o, h = sum_update(q.to(dt), k.to(dt), v_in, None if g is None else g.to(dt), state, _scale(scale, q.shape[-1]))
+    o, h = sum_update(q.to(dt), k.to(dt), v_in, None if g is None else g.to(dt), state, resolve_scale(scale, q.shape[-1]))
     if normalize:
         o = divide_by_normalizer(o, eps)
     if inplace:
         state.copy_(h)
         h = state
     return o.to(v.dtype), h
+
+
+# -- Kimi Delta Attention (per-channel decay, fastweights/ops/kda/) ------------------------------
+
+
+def _native_kda_step(q, k, v, beta, gk, h, scale):
+    """:func:`kda_step` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the state
+    read once and written once, one head per task), or None where it does not apply: not the CPU,
+    a non-contiguous or empty state, a gradient to record, or the kernels off or unbuilt."""
+    if not h.is_contiguous() or h.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta, gk, h)):
+        return None
+    mod = kernels_for(h)  # (the kernel casts the inputs to the state's dtype itself)
+    if mod is None or any(t.device.type != "cpu" for t in (q, k, v, beta, gk)):
+        return None
+    dk, dv = h.shape[-2:]
+    o, h_new = mod.kda_step(q, k, v, beta, gk, h.view(-1, dk, dv), float(scale))
+    return o.view(h.shape[:-2] + (dv,)).to(v.dtype), h_new.view(h.shape)
+
+
+def kda_step(q, k, v, beta, gk, h, scale, gv=None, *, state_indices: Optional[torch.Tensor] = None,
+             has_initial_state: Optional[torch.Tensor] = None, backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of KDA: ``q, k, gk [..., K]``, ``v [..., V]``, ``beta [...]``, state
+    ``h [..., K, V]`` (``gv [..., V]`` optional) -> ``(o [..., V], h')``.
+
+    A layer's decoding step calls it on tensors it has already checked, in the compute
+    dtype. On the CPU, with no gradient to record and no ``gv``, the compiled step runs it
+    (:mod:`fastweights.ops.cpu`; ``backend`` ``"auto"`` or ``"cpu"``); otherwise, with
+    ``backend="torch"`` and in ``kda_recurrence`` (the reference), :func:`kda_update`.
+
+    The pool form (the serving engines' call, as :func:`~fastweights.ops.delta_rule_step`'s):
+    ``h [S, H, K, V]`` a pool of states, ``q [N, H, K]``, ``state_indices [N]`` the slot each row
+    reads and writes in place (−1: a fresh zero state, not written back), ``has_initial_state
+    [N]`` bool (False: start from zeros, still write the slot); returns ``(o, the pool)``. Bad
+    slots are a ``ValueError`` naming ``state_indices``, with the pool untouched.
+    """
+    if backend not in BACKENDS or backend == "triton":
+        raise ValueError(f"kda_step: `backend`={backend!r} is not one this step runs; expected 'auto', 'torch' or 'cpu'")
+    if state_indices is not None or has_initial_state is not None:
+        if state_indices is None:
+            raise ValueError("kda_step: `has_initial_state` needs `state_indices` (the pool's slot of each row)")
+        _check_pool("kda_step", q, v, h, state_indices, has_initial_state)
+        return _pool_step("kda_step", lambda h0: kda_step(q, k, v, beta, gk, h0, scale, gv, backend=backend), q, h,
+                          state_indices, has_initial_state)
+    if gv is None and backend != "torch":
+        native = _native_kda_step(q, k, v, beta, gk, h, scale)
+        if native is not None:
+            return native
+    return kda_update(q, k, v, beta, gk, h, scale, gv)
+
+
+def kda_update(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kda_step` in PyTorch (same arguments and returns): the reference's step."""
+    shape, (dk, dv) = h.shape, h.shape[-2:]
+    h = h.reshape(-1, dk, dv) * torch.exp(gk).reshape(-1, dk, 1)  # diag(α) h
+    if gv is not None:
+        h = h * torch.exp(gv).reshape(-1, 1, dv)
+    k = k.reshape(-1, 1, dk)
+    u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − h'ᵀk)
+    h = torch.addcmul(h, k.transpose(1, 2), u)
+    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)
+    return o.view(shape[:-2] + (dv,)), h.view(shape)
 
 
 def normalizer_column(v: torch.Tensor) -> torch.Tensor:

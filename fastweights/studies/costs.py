@@ -302,7 +302,9 @@ def predicted_lm_cache_bytes(config, batch: int, context: int) -> int:
             continue
         extra_column = 1 if (mixer == "linear" and config.normalize) else 0
         total += batch * config.n_heads * hd * (hd + extra_column) * 4
-        if config.use_short_conv:
+        if mixer == "rwkv7":  # no short convolution: the token shift keeps the last token
+            total += batch * config.d_model * 4
+        elif config.use_short_conv:
             total += batch * (config.conv_size - 1) * 3 * config.d_model * 4
     return total
 

@@ -26,6 +26,7 @@ MIXERS = {
     "deltanet": "deltanet",
     "gated_deltanet": "gated_deltanet",
     "hybrid": ["gated_deltanet", "softmax", "deltanet"],
+    "rwkv7-hybrid": ["rwkv7", "softmax", "rwkv7"],
 }
 VOCAB = 40
 

@@ -24,6 +24,7 @@ MIXERS = {
     "kda": ("kda", {}),
     "gdn2": ("gdn2", {}),
     "deltaproduct": ("deltaproduct", {}),
+    "rwkv7": (["rwkv7", "rwkv7"], {}),
     "softmax": ("softmax", {}),
     "softmax_conv": ("softmax", {"softmax_short_conv": True}),
     "hybrid": (["deltanet", "softmax", "gated_deltanet", "linear"], {"softmax_short_conv": True}),
@@ -107,7 +108,7 @@ def test_both_window_forms_roll_back_bitwise(name, form, one_thread):
 
 
 @pytest.mark.parametrize("form", ["default", "chunk"])
-@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "linear", "kda", "hybrid"])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "linear", "kda", "rwkv7", "hybrid"])
 def test_rollback_matches_the_float64_recurrence(name, form, one_thread):
     """In float64, decoding after a rollback agrees to 1e-12 with a cache built one token at a
     time from the start (the recurrent form all along), and a window's logits with steps'."""
@@ -229,7 +230,7 @@ def test_lookup_proposals():
 
 #: Mixers whose speculative-generation run is in the slow suite only (their windows run the
 #: recurrent step like KDA's; the bitwise rollback test above covers them by default).
-SLOW_SPECULATIVE = ("gdn2", "deltaproduct")
+SLOW_SPECULATIVE = ("gdn2", "deltaproduct", "rwkv7")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SPECULATIVE else n for n in MIXERS])

@@ -21,7 +21,7 @@ VOCAB = 37
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("mixer", ["deltanet", ["gated_deltanet", "kda", "linear"], ["gdn2", "deltaproduct"]])
+@pytest.mark.parametrize("mixer", ["deltanet", ["gated_deltanet", "kda", "linear"], ["gdn2", "deltaproduct"], ["rwkv7", "deltanet", "rwkv7"]])
 def test_pool_sessions_equal_each_session_alone(mixer):
     n_layers = len(mixer) if isinstance(mixer, list) else 2
     torch.manual_seed(0)

@@ -15,9 +15,25 @@ import torch
 
 from helpers import RULES, assert_close, call, make_inputs, saved_by_function
 from fastweights import ops
-from fastweights.ops.delta_rule.chunk import ChunkDeltaRuleFunction
+from fastweights.ops.delta_rule.chunk import delta_rule_chunk
 from fastweights.ops.delta_rule.textbook import textbook_chunk_delta_rule
-from fastweights.ops.linear_attn.chunk import ChunkLinearAttnFunction
+from fastweights.ops.linear_attn.chunk import linear_attn_chunk
+
+
+class ChunkDeltaRuleFunction:
+    """``apply(q, k, v, beta, g, h0, scale, chunk_size, keep)``: the delta rule's chunk solver
+    (head-first, hand-written backward), under the name of the ``autograd.Function`` it replaced."""
+
+    apply = staticmethod(delta_rule_chunk)
+
+
+class ChunkLinearAttnFunction:
+    """``apply(q, k, v, g, h0, scale, chunk_size)``: linear attention's chunk solver (head-first,
+    hand-written backward), under the name of the ``autograd.Function`` it replaced."""
+
+    @staticmethod
+    def apply(q, k, v, g, h0, scale, chunk_size):
+        return linear_attn_chunk(q, k, v, None, g, h0, scale, chunk_size)
 
 TOL = 1e-10
 CHUNK_RULES = ["delta", "gated_delta", "linear", "linear_decay"]

@@ -1,30 +1,31 @@
 """The chunk length is decided in one place (``fastweights.ops.default_chunk_size``): a layer and a
 direct op call with the defaults run the same C, and an explicit ``chunk_size`` reaches the solver."""
 
-import importlib
-
 import pytest
 import torch
 
 from fastweights import ops
 from fastweights.layers import DeltaNet, GatedDeltaNet, LinearAttention
+from fastweights.ops.delta_rule.chunk import CHUNK_DELTA_RULE
+from fastweights.ops.gated_delta_rule.chunk import CHUNK_GATED_DELTA_RULE
+from fastweights.ops.linear_attn.chunk import CHUNK_LINEAR_ATTN
 
-CASES = [(DeltaNet, ops.chunk_delta_rule, "delta_rule_chunk"), (GatedDeltaNet, ops.chunk_gated_delta_rule, "delta_rule_chunk"),
-         (LinearAttention, ops.chunk_linear_attn, "linear_attn_chunk")]
+CASES = [(DeltaNet, ops.chunk_delta_rule, CHUNK_DELTA_RULE), (GatedDeltaNet, ops.chunk_gated_delta_rule, CHUNK_GATED_DELTA_RULE),
+         (LinearAttention, ops.chunk_linear_attn, CHUNK_LINEAR_ATTN)]
 
 
-def _spy(monkeypatch, op, core_name):
-    """Record the chunk length the op's solver runs (its last argument)."""
-    module = importlib.import_module(op.__module__)
-    seen, real = [], getattr(module, core_name)
-    monkeypatch.setattr(module, core_name, lambda *a: seen.append(a[-1]) or real(*a))
+def _spy(monkeypatch, op, spec):
+    """Record the chunk length the op's solver runs (its last argument; the compiled-CPU solver,
+    what ``backend="auto"`` runs on the CPU)."""
+    seen, real = [], spec.cpu
+    monkeypatch.setattr(spec, "cpu", lambda *a: seen.append(a[-1]) or real(*a))
     return seen
 
 
-@pytest.mark.parametrize("layer_cls, op, core_name", CASES, ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize("layer_cls, op, spec", CASES, ids=lambda x: getattr(x, "__name__", ""))
 @pytest.mark.parametrize("head_dim", [16, 96])
-def test_a_layer_and_a_direct_op_call_run_the_same_chunk_length(layer_cls, op, core_name, head_dim, monkeypatch):
-    seen = _spy(monkeypatch, op, core_name)
+def test_a_layer_and_a_direct_op_call_run_the_same_chunk_length(layer_cls, op, spec, head_dim, monkeypatch):
+    seen = _spy(monkeypatch, op, spec)
     layer = layer_cls(2 * head_dim, 2)
     layer(torch.randn(1, 200, 2 * head_dim))
     q, k, v = (torch.randn(1, 200, 2, head_dim) for _ in range(3))
@@ -38,7 +39,7 @@ def test_a_layer_and_a_direct_op_call_run_the_same_chunk_length(layer_cls, op, c
 
 
 def test_an_explicit_chunk_size_reaches_the_solver(monkeypatch):
-    seen = _spy(monkeypatch, ops.chunk_delta_rule, "delta_rule_chunk")
+    seen = _spy(monkeypatch, ops.chunk_delta_rule, CHUNK_DELTA_RULE)
     DeltaNet(32, 2, chunk_size=16)(torch.randn(1, 50, 32))
     q, k, v = (torch.randn(1, 50, 2, 16) for _ in range(3))
     ops.chunk_delta_rule(q, k, v, torch.rand(1, 50, 2), chunk_size=8)

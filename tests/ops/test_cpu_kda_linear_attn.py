@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.kda import chunk as kda_chunk_module
-from fastweights.ops.kda.recurrent import kda_update
+from fastweights.ops.step import kda_update
 from fastweights.ops.linear_attn import chunk as linear_chunk_module
 from helpers import RULES, call, make_inputs, rel_err
 

@@ -261,16 +261,17 @@ def test_softmax_of_an_empty_sequence():
 def test_chunk_size_is_capped_at_the_sequence(form, monkeypatch):
     """T = 10 with chunk_size = 10**6 must not build 10**6 x 10**6 chunk matrices: the solver
     sees a chunk no longer than the next power of two of T (but not below 64, the cap's floor that
-    keeps chunking independent of T: fastweights.ops._checks.MIN_CAPPED_CHUNK), and the result is the reference's."""
-    import importlib
+    keeps chunking independent of T: fastweights.ops._chunk.LONG_CHUNK), and the result is the reference's."""
+    from fastweights.ops.delta_rule.chunk import CHUNK_DELTA_RULE
+    from fastweights.ops.gated_delta_rule.chunk import CHUNK_GATED_DELTA_RULE
+    from fastweights.ops.linear_attn.chunk import CHUNK_LINEAR_ATTN
 
     rule = RULES["gated_delta"] if "gated" in form.__name__ else RULES["delta"] if "delta" in form.__name__ else RULES["linear_decay"]
-    module = importlib.import_module(form.__module__)
-    core_name = {"chunk_delta_rule": "delta_rule_chunk", "chunk_gated_delta_rule": "delta_rule_chunk",
-                 "chunk_linear_attn": "linear_attn_chunk"}[form.__name__]
+    spec = {"chunk_delta_rule": CHUNK_DELTA_RULE, "chunk_gated_delta_rule": CHUNK_GATED_DELTA_RULE,
+            "chunk_linear_attn": CHUNK_LINEAR_ATTN}[form.__name__]
     seen = []
-    real = getattr(module, core_name)
-    monkeypatch.setattr(module, core_name, lambda *a: seen.append(a[-1]) or real(*a))
+    real = spec.cpu  # the solver backend="auto" runs on the CPU
+    monkeypatch.setattr(spec, "cpu", lambda *a: seen.append(a[-1]) or real(*a))
     x = make_inputs(rule, 1, 10, 2, 4, 3, initial_state=True)
     o, _ = form(**x, chunk_size=10**6)
     o_ref, _ = rule.reference(**x)

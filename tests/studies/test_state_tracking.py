@@ -111,10 +111,11 @@ def test_study_is_registered_with_quick_and_full():
 
 def test_reflections_track_parity_and_projections_do_not():
     """The study's claim, small: one DeltaNet layer with β ∈ [0, 2] learns parity (every position of every
-    sequence right at its training length, 90 % of positions at 4× it after only 300 steps; the quick
-    study's 800 steps reach whole sequences there); with β ∈ [0, 1] it stays at chance (no β ≤ 1 step
+    sequence right at its training length, 90 % of positions at 4× it after only 400 steps; 300 left it
+    at 0.89 on one CPU, as rounding differs per CPU; the quick study's 800 steps reach whole sequences
+    there); with β ∈ [0, 1] it stays at chance (no β ≤ 1 step
     can flip a sign)."""
-    cfg = StateTrackingConfig(train_max_length=16, test_lengths=(16, 64), max_steps=300, test_size=128, seeds=1, workers=1)
+    cfg = StateTrackingConfig(train_max_length=16, test_lengths=(16, 64), max_steps=400, test_size=128, seeds=1, workers=1)
     reflect = train_state_tracking_model("parity", "deltanet[0,2]", cfg, seed=0)["by_length"]
     project = train_state_tracking_model("parity", "deltanet[0,1]", cfg, seed=0)["by_length"]
     print("β in [0,2]:", reflect, "\nβ in [0,1]:", project)

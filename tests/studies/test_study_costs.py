@@ -60,7 +60,7 @@ def test_calculator_formula_equals_the_models_measured_cache():
     rows = check_lm_calculator(contexts=(5, 33))
     for r in rows:
         print(r)
-    assert {r["mixer"] for r in rows} == {"softmax", "linear", "deltanet", "gated_deltanet", "kda", "gdn2", "deltaproduct"}
+    assert {r["mixer"] for r in rows} == {"softmax", "linear", "deltanet", "gated_deltanet", "kda", "gdn2", "deltaproduct", "rwkv7"}
     assert all(r["predicted"] == r["measured"] for r in rows)
 
 

@@ -18,7 +18,9 @@ from torch import Tensor
 
 from .._frontend import autocast_off
 from ..kda import chunk as kda_chunk
+from .._spec import Form, OpSpec, Rule
 from .fla import delta_product_form
+from .recurrent import gated_delta_product_step
 from .parallel import product_block_terms, product_block_terms_backward
 
 
@@ -63,7 +65,10 @@ def delta_product_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, ks, vs, beta
     return o, h_final.view(q.shape[0], q.shape[1], *h_final.shape[1:])
 
 
-chunk_gated_delta_product = delta_product_form("chunk_gated_delta_product", delta_product_chunk, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+CHUNK_GATED_DELTA_PRODUCT = OpSpec("chunk_gated_delta_product", Rule.DELTA, Form.CHUNK, torch=delta_product_chunk, step=gated_delta_product_step)
+
+chunk_gated_delta_product = delta_product_form(CHUNK_GATED_DELTA_PRODUCT, doc="""
     (Gated) DeltaProduct, chunkwise parallel: the fast path for training (module docstring),
     with fla 0.6.0's name and positional order ``(q, k, v, g, beta, num_householder, scale,
     initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)``.

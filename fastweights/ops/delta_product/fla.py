@@ -31,7 +31,9 @@ import torch
 
 from ...config import check_int
 from .._checks import _check_tensor, _shape, check_values, state_dtype
+from .._dispatch import run
 from .._fla_compat import fla_inputs
+from .._spec import OpSpec
 from ..feature_maps import normalize_qk
 
 __all__ = ["delta_product_form", "run_delta_product"]
@@ -53,7 +55,7 @@ def _fold(op: str, name: str, t, q: torch.Tensor, n_h: int, width: Optional[int]
 
 
 def run_delta_product(
-    op: str, core,
+    spec: OpSpec,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -68,7 +70,7 @@ def run_delta_product(
     cu_seqlens_cpu: Optional[torch.LongTensor] = None,
     *,
     allow_neg_eigval: bool = False,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     max_seqlen: Optional[int] = None,
     **kwargs,
@@ -79,8 +81,7 @@ def run_delta_product(
     keywords ``ks [N, H, T, n_h, K]``, ``vs [N, H, T, n_h, V]``, ``betas [N, H, T, n_h]``; the
     front end's own ``k``/``v`` are the last sub-step's (what its checks and packing see).
     """
-    from .._frontend import run_op
-
+    op = spec.name
     n_h = num_householder
     check_int(op, "num_householder", n_h, what="an int >= 1 (Householder sub-steps per token)")
     if qk_norm not in (None, "l2", "sum"):
@@ -104,27 +105,27 @@ def run_delta_product(
     k_last = ks[..., -1, :]  # what run_op checks and normalizes; the solvers read ks
     if qk_norm is not None:  # run_op normalizes q (in the compute dtype); the sub-steps' keys here
         ks = normalize_qk(ks.to(state_dtype(q.dtype)), qk_norm, op)
-    return run_op(
-        op, core, q, k_last, vs[..., -1, :], g=g, scale=scale, initial_state=initial_state,
+    return run(
+        spec, q, k_last, vs[..., -1, :], g=g, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         max_seqlen=max_seqlen, chunk_size=chunk_size, qk_norm=qk_norm, extra=dict(ks=ks, vs=vs, betas=betas),
     )
 
 
-#: The signature every DeltaProduct form has: :func:`run_delta_product`'s, after its first two parameters.
+#: The signature every DeltaProduct form has: :func:`run_delta_product`'s, after its first parameter.
 FORM_SIGNATURE = inspect.signature(run_delta_product).replace(
-    parameters=list(inspect.signature(run_delta_product).parameters.values())[2:])
+    parameters=list(inspect.signature(run_delta_product).parameters.values())[1:])
 
 
-def delta_product_form(name: str, core, doc: str):
-    """The public op ``name`` (``recurrent_/parallel_/chunk_gated_delta_product``): :func:`run_delta_product`
-    with the form's solver, under :data:`FORM_SIGNATURE`."""
+def delta_product_form(spec: OpSpec, doc: str):
+    """The public op of ``spec`` (``recurrent_/parallel_/chunk_gated_delta_product``):
+    :func:`run_delta_product` under :data:`FORM_SIGNATURE`."""
 
     def form(*args, **kwargs):
-        return run_delta_product(name, core, *args, **kwargs)
+        return run_delta_product(spec, *args, **kwargs)
 
-    form.__name__ = form.__qualname__ = name
+    form.__name__ = form.__qualname__ = spec.name
     form.__doc__ = inspect.cleandoc(doc)
     form.__signature__ = FORM_SIGNATURE
-    form.__module__ = getattr(core, "__module__", __name__)
+    form.__module__ = spec.torch.__module__
     return form

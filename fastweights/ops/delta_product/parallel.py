@@ -29,7 +29,9 @@ from .._chunk import causal_mask
 from ..kda.parallel import (
     BlockTerms, block_terms, block_terms_backward, exclusive_cumsum, kda_parallel, reverse_cumsum, solve_ut,
 )
+from .._spec import Form, OpSpec, Rule
 from .fla import delta_product_form
+from .recurrent import gated_delta_product_step
 
 
 class ScalarDecay:
@@ -110,7 +112,10 @@ def delta_product_parallel(q, k, v, beta, g, h0, scale, chunk_size=None, *, ks, 
     return kda_parallel(q, ks, vs, betas, g, h0, scale, terms=product_block_terms)
 
 
-parallel_gated_delta_product = delta_product_form("parallel_gated_delta_product", delta_product_parallel, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+PARALLEL_GATED_DELTA_PRODUCT = OpSpec("parallel_gated_delta_product", Rule.DELTA, Form.PARALLEL, torch=delta_product_parallel, step=gated_delta_product_step)
+
+parallel_gated_delta_product = delta_product_form(PARALLEL_GATED_DELTA_PRODUCT, doc="""
     (Gated) DeltaProduct as one UT transform over all T·n_h sub-steps (O((T·n_h)²·K) work).
 
     Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_product`: same arguments and

@@ -20,6 +20,7 @@ from typing import Tuple
 
 import torch
 
+from .._spec import Form, OpSpec, Rule
 from .fla import delta_product_form
 
 
@@ -49,7 +50,11 @@ def delta_product_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, *, ks
     return torch.stack(outputs, dim=2), h
 
 
-recurrent_gated_delta_product = delta_product_form("recurrent_gated_delta_product", delta_product_recurrence, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_GATED_DELTA_PRODUCT = OpSpec("recurrent_gated_delta_product", Rule.DELTA, Form.RECURRENT,
+                                       torch=delta_product_recurrence, step=gated_delta_product_step)
+
+recurrent_gated_delta_product = delta_product_form(RECURRENT_GATED_DELTA_PRODUCT, doc="""
     (Gated) DeltaProduct, one token (n_h Householder steps) at a time: the reference form.
 
     Args (fla 0.6.0's ``chunk_gated_delta_product`` order):

@@ -17,7 +17,7 @@ This file is the fast path for training. Everything that does not need the state
 is a few batched matmuls over a group of chunks; the loop does the two small
 products per chunk that do (U' = U − W h and h ← e^{b_C} h + K̄ᵀ U'), and
 O = scale·Q_b h + P U' is batched again after it from the saved chunk-entry
-states. :class:`ChunkDeltaRuleFunction` carries a hand-derived backward
+states. :func:`delta_rule_chunk` carries a hand-derived backward
 (``README.md`` in this folder, step by step) that keeps the inputs, [W | U'], the
 diagonal-block inverses and the T/C states entering the chunks, not autograd's
 graph of the loop; its loop is the adjoint of the forward's (dU' and dh, two
@@ -29,6 +29,7 @@ against.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -39,11 +40,13 @@ from .._chunk import (
     reverse_cumsum,
 )
 from .._backend import backward_can_follow
-from .._dispatch import run_chunk_delta
+from .._dispatch import run
 from .._fla_compat import fla_inputs
 from .._frontend import autocast_off
 from ..cpu import kernels_for
+from .._spec import Form, OpSpec, Rule
 from ..feature_maps import FeatureMapLike
+from ..step import delta_rule_step
 from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
 
@@ -206,7 +209,8 @@ def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low):
     return from_chunk_buffer(o, k.shape[2]), h, h.new_empty(0), None
 
 
-def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True, low: Optional[torch.dtype] = None):
+def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True, low: Optional[torch.dtype] = None,
+                         native: bool = True):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], kept)``;
@@ -218,13 +222,14 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
     it is worked on, so the transient memory is independent of T. ``low`` (bf16,
     only with ``keep=False``; ``fastweights.ops.precision``) gives the products
     operands of that dtype; the state, the decays and the triangular solve stay
-    in the inputs' dtype.
+    in the inputs' dtype. ``native``: the compiled CPU kernel may run it (backend ``"cpu"``);
+    False runs the PyTorch code below whatever the device (backend ``"torch"``).
     """
     if low is not None and keep:
         raise ValueError("chunk_delta_rule_fwd: `low` products are for inference only (keep=False)")
-    native = _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low)
-    if native is not None:
-        return native
+    compiled = _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low) if native else None
+    if compiled is not None:
+        return compiled
     if low is None and v.dtype != beta.dtype:  # plain bf16 inputs the compiled kernel did not take: widen here
         q, k, v = (t.to(beta.dtype) for t in (q, k, v))
     n, nh, t_len, dk = k.shape
@@ -348,7 +353,7 @@ def _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size):
     return (*grads, None if g is None else from_chunk_buffer(dg, t_len), dh0)
 
 
-def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size):
+def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size, native: bool = True):
     """Backward on head-first ``[N, H, T, ·]`` tensors; ``README.md`` in this folder derives every line.
 
     ``kept`` is the forward's ``(q, kv, wu, inverses)``, flattened chunk-major: the
@@ -358,11 +363,12 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
     runs, and its input gradients are written before the next group's. The
     transient tensors are those of one group, O(group·C·(C + K + V)), independent of T.
 
-    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five ``[N, H, T, ·]``.
+    Returns ``(dq, dk, dv, dbeta, dg_or_None, dh0)``, the first five ``[N, H, T, ·]``;
+    ``native`` as in :func:`chunk_delta_rule_fwd`.
     """
-    native = _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size)
-    if native is not None:
-        return native
+    compiled = _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size) if native else None
+    if compiled is not None:
+        return compiled
     q_flat, kv_flat, wu, inverses = kept
     nc, nhh, dk, dv = states.shape
     n, nh, t_len = beta.shape
@@ -402,21 +408,21 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size)
 @torch.library.custom_op("fastweights::chunk_delta_rule_fwd", mutates_args=())
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor],
-    scale: float, chunk_size: int, keep: bool, bf16_products: bool = False,
+    scale: float, chunk_size: int, keep: bool, bf16_products: bool = False, native: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`chunk_delta_rule_fwd` with ``h0 [N, H, K, V]``; the states and kept tensors are empty when ``keep`` is False."""
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     low = torch.bfloat16 if bf16_products else None
     with autocast_off(q.device):
-        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep, low)
+        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep, low, native)
     if not keep:  # the chunk states and the gathered inputs serve only a backward
         return (o, h_final) + tuple(q.new_empty(0) for _ in range(5))
     return (o, h_final, states) + kept
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False):
+def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False, native=True):
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
@@ -435,16 +441,17 @@ def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False
 @torch.library.custom_op("fastweights::chunk_delta_rule_bwd", mutates_args=())
 def _bwd_op(
     beta: Tensor, g: Optional[Tensor], states: Tensor, q_flat: Tensor, kv_flat: Tensor, wu: Tensor,
-    inverses: Tensor, do: Tensor, dh_final: Tensor, scale: float, chunk_size: int,
+    inverses: Tensor, do: Tensor, dh_final: Tensor, scale: float, chunk_size: int, native: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`chunk_delta_rule_bwd`; ``dg`` is empty when ``g`` is None."""
     with autocast_off(do.device):
-        grads = chunk_delta_rule_bwd(beta, g, states, (q_flat, kv_flat, wu, inverses), do, dh_final, scale, chunk_size)
+        grads = chunk_delta_rule_bwd(beta, g, states, (q_flat, kv_flat, wu, inverses), do, dh_final, scale, chunk_size,
+                                     native)
     return tuple(beta.new_empty(0) if t is None else t for t in grads)
 
 
 @_bwd_op.register_fake
-def _bwd_fake(beta, g, states, q_flat, kv_flat, wu, inverses, do, dh_final, scale, chunk_size):
+def _bwd_fake(beta, g, states, q_flat, kv_flat, wu, inverses, do, dh_final, scale, chunk_size, native=True):
     nc, _, dk, dv = states.shape
     n, nh, t_len = beta.shape
     grads = [from_chunk_buffer(chunk_buffer(do, n, nh, nc, chunk_size, tail=(d,)), t_len) for d in (dk, dk, dv)]
@@ -455,11 +462,12 @@ def _bwd_fake(beta, g, states, q_flat, kv_flat, wu, inverses, do, dh_final, scal
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, beta, g, h0, scale, chunk_size, keep, *_ = inputs
+    q, k, v, beta, g, h0, scale, chunk_size, keep, _, native = inputs
     _, _, states, *kept = output
     ctx.save_for_backward(beta, g, states, *kept)
     backward_only(ctx, states, *kept)
     ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+    ctx.native = native
 
 
 def _backward(ctx, do, dh_final, *unused):
@@ -469,10 +477,10 @@ def _backward(ctx, do, dh_final, *unused):
     if do is None:  # only h_T was used
         n, nh, t_len = beta.shape
         do = states.new_zeros(n, nh, t_len, states.shape[-1])
-    dq, dk, dv, dbeta, dg, dh0 = _bwd_op(beta, g, states, *kept, do, dh_final, ctx.scale, ctx.chunk_size)
+    dq, dk, dv, dbeta, dg, dh0 = _bwd_op(beta, g, states, *kept, do, dh_final, ctx.scale, ctx.chunk_size, ctx.native)
     dg = None if g is None else dg
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, dbeta, dg, dh0, None, None, None, None
+    return dq, dk, dv, dbeta, dg, dh0, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -480,6 +488,7 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def delta_rule_chunk(
     q, k, v, beta, g, h0, scale, chunk_size, keep: Optional[bool] = None, low: Optional[torch.dtype] = None,
+    native: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The (gated) delta rule's chunk form with its hand-written backward; returns ``(o, h_T)``.
 
@@ -498,24 +507,24 @@ def delta_rule_chunk(
     keep plain autograd, for higher derivatives. ``low=torch.bfloat16`` (set by the
     front end under :func:`fastweights.ops.bf16_products` for bf16 inputs) gives an
     inference forward bf16 product operands; it is ignored when a backward may follow.
+    ``native`` (the spec's ``cpu`` solver; ``False`` for its ``torch`` one): whether the
+    compiled CPU kernels may run the forward and the backward where they apply.
     """
     if keep is None:
         keep = backward_can_follow(q, k, v, beta, g, h0)
     low_products = low is not None and not keep
-    o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep, low_products)
+    o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep, low_products, native)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
-delta_rule_chunk.takes_low_products = True  # run_op passes ``low`` (fastweights.ops.precision)
-delta_rule_chunk.reads_bf16_inputs = True  # run_op may pass plain bf16 q, k, v in inference (fp32 beta, g, state)
-delta_rule_chunk.single_backward = True  # no double backward: run_op may use the compiled q/k norm
-
-
-class ChunkDeltaRuleFunction:
-    """``ChunkDeltaRuleFunction.apply(q, k, v, beta, g, h0, scale, chunk_size, keep)``: :func:`delta_rule_chunk`
-    under the name of the ``autograd.Function`` it replaced."""
-
-    apply = staticmethod(delta_rule_chunk)
+#: The delta rule's chunk op, declared once (``fastweights/ops/_spec.py``): the PyTorch solver and the
+#: compiled CPU one are :func:`delta_rule_chunk` without and with the kernels; the Triton kernels run
+#: it too; it takes bf16 product operands and plain bf16 inputs, and has no double backward.
+CHUNK_DELTA_RULE = OpSpec(
+    "chunk_delta_rule", Rule.DELTA, Form.CHUNK, torch=functools.partial(delta_rule_chunk, native=False),
+    cpu=delta_rule_chunk, triton=True, low_products=True, reads_bf16_inputs=True, single_backward=True,
+    step=delta_rule_step,
+)
 
 
 def chunk_delta_rule(
@@ -556,8 +565,11 @@ def chunk_delta_rule(
             ``None`` (the default, and what the layers pass) runs
             :func:`fastweights.ops.default_chunk_size` of K and the device.
         backend: ``"auto"`` (Triton kernels for CUDA tensors when ``fastweights[triton]``
-            is installed, PyTorch otherwise), ``"torch"`` or ``"triton"``
-            (``fastweights/ops/triton/``: fp32/bf16/fp16, K, V <= 256, chunk size 64).
+            is installed, the compiled CPU kernels for CPU tensors, PyTorch otherwise),
+            ``"torch"`` (the PyTorch code, on every device), ``"cpu"`` (the compiled CPU
+            kernels, ``fastweights/ops/cpu/``; the PyTorch code where they do not apply:
+            fp16, kernels off or unbuilt) or ``"triton"`` (``fastweights/ops/triton/``:
+            fp32/bf16/fp16, K, V <= 256, chunk size 64).
 
     Training: the PyTorch backend differentiates through
     :func:`delta_rule_chunk`, a hand-written backward (derived in
@@ -599,8 +611,7 @@ def chunk_delta_rule(
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
     )
-    return run_chunk_delta("chunk_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
-                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group,
-
-                                                 return_intermediate_states=return_intermediate_states, state_block_size=state_block_size,
-                                                 state_indices=state_indices, has_initial_state=has_initial_state), **kwargs)
+    return run(CHUNK_DELTA_RULE, q, k, v, backend=backend, requires_beta=True, cu_seqlens_cpu=cu_seqlens_cpu,
+               max_seqlen=max_seqlen, cp_group=cp_group, return_intermediate_states=return_intermediate_states,
+               state_block_size=state_block_size, state_indices=state_indices, has_initial_state=has_initial_state,
+               **kwargs)

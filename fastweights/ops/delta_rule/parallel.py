@@ -19,9 +19,11 @@ import torch
 
 from .._chunk import block_terms
 from .._fla_compat import fla_inputs
-from .._frontend import run_op
+from .._dispatch import run
+from .._spec import Form, OpSpec, Rule
 from ..feature_maps import FeatureMapLike
 from .wy import ut_transform
+from ..step import delta_rule_step
 
 
 def delta_rule_parallel(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +40,10 @@ def delta_rule_parallel(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[t
     return o, h
 
 
+#: The op, declared once (``fastweights/ops/_spec.py``).
+PARALLEL_DELTA_RULE = OpSpec("parallel_delta_rule", Rule.DELTA, Form.PARALLEL, torch=delta_rule_parallel, step=delta_rule_step)
+
+
 def parallel_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -47,7 +53,7 @@ def parallel_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
@@ -66,8 +72,7 @@ def parallel_delta_rule(
     q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
         "parallel_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
     )
-    return run_op(
-        "parallel_delta_rule", delta_rule_parallel, q, k, v, beta=beta, scale=scale,
+    return run(PARALLEL_DELTA_RULE, q, k, v, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,

@@ -21,9 +21,10 @@ import torch
 
 from .._backend import backward_can_follow
 from .._fla_compat import fla_inputs
-from .._frontend import run_op
+from .._dispatch import run
+from .._spec import Form, OpSpec, Rule
 from ..feature_maps import FeatureMapLike
-from ..step import delta_update
+from ..step import delta_rule_step, delta_update
 
 
 def low_products_step(q, k, v, beta, g, h, scale, low=torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +66,9 @@ def delta_rule_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, low=None
     return o, h
 
 
-delta_rule_recurrence.takes_low_products = True  # run_op passes ``low`` (fastweights.ops.precision)
+
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_DELTA_RULE = OpSpec("recurrent_delta_rule", Rule.DELTA, Form.RECURRENT, torch=delta_rule_recurrence, low_products=True, step=delta_rule_step)
 
 
 def recurrent_delta_rule(
@@ -77,7 +80,7 @@ def recurrent_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
@@ -131,8 +134,7 @@ def recurrent_delta_rule(
     q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
         "recurrent_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
     )
-    return run_op(
-        "recurrent_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, scale=scale,
+    return run(RECURRENT_DELTA_RULE, q, k, v, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,

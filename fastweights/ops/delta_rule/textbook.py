@@ -21,7 +21,8 @@ from typing import Optional, Tuple
 import torch
 
 from .._chunk import block_terms, chunk_scan, decay_matrix, from_chunks, to_chunks
-from .._frontend import run_op
+from .._dispatch import run
+from .._spec import Form, OpSpec, Rule
 
 
 def forward_substitution_ut(
@@ -56,6 +57,10 @@ def textbook_delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[
     return from_chunks(o, t_len), h
 
 
+#: The op, declared once (``fastweights/ops/_spec.py``).
+TEXTBOOK_CHUNK_DELTA_RULE = OpSpec("textbook_chunk_delta_rule", Rule.DELTA, Form.CHUNK, torch=textbook_delta_rule_chunk)
+
+
 def textbook_chunk_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,7 +71,7 @@ def textbook_chunk_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The (gated, with ``g``) delta rule by the textbook chunk algorithm, differentiated by autograd.
@@ -75,8 +80,7 @@ def textbook_chunk_delta_rule(
     optional ``g`` for the gated rule). Slow and memory-hungry on purpose: it is the
     baseline that ``fastweights/bench/chunk_speed.py`` measures the fast path against.
     """
-    return run_op(
-        "textbook_chunk_delta_rule", textbook_delta_rule_chunk, q, k, v, beta=beta, g=g, scale=scale,
+    return run(TEXTBOOK_CHUNK_DELTA_RULE, q, k, v, beta=beta, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, qk_norm=qk_norm, requires_beta=True,
     )

@@ -21,7 +21,9 @@ from torch import Tensor
 from .._chunk import backward_only
 from .._frontend import autocast_off
 from ..kda import chunk as kda_chunk
+from .._spec import Form, OpSpec, Rule
 from .fla import dplr_form
+from .recurrent import dplr_step
 from .parallel import dplr_block_terms
 
 
@@ -79,7 +81,10 @@ def dplr_chunk(q, k, v, beta, gk, h0, scale, chunk_size, *, a, b) -> Tuple[torch
     return o, h_final.view(q.shape[0], q.shape[1], *h_final.shape[1:])
 
 
-chunk_dplr_delta_rule = dplr_form("chunk_dplr_delta_rule", dplr_chunk, needs_floor=True, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+CHUNK_DPLR_DELTA_RULE = OpSpec("chunk_dplr_delta_rule", Rule.DELTA, Form.CHUNK, torch=dplr_chunk, step=dplr_step)
+
+chunk_dplr_delta_rule = dplr_form(CHUNK_DPLR_DELTA_RULE, needs_floor=True, doc="""
     The DPLR delta rule, chunkwise parallel (module docstring), with fla 0.6.0's name and
     positional order ``(q, k, v, a, b, gk, scale, initial_state, output_final_state,
     cu_seqlens, cu_seqlens_cpu, safe_gate, chunk_size, disable_recompute, ...)``.

@@ -27,7 +27,9 @@ from typing import Optional, Tuple
 import torch
 
 from .._checks import _check_finite, _check_tensor, _shape
-from .._fla_compat import refuse_or_ignore
+from .._dispatch import run
+from .._fla_compat import refuse_or_ignore, resolve_cu_seqlens, resolve_decay
+from .._spec import OpSpec
 
 __all__ = ["dplr_form", "run_dplr"]
 
@@ -52,7 +54,7 @@ def _check_pair(op: str, q, a, b) -> None:
 
 
 def run_dplr(
-    op: str, core, needs_floor: bool,
+    spec: OpSpec, needs_floor: bool,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -73,40 +75,41 @@ def run_dplr(
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The body of every DPLR form (:func:`dplr_form`): fla's options (module docstring), the
-    pair's checks, then :func:`~fastweights.ops._frontend.run_op` with the form's solver ``core``,
-    which receives ``a`` and ``b`` head-first as keywords and gk in g's slot."""
+    pair's checks, then the dispatcher (:func:`~fastweights.ops._dispatch.run`) with the form's spec,
+    whose solver receives ``a`` and ``b`` head-first as keywords and gk in g's slot."""
     from .._checks import _check_range
-    from .._frontend import run_op
+
+    op = spec.name
 
     refuse_or_ignore(op, kwargs)
-    if cu_seqlens is None and isinstance(cu_seqlens_cpu, torch.Tensor) and isinstance(q, torch.Tensor):
-        cu_seqlens = cu_seqlens_cpu.to(q.device)
+    if isinstance(q, torch.Tensor):
+        cu_seqlens = resolve_cu_seqlens(op, cu_seqlens, cu_seqlens_cpu, q.device)
     _check_pair(op, q, a, b)
-    if gk is None and isinstance(q, torch.Tensor) and q.dim() == 4:
-        gk = torch.zeros_like(q)  # no decay
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        gk = resolve_decay(gk, q.shape, q.dtype, q.device)
     if needs_floor and isinstance(gk, torch.Tensor) and gk.is_floating_point():
         _check_range(op, gk, GK_FLOOR, float("inf"), f"`gk` must be >= {GK_FLOOR:g} in this form (one token's "
                      f"e^(-gk) is taken, module docstring); the recurrent form has no floor")
-    return run_op(
-        op, core, q, k, v, gk=gk, gk_name="gk", scale=scale, initial_state=initial_state,
+    return run(
+        spec, q, k, v, gk=gk, gk_name="gk", scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        max_seqlen=max_seqlen, chunk_size=64 if chunk_size is None else chunk_size, extra=dict(a=a, b=b),
+        max_seqlen=max_seqlen, chunk_size=chunk_size, extra=dict(a=a, b=b),
     )
 
 
-#: The signature every DPLR form has: :func:`run_dplr`'s, after its first three parameters.
-FORM_SIGNATURE = inspect.signature(run_dplr).replace(parameters=list(inspect.signature(run_dplr).parameters.values())[3:])
+#: The signature every DPLR form has: :func:`run_dplr`'s, after its first two parameters.
+FORM_SIGNATURE = inspect.signature(run_dplr).replace(parameters=list(inspect.signature(run_dplr).parameters.values())[2:])
 
 
-def dplr_form(name: str, core, needs_floor: bool, doc: str):
-    """The public op ``name`` (``recurrent_/parallel_/chunk_dplr_delta_rule``): :func:`run_dplr`
-    with the form's solver, under :data:`FORM_SIGNATURE`."""
+def dplr_form(spec: OpSpec, needs_floor: bool, doc: str):
+    """The public op of ``spec`` (``recurrent_/parallel_/chunk_dplr_delta_rule``): :func:`run_dplr`
+    under :data:`FORM_SIGNATURE`."""
 
     def form(*args, **kwargs):
-        return run_dplr(name, core, needs_floor, *args, **kwargs)
+        return run_dplr(spec, needs_floor, *args, **kwargs)
 
-    form.__name__ = form.__qualname__ = name
+    form.__name__ = form.__qualname__ = spec.name
     form.__doc__ = inspect.cleandoc(doc)
     form.__signature__ = FORM_SIGNATURE
-    form.__module__ = getattr(core, "__module__", __name__)
+    form.__module__ = spec.torch.__module__
     return form

@@ -29,7 +29,9 @@ from typing import Tuple
 import torch
 
 from ..kda.parallel import BlockTerms, RelativeDecay, cumulative_decay, kda_parallel, sub_block
+from .._spec import Form, OpSpec, Rule
 from .fla import dplr_form
+from .recurrent import dplr_step
 
 
 def dplr_block_terms(q, k, v, ab, gk, scale: float, solve=None) -> BlockTerms:
@@ -61,7 +63,10 @@ def dplr_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, *, a, b) -> Tup
     return kda_parallel(q, k, v, torch.stack([a, b], dim=-2), gk, h0, scale, terms=dplr_block_terms)
 
 
-parallel_dplr_delta_rule = dplr_form("parallel_dplr_delta_rule", dplr_parallel, needs_floor=True, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+PARALLEL_DPLR_DELTA_RULE = OpSpec("parallel_dplr_delta_rule", Rule.DELTA, Form.PARALLEL, torch=dplr_parallel, step=dplr_step)
+
+parallel_dplr_delta_rule = dplr_form(PARALLEL_DPLR_DELTA_RULE, needs_floor=True, doc="""
     The DPLR delta rule as one T×T block (O(T²·K) work, O(T²) memory; module docstring).
 
     Equivalent to :func:`~fastweights.ops.recurrent_dplr_delta_rule`: same arguments and

@@ -17,6 +17,7 @@ from typing import Tuple
 
 import torch
 
+from .._spec import Form, OpSpec, Rule
 from .fla import dplr_form
 
 
@@ -42,7 +43,10 @@ def dplr_recurrence(q, k, v, beta, gk, h0, scale, chunk_size=None, *, a, b) -> T
     return torch.stack(outputs, dim=2), h
 
 
-recurrent_dplr_delta_rule = dplr_form("recurrent_dplr_delta_rule", dplr_recurrence, needs_floor=False, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_DPLR_DELTA_RULE = OpSpec("recurrent_dplr_delta_rule", Rule.DELTA, Form.RECURRENT, torch=dplr_recurrence, step=dplr_step)
+
+recurrent_dplr_delta_rule = dplr_form(RECURRENT_DPLR_DELTA_RULE, needs_floor=False, doc="""
     The DPLR delta rule, one token at a time: the reference form (module docstring).
 
     Args (fla 0.6.0's ``chunk_dplr_delta_rule`` order):

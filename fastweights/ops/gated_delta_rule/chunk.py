@@ -17,10 +17,18 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._dispatch import run_chunk_delta
+from .._dispatch import run
 from .._fla_compat import accepts_state_v_first, fla_inputs
-from ..delta_rule.chunk import delta_rule_chunk
+from .._spec import Form, OpSpec, Rule
+from ..delta_rule.chunk import CHUNK_DELTA_RULE
 from ..feature_maps import FeatureMapLike
+from ..step import gated_delta_rule_step
+
+#: The gated delta rule's chunk op: the plain rule's solvers and kernels, with g given.
+CHUNK_GATED_DELTA_RULE = OpSpec(
+    "chunk_gated_delta_rule", Rule.DELTA, Form.CHUNK, torch=CHUNK_DELTA_RULE.torch, cpu=CHUNK_DELTA_RULE.cpu,
+    triton=True, low_products=True, reads_bf16_inputs=True, single_backward=True, step=gated_delta_rule_step,
+)
 
 
 @accepts_state_v_first
@@ -73,8 +81,7 @@ def chunk_gated_delta_rule(
         qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, requires_g=True,
         allow_neg_eigval=allow_neg_eigval,
     )
-    return run_chunk_delta("chunk_gated_delta_rule", delta_rule_chunk, q, k, v, backend=backend,
-                           torch_kwargs=dict(cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, cp_group=cp_group,
-
-                                                 return_intermediate_states=return_intermediate_states, state_block_size=state_block_size,
-                                                 state_indices=state_indices, has_initial_state=has_initial_state), **kwargs)
+    return run(CHUNK_GATED_DELTA_RULE, q, k, v, backend=backend, requires_beta=True, cu_seqlens_cpu=cu_seqlens_cpu,
+               max_seqlen=max_seqlen, cp_group=cp_group, return_intermediate_states=return_intermediate_states,
+               state_block_size=state_block_size, state_indices=state_indices, has_initial_state=has_initial_state,
+               **kwargs)

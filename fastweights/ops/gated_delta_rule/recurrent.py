@@ -15,9 +15,16 @@ from typing import Optional, Tuple
 import torch
 
 from .._fla_compat import accepts_state_v_first, fla_inputs
-from .._frontend import run_op
+from .._dispatch import run
+from .._spec import Form, OpSpec, Rule
 from ..delta_rule.recurrent import delta_rule_recurrence
 from ..feature_maps import FeatureMapLike
+from ..step import gated_delta_rule_step
+
+
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_GATED_DELTA_RULE = OpSpec("recurrent_gated_delta_rule", Rule.DELTA, Form.RECURRENT,
+                                    torch=delta_rule_recurrence, low_products=True, step=gated_delta_rule_step)
 
 
 @accepts_state_v_first
@@ -31,7 +38,7 @@ def recurrent_gated_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     feature_map: FeatureMapLike = None,
     use_qk_l2norm_in_kernel: bool = False,
@@ -71,8 +78,7 @@ def recurrent_gated_delta_rule(
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
     )
-    return run_op(
-        "recurrent_gated_delta_rule", delta_rule_recurrence, q, k, v, beta=beta, g=g, scale=scale,
+    return run(RECURRENT_GATED_DELTA_RULE, q, k, v, beta=beta, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map,

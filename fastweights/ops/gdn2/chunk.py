@@ -21,7 +21,9 @@ from torch import Tensor
 
 from .._frontend import autocast_off
 from ..kda import chunk as kda_chunk
+from .._spec import Form, OpSpec, Rule
 from .fla import gdn2_form
+from .recurrent import gdn2_step
 from .parallel import gdn2_block_terms, gdn2_block_terms_backward
 
 
@@ -64,7 +66,10 @@ def gdn2_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, b, w) -> Tuple[torch.
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
-chunk_gdn2 = gdn2_form("chunk_gdn2", gdn2_chunk, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+CHUNK_GDN2 = OpSpec("chunk_gdn2", Rule.DELTA, Form.CHUNK, torch=gdn2_chunk, step=gdn2_step)
+
+chunk_gdn2 = gdn2_form(CHUNK_GDN2, doc="""
     Gated DeltaNet-2, chunkwise parallel: the fast path for training (module docstring).
 
     Equivalent to :func:`~fastweights.ops.recurrent_gdn2` (same arguments and returns; see

@@ -30,7 +30,9 @@ from typing import Optional, Tuple
 import torch
 
 from .._checks import _check_finite, _check_range, _check_tensor, _shape, state_dtype
-from .._fla_compat import accepts_state_v_first
+from .._dispatch import run
+from .._fla_compat import accepts_state_v_first, resolve_decay
+from .._spec import OpSpec
 from ..kda.fla import kda_inputs
 
 __all__ = ["gdn2_form", "run_gdn2", "check_gates"]
@@ -60,7 +62,7 @@ def check_gates(op: str, q, v, b, w) -> None:
 
 
 def run_gdn2(
-    op: str, core,
+    spec: OpSpec,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -81,44 +83,44 @@ def run_gdn2(
     *,
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     max_seqlen: Optional[int] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The body of every GDN-2 form (:func:`gdn2_form`): fla's options (KDA's, :func:`~..kda.fla.kda_inputs`,
-    with ``b``/``w`` for β), the gates' checks, then :func:`~fastweights.ops._frontend.run_op` with the
-    form's solver ``core``, which receives ``b`` and ``w`` head-first as keywords."""
-    from .._frontend import run_op
+    with ``b``/``w`` for β), the gates' checks, then the dispatcher (:func:`~fastweights.ops._dispatch.run`)
+    with the form's spec, whose solver receives ``b`` and ``w`` head-first as keywords."""
+    op = spec.name
 
     q, k, _, g, _, initial_state, cu_seqlens, _ = kda_inputs(
         op, q, k, v, g, None, initial_state, cu_seqlens, gv_supported=False, use_gate_in_kernel=use_gate_in_kernel,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=kwargs,
     )
     check_gates(op, q, v, b, w)
-    if g is None and isinstance(v, torch.Tensor) and v.dim() == 4 and isinstance(q, torch.Tensor) and q.dim() == 4:
-        g = torch.zeros(v.shape[:3] + (q.shape[-1],), dtype=state_dtype(q.dtype), device=q.device)  # no decay
-    return run_op(
-        op, core, q, k, v, gk=g, gk_name="g", scale=scale, initial_state=initial_state,
+    if isinstance(v, torch.Tensor) and v.dim() == 4 and isinstance(q, torch.Tensor) and q.dim() == 4:
+        g = resolve_decay(g, v.shape[:3] + (q.shape[-1],), state_dtype(q.dtype), q.device)
+    return run(
+        spec, q, k, v, gk=g, gk_name="g", scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         max_seqlen=max_seqlen, chunk_size=chunk_size, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
         extra=dict(b=b, w=w), return_intermediate_states=return_intermediate_states,
     )
 
 
-#: The signature every GDN-2 form has: :func:`run_gdn2`'s, after its first two parameters.
-FORM_SIGNATURE = inspect.signature(run_gdn2).replace(parameters=list(inspect.signature(run_gdn2).parameters.values())[2:])
+#: The signature every GDN-2 form has: :func:`run_gdn2`'s, after its first parameter.
+FORM_SIGNATURE = inspect.signature(run_gdn2).replace(parameters=list(inspect.signature(run_gdn2).parameters.values())[1:])
 
 
-def gdn2_form(name: str, core, doc: str):
-    """The public op ``name`` (``recurrent_gdn2``, ``parallel_gdn2``, ``chunk_gdn2``): :func:`run_gdn2`
-    with the form's solver, under :data:`FORM_SIGNATURE`, with fla's ``state_v_first``."""
+def gdn2_form(spec: OpSpec, doc: str):
+    """The public op of ``spec`` (``recurrent_gdn2``, ``parallel_gdn2``, ``chunk_gdn2``): :func:`run_gdn2`
+    under :data:`FORM_SIGNATURE`, with fla's ``state_v_first``."""
 
     def form(*args, **kwargs):
-        return run_gdn2(name, core, *args, **kwargs)
+        return run_gdn2(spec, *args, **kwargs)
 
-    form.__name__ = form.__qualname__ = name
+    form.__name__ = form.__qualname__ = spec.name
     form.__doc__ = inspect.cleandoc(doc)
     form.__signature__ = FORM_SIGNATURE
-    form.__module__ = getattr(core, "__module__", __name__)
+    form.__module__ = spec.torch.__module__
     return accepts_state_v_first(form)

@@ -25,7 +25,9 @@ import torch
 from ..kda.parallel import (
     BlockTerms, RelativeDecay, cumulative_decay, exclusive_cumsum, kda_parallel, reverse_cumsum, solve_ut, sub_block,
 )
+from .._spec import Form, OpSpec, Rule
 from .fla import gdn2_form
+from .recurrent import gdn2_step
 
 
 def gdn2_block_terms(q, k, x, e, g, scale: float, solve=solve_ut) -> BlockTerms:
@@ -72,7 +74,10 @@ def gdn2_parallel(q, k, v, beta, g, h0, scale, chunk_size=None, *, b, w) -> Tupl
     return kda_parallel(q, k, w * v, b * k, g, h0, scale, terms=gdn2_block_terms)
 
 
-parallel_gdn2 = gdn2_form("parallel_gdn2", gdn2_parallel, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+PARALLEL_GDN2 = OpSpec("parallel_gdn2", Rule.DELTA, Form.PARALLEL, torch=gdn2_parallel, step=gdn2_step)
+
+parallel_gdn2 = gdn2_form(PARALLEL_GDN2, doc="""
     Gated DeltaNet-2 as one T×T UT transform (O(T²·K) work, O(T²) memory; module docstring).
 
     Equivalent to :func:`~fastweights.ops.recurrent_gdn2`: same arguments and returns

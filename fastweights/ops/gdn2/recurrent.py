@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._spec import Form, OpSpec, Rule
 from .fla import gdn2_form
 
 
@@ -48,7 +49,10 @@ def gdn2_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, *, b, w) -> Tu
     return torch.stack(outputs, dim=2), h
 
 
-recurrent_gdn2 = gdn2_form("recurrent_gdn2", gdn2_recurrence, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_GDN2 = OpSpec("recurrent_gdn2", Rule.DELTA, Form.RECURRENT, torch=gdn2_recurrence, step=gdn2_step)
+
+recurrent_gdn2 = gdn2_form(RECURRENT_GDN2, doc="""
     Gated DeltaNet-2, one token at a time: the reference form (module docstring).
 
     Args:

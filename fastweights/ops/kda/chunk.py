@@ -26,6 +26,7 @@ and backward are ``torch.library`` custom ops, opaque to ``torch.compile`` (no g
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -35,8 +36,10 @@ from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer
 from .._frontend import autocast_off
 from ..cpu import kernels_for
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
+from .._spec import Form, OpSpec, Rule
 from .fla import kda_form
 from .parallel import block_terms, block_terms_backward, sub_block
+from ..step import kda_step
 
 #: Row blocks of the UT solve (``delta_rule/wy.py``'s block substitution).
 UT_BLOCKS = 4
@@ -86,7 +89,7 @@ def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size):
     return from_chunk_buffer(o, k.shape[2]), h, states
 
 
-def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=block_terms):
+def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=block_terms, native: bool = True):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     ``terms`` computes a block's :class:`~.parallel.BlockTerms` from the five per-token
@@ -94,12 +97,13 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=bl
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``, ``states[c]`` the
     state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
-    of the loop, its outputs. On the CPU the compiled kernel runs it where it applies.
+    of the loop, its outputs. On the CPU the compiled kernel runs it where it applies, unless
+    ``native`` is False (backend ``"torch"``).
     """
     # the compiled kernel is KDA's own block terms (another rule's terms run the PyTorch code below)
-    native = _native_forward(q, k, v, beta, gk, h0, scale, chunk_size) if terms is block_terms else None
-    if native is not None:
-        return native
+    compiled = _native_forward(q, k, v, beta, gk, h0, scale, chunk_size) if native and terms is block_terms else None
+    if compiled is not None:
+        return compiled
     n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
@@ -136,17 +140,17 @@ def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size)
 
 
 def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int,
-                  terms=block_terms, terms_backward=block_terms_backward):
+                  terms=block_terms, terms_backward=block_terms_backward, native: bool = True):
     """Backward on head-first tensors; returns ``(dq, dk, dv, dbeta, dgk, dh0)`` (module docstring);
     ``terms``/``terms_backward`` as in :func:`chunk_kda_fwd`.
 
     Group by group, last group first: recompute the group's block terms and U' (from the saved
     states), run the group's part of the adjoint loop, then its input gradients. On the CPU the
     compiled kernel runs KDA's own terms where it applies."""
-    native = (_native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size)
-              if terms is block_terms and terms_backward is block_terms_backward else None)
-    if native is not None:
-        return native
+    compiled = (_native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size)
+                if native and terms is block_terms and terms_backward is block_terms_backward else None)
+    if compiled is not None:
+        return compiled
     n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     nc, rows, _, dv = states.shape
     buffers = [chunk_buffer(t, n, nh, nc, chunk_size) for t in (q, k, v, beta, gk)]
@@ -184,11 +188,11 @@ def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_s
 
 @torch.library.custom_op("fastweights::chunk_kda_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor],
-            scale: float, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+            scale: float, chunk_size: int, native: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     with autocast_off(q.device):
-        return chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size)
+        return chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=native)
 
 
 def _like_chunks(x, n, nh, nc, chunk_size, t_len, tail=None):
@@ -196,7 +200,7 @@ def _like_chunks(x, n, nh, nc, chunk_size, t_len, tail=None):
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size):
+def _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True):
     n, nh, t_len, dk = k.shape
     dv, nc = v.shape[-1], -(-t_len // chunk_size)
     return _like_chunks(v, n, nh, nc, chunk_size, t_len), v.new_empty(n * nh, dk, dv), v.new_empty(nc, n * nh, dk, dv)
@@ -204,13 +208,14 @@ def _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size):
 
 @torch.library.custom_op("fastweights::chunk_kda_bwd", mutates_args=())
 def _bwd_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, states: Tensor, do: Tensor,
-            dh_final: Tensor, scale: float, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            dh_final: Tensor, scale: float, chunk_size: int, native: bool = True,
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with autocast_off(do.device):
-        return chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size)
+        return chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size, native=native)
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
+def _bwd_fake(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size, native=True):
     n, nh, t_len, dk = k.shape
     nc = states.shape[0]
     grads = tuple(_like_chunks(t, n, nh, nc, chunk_size, t_len) for t in (q, k, v, beta, gk))
@@ -219,17 +224,20 @@ def _bwd_fake(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
 
 def register_chunk_autograd(fwd_op, bwd_op, zero_output) -> None:
     """The backward of a chunk op with KDA's shape, shared by KDA, GDN-2 and DeltaProduct:
-    ``fwd_op(*five inputs, h0, scale, chunk_size) -> (o, h_T, states)`` and ``bwd_op(*five inputs,
-    states, do, dh_final, scale, chunk_size) -> (the five inputs' gradients, dh0)``; only the chunk
-    states are kept beside the inputs. ``zero_output(*five inputs)``: a zero ``o`` for a loss that
-    used only ``h_T``."""
+    ``fwd_op(*five inputs, h0, scale, chunk_size, *flags) -> (o, h_T, states)`` and ``bwd_op(*five
+    inputs, states, do, dh_final, scale, chunk_size, *flags) -> (the five inputs' gradients, dh0)``;
+    only the chunk states are kept beside the inputs. ``flags``: non-tensor options the backward
+    takes as the forward did (KDA's ``native``). ``zero_output(*five inputs)``: a zero ``o`` for a
+    loss that used only ``h_T``."""
 
     def setup_context(ctx, inputs, output):
-        *tensors, h0, scale, chunk_size = inputs
+        q, k, v, beta, gk, h0, scale, chunk_size, *flags = inputs
+        tensors = (q, k, v, beta, gk)
         states = output[2]
         ctx.save_for_backward(*tensors, states)
         backward_only(ctx, states)
         ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+        ctx.flags = tuple(flags)
 
     def backward(ctx, do, dh_final, _states):
         *tensors, states = ctx.saved_tensors
@@ -237,8 +245,9 @@ def register_chunk_autograd(fwd_op, bwd_op, zero_output) -> None:
             dh_final = states.new_zeros(states.shape[1:])
         if do is None:  # only h_T was used
             do = zero_output(*tensors)
-        *grads, dh0 = bwd_op(*tensors, states, do, dh_final, ctx.scale, ctx.chunk_size)
-        return (*grads, None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape), None, None)
+        *grads, dh0 = bwd_op(*tensors, states, do, dh_final, ctx.scale, ctx.chunk_size, *ctx.flags)
+        return (*grads, None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape), None, None,
+                *(None for _ in ctx.flags))
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
 
@@ -246,13 +255,19 @@ def register_chunk_autograd(fwd_op, bwd_op, zero_output) -> None:
 register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, beta, gk: v.new_zeros(v.shape))
 
 
-def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The chunk form with its hand-written backward on head-first compute-dtype tensors; returns ``(o, h_T)``."""
-    o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size))
+def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk form with its hand-written backward on head-first compute-dtype tensors; returns ``(o, h_T)``.
+    ``native``: whether the compiled CPU kernels may run forward and backward."""
+    o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
-chunk_kda = kda_form("chunk_kda", kda_chunk, gv_supported=False, doc="""
+#: KDA's chunk op, declared once (``fastweights/ops/_spec.py``): :func:`kda_chunk` without and with
+#: the compiled CPU kernels.
+CHUNK_KDA = OpSpec("chunk_kda", Rule.DELTA, Form.CHUNK, torch=functools.partial(kda_chunk, native=False), cpu=kda_chunk,
+                   step=kda_step)
+
+chunk_kda = kda_form(CHUNK_KDA, gv_supported=False, doc="""
     Kimi Delta Attention, chunkwise parallel: the fast path for training (module docstring).
 
     Equivalent to :func:`~fastweights.ops.recurrent_kda` (same arguments and returns; see its
@@ -263,6 +278,10 @@ chunk_kda = kda_form("chunk_kda", kda_chunk, gv_supported=False, doc="""
     Args beyond the reference's:
         chunk_size: C, tokens per chunk (any positive int; fla allows 32 or 64). The
             intra-chunk work is O(T·C·(K + V) + T·16·K) per head; the loop has T/C steps.
+            ``None`` (the default, as for every chunk op and layer) runs
+            :func:`fastweights.ops.default_chunk_size` of K and the device.
+        backend: ``"auto"`` (the compiled CPU kernels for CPU tensors, PyTorch elsewhere),
+            ``"torch"`` (the PyTorch code) or ``"cpu"``, as in :func:`~fastweights.ops.chunk_delta_rule`.
 
     Gradients reach q, k, v, beta, g and initial_state through a hand-written backward
     (README.md in this folder) that keeps the inputs and the T/C chunk-entry states and

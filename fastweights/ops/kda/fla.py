@@ -32,7 +32,6 @@ grouped value heads            v [B, T, HV, V], HV a multiple of H, as in fla
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Optional, Tuple
 
@@ -40,7 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import state_dtype
-from .._fla_compat import accepts_state_v_first, fla_inputs
+from .._dispatch import run
+from .._fla_compat import accepts_state_v_first, fla_inputs, resolve_decay
+from .._spec import OpSpec
 
 __all__ = ["kda_inputs", "kda_gate", "kda_form", "run_kda"]
 
@@ -127,7 +128,7 @@ def kda_inputs(
 
 
 def run_kda(
-    op: str, core, gv_supported: bool,
+    spec: OpSpec, gv_supported: bool,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -152,32 +153,34 @@ def run_kda(
     gv: Optional[torch.Tensor] = None,
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     max_seqlen: Optional[int] = None,
+    backend: str = "auto",
     state_block_size: Optional[int] = None,
     state_indices: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[Optional[torch.Tensor], ...]:
-    """The body of every KDA form (:func:`kda_form`): fla's options (:func:`kda_inputs`), then
-    :func:`~fastweights.ops._frontend.run_op` with the form's solver ``core``. After ``op``,
-    ``core`` and ``gv_supported``, the arguments of the forms: fla 0.6.0's ``chunk_kda`` in
-    its positional order, then ours by keyword. ``safe_gate`` and ``disable_recompute`` are
-    fla's kernel hints (ignored); ``state_v_first`` is handled by :func:`accepts_state_v_first`."""
-    from .._frontend import run_op
-
+    """The body of every KDA form (:func:`kda_form`): fla's options (:func:`kda_inputs`), then the
+    dispatcher (:func:`~fastweights.ops._dispatch.run`) with the form's spec. After ``spec`` and
+    ``gv_supported``, the arguments of the forms: fla 0.6.0's ``chunk_kda`` in its positional
+    order, then ours by keyword (``chunk_size``: None is :func:`~fastweights.ops.default_chunk_size`'s
+    choice, as for every chunk op; ``backend`` as in ``chunk_delta_rule``). ``safe_gate`` and
+    ``disable_recompute`` are fla's kernel hints (ignored); ``state_v_first`` is handled by
+    :func:`accepts_state_v_first`."""
+    op = spec.name
     q, k, beta, gk, gv, initial_state, cu_seqlens, gk_name = kda_inputs(
         op, q, k, v, g, beta, initial_state, cu_seqlens, gk=gk, gv=gv, gv_supported=gv_supported,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         cu_seqlens_cpu=cu_seqlens_cpu, kwargs=kwargs,
     )
-    if gk is None and isinstance(v, torch.Tensor) and v.dim() == 4 and isinstance(q, torch.Tensor) and q.dim() == 4:
-        gk = torch.zeros(v.shape[:3] + (q.shape[-1],), dtype=state_dtype(q.dtype), device=q.device)  # no decay
-        gk_name = "gk"
-    return run_op(
-        op, core, q, k, v, beta=beta, gk=gk, gv=gv, gk_name=gk_name, scale=scale, initial_state=initial_state,
+    if isinstance(v, torch.Tensor) and v.dim() == 4 and isinstance(q, torch.Tensor) and q.dim() == 4:
+        gk_name = "gk" if gk is None else gk_name
+        gk = resolve_decay(gk, v.shape[:3] + (q.shape[-1],), state_dtype(q.dtype), q.device)
+    return run(
+        spec, q, k, v, backend=backend, beta=beta, gk=gk, gv=gv, gk_name=gk_name, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         max_seqlen=max_seqlen, chunk_size=chunk_size, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
         requires_beta=True, allow_neg_eigval=allow_neg_eigval,
@@ -186,24 +189,20 @@ def run_kda(
     )
 
 
-#: The signature every KDA form has: :func:`run_kda`'s, after its first three parameters.
-FORM_SIGNATURE = inspect.signature(run_kda).replace(parameters=list(inspect.signature(run_kda).parameters.values())[3:])
+#: The signature every KDA form has: :func:`run_kda`'s, after its first two parameters.
+FORM_SIGNATURE = inspect.signature(run_kda).replace(parameters=list(inspect.signature(run_kda).parameters.values())[2:])
 
 
-def kda_form(name: str, core, gv_supported: bool, doc: str):
-    """The public op ``name`` (``recurrent_kda``, ``parallel_kda``, ``chunk_kda``): :func:`run_kda`
-    with the form's solver, under :data:`FORM_SIGNATURE` (one signature for every form, as the
-    op conventions ask), with fla's ``state_v_first``."""
+def kda_form(spec: OpSpec, gv_supported: bool, doc: str):
+    """The public op of ``spec`` (``recurrent_kda``, ``parallel_kda``, ``chunk_kda``): :func:`run_kda`
+    under :data:`FORM_SIGNATURE` (one signature for every form, as the op conventions ask), with
+    fla's ``state_v_first``."""
 
     def form(*args, **kwargs):
-        return run_kda(name, core, gv_supported, *args, **kwargs)
+        return run_kda(spec, gv_supported, *args, **kwargs)
 
-    form.__name__ = form.__qualname__ = name
+    form.__name__ = form.__qualname__ = spec.name
     form.__doc__ = inspect.cleandoc(doc)
     form.__signature__ = FORM_SIGNATURE
-    form.__module__ = getattr(core, "__module__", __name__)
-    public = accepts_state_v_first(form)
-    # The same form under an alias's name (fused_recurrent_kda, fused_recurrent_gated_delta_rule),
-    # so that its errors name the function the caller called.
-    public.named = functools.lru_cache(maxsize=None)(lambda alias: kda_form(alias, core, gv_supported, doc))
-    return public
+    form.__module__ = (spec.cpu or spec.torch).__module__
+    return accepts_state_v_first(form)

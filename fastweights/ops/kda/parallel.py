@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from .._chunk import causal_mask
+from .._spec import Form, OpSpec, Rule
 from .fla import kda_form
+from ..step import kda_step
 
 #: The parallel form pads T to a multiple of this (zero tokens), so that its sub-blocks divide it.
 SUB_BLOCK = 16
@@ -260,7 +262,10 @@ def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, terms=block_term
     return o.view(n, nh, length, dv)[:, :, :t_len], h.view(n, nh, dk, dv)
 
 
-parallel_kda = kda_form("parallel_kda", kda_parallel, gv_supported=False, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+PARALLEL_KDA = OpSpec("parallel_kda", Rule.DELTA, Form.PARALLEL, torch=kda_parallel, step=kda_step)
+
+parallel_kda = kda_form(PARALLEL_KDA, gv_supported=False, doc="""
     Kimi Delta Attention as one T×T UT transform (O(T²·K) work, O(T²) memory; module docstring).
 
     Equivalent to :func:`~fastweights.ops.recurrent_kda`: same arguments and returns, except

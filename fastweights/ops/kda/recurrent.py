@@ -20,73 +20,18 @@ before the write; only this form has it (README.md in this folder says why).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import torch
 
 from .._fla_compat import accepts_state_v_first
-from ..cpu import kernels_for
+from .._spec import Form, OpSpec, Rule
+from ..step import kda_step, kda_update
 from .fla import kda_form
 
 
-def _native_step(q, k, v, beta, gk, h, scale):
-    """:func:`kda_step` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the state
-    read once and written once, one head per task), or None where it does not apply: not the CPU,
-    a non-contiguous or empty state, a gradient to record, or the kernels off or unbuilt."""
-    if not h.is_contiguous() or h.numel() == 0:
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta, gk, h)):
-        return None
-    mod = kernels_for(h)  # (the kernel casts the inputs to the state's dtype itself)
-    if mod is None or any(t.device.type != "cpu" for t in (q, k, v, beta, gk)):
-        return None
-    dk, dv = h.shape[-2:]
-    o, h_new = mod.kda_step(q, k, v, beta, gk, h.view(-1, dk, dv), float(scale))
-    return o.view(h.shape[:-2] + (dv,)).to(v.dtype), h_new.view(h.shape)
-
-
-def kda_step(q, k, v, beta, gk, h, scale, gv=None, *, state_indices: Optional[torch.Tensor] = None,
-             has_initial_state: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One token of KDA: ``q, k, gk [..., K]``, ``v [..., V]``, ``beta [...]``, state
-    ``h [..., K, V]`` (``gv [..., V]`` optional) -> ``(o [..., V], h')``.
-
-    A layer's decoding step calls it on tensors it has already checked, in the compute
-    dtype. On the CPU, with no gradient to record and no ``gv``, the compiled step runs it
-    (:mod:`fastweights.ops.cpu`); otherwise, and in :func:`kda_recurrence` (the reference),
-    :func:`kda_update`.
-
-    The pool form (the serving engines' call, as :func:`~fastweights.ops.delta_rule_step`'s):
-    ``h [S, H, K, V]`` a pool of states, ``q [N, H, K]``, ``state_indices [N]`` the slot each row
-    reads and writes in place (−1: a fresh zero state, not written back), ``has_initial_state
-    [N]`` bool (False: start from zeros, still write the slot); returns ``(o, the pool)``. Bad
-    slots are a ``ValueError`` naming ``state_indices``, with the pool untouched.
-    """
-    if state_indices is not None or has_initial_state is not None:
-        from ..step import _check_pool, _pool_step
-
-        if state_indices is None:
-            raise ValueError("kda_step: `has_initial_state` needs `state_indices` (the pool's slot of each row)")
-        _check_pool("kda_step", q, v, h, state_indices, has_initial_state)
-        return _pool_step("kda_step", lambda h0: kda_step(q, k, v, beta, gk, h0, scale, gv), q, h, state_indices,
-                          has_initial_state)
-    if gv is None:
-        native = _native_step(q, k, v, beta, gk, h, scale)
-        if native is not None:
-            return native
-    return kda_update(q, k, v, beta, gk, h, scale, gv)
-
-
-def kda_update(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kda_step` in PyTorch (same arguments and returns): the reference's step."""
-    shape, (dk, dv) = h.shape, h.shape[-2:]
-    h = h.reshape(-1, dk, dv) * torch.exp(gk).reshape(-1, dk, 1)  # diag(α) h
-    if gv is not None:
-        h = h * torch.exp(gv).reshape(-1, 1, dv)
-    k = k.reshape(-1, 1, dk)
-    u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − h'ᵀk)
-    h = torch.addcmul(h, k.transpose(1, 2), u)
-    o = torch.bmm(q.reshape(-1, 1, dk), h).mul_(scale)
-    return o.view(shape[:-2] + (dv,)), h.view(shape)
 
 
 def kda_recurrence(q, k, v, beta, gk, h0, scale, chunk_size=None, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +46,10 @@ def kda_recurrence(q, k, v, beta, gk, h0, scale, chunk_size=None, gv=None) -> Tu
     return torch.stack(outputs, dim=2), h
 
 
-recurrent_kda = kda_form("recurrent_kda", kda_recurrence, gv_supported=True, doc="""
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_KDA = OpSpec("recurrent_kda", Rule.DELTA, Form.RECURRENT, torch=kda_recurrence, step=kda_step)
+
+recurrent_kda = kda_form(RECURRENT_KDA, gv_supported=True, doc="""
     Kimi Delta Attention, one token at a time: the reference form (module docstring).
 
     Args:
@@ -165,9 +113,16 @@ def fused_recurrent_kda(
 ):
     """Alias of :func:`~fastweights.ops.recurrent_kda` with fla 0.6.0's signature and positional
     order ``(q, k, v, g, beta, A_log, dt_bias, scale, ...)``; ``state_v_first`` as in fla."""
-    return recurrent_kda.named("fused_recurrent_kda")(
+    return recurrent_kda_as("fused_recurrent_kda")(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         lower_bound=lower_bound, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **kwargs,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def recurrent_kda_as(alias: str):
+    """:func:`recurrent_kda` under an alias's name (``fused_recurrent_kda``, ``fused_recurrent_gated_delta_rule``
+    with ``gk``/``gv``), so that its errors name the function the caller called."""
+    return kda_form(dataclasses.replace(RECURRENT_KDA, name=alias), gv_supported=True, doc=recurrent_kda.__doc__)

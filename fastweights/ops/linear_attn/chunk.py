@@ -9,7 +9,7 @@ across chunks only the state is carried:
 C = T gives the parallel form, C = 1 the recurrence. All intra-chunk products
 are computed for every chunk at once; only :func:`~fastweights.ops._chunk.state_scan`
 loops, T/C times (and not at all without decay: the states are then a running
-sum over chunks, ``torch.cumsum``). :class:`ChunkLinearAttnFunction` carries a
+sum over chunks, ``torch.cumsum``). :func:`linear_attn_chunk` carries a
 hand-written backward that keeps the inputs and the T/C chunk-entry states only;
 ``delta_rule/README.md`` derives it (linear attention is the delta rule's chunk
 algebra with W = 0, U = V). On the CPU (fp32/fp64) the forward and backward run compiled
@@ -19,6 +19,7 @@ is the fallback (``FASTWEIGHTS_CPU_KERNELS=0``).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -28,9 +29,12 @@ from .._chunk import (
     ChunkDecay, backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, read_write_backward, reverse_cumsum, state_scan,
     state_scan_backward, unflat_chunks,
 )
-from .._frontend import autocast_off, run_op
+from .._dispatch import run
+from .._frontend import autocast_off
+from .._spec import Form, OpSpec, Rule
 from ..cpu import kernels_for
 from ..feature_maps import FeatureMapLike
+from ..step import linear_attn_step
 
 
 def _terms(q, k, g, scale):
@@ -115,15 +119,17 @@ def _native_backward(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size):
 @torch.library.custom_op("fastweights::chunk_linear_attn_fwd", mutates_args=())
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float, chunk_size: int,
+    native: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(o [N, H, T, V], h_T [N·H, K, V], states, qc, kc, vc, gc)``: the output and what the backward keeps
-    (the flattened chunks of the inputs; ``gc`` empty without g)."""
+    (the flattened chunks of the inputs; ``gc`` empty without g). ``native``: the compiled CPU kernel
+    may run it (backend ``"cpu"``); False runs the PyTorch code (backend ``"torch"``)."""
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     with autocast_off(q.device):
-        native = _native_forward(q, k, v, g, h0, scale, chunk_size)
-        if native is not None:
-            return native
+        compiled = _native_forward(q, k, v, g, h0, scale, chunk_size) if native else None
+        if compiled is not None:
+            return compiled
         # flat_chunks returns the input itself when it is already laid out chunk-major (N = H = 1,
         # C dividing T); a custom op's outputs must not alias its inputs, so copy it then.
         qc, kc, vc, gc = (None if x is None else _not_aliasing(flat_chunks(x, chunk_size), x) for x in (q, k, v, g))
@@ -133,7 +139,7 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, g, h0, scale, chunk_size):
+def _fwd_fake(q, k, v, g, h0, scale, chunk_size, native=True):
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
@@ -146,14 +152,14 @@ def _fwd_fake(q, k, v, g, h0, scale, chunk_size):
 @torch.library.custom_op("fastweights::chunk_linear_attn_bwd", mutates_args=())
 def _bwd_op(
     qc: Tensor, kc: Tensor, vc: Tensor, gc: Optional[Tensor], states: Tensor, do: Tensor, dh_final: Tensor,
-    scale: float, chunk_size: int,
+    scale: float, chunk_size: int, native: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dg, dh0)`` for ``do [N, H, T, V]``, head-first; ``dg`` empty without g."""
     n, nh, t_len = do.shape[:3]
     with autocast_off(do.device):
-        native = _native_backward(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size)
-        if native is not None:
-            return native
+        compiled = _native_backward(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size) if native else None
+        if compiled is not None:
+            return compiled
         doc = flat_chunks(do, chunk_size)
         dq, dk, dv, dg, dh0 = chunk_linear_attn_bwd(qc, kc, vc, gc, states, doc, dh_final, scale)
         grads = [unflat_chunks(x, n, nh, t_len) for x in (dq, dk, dv)]
@@ -162,7 +168,7 @@ def _bwd_op(
 
 
 @_bwd_op.register_fake
-def _bwd_fake(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size):
+def _bwd_fake(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size, native=True):
     n, nh, t_len = do.shape[:3]
     nc = states.shape[0]
     grads = [from_chunk_buffer(chunk_buffer(do, n, nh, nc, chunk_size, tail=(x.shape[-1],)), t_len) for x in (qc, kc, vc)]
@@ -171,11 +177,12 @@ def _bwd_fake(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, h0, scale, chunk_size = inputs
+    q, k, v, g, h0, scale, chunk_size, native = inputs
     _, _, states, qc, kc, vc, gc = output
     ctx.save_for_backward(qc, kc, vc, None if g is None else gc, states)
     backward_only(ctx, states, qc, kc, vc, gc)
     ctx.scale, ctx.chunk_size, ctx.h0_shape, ctx.o_shape = scale, chunk_size, None if h0 is None else h0.shape, output[0].shape
+    ctx.native = native
 
 
 def _backward(ctx, do, dh_final, *unused):
@@ -184,32 +191,30 @@ def _backward(ctx, do, dh_final, *unused):
         dh_final = states.new_zeros(states.shape[1:])
     if do is None:  # only h_T was used
         do = states.new_zeros(ctx.o_shape)
-    dq, dk, dv, dg, dh0 = _bwd_op(qc, kc, vc, gc, states, do, dh_final, ctx.scale, ctx.chunk_size)
+    dq, dk, dv, dg, dh0 = _bwd_op(qc, kc, vc, gc, states, do, dh_final, ctx.scale, ctx.chunk_size, ctx.native)
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, None if gc is None else dg, dh0, None, None
+    return dq, dk, dv, None if gc is None else dg, dh0, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[torch.Tensor, torch.Tensor]:
+def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise sum rule on head-first compute-dtype tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
 
     ``beta`` is unused (the solver signature of ``_frontend``); ``g``/``h0`` may be
     None. The hand-written backward keeps the inputs and the T/C chunk-entry states
     (O(T·(2K + V) + (T/C)·K·V) per head). Double backward is not supported.
+    ``native``: whether the compiled CPU kernels may run forward and backward.
     """
-    o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size))
+    o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size), native)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
-class ChunkLinearAttnFunction:
-    """``ChunkLinearAttnFunction.apply(q, k, v, g, h0, scale, chunk_size)``: :func:`linear_attn_chunk`
-    under the name of the ``autograd.Function`` it replaced."""
-
-    @staticmethod
-    def apply(q, k, v, g, h0, scale, chunk_size):
-        return linear_attn_chunk(q, k, v, None, g, h0, scale, chunk_size)
+#: Linear attention's chunk op, declared once (``fastweights/ops/_spec.py``): :func:`linear_attn_chunk`
+#: without and with the compiled CPU kernels.
+CHUNK_LINEAR_ATTN = OpSpec("chunk_linear_attn", Rule.SUM, Form.CHUNK, torch=functools.partial(linear_attn_chunk, native=False),
+                           cpu=linear_attn_chunk, step=linear_attn_step)
 
 
 def chunk_linear_attn(
@@ -230,6 +235,7 @@ def chunk_linear_attn(
     max_seqlen: Optional[int] = None,
     cp_group=None,
     *,
+    backend: str = "auto",
     return_intermediate_states: bool = False,
     state_block_size: Optional[int] = None,
     state_indices: Optional[torch.Tensor] = None,
@@ -253,12 +259,15 @@ def chunk_linear_attn(
     a slice's summary is its decayed sum ``[H, K, V]`` (with the normalizer column when
     ``normalize``) and, with ``g``, one decay per head.
 
+    ``backend``: ``"auto"`` (the compiled CPU kernels for CPU tensors, PyTorch elsewhere),
+    ``"torch"`` (the PyTorch code) or ``"cpu"``, as in :func:`~fastweights.ops.chunk_delta_rule`.
+
     Serving options ``return_intermediate_states``, ``state_block_size``, ``state_indices``
     and ``has_initial_state`` as in :func:`~fastweights.ops.chunk_delta_rule` (with
     ``normalize`` the states carry the normalizer column, ``[.., K, V + 1]``).
     """
-    return run_op(
-        "chunk_linear_attn", linear_attn_chunk, q, k, v, g=g, scale=scale,
+    return run(
+        CHUNK_LINEAR_ATTN, q, k, v, backend=backend, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,

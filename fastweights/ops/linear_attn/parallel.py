@@ -15,8 +15,10 @@ from typing import Optional, Tuple
 import torch
 
 from .._chunk import block_terms
-from .._frontend import run_op
+from .._dispatch import run
+from .._spec import Form, OpSpec, Rule
 from ..feature_maps import FeatureMapLike
+from ..step import linear_attn_step
 
 
 def linear_attn_parallel(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +32,10 @@ def linear_attn_parallel(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[
     return o, h
 
 
+#: The op, declared once (``fastweights/ops/_spec.py``).
+PARALLEL_LINEAR_ATTN = OpSpec("parallel_linear_attn", Rule.SUM, Form.PARALLEL, torch=linear_attn_parallel, step=linear_attn_step)
+
+
 def parallel_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -39,7 +45,7 @@ def parallel_linear_attn(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
@@ -60,8 +66,7 @@ def parallel_linear_attn(
     Time and memory are O(T²) per head: use it for short sequences and as a
     readable statement of the maths; :func:`chunk_linear_attn` is the fast path.
     """
-    return run_op(
-        "parallel_linear_attn", linear_attn_parallel, q, k, v, g=g, scale=scale,
+    return run(PARALLEL_LINEAR_ATTN, q, k, v, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,

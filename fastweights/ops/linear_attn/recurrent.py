@@ -17,9 +17,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._frontend import run_op
+from .._dispatch import run
+from .._spec import Form, OpSpec, Rule
 from ..feature_maps import FeatureMapLike
-from ..step import sum_update
+from ..step import linear_attn_step, sum_update
 
 
 def linear_attn_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +35,10 @@ def linear_attn_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None) -> Tupl
     return o, h
 
 
+#: The op, declared once (``fastweights/ops/_spec.py``).
+RECURRENT_LINEAR_ATTN = OpSpec("recurrent_linear_attn", Rule.SUM, Form.RECURRENT, torch=linear_attn_recurrence, step=linear_attn_step)
+
+
 def recurrent_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -43,7 +48,7 @@ def recurrent_linear_attn(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
@@ -92,8 +97,7 @@ def recurrent_linear_attn(
         >>> o.shape, h.shape
         (torch.Size([2, 100, 4, 32]), torch.Size([2, 4, 16, 33]))
     """
-    return run_op(
-        "recurrent_linear_attn", linear_attn_recurrence, q, k, v, g=g, scale=scale,
+    return run(RECURRENT_LINEAR_ATTN, q, k, v, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
         chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_inputs, compute_dtype
+from .._checks import check_inputs, compute_dtype, resolve_scale
 from .._frontend import Packing, autocast_off, check_autocast
 
 
@@ -189,7 +189,7 @@ def _attend(q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_se
     """:func:`softmax_attn` after its checks."""
     out_dtype = q.dtype
     dt = compute_dtype(out_dtype)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     device = q.device
 
     valid = packing = None
@@ -280,7 +280,7 @@ def softmax_attn_reference(
 
     ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]`` -> ``o: [B, T, H, V]``. Slow; for tests.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, q.shape[-1])
     outputs = []
     for t in range(q.shape[1]):
         scores = scale * torch.einsum("bhk,bshk->bhs", q[:, t], k[:, : t + 1])

@@ -35,6 +35,7 @@ import torch
 import triton
 
 from .._backend import backward_can_follow
+from .._checks import resolve_scale
 from .._frontend import check_op_args
 from ..feature_maps import FeatureMapLike, Identity, normalize_qk
 from . import CHUNK_SIZE
@@ -319,7 +320,7 @@ def chunk_op_triton(
         scale=scale, feature_map=feature_map, qk_norm=qk_norm, requires_beta=True, requires_g=requires_g,
         allow_neg_eigval=allow_neg_eigval,
     )
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     if not isinstance(phi, Identity) or qk_norm is not None:
         q = normalize_qk(phi(q.float()), qk_norm, op)
         k = normalize_qk(phi(k.float()), qk_norm, op)
