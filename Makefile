@@ -1,6 +1,7 @@
 # Two commands set up a fresh machine and do the work:
 #   make demo   -- the main job on its embedded default
 #   make test   -- the test suite
+#   make bench  -- the benchmarks (NAMES="chunk_speed lm_speed"; python -m benchmarks.run --list names them)
 # Both create .venv on first use. torch==2.13.0 is installed before anything
 # asks for a bare `torch`: with nothing installed, a bare requirement pulls a
 # multi-GB CUDA build.
@@ -34,8 +35,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+NAMES ?= chunk_speed
+
 bench: $(STAMP)
-	$(VENV)/bin/fastweights bench
+	$(PY) -m benchmarks.run $(NAMES)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

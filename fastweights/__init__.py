@@ -4,8 +4,8 @@
 attention, the delta rule and the gated delta rule) in recurrent, parallel and
 chunk forms, all proven equal to a float64 recurrence in the test suite.
 The rooms: ``ops`` → ``layers`` → ``models``; ``training``, ``tasks``, ``hf``,
-``io`` (the checkpoint files), ``studies``, ``lab``, ``bench``; ``cli`` with ``commands``; ``config`` (the shared
-dataclass and flag system).
+``io`` (the checkpoint files), ``studies``, ``lab``; ``cli`` with ``commands``; ``config`` (the shared
+dataclass and flag system). The benchmarks are ``benchmarks/`` beside the package (not installed).
 """
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject reads it)

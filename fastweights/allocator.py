@@ -8,4 +8,4 @@ import warnings
 warnings.warn("`fastweights.allocator` moved to `fastweights.training.allocator`; import it from there (the old path will be removed)",
               DeprecationWarning, stacklevel=2)
 
-from .training.allocator import *  # noqa: E402,F401,F403
+from .training.allocator import *  # noqa: E402, F403

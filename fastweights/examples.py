@@ -8,5 +8,5 @@ import warnings
 warnings.warn("`fastweights.examples` moved to `fastweights.studies.worked_examples`; import it from there (the old path will be removed)",
               DeprecationWarning, stacklevel=2)
 
-from .studies.worked_examples import *  # noqa: E402,F401,F403
+from .studies.worked_examples import *  # noqa: E402, F403
 from .studies.worked_examples import __getattr__  # noqa: E402,F401  (its earlier function names, with their own warning)

@@ -8,5 +8,5 @@ import warnings
 warnings.warn("`fastweights.training.checkpoint` moved to `fastweights.io.checkpoint`; import it from there (the old path will be removed)",
               DeprecationWarning, stacklevel=2)
 
-from ..io.checkpoint import *  # noqa: E402,F401,F403
+from ..io.checkpoint import *  # noqa: E402, F403
 from .train_state import tokenizer_of  # noqa: E402,F401  (it was here too)

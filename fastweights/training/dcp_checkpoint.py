@@ -8,4 +8,4 @@ import warnings
 warnings.warn("`fastweights.training.dcp_checkpoint` moved to `fastweights.io.dcp_checkpoint`; import it from there (the old path will be removed)",
               DeprecationWarning, stacklevel=2)
 
-from ..io.dcp_checkpoint import *  # noqa: E402,F401,F403
+from ..io.dcp_checkpoint import *  # noqa: E402, F403

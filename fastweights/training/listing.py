@@ -8,4 +8,4 @@ import warnings
 warnings.warn("`fastweights.training.listing` moved to `fastweights.io.listing`; import it from there (the old path will be removed)",
               DeprecationWarning, stacklevel=2)
 
-from ..io.listing import *  # noqa: E402,F401,F403
+from ..io.listing import *  # noqa: E402, F403

@@ -125,7 +125,8 @@ OLD_PATHS = {
     "fastweights.run_folder": ("RunLock", "fastweights.training.run_folder"),
     "fastweights.allocator": ("tune_cpu_allocator", "fastweights.training.allocator"),
     "fastweights.examples": ("all_examples", "fastweights.studies.worked_examples"),
-    "fastweights.lm_bench": ("QUICK_TRAIN_SHAPES", "fastweights.bench.lm_speed"),
+    "fastweights.lm_bench": ("QUICK_TRAIN_SHAPES", "benchmarks.lm_speed"),
+    "fastweights.bench": ("add_arguments", "benchmarks.chunk_speed"),
     "fastweights.training.checkpoint": ("save_checkpoint", "fastweights.io.checkpoint"),
     "fastweights.training.dcp_checkpoint": ("save_sharded", "fastweights.io.dcp_checkpoint"),
     "fastweights.training.sealing": ("write_manifest", "fastweights.io.sealing"),
@@ -171,7 +172,7 @@ def test_the_top_level_holds_only_the_shared_modules_the_rooms_and_the_old_paths
     old_top_level = [old.split(".")[1] + ".py" for old in OLD_PATHS if old.count(".") == 1]
     assert files == sorted(["__init__.py", "cli.py", "config.py", "py.typed"] + old_top_level)
     rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert rooms == ["bench", "commands", "hf", "io", "lab", "layers", "models", "ops", "studies", "tasks", "training"]
+    assert rooms == ["commands", "hf", "io", "lab", "layers", "models", "ops", "studies", "tasks", "training"]
 
 
 def test_an_old_path_is_a_small_module_that_warns_and_forwards():
@@ -226,13 +227,22 @@ def test_old_from_imports_work_in_a_fresh_process():
 
 
 def test_the_old_bench_module_names_forward_to_chunk_speed_with_a_warning():
-    import fastweights.bench as bench
-    from fastweights.bench import chunk_speed
+    from benchmarks import chunk_speed
 
-    with pytest.warns(DeprecationWarning, match="moved to `fastweights.bench.chunk_speed.add_arguments`"):
-        assert bench.add_arguments is chunk_speed.add_arguments
+    sys.modules.pop("fastweights.bench", None)
+    with pytest.warns(DeprecationWarning, match="moved to `benchmarks.chunk_speed`"):
+        bench = importlib.import_module("fastweights.bench")
+    assert bench.add_arguments is chunk_speed.add_arguments and bench.main is chunk_speed.main
     with pytest.raises(AttributeError, match="no_such_name"):
-        bench.__getattr__("no_such_name")
+        _ = bench.no_such_name
+
+
+def test_nothing_in_the_package_imports_the_benchmarks_but_the_old_paths():
+    """The benchmarks live beside the package (``benchmarks/``, not installed); only the old module
+    paths forward to them (and ``fastweights bench`` finds them in a checkout at run time)."""
+    importers = sorted(name for name, (path, is_package) in MODULES.items()
+                       if any(t == "benchmarks" or t.startswith("benchmarks.") for t, _ in _imports(name, path, is_package)))
+    assert importers == ["fastweights.bench", "fastweights.lm_bench"]
 
 
 def test_every_name_the_training_room_lists_resolves():
