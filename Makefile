@@ -1,10 +1,11 @@
 # Two commands set up a fresh machine and do the work:
 #   make demo   -- the main job on its embedded default
 #   make test   -- the test suite
-#   make bench  -- the benchmarks (NAMES="chunk_speed lm_speed"; python -m benchmarks.run --list names them)
 # Both create .venv on first use. torch==2.13.0 is installed before anything
 # asks for a bare `torch`: with nothing installed, a bare requirement pulls a
 # multi-GB CUDA build.
+# make bench runs benchmarks from the checkout (NAMES="chunk_speed lm_speed";
+# python -m benchmarks.run --list names them).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
