@@ -4,6 +4,8 @@
 # Both create .venv on first use. torch==2.13.0 is installed before anything
 # asks for a bare `torch`: with nothing installed, a bare requirement pulls a
 # multi-GB CUDA build.
+# make bench runs benchmarks from the checkout (NAMES="chunk_speed lm_speed";
+# python -m benchmarks.run --list names them).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -34,8 +36,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+NAMES ?= chunk_speed
+
 bench: $(STAMP)
-	$(VENV)/bin/fastweights bench
+	$(PY) -m benchmarks.run $(NAMES)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -4,7 +4,8 @@
 # `make setup`) and, from a folder outside the source tree, checks:
 #   - `python -m fastweights.ops.cpu` builds the kernels from the installed sources (cold cache)
 #     and the chunk ops take the compiled path;
-#   - `fastweights examples` passes; `fastweights lab` serves its page; `fastweights train` runs 2 steps.
+#   - `fastweights examples` passes; `fastweights lab` serves its page; `fastweights train` runs 2 steps;
+#   - no benchmark code is installed, and `fastweights bench` says where the benchmarks are.
 # Then the same with the sdist installed in place of the wheel (pip builds it as a user's pip would),
 # reusing the kernel cache (warm: nothing is compiled again).
 # Usage: .ci/install_check.sh            (PYTHON picks the interpreter, default python3)
@@ -90,6 +91,11 @@ EOF
     "$VENV/bin/fastweights" train --steps 2 --eval-every 2 --out "$WORK/away/run-$what" >"$WORK/train.log" 2>&1 \
         || { tail -n 30 "$WORK/train.log"; say "$what: fastweights train failed"; return 1; }
     say "$what: fastweights train ran 2 steps ($((SECONDS - t)) s)"
+    # the benchmarks stay in the checkout: none installed, and `fastweights bench` says where they are
+    if "$PY" -c "import benchmarks" 2>/dev/null; then say "$what: a benchmarks package was installed"; return 1; fi
+    if out=$("$VENV/bin/fastweights" bench 2>&1); then say "$what: fastweights bench ran without the benchmarks"; return 1; fi
+    grep -q "not part of the installed package" <<<"$out" || { echo "$out"; say "$what: fastweights bench did not say where the benchmarks are"; return 1; }
+    say "$what: no benchmark code installed; fastweights bench points at the checkout"
     cd "$ROOT"
 }
 

@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..training.checkpoint import export_model
+    from ..io.checkpoint import export_model
 
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     path = export_model(args.run, args.out, dtype, overwrite=args.overwrite)

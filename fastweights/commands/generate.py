@@ -69,7 +69,8 @@ def prompt_ids(args, encode, tokenizer: str) -> list:
 def run(args) -> int:
     import torch
 
-    from ..training.checkpoint import load_model, tokenizer_of
+    from ..io.checkpoint import load_model
+    from ..training.train_state import tokenizer_of
 
     if args.prompt_lookup is not None and args.draft is not None:
         raise ValueError("generate: give `--prompt-lookup` or `--draft`, not both")

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..training.checkpoint import load_model, resolve_checkpoint, save_checkpoint
+from ..io.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 from ..models import LM
 from .modeling import FastWeightsConfig, FastWeightsForCausalLM, load_pretrained
 from .output_folder import check_output_folder, write_output_folder
@@ -63,7 +63,7 @@ def checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out_dir: Union[str, os
 def hf_to_checkpoint(hf_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike],
                      overwrite: bool = False) -> str:
     """A transformers folder of :class:`FastWeightsForCausalLM` -> a fastweights checkpoint
-    folder (loadable by ``fastweights generate`` and :func:`fastweights.training.checkpoint.load_model`).
+    folder (loadable by ``fastweights generate`` and :func:`fastweights.io.checkpoint.load_model`).
 
     Every tensor the config needs must be in ``hf_dir`` and no other (a ``ValueError``
     naming them otherwise); ``out_dir`` as in :func:`checkpoint_to_hf`."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -68,8 +69,10 @@ class LMConfig(Config):
             layer (its KV cache grows with the context); models without one take any length.
         rope_theta: RoPE base θ of the softmax layers (rotary position embeddings, on by
             default); ``None`` means no positional encoding (NoPE).
-        mlp_hidden: SwiGLU hidden size; ``None`` means 8/3·d_model rounded up to a multiple of 8;
-            0 means no MLP at all (attention-only blocks, as in Zoology's MQAR models).
+        mlp_hidden: the width of the SwiGLU MLP's hidden layer; ``None`` means 8/3·d_model rounded up
+            to a multiple of 8; 0 means no MLP at all (attention-only blocks, as in Zoology's MQAR
+            models). :attr:`mlp_width` is the width in use (``hidden_size``, its former name, is
+            deprecated: transformers' ``hidden_size`` is ``d_model``).
         tie_embeddings: share the input embedding and the output projection.
         use_short_conv, conv_size: the causal depthwise convolution on q, k, v of the
             fast-weight mixers (linear, deltanet, gated_deltanet, kda).
@@ -169,10 +172,20 @@ class LMConfig(Config):
         raise TypeError(f"LMConfig: `mixer` must be a name or a list of names, got {self.mixer!r}")
 
     @property
-    def hidden_size(self) -> int:
+    def mlp_width(self) -> int:
+        """The width of each block's SwiGLU MLP (its hidden layer): ``mlp_hidden``, or 8/3·d_model
+        rounded up to a multiple of 8 when that is ``None``; 0 means no MLP."""
         if self.mlp_hidden is not None:
             return self.mlp_hidden
         return 8 * math.ceil(8 * self.d_model / 3 / 8)
+
+    @property
+    def hidden_size(self) -> int:
+        """Deprecated name of :attr:`mlp_width` (transformers' ``hidden_size`` is the model width,
+        ``d_model``, as in :class:`fastweights.hf.FastWeightsConfig`)."""
+        warnings.warn("`LMConfig.hidden_size` is the MLP width and is now `LMConfig.mlp_width` (transformers' "
+                      "`hidden_size` is `d_model`); the old name will be removed", DeprecationWarning, stacklevel=2)
+        return self.mlp_width
 
 
 # LMConfig fields added after checkpoints were first written, with the value a checkpoint
@@ -225,8 +238,8 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = build_mixer(mixer, config, layer)
         # mlp_hidden = 0: a mixer-only block (no MLP, no MLP norm).
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.hidden_size else None
-        self.mlp = SwiGLU(config.d_model, config.hidden_size) if config.hidden_size else None
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if config.mlp_width else None
+        self.mlp = SwiGLU(config.d_model, config.mlp_width) if config.mlp_width else None
 
     def forward(self, x: torch.Tensor, state=None, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                 cp_group=None, value_residual: Optional[dict] = None):

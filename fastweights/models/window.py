@@ -74,7 +74,7 @@ WINDOW_WIDTH = 16
 
 #: The padded width from which a window's memory runs the chunk form instead of the recurrent
 #: form. Measured on this 2-core CPU (DeltaNet LM d_model 256, 4 layers, 4 heads, fp32, one
-#: thread, process time; ``python -m fastweights.bench.speculative crossover``, BENCHMARKS.md): the chunk
+#: thread, process time; ``python -m benchmarks.run speculative --part crossover``, BENCHMARKS.md): the chunk
 #: form over a window overtakes the recurrent form at k = 48 tokens (0.88× its time; 0.75× at
 #: 64; 1.1-2.2× slower below 32). Either form reads k tokens faster than k one-token steps
 #: from k = 4 on (0.95×; 0.24× at 16).

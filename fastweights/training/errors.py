@@ -1,14 +1,8 @@
-"""The errors of checkpoints and run folders (all ``ValueError``s with a one-line message)."""
+"""The errors of run folders (the checkpoint files' own are in :mod:`fastweights.io.errors`)."""
+
+from ..io.errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "RunFolderError"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt, or does not match its config."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint could not be written (a full disk, a read-only folder); nothing was replaced."""
 
 
 class RunFolderError(ValueError):

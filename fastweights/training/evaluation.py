@@ -176,7 +176,7 @@ def evaluate_file(checkpoint: str, data: str, *, tokens: int = 0, seq_len=None, 
     ``perplexity`` (``exp(loss_nats)``), ``accuracy``, ``seconds``, ``tok_s``.
     """
     from ..tasks.text import read_bytes
-    from .checkpoint import load_model
+    from ..io.checkpoint import load_model
     from .precision import check_precision
 
     for name, value, low in (("--tokens", tokens, 0), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1)):

@@ -47,14 +47,14 @@ import torch.distributed as dist
 from ..models import LM, LMConfig
 from ..tasks import IGNORE
 from ..tasks.adapters import make_task, step_generator
-from .checkpoint import save_checkpoint
+from ..io.checkpoint import save_checkpoint
 from .config import TrainConfig
-from .dcp_checkpoint import load_sharded, save_sharded
+from ..io.dcp_checkpoint import load_sharded, save_sharded
 from .distributed import Heartbeat, all_reduce_, collective, current_heartbeat, dist_info, maybe_init_distributed, set_heartbeat
 from .errors import CheckpointWriteError, RunFolderError
 from .data_files import BusErrorGuard, DataWatch, check_data_files, data_fingerprints
 from .evaluation import evaluate_global, token_losses
-from .listing import mark_latest, remove_folder
+from ..io.listing import mark_latest, remove_folder
 from .metrics import rewrite_metrics, write_metrics
 from .optim import learning_rate, make_optimizer
 from .parallel import ParallelPlan, init_single_process_group, plan_parallel, shard_model
@@ -62,7 +62,7 @@ from .precision import DTYPES, check_precision, make_scaler
 from .run_folder import RunLock, claim_run_folder, describe_latest, new_run_id, prune_checkpoints
 from .signals import StopSignals, TrainingInterrupted
 from .train_state import check_training_tensors, load_training_checkpoint, optimizer_from_flat, optimizer_to_flat
-from .checkpoint import load_weights
+from ..io.checkpoint import load_weights
 
 __all__ = ["TrainResult", "train"]
 

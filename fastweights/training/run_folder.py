@@ -31,11 +31,12 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from .checkpoint import Checkpoint
-from .errors import CheckpointError, RunFolderError
-from .listing import (
+from ..io.checkpoint import Checkpoint
+from ..io.errors import CheckpointError
+from ..io.listing import (
     LATEST, clean_stray, mark_latest, remove_folder, resolve_checkpoint, run_checkpoints, run_id_of,
 )
+from .errors import RunFolderError
 from .train_state import load_training_checkpoint
 
 LOCK = "lock"

@@ -15,8 +15,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from .checkpoint import Checkpoint, load_checkpoint
-from .errors import CheckpointError
+from ..io.checkpoint import Checkpoint, load_checkpoint
+from ..io.errors import CheckpointError
 
 __all__ = ["GRAD_SCALER_SCHEMA", "check_train_state", "check_training_tensors", "load_training_checkpoint",
            "optimizer_from_flat", "optimizer_to_flat"]
@@ -185,3 +185,18 @@ def check_training_tensors(ckpt: "Checkpoint", optimizer: torch.optim.Optimizer)
         if names != every:
             raise CheckpointError(f"{state_file}: parameter {index} has optimizer state {sorted(names)} but others have "
                                   f"{sorted(every)}: `optimizer.{index}.{sorted(every - names)[0]}` is missing")
+
+
+def tokenizer_of(ckpt):
+    """(encode, decode) of the data a checkpoint was trained on."""
+    from ..tasks import ByteText
+    from ..tasks.adapters import RecallData
+    from .config import TrainConfig
+
+    kind = (ckpt.train or {}).get("tokenizer", "bytes" if ckpt.config.vocab_size == 256 else None)
+    if kind == "bytes":
+        return ByteText.encode, ByteText.decode
+    if kind == "recall":
+        data = RecallData(TrainConfig.from_dict(ckpt.train["train_config"]))
+        return data.encode, data.decode
+    raise ValueError(f"generate: {ckpt.path} does not say how its tokens were made (no train.json); cannot encode a prompt")

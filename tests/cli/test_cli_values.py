@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastweights.training.checkpoint import save_checkpoint
+from fastweights.io.checkpoint import save_checkpoint
 from fastweights.cli import build_parser, main
 from fastweights.models import LM, LMConfig
 

@@ -1,4 +1,4 @@
-"""``fastweights bench --cpu-peers`` (``fastweights/bench/cpu_peers.py``) on a tiny prefill: every
+"""``fastweights bench --cpu-peers`` (``benchmarks/cpu_peers.py``) on a tiny prefill: every
 row is timed or skipped with its reason (a missing peer never fails the run), ratios are the
 peer's time over ours, and the path each compiled kernel took is recorded. No speed asserted."""
 
@@ -6,13 +6,14 @@ import json
 
 import pytest
 
-from fastweights.bench import cpu_peers
+from benchmarks import cpu_peers
+from benchmarks.run import main as run_benchmarks
 
 
 def test_every_peer_is_a_timed_row_or_a_skipped_row_with_its_reason(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cpu_peers, "SHAPES", {"H 2 x 128": 2})
     out = tmp_path / "peers.json"
-    assert cpu_peers.main(["--T", "64", "--threads", "1", "--repeats", "1", "--json", str(out)]) == 0
+    assert run_benchmarks(["cpu_peers", "--T", "64", "--threads", "1", "--repeats", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert {r["phase"] for r in rows} == {"prefill", "decode"}
@@ -32,4 +33,4 @@ def test_every_peer_is_a_timed_row_or_a_skipped_row_with_its_reason(tmp_path, ca
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="`--threads` must be >= 1, got 0"):
-        cpu_peers.main(["--threads", "0"])
+        run_benchmarks(["cpu_peers", "--threads", "0"])

@@ -8,8 +8,8 @@ import pytest
 
 from fastweights.cli import main as cli_main
 from fastweights.models import LM, LMConfig
-from fastweights.training.checkpoint import load_checkpoint, save_checkpoint
-from fastweights.training.listing import mark_latest
+from fastweights.io.checkpoint import load_checkpoint, save_checkpoint
+from fastweights.io.listing import mark_latest
 
 
 def tiny_run(folder, step=4):

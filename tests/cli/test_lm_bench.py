@@ -5,14 +5,15 @@ import json
 
 import pytest
 
-from fastweights.bench import lm_speed as lm_bench
+from benchmarks import lm_speed as lm_bench
+from benchmarks.run import main as run_benchmarks
 from fastweights.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
 def quick_result(tmp_path_factory):
     path = tmp_path_factory.mktemp("lm_bench") / "lm_speed.json"
-    rc = lm_bench.main(["--quick", "--json", str(path), "--d-model", "32", "--layers", "2", "--lm-heads", "2", "--threads", "1"])
+    rc = run_benchmarks(["lm_speed", "--quick", "--json", str(path), "--d-model", "32", "--layers", "2", "--lm-heads", "2", "--threads", "1"])
     assert rc == 0
     return json.loads(path.read_text())
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from fastweights.bench import chunk_speed
 from fastweights.ops import cpu as cpu_kernels
-from fastweights.bench.roofline import chunk_backward_flops, chunk_forward_flops, has_bf16_matmul, op_flops
+from benchmarks.roofline import chunk_backward_flops, chunk_forward_flops, has_bf16_matmul, op_flops
+from benchmarks.run import main as run_benchmarks
 
 
 def test_flop_counts_per_head_and_chunk():
@@ -25,7 +25,7 @@ def test_roofline_only_writes_every_row_with_its_fraction(tmp_path, clock, one_t
     argv = ["--roofline-only", "--roofline-T", "64", "--roofline-heads", "1", "--roofline-head-dim", "16",
             "--chunk-size", "32", "--decode-batch", "1", "--repeats", "1", "--threads", "1", "--clock", clock,
             "--json", str(out)]
-    assert chunk_speed.main(argv) == 0
+    assert run_benchmarks(["chunk_speed", *argv]) == 0
     result = json.loads(out.read_text())["roofline"]
     assert result["clock"] == clock and result["shape"]["K"] == 16
     limits = {n: lim["rate"] for n, lim in result["limits"].items()}
@@ -52,10 +52,8 @@ def test_roofline_only_writes_every_row_with_its_fraction(tmp_path, clock, one_t
 
 
 def test_cpu_table_times_every_row_and_the_comparisons(tmp_path, one_thread):
-    from fastweights.bench import cpu_table
-
     out = tmp_path / "table.json"
-    assert cpu_table.main(["--T", "64", "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
+    assert run_benchmarks(["cpu_table", "--T", "64", "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     names = {r["name"] for r in result["rows"]}
     for rule in ("chunk_delta_rule", "chunk_gated_delta_rule"):

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'fastweights[hf]')")
 
 import fastweights.hf as fh
-from fastweights.training.checkpoint import save_checkpoint
+from fastweights.io.checkpoint import save_checkpoint
 from test_hf_safety import _hf_folder, run_cli, tiny_lm
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers not installed (pip install 'fastweights[hf]')")
 
 import fastweights.hf as fh
-from fastweights.training.checkpoint import load_model, save_checkpoint
+from fastweights.io.checkpoint import load_model, save_checkpoint
 from fastweights.cli import main
 from fastweights.models import LM, LMConfig
 

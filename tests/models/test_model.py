@@ -103,7 +103,7 @@ def test_blocks_are_pre_norm_swiglu():
     model = LM(small_config("deltanet", mlp_hidden=24))
     block = model.blocks[0]
     assert block.mlp.gate.weight.shape == (24, 40) and block.mlp.down.weight.shape == (40, 24)
-    assert LMConfig(vocab_size=5, d_model=48, n_layers=1, n_heads=2).hidden_size == 128  # 8/3·48
+    assert LMConfig(vocab_size=5, d_model=48, n_layers=1, n_heads=2).mlp_width == 128  # 8/3·48
 
 
 def test_config_json_round_trip(tmp_path):
@@ -197,3 +197,13 @@ def test_mlp_hidden_zero_builds_mixer_only_blocks():
     assert logits.shape == (2, 9, model.config.vocab_size)
     with pytest.raises(ValueError, match="mlp_hidden"):
         small_config("deltanet", mlp_hidden=-1)
+
+
+def test_the_mlp_width_is_mlp_width_and_its_old_name_warns():
+    """``LMConfig.hidden_size`` was the MLP width (transformers' ``hidden_size`` is d_model): it is
+    ``mlp_width`` now, and the old name still answers the same number, with a DeprecationWarning."""
+    config = LMConfig(vocab_size=5, d_model=48, n_layers=1, n_heads=2, mlp_hidden=40)
+    assert config.mlp_width == 40
+    with pytest.warns(DeprecationWarning, match="mlp_width"):
+        assert config.hidden_size == 40
+    assert LMConfig(vocab_size=5, d_model=48, n_layers=1, n_heads=2, mlp_hidden=0).mlp_width == 0

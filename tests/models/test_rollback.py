@@ -281,7 +281,7 @@ def recall_run(tmp_path_factory):
 def test_small_prompt_lookup_benchmark(recall_run, one_thread):
     """The benchmark's honest small version: a model trained by ``fastweights train``, greedy
     against prompt lookup: identical tokens, some proposals accepted."""
-    from fastweights.bench import speculative as bench
+    from benchmarks import speculative as bench
 
     result = bench.lookup(str(recall_run), k=3, prompts=2, max_new_tokens=16, repeats=1)
     assert result["identical"] and result["acceptance"] > 0

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from fastweights.bench import serving
+from benchmarks.run import main as run_benchmarks
 from fastweights.models import LM, LMConfig, fork_cache
 from fastweights.models.pool import SessionPool
 
@@ -105,7 +105,7 @@ def test_pool_refuses_softmax_and_a_full_pool():
 
 def test_serving_benchmark_quick(tmp_path):
     out = tmp_path / "serving.json"
-    serving.main(["--quick", "--json", str(out)])
+    run_benchmarks(["serving", "--quick", "--json", str(out)])
     result = json.loads(out.read_text())
     assert [r["sessions"] for r in result["throughput"]] == [1, 2, 4, 8]
     assert all(r["tokens_per_s"] > 0 for r in result["throughput"])

@@ -267,7 +267,7 @@ def test_kda_decode_step_keeps_the_pytorch_step_for_gradients(kernels):
 
 
 def test_linear_attention_flop_count_of_the_roofline_rows():
-    from fastweights.bench.roofline import linear_attn_flops
+    from benchmarks.roofline import linear_attn_flops
 
     # C = 64, K = V = 128: Q Kᵀ and P V (2·64²·128 each), Q h and K̄ᵀ V (2·64·128² each)
     assert linear_attn_flops(1, 1, 64, 128, 128, 64) == 2 * 1048576 + 2 * 2097152

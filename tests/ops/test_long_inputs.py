@@ -149,7 +149,7 @@ def test_streaming_in_pieces_equals_one_pass_in_flat_memory():
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_one_million_tokens_in_bounded_memory():
-    """The benchmark's long run (``python -m fastweights.bench.chunk_speed --long``) as a test: 1,000,000 tokens,
+    """The benchmark's long run (``python -m benchmarks.run chunk_speed --long``) as a test: 1,000,000 tokens,
     B = 1, H = 4, K = V = 64, pieces of 15,625; resident memory without a trend, state energy settled."""
     tokens, piece, H, K, V = 1_000_000, 15_625, 4, 64, 64
     h, _, rss = stream_with_memory(tokens, piece, H, K, V)

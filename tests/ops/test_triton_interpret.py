@@ -198,7 +198,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "fastweights.bench.gpu_chunk_delta", "--dry-run", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.run", "gpu_chunk_delta", "--dry-run", "--json", str(out)],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     print(proc.stdout[-3000:], proc.stderr[-3000:])

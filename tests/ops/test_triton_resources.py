@@ -1,4 +1,4 @@
-"""``python -m fastweights.bench.triton_resources``: every Triton kernel config compiled for sm_90 on the CPU fits.
+"""``python -m benchmarks.run triton_resources``: every Triton kernel config compiled for sm_90 on the CPU fits.
 
 The default run compiles one cheap case (the decode step, fp32, K = V = 64, its
 configs) into a fresh cache and checks what the script reports; the slow run
@@ -25,7 +25,7 @@ SM90_SHARED = 232_448
 def _run(args, timeout):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, never interpret
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-m", "fastweights.bench.triton_resources", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "triton_resources", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     return proc

@@ -1,5 +1,8 @@
 """What the wheel and the sdist hold, against what the installed package reads at run time.
 
+The benchmarks (``benchmarks/`` beside the package) are not in the wheel: a checkout has them, an
+installed copy does not (``fastweights bench`` says where they are).
+
 Every file under ``fastweights/`` that is not Python (the compiled kernels' sources, the folders'
 READMEs, the lab's page, ``py.typed``) must be in the wheel, or be listed in ``EXCLUDED`` with
 the reason. The wheel and the sdist are built the way pip builds them (setuptools' PEP 517 hooks)
@@ -47,8 +50,8 @@ def built(tmp_path_factory):
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "fastweights", src / "fastweights",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    for folder in ("fastweights", "benchmarks"):  # a clean checkout has both; only the package may ship
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
     names = []
     for hook in ("build_wheel", "build_sdist"):  # one process each, as pip runs them (sharing one confuses setuptools)
         code = f"import sys; from setuptools import build_meta as b; print('BUILT', b.{hook}(sys.argv[1]))"
@@ -89,3 +92,28 @@ def test_the_sdist_holds_the_wheel_and_what_builds_it(built):
     in_package = {n for n in wheel if n.startswith("fastweights/")}
     assert in_package <= sdist, sorted(in_package - sdist)
     assert {"pyproject.toml", "README.md", "LICENSE"} <= sdist
+
+
+def _imports_benchmarks(path: Path) -> bool:
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+            return True
+    return False
+
+
+def test_the_wheel_holds_no_benchmark_code(built):
+    """The installed package contains no benchmark: nothing of ``benchmarks/`` (which the build saw)
+    or of the package's old ``bench/`` room, and the only modules that name the benchmarks are the
+    two old module paths that forward to them (a few lines each)."""
+    wheel, _ = built
+    assert (ROOT / "benchmarks" / "run.py").is_file(), "the checkout's benchmarks are missing: this test would prove nothing"
+    top = {name.split("/")[0] for name in wheel if ".dist-info/" not in name}
+    assert top == {"fastweights"}, sorted(top)
+    assert [name for name in wheel if name.startswith("fastweights/bench/")] == []
+    forwarding = sorted(name for name in wheel if name.endswith(".py") and _imports_benchmarks(ROOT / name))
+    assert forwarding == ["fastweights/bench.py", "fastweights/lm_bench.py"]
+    assert all(len((ROOT / name).read_text(encoding="utf-8").splitlines()) <= 20 for name in forwarding)

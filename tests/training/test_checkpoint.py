@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from fastweights.training import checkpoint as ckpt_module
+from fastweights.io import checkpoint as ckpt_module
 from fastweights.training import train_state
 from fastweights.training import CheckpointError, load_checkpoint, load_model, mark_latest, save_checkpoint
 from fastweights.models import LM, LMConfig

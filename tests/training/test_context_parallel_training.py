@@ -30,7 +30,7 @@ def args_for(text, out, *extra):
 
 
 def weights(run):
-    from fastweights.training.checkpoint import load_model
+    from fastweights.io.checkpoint import load_model
 
     model, _ = load_model(run)
     return model.state_dict()

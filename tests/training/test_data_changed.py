@@ -18,7 +18,7 @@ import pytest
 
 from fastweights.cli import main as cli_main
 from fastweights.training import loop as loop_module
-from fastweights.training.checkpoint import load_checkpoint
+from fastweights.io.checkpoint import load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the compiled CPU kernels play no part here: off, so that no test waits for their build

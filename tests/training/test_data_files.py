@@ -63,7 +63,7 @@ print("GROWTH_MB", hwm() - before)
 
 
 def eval_growth_mb(tmp_path, size):
-    from fastweights.training.checkpoint import save_checkpoint
+    from fastweights.io.checkpoint import save_checkpoint
     from fastweights.models import LM, LMConfig
 
     torch.manual_seed(0)
@@ -95,14 +95,12 @@ def test_eval_tokens_100_of_a_60_mb_file_peak_rss(tmp_path):
 
 @pytest.mark.slow
 def test_eval_and_train_of_a_60_mb_file_peak_rss_benchmark():
-    """``fastweights.bench.data_memory`` at 60 MB: the data adds a few MB, not the file's size
+    """``benchmarks/data_memory.py`` at 60 MB: the data adds a few MB, not the file's size
     (before: +487 MB for ``eval --tokens 100``, +457 MB for ``train --data``)."""
-    import argparse
-
-    from fastweights.bench.data_memory import measure
+    from benchmarks.data_memory import Config, measure
 
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    rows = measure("this", env, argparse.Namespace(sizes_mb=[60], dir=None))
+    rows = measure("this", env, Config(sizes_mb=(60,)))
     for row in rows:
         print(row)
         assert row["extra_mb"] < 30, row

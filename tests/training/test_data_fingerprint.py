@@ -10,7 +10,7 @@ import os
 import pytest
 
 from fastweights.cli import main
-from fastweights.training.checkpoint import load_checkpoint
+from fastweights.io.checkpoint import load_checkpoint
 
 FLAGS = ["--steps", "2", "--seq-len", "16", "--batch-size", "2", "--d-model", "16", "--n-layers", "1",
          "--n-heads", "2", "--eval-every", "0", "--save-every", "1", "--progress", "off", "--threads", "1"]
@@ -89,7 +89,7 @@ def test_allow_data_change_continues_on_the_new_file_and_records_it(started, mon
 def test_a_checkpoint_without_fingerprints_still_resumes(started, capsys):
     """Checkpoints written before fingerprints: resumed unchecked (said in the log), recorded from then on."""
     from fastweights.models import LM
-    from fastweights.training.checkpoint import load_weights, save_checkpoint
+    from fastweights.io.checkpoint import load_weights, save_checkpoint
 
     tmp_path, out = started
     ckpt = load_checkpoint(out)

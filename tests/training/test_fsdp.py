@@ -28,7 +28,7 @@ TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--threads", "1"
 
 
 def final_weights(path):
-    from fastweights.training.checkpoint import load_model
+    from fastweights.io.checkpoint import load_model
 
     model, _ = load_model(path)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -111,8 +111,8 @@ def test_a_sharded_checkpoint_is_checked_before_it_is_read(fsdp_run, tmp_path, c
 def test_an_exported_file_is_checked_when_loaded(fsdp_run, tmp_path, capsys):
     """The single file carries a SHA-256 of its tensors: a flipped bit is refused naming the file; `--out`
     must name a .safetensors file."""
-    from fastweights.training.checkpoint import load_checkpoint
-    from fastweights.training.errors import CheckpointError
+    from fastweights.io.checkpoint import load_checkpoint
+    from fastweights.io.errors import CheckpointError
 
     out, _ = fsdp_run
     model_file = tmp_path / "model.safetensors"
@@ -132,8 +132,8 @@ def test_dcp_metadata_is_read_without_running_code(fsdp_run, tmp_path):
     """DCP's .metadata is a pickle: an object outside DCP's metadata classes is refused, not built."""
     import pickle
 
-    from fastweights.training.dcp_checkpoint import _read_metadata
-    from fastweights.training.errors import CheckpointError
+    from fastweights.io.dcp_checkpoint import _read_metadata
+    from fastweights.io.errors import CheckpointError
 
     out, _ = fsdp_run
     _read_metadata(str(out / "ckpt-000006" / ".metadata"))  # the real one reads
@@ -245,7 +245,7 @@ def test_a_lost_rank_ends_the_job_and_keeps_the_checkpoints(tmp_path, fault):
         assert took < 6 + 60
     finally:
         stop_all(procs)
-    from fastweights.training.checkpoint import load_checkpoint
+    from fastweights.io.checkpoint import load_checkpoint
 
     saved = [n for n in os.listdir(out) if n.startswith("ckpt-") and ".tmp" not in n]
     for name in saved:
@@ -297,7 +297,7 @@ def test_sigkill_of_the_whole_job_at_random_moments_resumes_bitwise(tmp_path):
     losses equal the uninterrupted run's bit for bit."""
     import random
 
-    from fastweights.training.checkpoint import load_checkpoint
+    from fastweights.io.checkpoint import load_checkpoint
 
     args = ["train", "--fsdp", "--steps", "12", "--save-every", "1", "--keep-checkpoints", "2", *TINY]
     whole = torchrun(2, *args, "--out", str(tmp_path / "whole"))

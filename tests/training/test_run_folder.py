@@ -18,11 +18,12 @@ import time
 import pytest
 import torch
 
-from fastweights.training import checkpoint as ckpt_module
+from fastweights.io import checkpoint as ckpt_module
 from fastweights.training import CheckpointError, load_checkpoint
 from fastweights.cli import main as cli_main
 from fastweights.models import LMConfig
-from fastweights.training import RunFolderError, StopSignals, TrainConfig, make_task, prune_checkpoints, train
+from fastweights.tasks import make_task
+from fastweights.training import RunFolderError, StopSignals, TrainConfig, prune_checkpoints, train
 
 from spawn_ranks import spawn, stop_all
 

@@ -19,8 +19,8 @@ import torch
 
 from fastweights.cli import main as cli_main
 from fastweights.models import LM, LMConfig
-from fastweights.training.dcp_checkpoint import FORMAT_DCP, _read_metadata, save_sharded
-from fastweights.training.sealing import MANIFEST, write_manifest
+from fastweights.io.dcp_checkpoint import FORMAT_DCP, _read_metadata, save_sharded
+from fastweights.io.sealing import MANIFEST, write_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 SHARD = "__0_0.distcp"
@@ -130,7 +130,7 @@ def export(capsys, source, out, seconds=30):
 
 
 def test_an_intact_sharded_checkpoint_exports_its_own_weights(pair, tmp_path, capsys):
-    from fastweights.training.checkpoint import load_model
+    from fastweights.io.checkpoint import load_model
 
     code, err = export(capsys, pair / "a", tmp_path / "a.safetensors")
     assert code == 0, err

@@ -16,7 +16,8 @@ import torch
 from fastweights.cli import main as cli_main
 from fastweights.models import LMConfig
 from fastweights.tasks import IGNORE, AssociativeRecall, ByteText
-from fastweights.training import TrainConfig, learning_rate, make_task, train
+from fastweights.tasks import make_task
+from fastweights.training import TrainConfig, learning_rate, train
 from fastweights.training import loop as train_module
 
 TINY_MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--threads", "1"]

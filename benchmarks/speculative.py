@@ -2,9 +2,9 @@
 
 Usage (repository root)::
 
-    python -m fastweights.bench.speculative crossover      # window forms against k one-token steps
-    python -m fastweights.bench.speculative lookup --checkpoint runs/recall   # greedy vs prompt lookup
-    python -m fastweights.bench.speculative lookup --train # writes a repeating text, trains a DeltaNet on it first
+    python -m benchmarks.run speculative --part crossover    # window forms against k one-token steps
+    python -m benchmarks.run speculative --part lookup --checkpoint runs/recall   # greedy vs prompt lookup
+    python -m benchmarks.run speculative --part lookup --train   # writes a repeating text, trains a DeltaNet on it first
 
 **crossover**: a DeltaNet LM (d_model 256, 4 layers, 4 heads, vocabulary 256, fp32,
 B = 1) reads a 128-token prompt; then, for each k, the time to read k more tokens:
@@ -26,20 +26,20 @@ Writes ``docs/results/speculative.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from ..config import atomic_write_text
-from ..models import LM, LMConfig
-from ..models import window as windows
-from ..models.speculative import speculative_generate
+from fastweights.config import atomic_write_text, flag
+from fastweights.models import LM, LMConfig
+from fastweights.models import window as windows
+from fastweights.models.speculative import speculative_generate
 
 DEFAULT_JSON = "docs/results/speculative.json"
 KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -114,7 +114,7 @@ def write_repeating_text(path: str, lines: int = 12000, seed: int = 0) -> str:
 
 
 def _train(out: str, data: str, steps: int = 800) -> str:
-    from ..cli import main as cli
+    from fastweights.cli import main as cli
 
     cli(["train", "--out", out, "--overwrite", "--data", data, "--seq-len", "128", "--mixer", "deltanet",
          "--d-model", "128", "--n-layers", "2", "--n-heads", "4", "--steps", str(steps), "--threads", "1",
@@ -125,9 +125,9 @@ def _train(out: str, data: str, steps: int = 800) -> str:
 def _prompts(ckpt, count: int, seed: int, data):
     """Prompts for a checkpoint: recall sequences up to their first query key, or the first 60% of
     lines of the text file ``data`` (for a byte-level model)."""
-    from ..tasks.adapters import RecallData
-    from ..tasks.recall import SEP
-    from ..training.config import TrainConfig
+    from fastweights.tasks.adapters import RecallData
+    from fastweights.tasks.recall import SEP
+    from fastweights.training import TrainConfig
 
     if (ckpt.train or {}).get("tokenizer") == "recall":
         task = RecallData(TrainConfig.from_dict(ckpt.train["train_config"])).task
@@ -142,7 +142,7 @@ def _prompts(ckpt, count: int, seed: int, data):
 @torch.no_grad()
 def lookup(checkpoint: str, k: int = 4, prompts: int = 8, max_new_tokens: int = 64, repeats: int = 3, seed: int = 0,
            data=None) -> dict:
-    from ..training.checkpoint import load_model
+    from fastweights.io.checkpoint import load_model
 
     model, ckpt = load_model(checkpoint)
     model.eval()
@@ -176,19 +176,25 @@ def lookup(checkpoint: str, k: int = 4, prompts: int = 8, max_new_tokens: int = 
     return result
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("part", choices=("crossover", "lookup", "all"))
-    p.add_argument("--checkpoint", default=None, help="a recall-task DeltaNet run folder (for lookup)")
-    p.add_argument("--train", action="store_true", help="train one into runs/specdec_recall first")
-    p.add_argument("--data", default=None, help="for a byte-level checkpoint: the text file to take prompts from")
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
-                   help="cpu (default): process time, robust on a shared machine; wall: elapsed time")
-    p.add_argument("--json", default=DEFAULT_JSON)
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run speculative``."""
+
+    part: str = field(default="all", metadata=flag(choices=("crossover", "lookup", "all"),
+                                                   help="which measurement (default all: crossover, then lookup)"))
+    checkpoint: Optional[str] = field(default=None, metadata=flag(help="a recall-task DeltaNet run folder (for lookup)"))
+    train: bool = field(default=False, metadata=flag(action="store_true", help="train one into runs/specdec_recall first"))
+    data: Optional[str] = field(default=None, metadata=flag(help="for a byte-level checkpoint: the text file to take prompts from"))
+    k: int = field(default=4, metadata=flag(type=int, help="proposals per round (default 4)"))
+    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    repeats: int = field(default=15, metadata=flag(type=int, help="default 15"))
+    clock: str = field(default="cpu", metadata=flag(choices=tuple(CLOCKS), help="cpu (default): process time, robust on a shared machine; wall: elapsed time"))
+    json: str = field(default=DEFAULT_JSON, metadata=flag(help=f"where to write the results (default {DEFAULT_JSON})"))
+
+
+def main(args: Config) -> int:
+    if args.part in ("lookup", "all") and args.checkpoint is None and not args.train:
+        raise ValueError("speculative: lookup needs `--checkpoint` or `--train` (or pass --part crossover)")
     torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = CLOCKS[args.clock]
@@ -201,12 +207,7 @@ def main(argv=None) -> int:
         if args.train:
             args.data = args.data or write_repeating_text("runs/specdec_repeat.txt")
             ckpt = _train("runs/specdec_repeat", args.data)
-        if ckpt is None:
-            p.error("lookup needs --checkpoint or --train")
         out["lookup"] = lookup(ckpt, k=args.k, data=args.data)
     atomic_write_text(Path(args.json), json.dumps(out, indent=2) + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

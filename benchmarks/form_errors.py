@@ -2,20 +2,21 @@
 
 Prints, for every rule and form, the maximum relative error (‖x − x_ref‖/‖x_ref‖)
 of outputs, final states and gradients over the awkward shapes of the test
-suite. Usage: ``python -m fastweights.bench.form_errors [--json PATH]``.
+suite. Usage: ``python -m benchmarks.run form_errors [--json PATH]``.
 """
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the test suite's shapes and forms
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test suite's shapes and forms
 from helpers import RULES, call, make_inputs, rel_err
 
-from ..config import atomic_write_text
+from fastweights.config import atomic_write_text, flag
 
 SHAPES = [(2, 1, 2, 8, 8, 16), (2, 63, 2, 60, 20, 16), (1, 100, 3, 16, 24, 32), (2, 257, 2, 12, 10, 64), (3, 100, 1, 60, 60, 64)]
 
@@ -40,17 +41,16 @@ def measure():
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args()
+@dataclass
+class Config:
+    json: Optional[str] = field(default=None, metadata=flag(help="also write the rows here"))
+
+
+def main(config: Config) -> int:
     rows = measure()
     print(f"{'rule':24} {'form':28} {'output':>9} {'state':>9} {'grads':>9}   (max relative error vs recurrent, float64)")
     for r in rows:
         print(f"{r['rule']:24} {r['form']:28} {r['output']:9.1e} {r['state']:9.1e} {r['grad']:9.1e}")
-    if args.json:
-        atomic_write_text(args.json, json.dumps(rows, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    if config.json:
+        atomic_write_text(config.json, json.dumps(rows, indent=2))
+    return 0

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..ops import cpu as cpu_kernels
+from fastweights.ops import cpu as cpu_kernels
 
 
 def chunk_forward_flops(C: int, K: int, V: int) -> float:
@@ -148,7 +148,7 @@ def pytorch_path(fn: Callable[[], object]) -> Callable[[], object]:
 
 def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode_batch: int) -> Dict[str, tuple]:
     """``name -> (fn, work, unit)`` for the ops (see the module docstring)."""
-    from .. import ops
+    from fastweights import ops
 
     gen = torch.Generator().manual_seed(0)
 

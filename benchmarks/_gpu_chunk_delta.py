@@ -1,51 +1,9 @@
-"""GPU benchmark of the chunk delta rules: Triton kernels vs PyTorch, SDPA and fla.
-
-Usage (on a CUDA machine, repository root; no network needed)::
-
-    python -m fastweights.bench.gpu_chunk_delta --json out/gpu_bench.json --append-md BENCHMARKS.md
-
-With fla's wheels carried along (``BENCHMARKS.md``
-says how), prefix the command with
-``pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site``.
-
-What it does, in one run so that the ratios are comparable:
-
-1. measures the device's ceilings: device-to-device copy (GB/s, bytes read +
-   written) and a bf16 8192³ matmul (TFLOP/s);
-2. checks correctness on the GPU (``--check``, on by default): the Triton path
-   in bf16, fp16 and fp32 against the float64 recurrence, with the rule of docs/design.md
-   (error at most 2× -- 3× for gradients -- that of the recurrent form run in
-   the same precision; fp32 within 1e-4);
-3. times forward and forward+backward (``triton.testing.do_bench``, median ms)
-   of the delta rule and the gated delta rule: fastweights Triton, fastweights
-   PyTorch (``backend="torch"``, fp32 compute), fla when importable, and SDPA
-   (causal, flash) as the attention baseline; H=16, K=V=128, bf16, 32k tokens
-   per batch, T = 2048 (``--seqlens 2048,4096,8192,16384`` for more);
-4. times the one-token decode step at B=64, H=16, K=V=128: the fused Triton
-   step against the batched PyTorch step;
-5. prints a table, writes JSON (``--json``) and appends a dated markdown section
-   with device and versions to BENCHMARKS.md (``--append-md``).
-
-Achieved rates: TFLOP/s counts the chunk form's matmuls (forward: K Kᵀ, W, U,
-Q Kᵀ, P U' = 2C²(3K + 2V) per chunk, plus W h, Q h, K̄ᵀ U' = 6CKV; backward
-counted as 2× forward) and SDPA's causal attention (2·B·H·T²·D forward, 2.5×
-that backward). GB/s is the minimum traffic (inputs read, outputs written,
-once) over the time, to compare with the copy ceiling.
-
-The Triton kernels run one pinned config each (``ops/triton/_tuning.py``) unless
-``--autotune`` is given: full autotuning compiles every config of every kernel
-for every shape and dtype and can take longer than the whole run. Timing rows
-still to come after ``--budget-s`` seconds (default 270) are skipped and say so,
-so that a run ends within about five minutes.
-
-``--dry-run`` runs every part on the CPU on tiny shapes with Triton's
-interpreter (fp32), so the script is exercised without a GPU (the test suite
-does this); its numbers mean nothing.
-"""
+"""The body of :mod:`benchmarks.gpu_chunk_delta`, imported by its ``main`` once the environment is set
+(Triton reads ``TRITON_INTERPRET`` when its kernels are defined, and ``FASTWEIGHTS_TRITON_AUTOTUNE``
+picks the kernels' configs)."""
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import functools
 import json
@@ -53,40 +11,13 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
-
-
-def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--append-md", type=Path, default=None, help="append a dated markdown section to this file")
-    p.add_argument("--seqlens", type=str, default="2048", help="T values, comma list (32k tokens per batch)")
-    p.add_argument("--autotune", action="store_true",
-                   help="autotune every kernel over all its configs (compiles each; minutes) instead of the pinned ones")
-    p.add_argument("--budget-s", type=float, default=270.0,
-                   help="skip the timing rows still to come once this many seconds have passed")
-    p.add_argument("--tokens", type=int, default=32768, help="tokens per batch (B = tokens / T)")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128, help="K = V")
-    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    p.add_argument("--no-torch", action="store_true", help="skip the (slow) PyTorch path")
-    p.add_argument("--rules", type=str, default="delta,gated", help="comma list of delta, gated")
-    return p.parse_args(argv)
-
-
-ARGS = _parse()
-if ARGS.dry_run:
-    os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is defined
-if not ARGS.autotune:  # one config per kernel (ops/triton/_tuning.py): the run fits in minutes
-    os.environ["FASTWEIGHTS_TRITON_AUTOTUNE"] = "0"
 
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from ..config import atomic_write_text
-from ..ops.triton import HAS_TRITON
+from fastweights import ops
+from fastweights.config import atomic_write_text
+from fastweights.ops.triton import HAS_TRITON
 
 if not HAS_TRITON:
     sys.exit("gpu_chunk_delta.py needs triton: pip install 'fastweights[triton]'")
@@ -321,7 +252,8 @@ def check_table(rows):
     return "\n".join(lines)
 
 
-def main(args):
+def run(args) -> int:
+    """The run of :mod:`benchmarks.gpu_chunk_delta` (its ``main`` sets the environment first)."""
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
         sys.exit("gpu_chunk_delta.py: no CUDA device; use --dry-run to exercise the script on the CPU")
@@ -391,6 +323,3 @@ def main(args):
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(ARGS))

@@ -1,6 +1,6 @@
 """Peers on the CPU, side by side: what a CPU user would otherwise run for the gated delta rule.
 
-``python -m fastweights.bench.cpu_peers [--threads 1 2] [--T 2048] [--repeats 5] [--clock wall|cpu] [--json PATH]``
+``python -m benchmarks.run cpu_peers [--threads 1 2] [--T 2048] [--repeats 5] [--clock wall|cpu] [--json PATH]``
 
 For each thread count and head shape — Qwen3-Next's (16 key / 32 value heads × 128: the keys
 repeated to the 32 value heads, as the model does before the op) and H 8 × 128 — it times,
@@ -19,14 +19,15 @@ faster). The path each of our compiled kernels took is recorded (``cpu_kernels``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from typing import Callable, Dict, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ..config import atomic_write_text
+from fastweights.config import atomic_write_text, flag
+
 from .cpu_table import _inputs
 from .roofline import CLOCKS, interleaved, op_flops
 
@@ -61,7 +62,7 @@ def _attn_gym():
 
 
 def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
-    from .. import ops
+    from fastweights import ops
 
     q, k, v, beta, g = _inputs(1, T, H, D, D, gen)
     out: Dict[str, Case] = {}
@@ -97,7 +98,7 @@ def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
 
 
 def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
-    from .. import ops
+    from fastweights import ops
 
     q, k, v, beta, g = _inputs(1, 1, H, D, D, gen)
     state = torch.randn(1, H, D, D, generator=gen) * 0.1
@@ -133,7 +134,7 @@ def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
 
 def run(T: int = 2048, threads=(1, 2), repeats: int = 5, clock: str = "wall") -> Dict:
     """Every (threads, shape, phase) group timed interleaved; rows with ms, or skipped with the reason."""
-    from ..ops import cpu as cpu_kernels
+    from fastweights.ops import cpu as cpu_kernels
 
     previous = torch.get_num_threads()
     rows, gen = [], torch.Generator().manual_seed(0)
@@ -161,14 +162,18 @@ def run(T: int = 2048, threads=(1, 2), repeats: int = 5, clock: str = "wall") ->
             "cpu_kernels": cpu_kernels.kernel_report(), "rows": rows, "load_average": os.getloadavg()}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.cpu_peers", description=__doc__.splitlines()[0])
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run cpu_peers``."""
+
+    T: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
+    threads: Tuple[int, ...] = field(default=(1, 2), metadata=flag(type=int, parse=tuple, nargs="+", help="thread counts (default 1 2)"))
+    repeats: int = field(default=5, metadata=flag(type=int, help="default 5"))
+    clock: str = field(default="wall", metadata=flag(choices=sorted(CLOCKS), help="default wall"))
+    json: Optional[str] = field(default=None, metadata=flag(help="where to write the results (default: print only)"))
+
+
+def main(a: Config) -> int:
     for name, value in (("T", a.T), ("repeats", a.repeats), *(("threads", t) for t in a.threads)):
         if value < 1:
             raise ValueError(f"cpu_peers: `--{name}` must be >= 1, got {value}")
@@ -184,6 +189,3 @@ def main(argv=None) -> int:
         atomic_write_text(a.json, json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

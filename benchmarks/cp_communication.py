@@ -16,22 +16,23 @@ backward), the approach softmax layers use. Reported per rank and layer (fp32):
 
 The summaries do not depend on L; the K/V gather grows with it. Usage::
 
-    python -m fastweights.bench.cp_communication [--world 2 --json docs/results/cp_communication.json]
+    python -m benchmarks.run cp_communication [--world 2 --json docs/results/cp_communication.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.multiprocessing as mp
 
-from ..config import atomic_write_text
+from fastweights.config import atomic_write_text, flag
 
 SHAPES = [  # (H, K, V, L)
     (4, 64, 64, 1024),
@@ -91,11 +92,13 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+@dataclass
+class Config:
+    world: int = field(default=2, metadata=flag(type=int, help="local gloo processes (default 2)"))
+    json: Optional[str] = field(default=None, metadata=flag(help="also write the rows here"))
+
+
+def main(args: Config) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         mp.spawn(_rank, args=(args.world, os.path.join(tmp, "store"), out), nprocs=args.world)
@@ -108,7 +111,4 @@ def main() -> None:
               f"{r['summary_grads_B']:>9} {r['kv_B']:>13} {r['kv_B'] / r['summaries_B']:>7.1f}")
     if args.json:
         atomic_write_text(args.json, json.dumps({"torch": torch.__version__, "rows": rows}, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -2,8 +2,8 @@
 
 Usage (repository root; no GPU needed, Triton installed)::
 
-    python -m fastweights.bench.triton_resources --json docs/results/triton_resources.json
-    python -m fastweights.bench.triton_resources --quick          # one cheap kernel, seconds
+    python -m benchmarks.run triton_resources --json docs/results/triton_resources.json
+    python -m benchmarks.run triton_resources --quick          # one cheap kernel, seconds
 
 For every kernel of ``fastweights/ops/triton`` × every autotune configuration
 the launchers can pick × input dtype (bf16, fp32) × K = V ∈ {64, 128, 256} ×
@@ -30,22 +30,20 @@ constexprs, the config and the Triton version. Compiles run one after another
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (results are written under it)
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default at run time (silences its warning)
+from fastweights.config import atomic_write_text, flag
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository (results are written under it)
 
 SM90_SHARED_LIMIT = 232_448  # bytes of dynamic shared memory per block on sm_90
 DEFAULT_CACHE = ROOT / "docs" / "results" / ".triton_resources_cache"
@@ -97,7 +95,7 @@ def _signature(fn, types: Dict[str, str], constexprs: Dict[str, object]) -> Dict
 
 def build_cases(dtypes, dims, gated_modes, kernels: Optional[List[str]] = None) -> List[Case]:
     """Every (kernel, config, dtype, K = V, gated) the launchers can produce, from the launchers' own tables."""
-    from ..ops.triton import chunk as launch
+    from fastweights.ops.triton import chunk as launch
 
     cases = []
     for spec in launch.kernel_specs(dtypes, dims, gated_modes):
@@ -158,8 +156,6 @@ def compile_case(case: Case, cache: Path) -> Dict[str, object]:
     result["compile_s"] = round(time.perf_counter() - t0, 1)
     if "error" in result:  # not cached: the next run tries again
         return dict(result, cached=False)
-    from ..config import atomic_write_text  # imported late, as the launchers are
-
     atomic_write_text(path, json.dumps(result))
     return dict(result, cached=False)
 
@@ -172,20 +168,26 @@ def _row(c: Case) -> str:
             f"{r['compile_s']:>7}{' (cached)' if r.get('cached') else ''}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp16, fp32")
-    p.add_argument("--dims", default="64,128,256", help="comma list of K = V")
-    p.add_argument("--gated", default="plain,gated", help="comma list of plain, gated")
-    p.add_argument("--kernels", default="", help="comma list of kernel names (default: all)")
-    p.add_argument("--quick", action="store_true", help="one cheap case (the decode step, fp32, K=V=64)")
-    p.add_argument("--max-spill", type=int, default=None,
-                   help="also fail when a kernel spills more than this many bytes/thread at K=V=128 bf16")
-    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--list", action="store_true", help="list the cases and exit")
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run triton_resources``."""
 
+    dtypes: str = field(default="bf16,fp32", metadata=flag(help="comma list of bf16, fp16, fp32"))
+    dims: str = field(default="64,128,256", metadata=flag(help="comma list of K = V"))
+    gated: str = field(default="plain,gated", metadata=flag(help="comma list of plain, gated"))
+    kernels: str = field(default="", metadata=flag(help="comma list of kernel names (default: all)"))
+    quick: bool = field(default=False, metadata=flag(action="store_true", help="one cheap case (the decode step, fp32, K=V=64)"))
+    max_spill: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="also fail when a kernel spills more than this many bytes/thread at K=V=128 bf16"))
+    cache: Path = field(default=DEFAULT_CACHE, metadata=flag(type=Path, help="the compile cache (default docs/results/.triton_resources_cache/)"))
+    json: Optional[Path] = field(default=None, metadata=flag(type=Path, help="where to write the rows (default: print only)"))
+    list: bool = field(default=False, metadata=flag(action="store_true", help="list the cases and exit"))
+
+
+def main(args: Config) -> int:
+    # before Triton is first imported (the launchers import it): compile for the GPU, never interpret
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default at run time (silences its warning)
     if args.quick:
         args.dtypes, args.dims, args.gated, args.kernels = "fp32", "64", "plain", "decode_step"
     cases = build_cases(args.dtypes.split(","), [int(d) for d in args.dims.split(",")],
@@ -214,8 +216,6 @@ def main(argv=None) -> int:
     if args.json:
         import triton
 
-        from ..config import atomic_write_text
-
         rows = [dict(kernel=c.kernel, rule="gated" if c.gated else "plain", dtype=c.dtype, K=c.dim, V=c.dim,
                      num_warps=c.num_warps, num_stages=c.num_stages, constexprs={k: str(v) for k, v in c.constexprs.items()},
                      **{k: v for k, v in c.result.items() if k != "cached"}) for c in cases]
@@ -226,6 +226,3 @@ def main(argv=None) -> int:
     print(f"{len(cases) - len(bad)}/{len(cases)} fit", flush=True)
     return 1 if bad else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

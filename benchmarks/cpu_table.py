@@ -1,7 +1,7 @@
 """The CPU speed table: our chunk ops against the machine's fp32 matmul rate and against
 other implementations, every row timed in one interleaved run.
 
-``python -m fastweights.bench.cpu_table [--threads 2] [--clock wall|cpu] [--json PATH]``
+``python -m benchmarks.run cpu_table [--threads 2] [--clock wall|cpu] [--json PATH]``
 times, round by round (best of ``--repeats``):
 
 - the limits: ``torch.mm`` at 512² and 1024² (fp32 and bf16);
@@ -19,15 +19,15 @@ fraction of the best fp32 ``torch.mm`` rate of the run; comparison rows report t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from typing import Dict
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..config import atomic_write_text
+from fastweights.config import atomic_write_text, flag
 
 from .roofline import CLOCKS, interleaved, op_flops
 
@@ -44,7 +44,7 @@ def _inputs(B, T, H, K, V, gen):
 
 def cases(T: int = 2048) -> Dict[str, tuple]:
     """``name -> (fn, flops or None)``."""
-    from .. import ops
+    from fastweights import ops
 
     gen = torch.Generator().manual_seed(0)
     out: Dict[str, tuple] = {}
@@ -155,20 +155,24 @@ def run(T: int = 2048, repeats: int = 5, threads: int = 2, clock: str = "wall") 
             base = best[f"{name} fwd H={H} K=V={D} fp32"]
             for mode in ("bf16 inputs", "autocast bf16", "bf16 products"):
                 ratios[f"{name} fwd H={H} K=V={D}: {mode} speed-up over fp32"] = base / best[f"{name} fwd H={H} K=V={D} {mode}"]
-    from ..ops import cpu as cpu_kernels
+    from fastweights.ops import cpu as cpu_kernels
 
     return {"T": T, "threads": threads, "clock": clock, "repeats": repeats, "cpu_path": cpu_kernels.status(),
             "cpu_kernels": cpu_kernels.kernel_report(), "fp32_mm_rate": fp32_rate, "rows": rows, "ratios": ratios, "load_average": os.getloadavg()}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.cpu_table", description=__doc__.splitlines()[0])
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run cpu_table``."""
+
+    T: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
+    repeats: int = field(default=5, metadata=flag(type=int, help="default 5"))
+    threads: int = field(default=2, metadata=flag(type=int, help="default 2"))
+    clock: str = field(default="wall", metadata=flag(choices=sorted(CLOCKS), help="default wall"))
+    json: Optional[str] = field(default=None, metadata=flag(help="where to write the results (default: print only)"))
+
+
+def main(a: Config) -> int:
     result = run(a.T, a.repeats, a.threads, a.clock)
     print(f"{result['threads']} threads, {result['clock']} clock, best of {result['repeats']}; {result['cpu_path']}")
     for kernel, path in result["cpu_kernels"].items():
@@ -182,6 +186,3 @@ def main(argv=None) -> int:
         atomic_write_text(a.json, json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

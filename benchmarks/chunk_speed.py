@@ -1,6 +1,6 @@
 """Training speed of the delta rule's chunk path, against its baselines, in one run.
 
-``fastweights bench`` and ``fastweights/bench/chunk_speed.py`` run :func:`main`. For each
+``fastweights bench`` and ``python -m benchmarks.run chunk_speed`` run :func:`main`. For each
 sequence length T it times, side by side and interleaved (so a noisy shared
 machine disturbs every contender alike):
 
@@ -20,7 +20,7 @@ measured in the same run, and for forward+backward the peak memory.
 
 FLOP count (the same for all three, so the rates compare the implementations,
 not their arithmetic): the chunk algorithm's matmuls, as in
-``fastweights/bench/gpu_chunk_delta.py`` -- per chunk of C tokens and head,
+``benchmarks/gpu_chunk_delta.py`` -- per chunk of C tokens and head,
 2C²(3K + 2V) for K Kᵀ, W, U, Q Kᵀ and P U', plus 6CKV for W h, Q h and K̄ᵀ U';
 the backward is counted as 2× the forward.
 
@@ -46,7 +46,6 @@ bf16-products forward) and a decode step, each as a fraction of its limit
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -54,14 +53,15 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..config import atomic_write_text
-from ..training.allocator import tune_cpu_allocator
+from fastweights import tune_cpu_allocator
+from fastweights.config import add_declared_arguments, atomic_write_text, flag
 
 IMPLEMENTATIONS = ("recurrent", "textbook", "fast")
 TARGETS = {  # what the fast chunk path must reach, at T = 2048 (memory at T = 8192)
@@ -73,8 +73,8 @@ TARGETS = {  # what the fast chunk path must reach, at T = 2048 (memory at T = 8
 
 
 def implementation(name: str) -> Callable:
-    from .. import ops
-    from ..ops.delta_rule.textbook import textbook_chunk_delta_rule
+    from fastweights import ops
+    from fastweights.ops.delta_rule.textbook import textbook_chunk_delta_rule
 
     if name == "recurrent":
         return ops.recurrent_delta_rule
@@ -142,9 +142,9 @@ def memory_child(name: str, T: int, B: int, H: int, K: int, V: int, C: int, thre
 
 
 def _run_child(call: str, timeout: int) -> Dict:
-    """Run ``fastweights.bench.chunk_speed.<call>`` in a fresh Python process; return the JSON it prints
+    """Run ``benchmarks.chunk_speed.<call>`` in a fresh Python process; return the JSON it prints
     last, or ``{"error": ...}`` with the child's last stderr line."""
-    cmd = [sys.executable, "-c", f"import fastweights.bench.chunk_speed as b; b.{call}"]
+    cmd = [sys.executable, "-c", f"import benchmarks.chunk_speed as b; b.{call}"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0:
@@ -217,7 +217,7 @@ def long_child(tokens: int, piece: int, H: int, K: int, V: int, C: int, threads:
 
 
 def _long_main(tokens, piece, H, K, V, C, threads, device) -> None:
-    from .. import ops
+    from fastweights import ops
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -309,7 +309,7 @@ def ratios(rows: List[Dict], Ts) -> Dict:
     out = {}
     for T in Ts:
         d = {}
-        for key, (num, den, mode, field) in {
+        for key, (num, den, mode, column) in {
             "fwd_vs_textbook": ("textbook", "fast", "fwd", "ms_min"),
             "fwd_bwd_vs_textbook": ("textbook", "fast", "fwd+bwd", "ms_min"),
             "fwd_vs_recurrent": ("recurrent", "fast", "fwd", "ms_min"),
@@ -320,7 +320,7 @@ def ratios(rows: List[Dict], Ts) -> Dict:
             "memory_recurrent_over_fast": ("recurrent", "fast", "fwd+bwd", "peak_mib"),
             "saved_textbook_over_fast": ("textbook", "fast", "fwd+bwd", "saved_for_backward_mib"),
         }.items():
-            a, b = get(T, num, mode, field), get(T, den, mode, field)
+            a, b = get(T, num, mode, column), get(T, den, mode, column)
             d[key] = None if a is None or b is None or b <= 0 else a / b
         out[T] = d
     return out
@@ -364,34 +364,46 @@ def check_targets(ratio: Dict) -> List[Dict]:
     return checks
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64, help="K = V")
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (reported)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats per contender (default 8; --lm: 3)")
-    p.add_argument("--recurrent-max-t", type=int, default=2048, help="longest T for the recurrence's forward+backward")
-    p.add_argument("--no-memory", action="store_true", help="skip the child-process memory measurements")
-    p.add_argument("--long", dest="long_tokens", type=int, nargs="?", const=1_000_000, default=None,
-                   help="also stream this many tokens (default 1,000,000) through the fast forward in pieces")
-    p.add_argument("--piece", type=int, default=16384, help="piece length for --long")
-    p.add_argument("--json", default=None, help="where to write the results (default docs/results/chunk_speed.json; "
-                   "--lm: docs/results/lm_speed.json)")
-    p.add_argument("--default-allocator", action="store_true",
-                   help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/training/allocator.py)")
-    p.add_argument("--no-roofline", action="store_true", help="skip the roofline (fastweights/bench/roofline.py)")
-    p.add_argument("--roofline-only", action="store_true", help="run only the roofline")
-    p.add_argument("--roofline-heads", type=int, default=8, help="H of the roofline's ops (B = 1)")
-    p.add_argument("--roofline-head-dim", type=int, default=128, help="K = V of the roofline's ops")
-    p.add_argument("--roofline-T", type=int, default=2048, help="T of the roofline's ops")
-    p.add_argument("--decode-batch", type=int, default=16,
-                   help="sequences of the roofline's decode step (state B·H·K·V·4 bytes: 16 MiB by default)")
+@dataclass
+class Config:
+    """The flags of ``fastweights bench`` (and ``python -m benchmarks.run chunk_speed``)."""
+
+    T: Tuple[int, ...] = field(default=(512, 2048, 8192), metadata=flag(type=int, nargs="+", parse=tuple, help="sequence lengths"))
+    batch: int = field(default=1, metadata=flag(type=int, help="B (default 1)"))
+    heads: int = field(default=4, metadata=flag(type=int, help="H (default 4)"))
+    head_dim: int = field(default=64, metadata=flag(type=int, help="K = V"))
+    chunk_size: int = field(default=64, metadata=flag(type=int, help="C (default 64)"))
+    threads: int = field(default=2, metadata=flag(type=int, help="torch.set_num_threads (reported)"))
+    device: str = field(default="cpu", metadata=flag(help="cpu or cuda"))
+    repeats: Optional[int] = field(default=None, metadata=flag(type=int, help="interleaved repeats per contender (default 8; --lm: 3)"))
+    recurrent_max_t: int = field(default=2048, metadata=flag(type=int, help="longest T for the recurrence's forward+backward"))
+    no_memory: bool = field(default=False, metadata=flag(action="store_true", help="skip the child-process memory measurements"))
+    long_tokens: Optional[int] = field(default=None, metadata=flag(
+        "--long", type=int, nargs="?", const=1_000_000,
+        help="also stream this many tokens (default 1,000,000) through the fast forward in pieces"))
+    piece: int = field(default=16384, metadata=flag(type=int, help="piece length for --long"))
+    json: Optional[str] = field(default=None, metadata=flag(
+        help="where to write the results (default docs/results/chunk_speed.json; --lm: docs/results/lm_speed.json)"))
+    default_allocator: bool = field(default=False, metadata=flag(
+        action="store_true", help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/training/allocator.py)"))
+    no_roofline: bool = field(default=False, metadata=flag(action="store_true", help="skip the roofline (benchmarks/roofline.py)"))
+    roofline_only: bool = field(default=False, metadata=flag(action="store_true", help="run only the roofline"))
+    roofline_heads: int = field(default=8, metadata=flag(type=int, help="H of the roofline's ops (B = 1)"))
+    roofline_head_dim: int = field(default=128, metadata=flag(type=int, help="K = V of the roofline's ops"))
+    roofline_T: int = field(default=2048, metadata=flag(type=int, help="T of the roofline's ops"))
+    decode_batch: int = field(default=16, metadata=flag(
+        type=int, help="sequences of the roofline's decode step (state B·H·K·V·4 bytes: 16 MiB by default)"))
+    clock: str = field(default="wall", metadata=flag(
+        choices=["cpu", "wall"],
+        help="wall: elapsed time; cpu: the process's CPU time (use with --threads 1 on a busy machine)"))
 
 
-def run(args: argparse.Namespace) -> int:
+def add_arguments(parser) -> None:
+    """The flags of :class:`Config` on ``parser`` (what the benchmark runner builds from it)."""
+    add_declared_arguments(parser, Config)
+
+
+def main(args: Config) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("fastweights bench: --device cuda requested but CUDA is not available", file=sys.stderr)
         return 2
@@ -415,10 +427,10 @@ def run(args: argparse.Namespace) -> int:
                 "the same for every contender" if tuned else "the platform's default malloc settings",
                 time_s=time.strftime("%Y-%m-%d %H:%M:%S"))
     if args.device == "cpu":  # which compiled path (ISA) each CPU kernel took, and why
-        from ..ops import cpu as cpu_kernels
+        from fastweights.ops import cpu as cpu_kernels
 
         meta.update(cpu_path=cpu_kernels.status(), cpu_kernels=cpu_kernels.kernel_report())
-    if getattr(args, "roofline_only", False):
+    if args.roofline_only:
         result = dict(meta=meta, roofline=_roofline(args))
         return _write(args, result)
     batched = (B * H * (-(-2048 // C)), C, C)
@@ -445,24 +457,24 @@ def run(args: argparse.Namespace) -> int:
         long = long_child(args.long_tokens, args.piece, H, K, V, C, args.threads, args.device)
         result["long"] = long
         print(f"\nLong input: {json.dumps(long)}")
-    if not getattr(args, "no_roofline", False):
+    if not args.no_roofline:
         result["roofline"] = _roofline(args)
     return _write(args, result)
 
 
-def _roofline(args: argparse.Namespace) -> Dict:
+def _roofline(args: Config) -> Dict:
     """The roofline section of the run (:func:`.roofline.run_roofline`), printed and returned."""
     from .roofline import print_roofline, run_roofline
 
     d = args.roofline_head_dim
     result = run_roofline(B=1, H=args.roofline_heads, T=args.roofline_T, K=d, V=d, C=args.chunk_size,
                           decode_batch=args.decode_batch, repeats=args.repeats, device=args.device,
-                          clock=getattr(args, "clock", "wall"))
+                          clock=args.clock)
     print_roofline(result)
     return result
 
 
-def _write(args: argparse.Namespace, result: Dict) -> int:
+def _write(args: Config, result: Dict) -> int:
     if args.json:
         path = Path(args.json)
         atomic_write_text(path, json.dumps(result, indent=2, default=str))
@@ -479,15 +491,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="the roofline's timer: wall time, or the process's CPU time (use with --threads 1 on a busy machine)")
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,19 +6,22 @@ set size (``ru_maxrss`` of the child); the same command on a 64 KB file gives th
 baseline (Python, torch, the model), so ``extra`` is what the data costs. Files are
 random printable bytes, written once under ``--dir`` and deleted at the end.
 
-    python -m fastweights.bench.data_memory --sizes-mb 60 600
+    python -m benchmarks.run data_memory --sizes-mb 60 600
     # before/after in one run: another checkout of the package beside this one
-    python -m fastweights.bench.data_memory --code before=/tmp/old after=.
+    python -m benchmarks.run data_memory --code before=/tmp/old after=.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from fastweights.config import flag
 
 CHILD = r"""
 import resource, sys
@@ -48,14 +51,18 @@ def peak_mb(argv, env) -> float:
     return int(line.split()[1]) / 1024
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes-mb", type=float, nargs="+", default=[60, 600])
-    p.add_argument("--dir", default=None, help="where to write the data files (default: a temporary folder)")
-    p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--code", nargs="+", default=["this=."], metavar="LABEL=DIR",
-                   help="package checkouts to measure (each: the PYTHONPATH of its children)")
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run data_memory``."""
+
+    sizes_mb: Tuple[float, ...] = field(default=(60, 600), metadata=flag(type=float, parse=tuple, nargs="+", help="data file sizes in MB (default 60 600)"))
+    dir: Optional[str] = field(default=None, metadata=flag(help="where to write the data files (default: a temporary folder)"))
+    json: Optional[str] = field(default=None, metadata=flag(help="also write the results here"))
+    code: Tuple[str, ...] = field(default=("this=.",), metadata=flag(
+        parse=tuple, nargs="+", metavar="LABEL=DIR", help="package checkouts to measure (each: the PYTHONPATH of its children)"))
+
+
+def main(args: Config) -> int:
     rows = []
     for spec in args.code:
         label, _, path = spec.partition("=")
@@ -64,7 +71,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
-    return rows
+    return 0
 
 
 def measure(label, env, args):
@@ -73,7 +80,7 @@ def measure(label, env, args):
         ckpt = os.path.join(tmp, "ckpt")
         subprocess.run([sys.executable, "-c", (
             "import torch\n"
-            "try:\n    from fastweights.training.checkpoint import save_checkpoint\n"
+            "try:\n    from fastweights.io.checkpoint import save_checkpoint\n"
             "except ImportError:  # a checkout from before fastweights.training\n"
             "    from fastweights.checkpoint import save_checkpoint\n"
             "from fastweights.models import LM, LMConfig\n"
@@ -106,6 +113,3 @@ def measure(label, env, args):
             os.unlink(data)
     return rows
 
-
-if __name__ == "__main__":
-    main()

@@ -3,8 +3,8 @@ form on the CPU (speed), the PyTorch chunk forms (no compiled kernel of their ow
 
 Usage::
 
-    python -m fastweights.bench.family_speed              # T = 2048, B = 1, H = 4, K = V = 64, fp32, 1 thread
-    python -m fastweights.bench.family_speed --T 1024 --threads 2
+    python -m benchmarks.run family_speed              # T = 2048, B = 1, H = 4, K = V = 64, fp32, 1 thread
+    python -m benchmarks.run family_speed --T 1024 --threads 2
 
 Wall time of the forward, and of forward + backward of ``(o·do).sum() + (h_T·dh).sum()``,
 median of ``--repeats`` runs after one warm-up, recurrent and chunk forms side by side in one
@@ -14,19 +14,17 @@ n_h = 2 (T·n_h = 4096 Householder steps). Writes ``docs/results/family_speed.js
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastweights import ops
-from fastweights.config import atomic_write_text
+from fastweights.config import atomic_write_text, flag
 
 N_H = 2
 
@@ -72,19 +70,24 @@ def timed(fn, x, options, backward, repeats) -> float:
     return statistics.median(once(fn, x, options, backward) for _ in range(repeats))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--H", type=int, default=4)
-    p.add_argument("--K", type=int, default=64)
-    p.add_argument("--V", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    p.add_argument("--json", default="docs/results/family_speed.json")
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run family_speed``."""
+
+    B: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    T: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
+    H: int = field(default=4, metadata=flag(type=int, help="default 4"))
+    K: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    V: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    chunk_size: int = field(default=32, metadata=flag(type=int, help="default 32"))
+    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
+    families: Tuple[str, ...] = field(default=tuple(FAMILIES), metadata=flag(
+        parse=tuple, nargs="+", choices=list(FAMILIES), help="which families (default all)"))
+    json: str = field(default="docs/results/family_speed.json", metadata=flag(help="default docs/results/family_speed.json"))
+
+
+def main(args: Config) -> int:
     torch.set_num_threads(args.threads)
     shape = dict(B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype="float32", threads=torch.get_num_threads(),
                  chunk_size=args.chunk_size, num_householder=N_H)
@@ -109,6 +112,3 @@ def main(argv=None):
         print(f"wrote {args.json}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

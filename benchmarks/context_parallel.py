@@ -23,13 +23,12 @@ and memory is the point.
 
 Run::
 
-    python -m fastweights.bench.context_parallel --tokens 16384 65536 --procs 1 2 4 \\
+    python -m benchmarks.run context_parallel --tokens 16384 65536 --procs 1 2 4 \\
         --out docs/results/context_parallel.json
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -39,9 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
+from fastweights.config import atomic_write_text, flag
+
+ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: the ranks import the benchmarks from there
 MODEL = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 2, "mixer": "deltanet"}
 
 
@@ -59,8 +63,8 @@ def worker(tokens: int, steps: int, result: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ..models import LM, LMConfig
-    from ..training.parallel import plan_parallel
+    from fastweights.models import LM, LMConfig
+    from fastweights.training import plan_parallel
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -86,7 +90,7 @@ def worker(tokens: int, steps: int, result: str) -> None:
             p.grad = None
 
     if world > 1:
-        from ..ops.context_parallel import count_communication, gather_sequence
+        from fastweights.ops.context_parallel import count_communication, gather_sequence
 
         counting = count_communication()
     else:
@@ -136,9 +140,8 @@ def run_config(tokens: int, procs: int, steps: int, timeout: float) -> List[Dict
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
-                   "-m", "fastweights.bench.context_parallel", "--worker", "--tokens", str(tokens),
-                   "--steps", str(steps), "--result", result]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                   "-m", "benchmarks.context_parallel", str(tokens), str(steps), result]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode or not os.path.exists(result):
             raise RuntimeError(f"context_parallel bench: T={tokens}, {procs} processes failed:\n{done.stderr[-3000:]}")
@@ -157,19 +160,18 @@ def table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastweights.bench.context_parallel", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
-    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after the measured first one")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
-    parser.add_argument("--out", help="JSON file for the results")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.tokens[0], args.steps, args.result)
-        return 0
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run context_parallel``."""
+
+    tokens: Tuple[int, ...] = field(default=(16384, 65536), metadata=flag(type=int, nargs="+", parse=tuple, help="sequence lengths T (default 16384 65536)"))
+    procs: Tuple[int, ...] = field(default=(1, 2, 4), metadata=flag(type=int, nargs="+", parse=tuple, help="process counts N (default 1 2 4)"))
+    steps: int = field(default=2, metadata=flag(type=int, help="timed steps after the measured first one"))
+    timeout: float = field(default=1800, metadata=flag(type=float, help="seconds one configuration may take"))
+    out: Optional[str] = field(default=None, metadata=flag(help="JSON file for the results"))
+
+
+def main(args: Config) -> int:
     from tqdm.auto import tqdm
 
     rows = []
@@ -180,11 +182,9 @@ def main(argv=None) -> int:
         rows.append({**worst, "ranks": ranks})
     print(table(rows))
     if args.out:
-        from ..config import atomic_write_text
-
         atomic_write_text(args.out, json.dumps({"model": MODEL, "cpu_count": os.cpu_count(), "rows": rows}, indent=1) + "\n")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # one rank of one configuration, started by run_config through torchrun
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

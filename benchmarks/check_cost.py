@@ -5,19 +5,20 @@ Times one op forward with every check on (the default: NaN/Inf in q, k, v, β, g
 ``value_checks(False)``, side by side in one run (interleaved repeats, median), eager and
 compiled with Inductor (each compiled variant traced under its own switch setting).
 
-    python -m fastweights.bench.check_cost --op chunk_gated_delta_rule --B 2 --T 1024 --H 4 --K 64 --threads 1
+    python -m benchmarks.run check_cost --op chunk_gated_delta_rule --B 2 --T 1024 --H 4 --K 64 --threads 1
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 import fastweights.ops as ops
+from fastweights.config import flag
 
 
 def make(op, B, T, H, K, dtype, device):
@@ -46,19 +47,23 @@ def time_calls(fns, repeats, inner):
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", default="chunk_gated_delta_rule")
-    p.add_argument("--B", type=int, default=2)
-    p.add_argument("--T", type=int, default=1024)
-    p.add_argument("--H", type=int, default=4)
-    p.add_argument("--K", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--inner", type=int, default=3)
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run check_cost``."""
+
+    op: str = field(default="chunk_gated_delta_rule", metadata=flag(help="default chunk_gated_delta_rule"))
+    B: int = field(default=2, metadata=flag(type=int, help="default 2"))
+    T: int = field(default=1024, metadata=flag(type=int, help="default 1024"))
+    H: int = field(default=4, metadata=flag(type=int, help="default 4"))
+    K: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    dtype: str = field(default="float32", metadata=flag(help="default float32"))
+    device: str = field(default="cpu", metadata=flag(help="default cpu"))
+    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    repeats: int = field(default=15, metadata=flag(type=int, help="default 15"))
+    inner: int = field(default=3, metadata=flag(type=int, help="default 3"))
+
+
+def main(args: Config) -> int:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     call = make(args.op, args.B, args.T, args.H, args.K, dtype, args.device)
@@ -95,8 +100,5 @@ def main(argv=None):
         "compiled_check_ms": round(1e3 * (t["compiled checks on"] - t["compiled checks off"]), 3),
     }
     print(json.dumps(result, indent=1))
-    return result
+    return 0
 
-
-if __name__ == "__main__":
-    main()

@@ -2,8 +2,8 @@
 
 Usage (repository root)::
 
-    python -m fastweights.bench.serving                 # the full run (a few minutes on 2 cores)
-    python -m fastweights.bench.serving --quick         # tiny sizes (the test suite runs this)
+    python -m benchmarks.run serving                 # the full run (a few minutes on 2 cores)
+    python -m benchmarks.run serving --quick         # tiny sizes (the test suite runs this)
 
 A DeltaNet LM and a softmax LM of the same size (``--d-model`` 256, 4 layers, 4 heads,
 vocabulary 256, fp32, random weights: serving cost does not depend on what was learnt):
@@ -43,22 +43,22 @@ more threads). Writes ``docs/results/serving.json`` (atomic).
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 
-from ..config import atomic_write_text
-from ..models import LM, LMConfig, fork_cache, store_prefix
-from ..models.pool import SessionPool
-from ..studies.costs import predicted_lm_cache_bytes
+from fastweights.config import atomic_write_text, flag
+from fastweights.models import LM, LMConfig, fork_cache, store_prefix
+from fastweights.models.pool import SessionPool
+from fastweights.studies.costs import predicted_lm_cache_bytes
 
 DEFAULT_JSON = "docs/results/serving.json"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -204,8 +204,8 @@ def ttft(model: LM, prefix_len: int, turn: int, repeats: int, seed: int = 0) -> 
 
 def pool_step(sessions, slots: int = 256, heads: int = 4, dim: int = 128, repeats: int = 30) -> List[Dict]:
     """The op's pool step in place at the slots against gather + step + scatter, per N sessions."""
-    from ..ops import gated_delta_rule_step
-    from ..ops.state_pool import gather_states, scatter_states
+    from fastweights.ops import gated_delta_rule_step
+    from fastweights.ops.state_pool import gather_states, scatter_states
 
     pool = torch.randn(slots, heads, dim, dim, generator=torch.Generator().manual_seed(0))
 
@@ -274,7 +274,7 @@ def routed_lookup(new_tokens: int, k: int, repeats: int, train_steps: int = 0, s
     """
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from ..hf import use_fastweights_kernels
+    from fastweights.hf import use_fastweights_kernels
 
     torch.manual_seed(seed)
     cfg = Qwen3NextConfig(
@@ -388,29 +388,33 @@ def table(result: Dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds): what the test suite runs")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--slots", type=int, default=256)
-    p.add_argument("--steps", type=int, default=16, help="decode steps per throughput measurement")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--contexts", default="512,1024,2048,4096")
-    p.add_argument("--memory-sessions", type=int, default=64)
-    p.add_argument("--arrival-steps", type=int, default=200)
-    p.add_argument("--rate", type=float, default=1.0, help="sessions arriving per decode step, on average")
-    p.add_argument("--max-new", type=int, default=64)
-    p.add_argument("--prefix", type=int, default=1024, help="system prompt tokens")
-    p.add_argument("--turn", type=int, default=32, help="user turn tokens")
-    p.add_argument("--lookup-new", type=int, default=64, help="prompt lookup: new tokens (0: skip it)")
-    p.add_argument("--lookup-k", type=int, default=8, help="prompt lookup: proposals per round")
-    p.add_argument("--lookup-train-steps", type=int, default=40,
-                   help="prompt lookup: training steps on a repetitive text before measuring (about a CPU minute)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: as torch has them)")
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
-    p.add_argument("--json", default=DEFAULT_JSON)
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run serving``."""
+
+    quick: bool = field(default=False, metadata=flag(action="store_true", help="tiny sizes (seconds): what the test suite runs"))
+    d_model: int = field(default=256, metadata=flag(type=int, help="default 256"))
+    vocab: int = field(default=256, metadata=flag(type=int, help="default 256"))
+    slots: int = field(default=256, metadata=flag(type=int, help="default 256"))
+    steps: int = field(default=16, metadata=flag(type=int, help="decode steps per throughput measurement"))
+    repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
+    contexts: str = field(default="512,1024,2048,4096", metadata=flag(help="default 512,1024,2048,4096"))
+    memory_sessions: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    arrival_steps: int = field(default=200, metadata=flag(type=int, help="default 200"))
+    rate: float = field(default=1.0, metadata=flag(type=float, help="sessions arriving per decode step, on average"))
+    max_new: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    prefix: int = field(default=1024, metadata=flag(type=int, help="system prompt tokens"))
+    turn: int = field(default=32, metadata=flag(type=int, help="user turn tokens"))
+    lookup_new: int = field(default=64, metadata=flag(type=int, help="prompt lookup: new tokens (0: skip it)"))
+    lookup_k: int = field(default=8, metadata=flag(type=int, help="prompt lookup: proposals per round"))
+    lookup_train_steps: int = field(default=40, metadata=flag(
+        type=int, help="prompt lookup: training steps on a repetitive text before measuring (about a CPU minute)"))
+    threads: int = field(default=1, metadata=flag(type=int, help="torch threads (0: as torch has them)"))
+    clock: str = field(default="cpu", metadata=flag(choices=sorted(CLOCKS), help="default cpu"))
+    json: str = field(default=DEFAULT_JSON, metadata=flag(help=f"where to write the result (default {DEFAULT_JSON}; empty: nowhere)"))
+
+
+def main(args: Config) -> int:
     if args.quick:
         args.d_model, args.vocab, args.slots, args.steps, args.repeats = 32, 64, 8, 2, 1
         args.contexts, args.memory_sessions, args.arrival_steps, args.max_new = "64,128", 4, 10, 4
@@ -419,7 +423,5 @@ def main(argv=None) -> None:
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=1) + "\n")
     print(table(result))
+    return 0
 
-
-if __name__ == "__main__":
-    main()

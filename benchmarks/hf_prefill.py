@@ -1,6 +1,6 @@
 """transformers' Qwen3-Next prefill on its own torch path and on fastweights' ops, side by side.
 
-``python -m fastweights.bench.hf_prefill`` builds ``Qwen3NextForCausalLM`` with random weights
+``python -m benchmarks.run hf_prefill`` builds ``Qwen3NextForCausalLM`` with random weights
 (no download: the config is written here) and times, interleaved round by round in one
 process (best of the rounds):
 
@@ -17,17 +17,17 @@ changing the op alone. Needs ``pip install 'fastweights[hf]'``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import time
 import warnings
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 
-from ..config import atomic_write_text
+from fastweights.config import atomic_write_text, flag
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -53,10 +53,10 @@ def run(tokens: int = 2048, layers: int = 4, repeats: int = 3, threads: int = 1,
     from transformers import Qwen3NextForCausalLM
     from transformers.models.qwen3_next import modeling_qwen3_next as qwen
 
-    from .. import ops
-    from ..hf import use_fastweights_kernels
-    from ..hf.kernels import torch_fallbacks
-    from ..ops import cpu as cpu_kernels
+    from fastweights import ops
+    from fastweights.hf import use_fastweights_kernels
+    from fastweights.hf.kernels import torch_fallbacks
+    from fastweights.ops import cpu as cpu_kernels
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -131,15 +131,19 @@ def run(tokens: int = 2048, layers: int = 4, repeats: int = 3, threads: int = 1,
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastweights.bench.hf_prefill", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
-    p.add_argument("--json", default=None, help="where to write the result (default: print only)")
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run hf_prefill``."""
+
+    tokens: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
+    layers: int = field(default=4, metadata=flag(type=int, help="default 4"))
+    repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
+    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    clock: str = field(default="cpu", metadata=flag(choices=sorted(CLOCKS), help="default cpu"))
+    json: Optional[str] = field(default=None, metadata=flag(help="where to write the result (default: print only)"))
+
+
+def main(args: Config) -> int:
     result = run(args.tokens, args.layers, args.repeats, args.threads, args.clock)
     for name, s in result["seconds_min"].items():
         print(f"{name:60s} {s:8.3f} s")
@@ -150,6 +154,3 @@ def main(argv=None) -> int:
         atomic_write_text(args.json, json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,9 +3,9 @@ error against the float64 recurrence (fp32 and bf16 inputs, forward and gradient
 
 Usage::
 
-    python -m fastweights.bench.kda_speed                       # T = 2048, B = 1, H = 4, K = V = 64, fp32, 1 thread
-    python -m fastweights.bench.kda_speed --T 4096 --threads 2  # other shapes
-    python -m fastweights.bench.kda_speed --device cuda         # the same PyTorch code on a GPU
+    python -m benchmarks.run kda_speed                       # T = 2048, B = 1, H = 4, K = V = 64, fp32, 1 thread
+    python -m benchmarks.run kda_speed --T 4096 --threads 2  # other shapes
+    python -m benchmarks.run kda_speed --device cuda         # the same PyTorch code on a GPU
 
 Speed: wall time of forward, and of forward + backward of ``(o·do).sum()``, median of
 ``--repeats`` runs after one warm-up, for ``recurrent_kda`` and ``chunk_kda`` (C = 32, 64)
@@ -17,19 +17,16 @@ on the same (rounded) inputs, for o, h_T and the worst of the input gradients. W
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastweights import ops
-from fastweights.config import atomic_write_text
+from fastweights.config import atomic_write_text, flag
 
 FORMS = {
     "recurrent": (ops.recurrent_kda, {}),
@@ -95,18 +92,22 @@ def errors(device, T=256, strong=False):
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--H", type=int, default=4)
-    p.add_argument("--K", type=int, default=64)
-    p.add_argument("--V", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", default="docs/results/kda_speed.json")
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run kda_speed``."""
+
+    B: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    T: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
+    H: int = field(default=4, metadata=flag(type=int, help="default 4"))
+    K: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    V: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
+    device: str = field(default="cpu", metadata=flag(help="default cpu"))
+    json: str = field(default="docs/results/kda_speed.json", metadata=flag(help="default docs/results/kda_speed.json"))
+
+
+def main(args: Config) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shape = dict(B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype="float32", device=str(device),
@@ -137,6 +138,3 @@ def main(argv=None):
         print(f"\nwrote {args.json}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Speed of the whole LM per mixer: a training step and one decoding step, side by side in one run.
 
-``fastweights bench --lm`` and ``fastweights/bench/lm_speed.py`` run :func:`main`. One
+``fastweights bench --lm`` and ``python -m benchmarks.run lm_speed`` run :func:`main`. One
 :class:`~fastweights.models.LM` per mixer (``deltanet``, ``gated_deltanet``,
 ``linear``, ``softmax``), all of the same shape (default d_model 128, 4 layers,
 4 heads, vocabulary 256, fp32), is timed on:
@@ -41,21 +41,21 @@ include any one-off growth of the cache), and reports per-step times.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..config import atomic_write_text
-from ..training.allocator import tune_cpu_allocator
+from fastweights import tune_cpu_allocator
+from fastweights.config import atomic_write_text, flag
 
 MIXERS = ("deltanet", "gated_deltanet", "kda", "linear", "softmax")
 TRAIN_SHAPES = ((256, 8), (2048, 1), (8192, 1))  # (T, B)
@@ -78,7 +78,7 @@ FLAT_DECODE = 1.25
 
 
 def make_model(mixer: str, d_model: int, n_layers: int, n_heads: int, vocab: int, max_len: int, seed: int = 0):
-    from ..models import LM, LMConfig
+    from fastweights.models import LM, LMConfig
 
     torch.manual_seed(seed)
     config = LMConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, max_seq_len=max_len)
@@ -98,7 +98,7 @@ def train_step(model, optimizer, ids: torch.Tensor) -> float:
 @torch.no_grad()
 def decode_context(model, length: int, real_prefill_max: int, gen: torch.Generator):
     """An :class:`~fastweights.models.LMCache` after ``length`` tokens of batch 1 (see the module docstring)."""
-    from ..ops import KVCache
+    from fastweights.ops import KVCache
 
     vocab = model.config.vocab_size
     softmax = "softmax" in model.config.mixers
@@ -267,32 +267,34 @@ def print_table(meta: Dict, train: List[Dict], decode: List[Dict], targets: List
         print(f"  {t['target']}: want <= {t['want_at_most']:g}, got {got}{verdict}")
 
 
-def add_arguments(p: argparse.ArgumentParser, standalone: bool = True) -> None:
-    """The LM benchmark's options; ``standalone=False`` leaves out those that ``fastweights bench`` already has."""
-    p.add_argument("--quick", action="store_true",
-                   help="a short run (T 64/128, contexts 32/128, one repeat): checks that everything runs, not speed")
-    p.add_argument("--realistic", action="store_true",
-                   help="also time the realistic row: DeltaNet and softmax LMs, d_model 1024, 8 heads of 128, 2 layers, "
-                        "train step at T=2048 B=1 (about a minute more; tiny with --quick)")
-    p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS, help="which LMs to time")
-    p.add_argument("--decode-steps", type=int, default=16, help="single-token steps timed per repeat and mixer")
-    p.add_argument("--real-prefill-max", type=int, default=4096,
-                   help="longest real softmax prefill; longer contexts get random cache rows (see the docstring)")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--lm-heads", type=int, default=4, help="attention heads of the LM")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="wall: elapsed time; cpu: the process's CPU time (use with --threads 1 on a busy machine)")
-    if standalone:
-        p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (reported)")
-        p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; 1 with --quick)")
-        p.add_argument("--json", default=None, help=f"where to write the results (default {DEFAULT_JSON})")
-        p.add_argument("--default-allocator", action="store_true",
-                       help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/training/allocator.py)")
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run lm_speed`` (``fastweights bench --lm`` has them too)."""
+
+    quick: bool = field(default=False, metadata=flag(
+        action="store_true", help="a short run (T 64/128, contexts 32/128, one repeat): checks that everything runs, not speed"))
+    realistic: bool = field(default=False, metadata=flag(
+        action="store_true", help="also time the realistic row: DeltaNet and softmax LMs, d_model 1024, 8 heads of 128, 2 layers, "
+        "train step at T=2048 B=1 (about a minute more; tiny with --quick)"))
+    mixers: Tuple[str, ...] = field(default=tuple(MIXERS), metadata=flag(
+        nargs="+", choices=MIXERS, parse=tuple, help="which LMs to time"))
+    decode_steps: int = field(default=16, metadata=flag(type=int, help="single-token steps timed per repeat and mixer"))
+    real_prefill_max: int = field(default=4096, metadata=flag(
+        type=int, help="longest real softmax prefill; longer contexts get random cache rows (see the docstring)"))
+    d_model: int = field(default=128, metadata=flag(type=int, help="default 128"))
+    layers: int = field(default=4, metadata=flag(type=int, help="default 4"))
+    lm_heads: int = field(default=4, metadata=flag(type=int, help="attention heads of the LM"))
+    vocab: int = field(default=256, metadata=flag(type=int, help="default 256"))
+    clock: str = field(default="wall", metadata=flag(
+        choices=sorted(CLOCKS), help="wall: elapsed time; cpu: the process's CPU time (use with --threads 1 on a busy machine)"))
+    threads: int = field(default=2, metadata=flag(type=int, help="torch.set_num_threads (reported)"))
+    repeats: Optional[int] = field(default=None, metadata=flag(type=int, help="interleaved repeats (default 3; 1 with --quick)"))
+    json: Optional[str] = field(default=None, metadata=flag(help=f"where to write the results (default {DEFAULT_JSON})"))
+    default_allocator: bool = field(default=False, metadata=flag(
+        action="store_true", help="leave glibc's malloc thresholds alone (by default they are raised: fastweights/training/allocator.py)"))
 
 
-def run(args: argparse.Namespace, log=None) -> int:
+def main(args: Config, log=None) -> int:
     from .chunk_speed import _cpu_name
 
     log = log or (lambda s: print(s, file=sys.stderr))
@@ -325,7 +327,7 @@ def run(args: argparse.Namespace, log=None) -> int:
     train = time_train(models, shapes, repeats, gen, log, clock)
     decode = time_decode(models, contexts, repeats, steps, real_max, gen, log, clock)
     realistic: List[Dict] = []
-    if getattr(args, "realistic", False):
+    if args.realistic:
         shape = QUICK_REALISTIC if args.quick else REALISTIC
         meta["realistic_shape"] = dict(shape, mixers=list(REALISTIC_MIXERS), vocab_size=args.vocab)
         realistic = time_realistic(shape, args.vocab, repeats, gen, log, clock)
@@ -342,13 +344,3 @@ def run(args: argparse.Namespace, log=None) -> int:
         atomic_write_text(path, json.dumps(result, indent=2))
         print(f"\nwrote {path}")
     return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

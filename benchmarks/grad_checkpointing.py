@@ -12,27 +12,30 @@ build the model, run one small warm-up step, then measure one forward + backward
 
 Usage::
 
-    python -m fastweights.bench.grad_checkpointing [--batch 8 --seq-len 512 --d-model 256 --n-layers 8
+    python -m benchmarks.run grad_checkpointing [--batch 8 --seq-len 512 --d-model 256 --n-layers 8
                                             --mixer deltanet --threads 1 --json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from ..config import atomic_write_text
-from ..models import LM, LMConfig
+from fastweights.config import atomic_write_text, flag
+from fastweights.models import LM, LMConfig
+
 from .chunk_speed import _reset_peak_rss, _status_kib
 
-ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the package (the child imports it from there)
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: the children import the package and the benchmarks from there
 
 
 def child(args) -> dict:
@@ -77,29 +80,31 @@ def child(args) -> dict:
             "ms": ms, "measure": measure}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=8)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--mixer", default="deltanet", help='a mixer name, or a JSON list such as \'["deltanet", "softmax"]\'')
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows and the shape here")
-    p.add_argument("--checkpointing", choices=["on", "off"], help=argparse.SUPPRESS)  # set in the child
-    args = p.parse_args()
-    if args.checkpointing:
-        print(json.dumps(child(args)))
-        return 0
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run grad_checkpointing``."""
+
+    batch: int = field(default=8, metadata=flag(type=int, help="default 8"))
+    seq_len: int = field(default=512, metadata=flag(type=int, help="default 512"))
+    d_model: int = field(default=256, metadata=flag(type=int, help="default 256"))
+    n_layers: int = field(default=8, metadata=flag(type=int, help="default 8"))
+    n_heads: int = field(default=4, metadata=flag(type=int, help="default 4"))
+    mixer: str = field(default="deltanet", metadata=flag(help='a mixer name, or a JSON list such as \'["deltanet", "softmax"]\''))
+    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
+    device: str = field(default="cpu", metadata=flag(help="default cpu"))
+    json: Optional[str] = field(default=None, metadata=flag(metavar="PATH", help="also write the rows and the shape here"))
+    checkpointing: str = "off"  # not a flag: main() runs one child process with "off", one with "on"
+
+
+def main(args: Config) -> int:
     rows = []
-    for flag in ("off", "on"):
-        cmd = [sys.executable, "-m", "fastweights.bench.grad_checkpointing", *sys.argv[1:], "--checkpointing", flag]
+    for mode in ("off", "on"):
+        config = json.dumps(dataclasses.asdict(dataclasses.replace(args, checkpointing=mode)))
+        code = "import json, sys; from benchmarks.grad_checkpointing import Config, child; print(json.dumps(child(Config(**json.loads(sys.argv[1])))))"
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        res = subprocess.run([sys.executable, "-c", code, config], capture_output=True, text=True, env=env, timeout=1800)
         if res.returncode:
-            raise SystemExit(f"child ({flag}) failed: {res.stderr.strip()[-2000:]}")
+            raise SystemExit(f"child ({mode}) failed: {res.stderr.strip()[-2000:]}")
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
     off, on = rows
     shape = dict(batch=args.batch, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
@@ -116,6 +121,3 @@ def main() -> int:
         atomic_write_text(args.json, json.dumps({"shape": shape, "rows": rows, "ratios": ratios}, indent=2) + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

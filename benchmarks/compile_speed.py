@@ -2,9 +2,9 @@
 
 Usage (repository root)::
 
-    python -m fastweights.bench.compile_speed                    # DeltaNet LM, d_model 128, 4 layers, B=8, T=256, 1 thread
-    python -m fastweights.bench.compile_speed --mixer hybrid     # deltanet / gated_deltanet / linear / softmax layers
-    python -m fastweights.bench.compile_speed --breaks-only      # only the graph-break table (no timing)
+    python -m benchmarks.run compile_speed                    # DeltaNet LM, d_model 128, 4 layers, B=8, T=256, 1 thread
+    python -m benchmarks.run compile_speed --mixer hybrid     # deltanet / gated_deltanet / linear / softmax layers
+    python -m benchmarks.run compile_speed --breaks-only      # only the graph-break table (no timing)
 
 Speed. One training step is ``loss = cross_entropy(model(ids))``, ``loss.backward()``,
 ``AdamW.step()``, ``zero_grad()``. Two copies of the same model (same weights) run
@@ -33,22 +33,20 @@ and keeps the timings of the last full run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-
 
 import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-from .. import ops
-from ..models import LM, LMConfig
-from ..config import atomic_write_text
+from fastweights import ops
+from fastweights.config import atomic_write_text, flag
+from fastweights.models import LM, LMConfig
 
 HYBRID = ["deltanet", "gated_deltanet", "linear", "softmax"]
 OPS = ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_linear_attn", "recurrent_delta_rule",
@@ -189,21 +187,25 @@ def speed(args) -> dict:
                 first_losses=[first["eager"][1], first["inductor"][1]])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mixer", default="deltanet", help="deltanet, gated_deltanet, linear, softmax or hybrid (default deltanet)")
-    p.add_argument("--d-model", type=int, default=128, help="default 128")
-    p.add_argument("--layers", type=int, default=4, help="default 4")
-    p.add_argument("--heads", type=int, default=4, help="default 4 (head size 32)")
-    p.add_argument("--chunk-size", type=int, default=64, help="default 64")
-    p.add_argument("--batch", type=int, default=8, help="B, default 8")
-    p.add_argument("--seq-len", type=int, default=256, help="T, default 256")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, default 1 (on a shared, loaded machine more threads spin)")
-    p.add_argument("--repeats", type=int, default=10, help="timed steps per contender, default 10")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender after the first, default 2")
-    p.add_argument("--breaks-only", action="store_true", help="only the graph-break table")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "compile_speed.json"))
-    args = p.parse_args(argv)
+@dataclass
+class Config:
+    """The flags of ``python -m benchmarks.run compile_speed``."""
+
+    mixer: str = field(default="deltanet", metadata=flag(help="deltanet, gated_deltanet, linear, softmax or hybrid (default deltanet)"))
+    d_model: int = field(default=128, metadata=flag(type=int, help="default 128"))
+    layers: int = field(default=4, metadata=flag(type=int, help="default 4"))
+    heads: int = field(default=4, metadata=flag(type=int, help="default 4 (head size 32)"))
+    chunk_size: int = field(default=64, metadata=flag(type=int, help="default 64"))
+    batch: int = field(default=8, metadata=flag(type=int, help="B, default 8"))
+    seq_len: int = field(default=256, metadata=flag(type=int, help="T, default 256"))
+    threads: int = field(default=1, metadata=flag(type=int, help="torch.set_num_threads, default 1 (on a shared, loaded machine more threads spin)"))
+    repeats: int = field(default=10, metadata=flag(type=int, help="timed steps per contender, default 10"))
+    warmup: int = field(default=2, metadata=flag(type=int, help="untimed steps per contender after the first, default 2"))
+    breaks_only: bool = field(default=False, metadata=flag(action="store_true", help="only the graph-break table"))
+    out: str = field(default="docs/results/compile_speed.json", metadata=flag(help="the JSON file (default docs/results/compile_speed.json)"))
+
+
+def main(args: Config) -> int:
     torch.set_num_threads(args.threads)
     meta = dict(torch=torch.__version__, python=platform.python_version(), threads=torch.get_num_threads(),
                 machine=platform.machine(), dtype="float32", device="cpu")
@@ -236,6 +238,3 @@ def main(argv=None) -> int:
     print(f"\nwrote {out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
