@@ -115,6 +115,11 @@ class StateTrackingConfig:
         type=int, nargs="+", parse=_parse_lengths, help="test lengths (default 64 128 256; --full adds 512)"))
     d_model: int = field(default=32, metadata=flag(type=int, help="model width (default 32)"))
     n_layers: int = field(default=1, metadata=flag(type=int, help="layers (default 1)"))
+    qk_activation: str = field(default="silu", metadata=flag(
+        choices=("silu", "identity", "relu", "elu"),
+        help="activation of the delta-rule mixers' queries and keys before their L2 norm (default silu, the LM's: "
+             "its outputs stay above -0.28, where its gradient vanishes, so negative key components come slowly; "
+             "identity: the normalized key is a linear function's direction)"))
     seeds: int = field(default=2, metadata=flag(type=int, help="seeds per arm and task (default 2; --full: 3)"))
     max_steps: int = field(default=800, metadata=flag(type=int, help="training steps per model (default 800)"))
     lr: float = field(default=3e-3, metadata=flag(type=float, help="peak learning rate (default 3e-3)"))
@@ -183,6 +188,7 @@ def build_model(task_name: str, arm: str, config: StateTrackingConfig):
     spec = parse_arm(arm)
     options = dict(vocab_size=make_state_tracking_task(task_name).vocab_size, d_model=config.d_model,
                    n_layers=config.n_layers, n_heads=1, mixer=spec["mixer"], use_short_conv=False,
+                   qk_activation=config.qk_activation,
                    max_seq_len=max(config.test_lengths + (config.train_max_length,)))
     if spec["beta_range"] is not None:
         options["allow_neg_eigval"] = spec["beta_range"] == "[0,2]"

@@ -163,11 +163,15 @@ def test_flags_build_the_config():
     assert parse() == StateTrackingConfig()
     got = parse("--tasks", "S3", "--arms", "deltaproduct1[0,2]", "deltaproduct2[0,2]", "--n-layers", "2", "--d-model",
                 "64", "--max-steps", "3000", "--lr", "1e-3", "--batch-size", "64", "--warmup-steps", "200",
-                "--curriculum-start", "8")
+                "--curriculum-start", "8", "--qk-activation", "identity")
     assert got == StateTrackingConfig(tasks=("S3",), arms=("deltaproduct1[0,2]", "deltaproduct2[0,2]"), n_layers=2,
                                       d_model=64, max_steps=3000, lr=1e-3, batch_size=64, warmup_steps=200,
-                                      curriculum_start=8)
+                                      curriculum_start=8, qk_activation="identity")
     assert parse("--full", "--curriculum-start", "8") == StateTrackingConfig.full(curriculum_start=8)
+    from fastweights.studies.state_tracking import build_model
+
+    model = build_model("S3", "deltaproduct2[0,2]", got)  # the activation reaches the layers
+    assert model.config.qk_activation == "identity" and model.config.n_layers == 2 and model.config.d_model == 64
 
 
 def test_curriculum_run_keeps_the_contract(tmp_path):
