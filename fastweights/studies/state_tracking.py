@@ -25,7 +25,8 @@ more Householder steps per token track harder groups (S3, S4, A5, S5) and extrap
 Protocol: every model has the same size (``d_model``, ``n_layers``, one head, SwiGLU MLP, no
 short convolution: the convolution would let a layer see a few tokens at once, which is not
 the question asked), trains ``max_steps`` AdamW steps on fresh batches of length
-``train_max_length`` (per-position labels, so every shorter prefix is trained too), with a linear
+``train_max_length`` (per-position labels, so every shorter prefix is trained too; with
+``curriculum_start`` the length ramps up to it over the first half of the steps), with a linear
 warm-up and a cosine decay, at one learning rate. Each model is then tested on ``test_size``
 sequences at every ``test_lengths`` entry: *sequence accuracy* is the fraction of test sequences
 whose every position is right, *token accuracy* the fraction of positions. Rows report the mean
@@ -114,11 +115,19 @@ class StateTrackingConfig:
         type=int, nargs="+", parse=_parse_lengths, help="test lengths (default 64 128 256; --full adds 512)"))
     d_model: int = field(default=32, metadata=flag(type=int, help="model width (default 32)"))
     n_layers: int = field(default=1, metadata=flag(type=int, help="layers (default 1)"))
+    qk_activation: str = field(default="silu", metadata=flag(
+        choices=("silu", "identity", "relu", "elu"),
+        help="activation of the delta-rule mixers' queries and keys before their L2 norm (default silu, the LM's: "
+             "its outputs stay above -0.28, where its gradient vanishes, so negative key components come slowly; "
+             "identity: the normalized key is a linear function's direction)"))
     seeds: int = field(default=2, metadata=flag(type=int, help="seeds per arm and task (default 2; --full: 3)"))
     max_steps: int = field(default=800, metadata=flag(type=int, help="training steps per model (default 800)"))
     lr: float = field(default=3e-3, metadata=flag(type=float, help="peak learning rate (default 3e-3)"))
-    warmup_steps: int = 100
-    batch_size: int = 32
+    warmup_steps: int = field(default=100, metadata=flag(type=int, help="linear warm-up steps (default 100)"))
+    batch_size: int = field(default=32, metadata=flag(type=int, help="training sequences per step (default 32)"))
+    curriculum_start: int = field(default=0, metadata=flag(
+        type=int, help="0 (default): train every step at --train-max-length; L > 0: a length curriculum, the "
+                       "training length grows linearly from L to --train-max-length over the first half of the steps"))
     weight_decay: float = 0.01
     test_size: int = field(default=256, metadata=flag(type=int, help="test sequences per length (default 256)"))
     threads: Optional[int] = field(default=1, metadata=flag(type=int, help="torch threads per training run (default 1)"))
@@ -136,6 +145,10 @@ class StateTrackingConfig:
         for name in ("train_max_length", "d_model", "n_layers", "seeds", "max_steps", "batch_size", "test_size", "workers"):
             check_int("StateTrackingConfig", name, getattr(self, name))
         check_int("StateTrackingConfig", "warmup_steps", self.warmup_steps, minimum=0)
+        check_int("StateTrackingConfig", "curriculum_start", self.curriculum_start, minimum=0)
+        if self.curriculum_start > self.train_max_length:
+            raise ValueError(f"StateTrackingConfig: `curriculum_start` must be at most `train_max_length` "
+                             f"({self.train_max_length}), got {self.curriculum_start}")
         check_ints("StateTrackingConfig", "test_lengths", self.test_lengths)
         if not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"StateTrackingConfig: `lr` must be a positive number, got {self.lr!r}")
@@ -156,6 +169,18 @@ def learning_rate(step: int, config: StateTrackingConfig) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * min(step - config.warmup_steps, span) / span))
 
 
+def training_length(step: int, config: StateTrackingConfig) -> int:
+    """The length of step ``step``'s training batch: ``train_max_length``, or with a curriculum
+    (``curriculum_start`` = L₀ > 0) a linear ramp from L₀ at step 0 to ``train_max_length`` at half of
+    ``max_steps``, held there after: short words first, where a wrong product costs fewer positions,
+    then the long ones."""
+    if config.curriculum_start == 0:
+        return config.train_max_length
+    ramp = max(1, config.max_steps // 2)
+    grown = (config.train_max_length - config.curriculum_start) * min(step, ramp) / ramp
+    return config.curriculum_start + int(grown)
+
+
 def build_model(task_name: str, arm: str, config: StateTrackingConfig):
     """The study's LM for one task and arm (one head, no short convolution, SwiGLU MLP)."""
     from ..models import LM, LMConfig
@@ -163,6 +188,7 @@ def build_model(task_name: str, arm: str, config: StateTrackingConfig):
     spec = parse_arm(arm)
     options = dict(vocab_size=make_state_tracking_task(task_name).vocab_size, d_model=config.d_model,
                    n_layers=config.n_layers, n_heads=1, mixer=spec["mixer"], use_short_conv=False,
+                   qk_activation=config.qk_activation,
                    max_seq_len=max(config.test_lengths + (config.train_max_length,)))
     if spec["beta_range"] is not None:
         options["allow_neg_eigval"] = spec["beta_range"] == "[0,2]"
@@ -201,7 +227,7 @@ def fit_state_tracking_model(task_name: str, arm: str, config: StateTrackingConf
     for step in range(config.max_steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, config)
-        batch = task.sample(config.batch_size, config.train_max_length, data)
+        batch = task.sample(config.batch_size, training_length(step, config), data)
         logits, _ = model(batch.inputs, return_cache=False)
         loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
         loss.backward()

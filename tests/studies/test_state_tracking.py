@@ -131,3 +131,62 @@ def test_quick_study_separates_the_beta_ranges_on_parity(tmp_path):
     at = {r["arm"]: r["seq_accuracy"] for r in result["results"] if r["task"] == "parity" and r["test_length"] == 256}
     print(at)
     assert at["deltanet[0,2]"] >= 0.95 and at["deltanet[0,1]"] <= 0.05 and at["linear"] <= 0.05
+
+
+def test_length_curriculum_ramps_to_the_training_length():
+    """``curriculum_start`` L₀: step 0 trains at L₀, the length grows linearly to ``train_max_length``
+    at half of ``max_steps`` and stays; 0 (the default) trains at ``train_max_length`` throughout.
+    A start above the training length is refused, naming the argument."""
+    from fastweights.studies.state_tracking import training_length
+
+    plain = StateTrackingConfig(train_max_length=64, max_steps=100)
+    assert {training_length(s, plain) for s in range(100)} == {64}
+    ramp = StateTrackingConfig(train_max_length=64, max_steps=100, curriculum_start=4)
+    lengths = [training_length(s, ramp) for s in range(100)]
+    print(lengths[:3], lengths[24:27], lengths[48:52])
+    assert lengths[0] == 4 and lengths[25] == 34 and lengths[50:] == [64] * 50
+    assert all(a <= b for a, b in zip(lengths, lengths[1:]))
+    with pytest.raises(ValueError, match="`curriculum_start`"):
+        StateTrackingConfig(train_max_length=16, curriculum_start=17)
+    with pytest.raises(ValueError, match="`curriculum_start`"):
+        StateTrackingConfig(curriculum_start=-1)
+
+
+def test_flags_build_the_config():
+    """The options a longer run needs (layers, width, steps, lr, batch, warm-up, curriculum) come from
+    the command line into the config, and ``--full`` keeps them as overrides."""
+    from fastweights.cli import build_parser
+    from fastweights.studies import state_tracking
+
+    def parse(*flags):
+        return state_tracking.config_from_args(build_parser().parse_args(["study", "state-tracking", *flags]))
+
+    assert parse() == StateTrackingConfig()
+    got = parse("--tasks", "S3", "--arms", "deltaproduct1[0,2]", "deltaproduct2[0,2]", "--n-layers", "2", "--d-model",
+                "64", "--max-steps", "3000", "--lr", "1e-3", "--batch-size", "64", "--warmup-steps", "200",
+                "--curriculum-start", "8", "--qk-activation", "identity")
+    assert got == StateTrackingConfig(tasks=("S3",), arms=("deltaproduct1[0,2]", "deltaproduct2[0,2]"), n_layers=2,
+                                      d_model=64, max_steps=3000, lr=1e-3, batch_size=64, warmup_steps=200,
+                                      curriculum_start=8, qk_activation="identity")
+    assert parse("--full", "--curriculum-start", "8") == StateTrackingConfig.full(curriculum_start=8)
+    from fastweights.studies.state_tracking import build_model
+
+    model = build_model("S3", "deltaproduct2[0,2]", got)  # the activation reaches the layers
+    assert model.config.qk_activation == "identity" and model.config.n_layers == 2 and model.config.d_model == 64
+
+
+def test_curriculum_run_keeps_the_contract(tmp_path):
+    """A tiny two-layer run with the curriculum: the JSON contract is the same, and the curriculum
+    changes what is trained (another final loss than the same run without it)."""
+    base = dict(tasks=("S3",), arms=("deltaproduct2[0,2]",), train_max_length=12, test_lengths=(12, 24), d_model=16,
+                n_layers=2, seeds=1, max_steps=6, warmup_steps=2, batch_size=4, test_size=8, workers=1)
+    with_ramp = run_state_tracking(StateTrackingConfig(**base, curriculum_start=2), out_dir=str(tmp_path),
+                                   progress=False, plots=False)
+    without = run_state_tracking(StateTrackingConfig(**base), progress=False, plots=False)
+    data = json.loads((tmp_path / "state_tracking.json").read_text())
+    assert data["train_max_length"] == 12 and data["config"]["curriculum_start"] == 2
+    for row in data["results"]:
+        assert {"task", "mixer", "beta_range", "n_householder", "test_length", "seq_accuracy", "seq_accuracy_se",
+                "token_accuracy", "seeds"} <= set(row)
+        assert row["n_householder"] == 2 and row["beta_range"] == "[0,2]"
+    assert with_ramp["runs"][0]["train_loss"] != without["runs"][0]["train_loss"]

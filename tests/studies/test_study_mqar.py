@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastweights.studies.mqar import LRS, MIXERS, QUICK_LRS, MQARConfig, learning_rate, run_mqar, train_mqar_model
+from fastweights.studies.mqar import (ALL_MIXERS, LRS, MIXERS, QUICK_LRS, MQARConfig, answer_logits, learning_rate,
+                                     run_mqar, train_mqar_model)
 from fastweights.tasks.mqar import MQAR
 from fastweights.tasks.recall import IGNORE
 
@@ -82,7 +83,7 @@ def tiny_config(**kw):
     return MQARConfig(**base)
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", ALL_MIXERS)
 def test_every_mixer_trains_without_mlp(mixer):
     config = tiny_config()
     task = MQAR(32, 16, 4)
@@ -90,6 +91,52 @@ def test_every_mixer_trains_without_mlp(mixer):
     assert 0.0 <= r["accuracy"] <= 1.0 and r["steps"] == 3 and len(r["history"]) == 2
     again = train_mqar_model(mixer, 16, task, config, lr=1e-3, seed=0)
     assert again["history"] == r["history"] and again["accuracy"] == r["accuracy"]  # deterministic from the seed
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "gdn2"])
+def test_head_on_answers_gives_the_same_loss_and_gradients(mixer):
+    """``head_on_answers``: the output layer at the asked positions only gives the loss and every
+    parameter gradient of the full-logits forward (float64: to rounding), and a whole run with it
+    trains and tests like the full forward (same steps, accuracies within rounding)."""
+    from fastweights.models import LM, LMConfig
+
+    task = MQAR(64, 32, 4)
+    batch = task.sample(3, torch.Generator().manual_seed(0))
+    asked = batch.targets != IGNORE
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=1, mixer=mixer, max_seq_len=32, mlp_hidden=0,
+                        softmax_short_conv=True)).double()
+    losses, grads = [], []
+    for head in (False, True):
+        loss = torch.nn.functional.cross_entropy(answer_logits(model, batch.inputs, asked, head), batch.targets[asked])
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(*grads))
+    print(f"{mixer}: loss {float(losses[0]):.6f} vs {float(losses[1]):.6f}, largest relative gradient difference {err:.2e}")
+    assert abs(float(losses[0] - losses[1])) <= 1e-12 * float(losses[0]) and err <= 1e-10
+    full = train_mqar_model(mixer, 16, task, tiny_config(max_steps=4), lr=1e-2, seed=0)
+    lean = train_mqar_model(mixer, 16, task, tiny_config(max_steps=4, head_on_answers=True), lr=1e-2, seed=0)
+    assert lean["steps"] == full["steps"] == 4
+    assert lean["loss"] == pytest.approx(full["loss"], rel=1e-4) and abs(lean["accuracy"] - full["accuracy"]) <= 1 / 16
+
+
+def test_mqar_flags_for_zoology_sized_runs():
+    """``--mixers`` takes KDA and GDN-2 (the default stays the four of the recorded tables); batch, test
+    sizes, validation interval and ``--head-on-answers`` come from the command line; a bad mixer is named."""
+    from fastweights.cli import build_parser
+    from fastweights.studies import mqar
+
+    args = build_parser().parse_args(["study", "mqar", "--mixers", "kda", "gdn2", "--vocab-size", "8192", "--cells",
+                                      "512:64", "--batch-size", "16", "--eval-every", "25", "--val-size", "64",
+                                      "--test-size", "128", "--head-on-answers"])
+    got = mqar.config_from_args(args)
+    assert got == MQARConfig(mixers=("kda", "gdn2"), vocab_size=8192, cells=((512, 64),), batch_size=16, eval_every=25,
+                             val_size=64, test_size=128, head_on_answers=True)
+    assert MQARConfig().mixers == MIXERS and not MQARConfig().head_on_answers
+    with pytest.raises(ValueError, match="`mixers`"):
+        MQARConfig(mixers=("mamba",))
 
 
 def test_early_stop_at_the_validation_threshold(monkeypatch):
