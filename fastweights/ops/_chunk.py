@@ -56,7 +56,7 @@ def from_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
 #: Chunk length C of the chunk ops when they are not given one (``chunk_size=None``, the
 #: default of every chunk op, layer and ``LMConfig``): on the CPU, 32 for key sizes up to
 #: :data:`SHORT_CHUNK_MAX_KEY_DIM`, else 64; on other devices 64. Measured on the CPU (fp32, one
-#: thread, CPU time, d_model 128; ``fastweights/bench/lm_speed.py``'s shapes): a DeltaNet layer's
+#: thread, CPU time, d_model 128; ``benchmarks/lm_speed.py``'s shapes): a DeltaNet layer's
 #: forward+backward at B=8, T=256 took 30.2 ms with C=32 against 35.1 ms with C=64 at
 #: K=32, 31.0 against 34.9 at K=64, but 38.9 against 36.6 at K=128; Gated DeltaNet
 #: 34.7 against 38.3 (K=32). The C² work per token shrinks with C while the T/C-step

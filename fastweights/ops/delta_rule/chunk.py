@@ -23,7 +23,7 @@ diagonal-block inverses and the T/C states entering the chunks, not autograd's
 graph of the loop; its loop is the adjoint of the forward's (dU' and dh, two
 products per chunk).
 ``textbook.py`` holds the plain implementation (row-by-row forward substitution,
-a per-chunk loop, autograd) that ``fastweights/bench/chunk_speed.py`` measures this one
+a per-chunk loop, autograd) that ``benchmarks/chunk_speed.py`` measures this one
 against.
 """
 
@@ -582,7 +582,7 @@ def chunk_delta_rule(
     :func:`~fastweights.ops.recurrent_delta_rule`.
     Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
     double backward is not supported (use the recurrent or parallel form).
-    ``fastweights/bench/chunk_speed.py`` (``fastweights bench``) measures it against the
+    ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the
     textbook chunk implementation and the recurrence.
     Context parallelism: ``cp_group`` (a ``torch.distributed.ProcessGroup``; None: off)
     splits T over the group's ranks, each holding one contiguous slice ``[B, L, ...]`` in

@@ -10,7 +10,7 @@ first implementation reads off the paper (Yang et al. 2024, §3):
 3. autograd for the backward, which keeps the graph of both loops.
 
 It is correct (tested against the recurrence in float64) and kept importable so
-``fastweights/bench/chunk_speed.py`` can time the fast path against it side by side.
+``benchmarks/chunk_speed.py`` can time the fast path against it side by side.
 Use :func:`~fastweights.ops.chunk_delta_rule` for real work.
 """
 
@@ -78,7 +78,7 @@ def textbook_chunk_delta_rule(
 
     Same arguments and returns as :func:`~fastweights.ops.chunk_delta_rule` (plus an
     optional ``g`` for the gated rule). Slow and memory-hungry on purpose: it is the
-    baseline that ``fastweights/bench/chunk_speed.py`` measures the fast path against.
+    baseline that ``benchmarks/chunk_speed.py`` measures the fast path against.
     """
     return run(TEXTBOOK_CHUNK_DELTA_RULE, q, k, v, beta=beta, g=g, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,

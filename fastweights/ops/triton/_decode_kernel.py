@@ -38,7 +38,7 @@ def _delta_step_kernel(
     tl.store(o + i_bh * V + c, o_t.to(o.dtype.element_ty), mask=mc)
 
 
-#: (num_warps, num_stages) the autotuner may pick (``fastweights/bench/triton_resources.py`` checks them).
+#: (num_warps, num_stages) the autotuner may pick (``benchmarks/triton_resources.py`` checks them).
 CONFIGS = [(4, 1), (8, 1)]  # one or two warps spill at K = 128 (the [K, BV] state block is 4096 fp32)
 PINNED = (4, 1)
 

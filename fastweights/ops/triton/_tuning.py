@@ -1,11 +1,11 @@
 """Autotuning of the Triton kernels: every listed config, or one pinned config per kernel.
 
 Each kernel module lists the ``(num_warps, num_stages)`` configs its launchers may
-use (``fastweights/bench/triton_resources.py`` compiles every one for sm_90 and checks
+use (``benchmarks/triton_resources.py`` compiles every one for sm_90 and checks
 that it fits) and one pinned config. ``FASTWEIGHTS_TRITON_AUTOTUNE=0``, set before
 the kernels are first used, runs the pinned ones: autotuning compiles every
 config of every kernel for each shape and dtype, which on a new device can take
-longer than the run itself (``fastweights/bench/gpu_chunk_delta.py`` pins by default).
+longer than the run itself (``benchmarks/gpu_chunk_delta.py`` pins by default).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from ._tuning import autotuned, capped
 BT = CHUNK_SIZE
 
 
-#: (num_warps, num_stages) the autotuner may pick, per kernel; ``fastweights/bench/triton_resources.py``
+#: (num_warps, num_stages) the autotuner may pick, per kernel; ``benchmarks/triton_resources.py``
 #: compiles every one of them for sm_90 and checks that it fits.
 #: Four warps spill in the sequential and gradient kernels (up to 1.3 KB/thread, gated, K = V = 128,
 #: bf16; 676 B in the intra-chunk gradients at K = 256); the kernels without a runtime loop have
@@ -74,7 +74,7 @@ def sequential_stages(block_k: int, block_v: int, itemsize: int) -> int:
 
     Each stage buffers one chunk's [64, BK] tiles of q, k, w and a [64, BV] tile
     (u or dO) in the input dtype: 3 stages at K <= 128 in bf16, 1 at K = 256 in bf16 and
-    for fp32 at K >= 128 (``fastweights/bench/triton_resources.py`` measures that they fit; the
+    for fp32 at K >= 128 (``benchmarks/triton_resources.py`` measures that they fit; the
     state adjoint needed 237,568 B at K = 256, bf16, 2 stages, over the limit).
     """
     per_stage = BT * (3 * block_k + block_v) * itemsize
@@ -160,7 +160,7 @@ def _precision(v: torch.Tensor) -> str:
       tensor-core products are summed, which recovers close to fp32 accuracy (not
       bit-equal to fp32 FMA). ``"ieee"`` (plain FMA, no tensor cores) was not chosen
       because those kernels compile for minutes and run several times slower. The
-      device accuracy of this choice is checked by ``fastweights/bench/gpu_chunk_delta.py``
+      device accuracy of this choice is checked by ``benchmarks/gpu_chunk_delta.py``
       (fp32 against float64); Triton's interpreter computes every dot exactly in fp32
       whatever this says, so the CPU tests cannot see it.
     - bf16/fp16 inputs: products take bf16/fp16 operands (PREC does not apply to
@@ -329,7 +329,7 @@ def chunk_op_triton(
     return o, (h_final if output_final_state else None)
 
 
-# Argument types of the kernels for ahead-of-time compilation (fastweights/bench/triton_resources.py):
+# Argument types of the kernels for ahead-of-time compilation (benchmarks/triton_resources.py):
 # "*in" is the input dtype; the rest as the launchers above allocate them.
 _ARG_TYPES = {
     **dict.fromkeys(["q", "k", "v", "beta", "g", "o", "do", "dq", "dk", "dv", "dbeta", "dg"], "*in"),
