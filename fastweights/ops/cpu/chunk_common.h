@@ -62,7 +62,15 @@ void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G) {
   for (int64_t i = 0; i < C; ++i) {
     T* s = S + i * C;
     T* p = P + i * C;
-    if (bcum != nullptr) {
+    if (bcum != nullptr && split && G == nullptr) {  // the common case, in a loop the compiler vectorises
+      const T ui = up[i];
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) {
+        const T gam = ui * down[j];
+        p[j] *= gam;
+        s[j] *= gam;
+      }
+    } else if (bcum != nullptr) {
       for (int64_t j = 0; j <= i; ++j) {
         const T gam = split ? up[i] * down[j] : std::exp(bcum[i] - bcum[j]);
         if (G != nullptr) G[i * C + j] = gam;
@@ -178,15 +186,22 @@ struct HeadRows {
   }
 
   // Into scratch of type D: E itself, or fp32 for bf16 inputs (widened here, once per element).
+  // Asks for part `part` of `parts` of the rows of the chunk at t0 (nothing past the end): a
+  // kernel whose chunk is short work spreads the next chunk's requests over it (prefetch_ahead =
+  // false in gather) instead of issuing them all at once, which stalls on the fill buffers.
+  void prefetch_part(int64_t t0, int64_t part, int64_t parts) const {
+    const int64_t rows = std::min(C, L - t0);
+    if (rows <= 0) return;
+    const int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
+    prefetch_rows(q, q_t, t0 + begin, end - begin, K);
+    prefetch_rows(k, k_t, t0 + begin, end - begin, K);
+    prefetch_rows(v, v_t, t0 + begin, end - begin, V);
+  }
+
   template <typename D>
-  void gather(int64_t t0, D* Q, D* KV, A* bvec, A* bcum) const {
+  void gather(int64_t t0, D* Q, D* KV, A* bvec, A* bcum, bool prefetch_ahead = true) const {
     const int64_t rows = std::min(C, L - t0), KVw = K + V;
-    if (t0 + C < L) {
-      const int64_t next = std::min(C, L - t0 - C);
-      prefetch_rows(q, q_t, t0 + C, next, K);
-      prefetch_rows(k, k_t, t0 + C, next, K);
-      prefetch_rows(v, v_t, t0 + C, next, V);
-    }
+    if (prefetch_ahead) prefetch_part(t0 + C, 0, 1);
     for (int64_t i = 0; i < C; ++i) {
       if (i < rows) {
         const int64_t t = t0 + i;

@@ -9,10 +9,16 @@ using namespace fastweights::cpu::chunk;
 using fastweights::cpu::round16;
 
 // The forward with bf16 products (inference: nothing kept for a backward). Every product takes
-// bf16 operands and accumulates in fp32 (gemm_bf16.h: AVX512-BF16's dot-product instruction where
-// the CPU has it); the state, the decays, the triangular solve for T and every sum stay fp32, and
-// an operand is rounded to bf16 once, right before its product: T and diag(β)[K e^b | V] for
-// [W | U], W and h for U' = U − W h, Q e^b, h, P and U' for O, K̄ and U' for the state's update.
+// bf16 operands and accumulates in fp32 (gemm_bf16.h: AMX tiles or AVX512-BF16's dot-product
+// instruction where the CPU has them); the state, the decays, the triangular solve for T and every
+// sum stay fp32, and an operand is rounded to bf16 once, right before its first product: T and
+// diag(β)[K e^b | V] for [W | U], −W and h for U' = U − W h, Q e^b, h, P and U' for O, K̄ and U'
+// for the state's update. Each B operand is packed once per chunk (K for S and P, h for U' and O,
+// U' for O and the state), and every product is C (+)= A B with no scaling, which the AMX path
+// writes directly: the scale is applied as O is rounded to the output (P is kept unscaled, so O
+// accumulates Q e^b h + P U' and is scaled once).
+constexpr int64_t kAheadParts = 7;  // the products per chunk, each followed by a part of the next chunk's rows
+
 struct ForwardBf16 {
   using B16 = at::BFloat16;
   const B16 *q, *k, *v;
@@ -23,51 +29,67 @@ struct ForwardBf16 {
   int64_t N, H, L, K, V, C, NC;
   float scale;
 
-  int64_t scratch_size() const {  // in floats; the bf16 buffers take half a float each, rounded up
-    return round16(C * K) * 2 + round16(C * (K + V)) * 2 + round16(C * C) * 4 + round16(C * V) * 2 +
-           round16(K * V) * 2 + round16(C) * 4;
+  int64_t scratch_size() const {  // in floats, exactly what head() takes
+    using fastweights::cpu::packed_b_words;
+    const int64_t KV = K + V;
+    auto f = [](int64_t floats) { return round16(floats); };
+    auto b16 = [](int64_t count) { return round16((count + 1) / 2); };
+    return b16(C * K) * 2 + b16(C * KV) * 2 + b16(C * std::max(C, K)) + f(C * KV) + f(C * C) * 3 + f(C * V) +
+           f(K * V) + f(C) * 4 + f(packed_b_words(K, C)) + f(packed_b_words(C, KV)) + f(packed_b_words(K, V)) +
+           f(packed_b_words(C, V));
   }
 
   void head(int64_t nh, float* scratch) const {
+    using fastweights::cpu::gemm_bf16_packed;
+    using fastweights::cpu::pack_b;
+    using fastweights::cpu::packed_b_words;
+    using fastweights::cpu::scale_to_bf16;
+    using fastweights::cpu::to_bf16;
+    using fastweights::cpu::to_bf16_scaled;
     const int64_t n = nh / H, hh = nh % H, KV = K + V;
     float* p = scratch;
     auto take = [&p](int64_t floats) { float* out = p; p += round16(floats); return out; };
     auto take16 = [&take](int64_t count) { return reinterpret_cast<B16*>(take((count + 1) / 2)); };
-    B16* Qh = take16(C * K);     // Q, then Q e^b
-    B16* KVh = take16(C * KV);   // K | V as given
-    B16* Rh = take16(C * KV);    // diag(β) [K e^b | V]
-    B16* Kbh = take16(C * K);    // K̄
-    float* WU = take(C * KV);    // [W | U]
+    auto take32 = [&take](int64_t words) { return reinterpret_cast<uint32_t*>(take(words)); };
+    B16* Qh = take16(C * K);             // Q, then Q e^b
+    B16* KVh = take16(C * KV);           // K | V as given
+    B16* Rh = take16(C * KV);            // diag(β) [K e^b | V]
+    B16* Kbh = take16(C * K);            // K̄
+    B16* Ah = take16(C * std::max(C, K));  // an A operand: T, then −W, then P
+    float* WU = take(C * KV);            // [W | U]
     float* S = take(C * C);
     float* P = take(C * C);
     float* Tm = take(C * C);
-    B16* Th = take16(C * C);     // T, then P
-    B16* Wh = take16(C * K);
-    B16* Uph = take16(C * V);
     float* O = take(C * V);
     float* h = take(K * V);
-    B16* hh16 = take16(K * V);
-    float* Up = WU + K;          // U', in place of U (leading dimension K + V)
+    float* Up = WU + K;                  // U', in place of U (leading dimension K + V)
     float* bvec = take(C);
     float* bcum = take(C);
     float* rd = take(C);
     float* te = take(C);
+    uint32_t* Kw = take32(packed_b_words(K, C));   // Kᵀ, packed
+    uint32_t* Rw = take32(packed_b_words(C, KV));  // diag(β) [K e^b | V], packed
+    uint32_t* hw = take32(packed_b_words(K, V));   // h, packed
+    uint32_t* Uw = take32(packed_b_words(C, V));   // U', packed
     fastweights::cpu::Workspace ws;
 
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(float) * K * V);
     else std::fill(h, h + K * V, 0.f);
     const auto in = HeadRows<B16, float>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
     const bool gated = g != nullptr;
-    using fastweights::cpu::gemm_bf16;
-    using fastweights::cpu::scale_to_bf16;
-    using fastweights::cpu::to_bf16;
 
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C;
-      in.gather(t0, Qh, KVh, bvec, bcum);
+      in.gather(t0, Qh, KVh, bvec, bcum, /*prefetch_ahead=*/false);
+      int64_t part = 0;  // the next chunk's rows are asked for in parts, one after each product
+      auto ahead = [&]() { in.prefetch_part(t0 + C, part++, kAheadParts); };
       if (gated) chunk_decays(C, bcum, rd, te);
-      gemm_bf16(false, true, C, C, K, 1.f, KVh, KV, KVh, KV, 0.f, S, C, ws);
-      gemm_bf16(false, true, C, C, K, scale, Qh, K, KVh, KV, 0.f, P, C, ws);
+      // S = K Kᵀ, P = Q Kᵀ (unscaled), masked
+      const auto Kt = pack_b(true, K, C, KVh, KV, Kw);
+      gemm_bf16_packed(false, C, C, K, 1.f, KVh, KV, Kt, 0.f, S, C, ws);
+      ahead();
+      gemm_bf16_packed(false, C, C, K, 1.f, Qh, K, Kt, 0.f, P, C, ws);
+      ahead();
       mask_scores<float>(C, gated ? bcum : nullptr, S, P, nullptr);
       unit_lower_inverse<float>(C, S, bvec, Tm);
       // [W | U] = T diag(β) [K e^b | V]
@@ -75,31 +97,38 @@ struct ForwardBf16 {
         scale_to_bf16(KVh + i * KV, gated ? bvec[i] * rd[i] : bvec[i], Rh + i * KV, K);
         scale_to_bf16(KVh + i * KV + K, bvec[i], Rh + i * KV + K, V);
       }
-      to_bf16(Tm, Th, C * C);
-      gemm_bf16(false, false, C, KV, C, 1.f, Th, C, Rh, KV, 0.f, WU, KV, ws);
-      // U' = U − W h
-      to_bf16(h, hh16, K * V);
-      for (int64_t i = 0; i < C; ++i) to_bf16(WU + i * KV, Wh + i * K, K);
-      gemm_bf16(false, false, C, V, K, -1.f, Wh, K, hh16, V, 1.f, Up, KV, ws);
-      for (int64_t i = 0; i < C; ++i) to_bf16(Up + i * KV, Uph + i * V, V);
-      // O = scale · (Q e^b) h + P U'
+      to_bf16(Tm, Ah, C * C);
+      gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, Rh, KV, Rw), 0.f, WU, KV, ws);
+      ahead();
+      // U' = U + (−W) h
+      const auto hp = pack_b(K, V, h, V, hw);
+      for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Ah + i * K, K);
+      gemm_bf16_packed(false, C, V, K, 1.f, Ah, K, hp, 1.f, Up, KV, ws);
+      ahead();
+      const auto Upk = pack_b(C, V, Up, KV, Uw);
+      // O = (Q e^b) h + P U' (scaled on the way out)
       if (gated) {
         for (int64_t i = 0; i < C; ++i) {
           scale_to_bf16(Qh + i * K, rd[i], Qh + i * K, K);
           scale_to_bf16(KVh + i * KV, te[i], Kbh + i * K, K);
         }
       }
-      gemm_bf16(false, false, C, V, K, scale, Qh, K, hh16, V, 0.f, O, V, ws);
-      to_bf16(P, Th, C * C);
-      gemm_bf16(false, false, C, V, C, 1.f, Th, C, Uph, V, 1.f, O, V, ws);
+      gemm_bf16_packed(false, C, V, K, 1.f, Qh, K, hp, 0.f, O, V, ws);
+      ahead();
+      to_bf16(P, Ah, C * C);
+      gemm_bf16_packed(false, C, V, C, 1.f, Ah, C, Upk, 1.f, O, V, ws);
+      ahead();
       // h ← e^{b_C} h + K̄ᵀ U'
       if (gated) {
         const float last = rd[C - 1];
         for (int64_t i = 0; i < K * V; ++i) h[i] *= last;
       }
-      gemm_bf16(true, false, K, V, C, 1.f, gated ? Kbh : KVh, gated ? K : KV, Uph, V, 1.f, h, V, ws);
-      for (int64_t i = 0; i < C; ++i) to_bf16(O + i * V, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
+      gemm_bf16_packed(true, K, V, C, 1.f, gated ? Kbh : KVh, gated ? K : KV, Upk, 1.f, h, V, ws);
+      ahead();
+      for (int64_t i = 0; i < C; ++i)
+        fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
     }
+    fastweights::cpu::store_fence();
     fastweights::cpu::gemm_bf16_release();
     std::memcpy(h_out + nh * K * V, h, sizeof(float) * K * V);
   }

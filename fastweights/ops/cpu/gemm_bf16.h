@@ -5,6 +5,11 @@
 //     (the semantics of `mm<T>` in gemm.h). op(A) is m×k, op(B) is k×n; A is stored
 //     m×k (ta false) or k×m (ta true) with row stride lda, B likewise k×n or n×k with ldb.
 //     beta == 0 does not read C (as in BLAS: C may hold NaN).
+//   pack_b(tb, k, n, B, ldb, dst) / pack_b(k, n, B_fp32, ldb, dst): op(B) packed once into the
+//     VNNI-2 layout every bf16 path reads (below), from bf16 or rounded from fp32 on the way;
+//   gemm_bf16_packed(ta, m, n, k, alpha, A, lda, packed_B, beta, C, ldc, ws): the product with
+//     a B packed earlier, so an operand used by several products is packed once (the chunk
+//     forward packs K, h and U' once per chunk and uses each twice).
 //   gemm_bf16_release(): after a run of calls (a head), gives back the AMX tile state.
 //   to_bf16(src, dst, n): fp32 → bf16, round to nearest even, bit for bit torch's
 //     `tensor.to(torch.bfloat16)` (denormals kept, NaN → 0xFFFF).
@@ -116,14 +121,15 @@ inline float bf16_to_float(uint16_t h) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 namespace bf16_detail {
 // 16 floats → 16 bf16 bit patterns, round to nearest even, NaN → 0xFFFF (torch's rounding).
-inline __m256i round_to_bf16(__m512 x) {
+// The same, each bit pattern left in the low half of its 32-bit lane (the high half zero).
+inline __m512i round_to_bf16_lanes(__m512 x) {
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xFFFF);
   const __m512i u = _mm512_castps_si512(x);
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
   r = _mm512_srli_epi32(r, 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
-  return _mm512_cvtepi32_epi16(r);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
 }
+inline __m256i round_to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(round_to_bf16_lanes(x)); }
 inline __mmask16 live16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 }  // namespace bf16_detail
 #endif
@@ -134,13 +140,61 @@ inline void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (isa() > kPortable) {
-    for (; i < n; i += 16) {
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16_detail::round_to_bf16(_mm512_loadu_ps(src + i)));
+    if (i < n) {
       const __mmask16 live = bf16_detail::live16(n - i);
       _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(_mm512_maskz_loadu_ps(live, src + i)));
+      i = n;
     }
   }
 #endif
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i]);
+}
+
+// dst = bf16(src · factor) for n fp32 entries (the product rounded once, as to_bf16 rounds).
+inline void to_bf16_scaled(const float* src, float factor, at::BFloat16* dst, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (isa() > kPortable) {
+    const __m512 f = _mm512_set1_ps(factor);
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                          bf16_detail::round_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + i), f)));
+    if (i < n) {
+      const __mmask16 live = bf16_detail::live16(n - i);
+      _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, src + i), f)));
+      i = n;
+    }
+  }
+#endif
+  for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i] * factor);
+}
+
+// to_bf16_scaled into a row of an output tensor that nothing reads soon: where the row starts
+// on a cache line and fills whole lines, non-temporal stores write it without first reading the
+// lines in (the caller ends its run of such stores with store_fence()).
+inline void to_bf16_scaled_stream(const float* src, float factor, at::BFloat16* dst, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (isa() > kPortable && n % 32 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    const __m512 f = _mm512_set1_ps(factor);
+    for (int64_t i = 0; i < n; i += 32) {
+      const __m256i lo = bf16_detail::round_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + i), f));
+      const __m256i hi = bf16_detail::round_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + i + 16), f));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+    return;
+  }
+#endif
+  to_bf16_scaled(src, factor, dst, n);
+}
+
+// Orders the non-temporal stores before whatever follows (after a run of to_bf16_scaled_stream).
+inline void store_fence() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_sfence();
+#endif
 }
 
 // dst = bf16(float(src) · factor) for n entries (the product rounded once, as to_bf16 rounds).
@@ -160,12 +214,16 @@ inline void scale_to_bf16(const at::BFloat16* src, float factor, at::BFloat16* d
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(bf16_detail::bf16_to_float(in[i]) * factor);
 }
 
-// Bytes of workspace one gemm_bf16 call of this shape needs (the most any path takes).
+// Words of a packed B operand (pack_b): ⌈k/2⌉ rows of round16(n) 32-bit words.
+inline int64_t packed_b_words(int64_t k, int64_t n) { return (k + 1) / 2 * round16(n); }
+
+// Bytes of workspace one gemm_bf16_packed call of this shape needs (the most any path takes;
+// the packed B is the caller's).
 inline size_t gemm_bf16_workspace_bytes(int64_t m, int64_t n, int64_t k) {
   const int64_t kp = (k + 1) / 2;
-  const int64_t vnni = kp * (round16(m) + round16(n));                         // vdpbf16ps: both packed (words)
-  const int64_t amx = round16(m * kp) + round16(kp * round16(n)) + round16(m * n);  // A, VNNI B (words), fp32 C
-  const int64_t wide = round16(m * k) + round16(k * n);                        // both widened (floats)
+  const int64_t vnni = kp * round16(m);                                               // vdpbf16ps: A packed (words)
+  const int64_t amx = kp * round16(m) + m * round16(kp) + round16(m * n);             // A (two passes), fp32 C tile
+  const int64_t wide = round16(m * k) + round16(k * n);                               // both widened (floats)
   return size_t(std::max({vnni, amx, wide})) * 4 + 64;
 }
 
@@ -305,41 +363,119 @@ inline constexpr auto kKernels = kernel_table(std::make_index_sequence<kNV>());
 
 }  // namespace bf16_detail
 
+// A B operand packed once (pack_b) and read by any number of gemm_bf16_packed calls: op(B), k×n,
+// as VNNI-2 words, w[p·stride + j] = (op(B)[2p, j], op(B)[2p + 1, j]) (low half, high half), rows
+// past k and columns past n zero. Both bf16 micro-kernels read this layout (oneDNN's brgemm as
+// its VNNI B, the vdpbf16ps kernel as its packed B); the widened path unpacks it.
+struct PackedB {
+  const uint32_t* w;
+  int64_t k, n, stride;
+};
+
+namespace bf16_detail {
+
+// The packers without AVX-512 (and the reference the vectorised ones equal): op(B)[r, j] is
+// B[r·ldb + j], or B[j·ldb + r] when tb.
+inline void pack_b_scalar(bool tb, int64_t k, int64_t n, const uint16_t* B, int64_t ldb, uint32_t* dst,
+                          int64_t stride) {
+  for (int64_t p = 0; p < (k + 1) / 2; ++p)
+    for (int64_t j = 0; j < stride; ++j) {
+      uint32_t word = 0;
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t r = 2 * p + h;
+        if (r < k && j < n) word |= uint32_t(tb ? B[j * ldb + r] : B[r * ldb + j]) << (16 * h);
+      }
+      dst[p * stride + j] = word;
+    }
+}
+
+}  // namespace bf16_detail
+
+// Packs op(B) (k×n; B stored k×n, or n×k when tb) into dst (packed_b_words(k, n) words).
+inline PackedB pack_b(bool tb, int64_t k, int64_t n, const at::BFloat16* B, int64_t ldb, uint32_t* dst) {
+  const uint16_t* b16 = reinterpret_cast<const uint16_t*>(B);
+  const int64_t stride = round16(n);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  if (isa() > kPortable) {
+    if (tb) bf16_detail::pack_pairs_along_rows(b16, ldb, n, k, dst, stride);
+    else bf16_detail::pack_pairs_across_rows(b16, ldb, k, n, dst, stride);
+    return {dst, k, n, stride};
+  }
+#endif
+  bf16_detail::pack_b_scalar(tb, k, n, b16, ldb, dst, stride);
+  return {dst, k, n, stride};
+}
+
+// Packs an fp32 B (k×n, row major, row stride ldb), each entry rounded to bf16 on the way
+// (bit for bit to_bf16, then pack_b): one pass instead of a conversion and a pack.
+inline PackedB pack_b(int64_t k, int64_t n, const float* B, int64_t ldb, uint32_t* dst) {
+  const int64_t kp = (k + 1) / 2, stride = round16(n);
+  int64_t p = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (isa() > kPortable) {
+    for (; p < k / 2; ++p) {
+      const float* lo = B + 2 * p * ldb;
+      const float* hi = lo + ldb;
+      uint32_t* d = dst + p * stride;
+      for (int64_t j = 0; j < stride; j += 16) {
+        const __mmask16 live = bf16_detail::live16(n - j);
+        const __m512i a = bf16_detail::round_to_bf16_lanes(_mm512_maskz_loadu_ps(live, lo + j));
+        const __m512i b = bf16_detail::round_to_bf16_lanes(_mm512_maskz_loadu_ps(live, hi + j));
+        _mm512_storeu_si512(d + j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+      }
+    }
+  }
+#endif
+  for (; p < kp; ++p)
+    for (int64_t j = 0; j < stride; ++j) {
+      uint32_t word = 0;
+      for (int64_t h = 0; h < 2; ++h)
+        if (2 * p + h < k && j < n) word |= uint32_t(bf16_detail::to_bf16_bits(B[(2 * p + h) * ldb + j])) << (16 * h);
+      dst[p * stride + j] = word;
+    }
+  return {dst, k, n, stride};
+}
+
 #if defined(FASTWEIGHTS_BRGEMM)
 namespace bf16_detail {
 
-// The AMX path of gemm_bf16 (see the top of this file). brgemm computes C (+)= A·B for A row
-// major [m, k2], B in VNNI-2 words [k2/2, ldb] and fp32 C, k2 = k rounded up to even (a zero row
-// and column pad an odd k). A is used in place when it already is row major with an even k;
-// otherwise it is copied. C is written directly when alpha = 1 and beta ∈ {0, 1}, else through
-// an fp32 tile.
-inline void gemm_bf16_brgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a16,
-                             int64_t lda, const uint16_t* b16, int64_t ldb, float beta, float* C, int64_t ldc,
-                             Workspace& ws) {
-  const int64_t kp = (k + 1) / 2, k2 = 2 * kp, sb = round16(n);
+// The AMX path of gemm_bf16_packed (see the top of this file). brgemm computes C (+)= A·B for A
+// row major [m, k2], B in VNNI-2 words and fp32 C, k2 = k rounded up to even. A is used in place
+// when it already is row major with an even k; a transposed A is packed into pairs and its words
+// transposed (both vectorised); otherwise it is copied with a zero column. C is written directly
+// when alpha = 1 and beta ∈ {0, 1}, else through an fp32 tile.
+inline void gemm_bf16_brgemm(bool ta, int64_t m, int64_t k, float alpha, const uint16_t* a16, int64_t lda,
+                             const PackedB& B, float beta, float* C, int64_t ldc, Workspace& ws) {
+  const int64_t n = B.n, kp = (k + 1) / 2, k2 = 2 * kp;
   uint32_t* base = static_cast<uint32_t*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
-  uint16_t* pa = reinterpret_cast<uint16_t*>(base);          // [m, k2] bf16: round16(m·kp) words
-  uint32_t* pb = base + round16(m * kp);                     // [kp, sb] words
-  float* ct = reinterpret_cast<float*>(pb + round16(kp * sb));  // [m, n] fp32
-  if (tb) pack_pairs_along_rows(b16, ldb, n, k, pb, sb);    // B: [n, k]
-  else pack_pairs_across_rows(b16, ldb, k, n, pb, sb);      // B: [k, n]
   const uint16_t* a_rows = a16;
   int64_t a_ld = lda;
-  if (ta || k2 != k) {
+  uint32_t* after_a = base;
+  if (ta) {
+    // A stored [k, m]: pairs across its rows give op(A)ᵀ's words [kp, m]; their transpose is
+    // op(A) row major, rows of round16(kp) words = 2·round16(kp) bf16.
+    uint32_t* pairs = base;
+    uint32_t* rows = base + kp * round16(m);
+    pack_pairs_across_rows(a16, lda, k, m, pairs, round16(m));
+    pack_pairs_along_rows(reinterpret_cast<const uint16_t*>(pairs), 2 * round16(m), kp, 2 * m, rows, round16(kp));
+    a_rows = reinterpret_cast<const uint16_t*>(rows);
+    a_ld = 2 * round16(kp);
+    after_a = rows + m * round16(kp);
+  } else if (k2 != k) {
+    uint16_t* pa = reinterpret_cast<uint16_t*>(base);
     for (int64_t i = 0; i < m; ++i) {
-      uint16_t* row = pa + i * k2;
-      if (ta)
-        for (int64_t p = 0; p < k; ++p) row[p] = a16[p * lda + i];
-      else std::memcpy(row, a16 + i * lda, sizeof(uint16_t) * k);
-      if (k2 != k) row[k] = 0;
+      std::memcpy(pa + i * k2, a16 + i * lda, sizeof(uint16_t) * k);
+      pa[i * k2 + k] = 0;
     }
     a_rows = pa;
     a_ld = k2;
+    after_a = base + round16(m * kp);
   }
   const bool direct = alpha == 1.f && (beta == 0.f || beta == 1.f);
-  at::native::cpublas::brgemm(m, n, k2, a_ld, sb, direct ? ldc : n, direct && beta == 1.f,
+  float* ct = reinterpret_cast<float*>(after_a);  // [m, n] fp32 when not direct
+  at::native::cpublas::brgemm(m, n, k2, a_ld, B.stride, direct ? ldc : n, direct && beta == 1.f,
                               reinterpret_cast<const at::BFloat16*>(a_rows),
-                              reinterpret_cast<const at::BFloat16*>(pb), direct ? C : ct, true);
+                              reinterpret_cast<const at::BFloat16*>(B.w), direct ? C : ct, true);
   if (direct) return;
   for (int64_t i = 0; i < m; ++i) {
     float* c = C + i * ldc;
@@ -354,55 +490,63 @@ inline void gemm_bf16_brgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, 
 }  // namespace bf16_detail
 #endif  // FASTWEIGHTS_BRGEMM
 
-// C[m×n] = alpha · op(A) op(B) + beta · C (row major; see the top of this file).
-inline void gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* A,
-                      int64_t lda, const at::BFloat16* B, int64_t ldb, float beta, float* C, int64_t ldc,
-                      Workspace& ws) {
+// C[m×n] = alpha · op(A) B + beta · C with B packed by pack_b (k×n); A as in gemm_bf16.
+inline void gemm_bf16_packed(bool ta, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* A,
+                             int64_t lda, const PackedB& B, float beta, float* C, int64_t ldc, Workspace& ws) {
   using namespace bf16_detail;
+  TORCH_CHECK(B.k == k && B.n == n, "gemm_bf16_packed: B was packed ", B.k, "×", B.n, ", the product needs ", k, "×", n);
   if (m <= 0 || n <= 0) return;
   if (k <= 0 || alpha == 0.f) {
     scale_c(m, n, beta, C, ldc);
     return;
   }
   const uint16_t* a16 = reinterpret_cast<const uint16_t*>(A);
-  const uint16_t* b16 = reinterpret_cast<const uint16_t*>(B);
   const int level = isa();
 #if defined(FASTWEIGHTS_BRGEMM)
   if (level >= kAmx) {
-    gemm_bf16_brgemm(ta, tb, m, n, k, alpha, a16, lda, b16, ldb, beta, C, ldc, ws);
+    gemm_bf16_brgemm(ta, m, k, alpha, a16, lda, B, beta, C, ldc, ws);
     return;
   }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
   if (level >= kAvx512Bf16) {
-    const int64_t kp = (k + 1) / 2, sa = round16(m), sb = round16(n);
+    const int64_t kp = (k + 1) / 2, sa = round16(m);
     uint32_t* pa = static_cast<uint32_t*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
-    uint32_t* pb = pa + kp * sa;
     if (ta) pack_pairs_across_rows(a16, lda, k, m, pa, sa);  // A: [k, m]
     else pack_pairs_along_rows(a16, lda, m, k, pa, sa);      // A: [m, k]
-    if (tb) pack_pairs_along_rows(b16, ldb, n, k, pb, sb);   // B: [n, k]
-    else pack_pairs_across_rows(b16, ldb, k, n, pb, sb);     // B: [k, n]
     for (int64_t j0 = 0; j0 < n; j0 += kNR) {
       const int64_t w = std::min<int64_t>(kNR, n - j0), nv = (w + 15) / 16, tail = w - 16 * (nv - 1);
       const __mmask16 last = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
       const auto& row = kKernels[nv - 1];
       for (int64_t i0 = 0; i0 < m; i0 += kMR) {
         const int64_t rows = std::min<int64_t>(kMR, m - i0);
-        row[rows - 1](kp, pa + i0, sa, pb + j0, sb, C + i0 * ldc + j0, ldc, alpha, beta, last);
+        row[rows - 1](kp, pa + i0, sa, B.w + j0, B.stride, C + i0 * ldc + j0, ldc, alpha, beta, last);
       }
     }
     return;
   }
 #endif
-  // widen both operands, as stored, to fp32 and let gemm.h's fp32 product run
-  const int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
+  // widen A as stored and unpack B, both to fp32, and let gemm.h's fp32 product run
+  const int64_t ar = ta ? k : m, ac = ta ? m : k;
   float* fa = static_cast<float*>(ws.get(gemm_bf16_workspace_bytes(m, n, k)));
   float* fb = fa + round16(m * k);
   for (int64_t i = 0; i < ar; ++i)
     for (int64_t j = 0; j < ac; ++j) fa[i * ac + j] = bf16_to_float(a16[i * lda + j]);
-  for (int64_t i = 0; i < br; ++i)
-    for (int64_t j = 0; j < bc; ++j) fb[i * bc + j] = bf16_to_float(b16[i * ldb + j]);
-  mm<float>(ta, tb, m, n, k, alpha, fa, ac, fb, bc, beta, C, ldc);
+  for (int64_t r = 0; r < k; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      fb[r * n + j] = bf16_to_float(uint16_t(B.w[(r / 2) * B.stride + j] >> (16 * (r % 2))));
+  mm<float>(ta, false, m, n, k, alpha, fa, ac, fb, n, beta, C, ldc);
+}
+
+// C[m×n] = alpha · op(A) op(B) + beta · C (row major; see the top of this file): B packed into
+// this thread's own buffer, then gemm_bf16_packed.
+inline void gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* A,
+                      int64_t lda, const at::BFloat16* B, int64_t ldb, float beta, float* C, int64_t ldc,
+                      Workspace& ws) {
+  if (m <= 0 || n <= 0) return;
+  thread_local Workspace packed;
+  uint32_t* dst = static_cast<uint32_t*>(packed.get(sizeof(uint32_t) * size_t(std::max<int64_t>(1, packed_b_words(k, n)))));
+  gemm_bf16_packed(ta, m, n, k, alpha, A, lda, pack_b(tb, k, n, B, ldb, dst), beta, C, ldc, ws);
 }
 
 // After a run of gemm_bf16 calls on one thread: on the AMX path, oneDNN's brgemm leaves the tile
