@@ -60,13 +60,16 @@ def _forward_terms(q, k, e, x, g, scale: float, chunk_size: int):
     to_end = torch.exp((c[:, -1:] - c).to(dtype))
     # columns in sub-block j' < j seen from sub-block j: e^{c_m(j) − c_e(j')} · e^{c_e(j') − c_i}
     sub_end = torch.exp((ends.unsqueeze(2) - cb).to(dtype)).mul_(k.view(bt, nb, s, dk))  # k_i e^{c_e(j') − c_i}
-    across = (refs.unsqueeze(2) - ends.unsqueeze(1)).to(dtype)
-    across.masked_fill_(~causal_mask(nb, k.device, -1)[None, :, :, None], float("-inf"))
-    right = (torch.exp_(across).unsqueeze(3) * sub_end.unsqueeze(1)).view(bt, nb, length, dk)
+    # e^{c_m(j) − c_e(j')}, used for j' < j only (exponent <= 0 there; the rest clamped, never read)
+    across = torch.exp_((refs.unsqueeze(2) - ends.unsqueeze(1)).to(dtype).clamp_max_(0.0))  # [Bt, nb(j), nb(j'), K]
     left = e_left.view(bt, length, dk)
-    right_t = right.transpose(-1, -2)
-    sm = torch.matmul((e * left).view(bt, nb, s, dk), right_t).view(bt, length, length)  # S off the sub-blocks
-    scores = torch.matmul((q * left).view(bt, nb, s, dk), right_t).view(bt, length, length)  # P off them
+    e_left_, q_left = e * left, q * left
+    sm, scores = k.new_zeros(bt, length, length), k.new_zeros(bt, length, length)
+    for j in range(1, nb):  # sub-block j's rows against the columns before it, i < js (no zero factors formed)
+        rows, before = slice(j * s, (j + 1) * s), j * s
+        right_t = (across[:, j, :j].unsqueeze(2) * sub_end[:, :j]).view(bt, before, dk).transpose(-1, -2)
+        sm[:, rows, :before].baddbmm_(e_left_[:, rows], right_t)
+        scores[:, rows, :before].baddbmm_(q_left[:, rows], right_t)
     # inside a sub-block: e^{c_r − c_i} from the local exponents (differences of numbers <= 0 within s
     # tokens, each rounded once as KDA's are). Above the diagonal (i > r) the exponent is >= 0: clamped
     # to 0 (no exponential of a positive number, nothing infinite), and the entry is overwritten by tril_.
