@@ -3,10 +3,13 @@
 Per chunk of C tokens, the state-free terms of :func:`~.parallel.gdn2_block_terms` (KDA's
 relative sub-block decay factors, every exponential of a number <= 0), then the one
 sequential loop ``U' = U − W h``, ``h ← diag(e^{c_C}) h + (K ⊙ e^{c_C − c})ᵀ U'``, then the
-outputs, batched: :func:`~fastweights.ops.kda.chunk.chunk_kda_fwd` runs exactly that with
-the terms passed in. The backward is KDA's hand-written one (the adjoint loop, last chunk
-first) with :func:`~.parallel.gdn2_block_terms_backward`; both are ``torch.library`` custom
-ops, opaque to ``torch.compile``.
+outputs, batched. The forward (:func:`gdn2_chunk_fwd`) is KDA's
+:func:`~fastweights.ops.kda.chunk.chunk_kda_fwd` with those terms, arranged for a forward
+alone (:func:`_forward_terms`: S and P share their key factors, none of the zero upper
+half of the cross-sub-block factors is formed, nothing only the backward needs is kept);
+float64 agrees with that driver to rounding. The backward is KDA's hand-written one (the
+adjoint loop, last chunk first) with :func:`~.parallel.gdn2_block_terms_backward`; both are
+``torch.library`` custom ops, opaque to ``torch.compile``.
 
 The custom ops take the erase keys ``e = b ⊙ k`` and the gated values ``x = w ⊙ v``; those
 two products, and their gradients to b, k, w and v, are ordinary autograd around them.
@@ -41,9 +44,10 @@ def _forward_terms(q, k, e, x, g, scale: float, chunk_size: int):
 
     The same algebra and reference points as :func:`~.parallel.gdn2_block_terms` (KDA's
     :class:`~..kda.parallel.RelativeDecay`), arranged for the forward alone: S and P share the
-    write keys' right-hand factors (formed once, one product with the stacked left factors
-    [E | Q] per sub-block), the pairs inside a sub-block multiply the shared ``e^{c_r − c_i} k_i``
-    once by each of e and q, and nothing the backward would need is kept.
+    write keys' right-hand factors, formed per sub-block j for the columns before it only
+    (``k_i e^{c_m(j) − c_i}``, i < js: none of the zero half), the pairs inside a sub-block
+    multiply the shared ``e^{c_r − c_i} k_i`` by e and q in one product, and nothing the
+    backward would need is kept.
     """
     bt, length, dk = k.shape
     dtype = k.dtype
