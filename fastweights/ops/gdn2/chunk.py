@@ -103,7 +103,13 @@ def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int):
     nc, rows = -(-t_len // chunk_size), n * nh
     states = x.new_empty(nc, rows, dk, dv)
     out = chunk_buffer(x, n, nh, nc, chunk_size, (dv,))
-    h = x.new_zeros(rows, dk, dv) if h0 is None else h0
+    if nc == 0:
+        return from_chunk_buffer(out, t_len), (x.new_zeros(rows, dk, dv) if h0 is None else h0), states
+    if h0 is None:
+        states[0].zero_()
+    else:
+        states[0].copy_(h0)
+    h_final = x.new_empty(rows, dk, dv)
     per = max(1, GROUP // rows)
     for c0 in range(0, nc, per):
         c1 = min(c0 + per, nc)
@@ -111,14 +117,14 @@ def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int):
         w, u, scores, q_read, k_write, last = _forward_terms(*flat, scale, chunk_size)
         u_prime = torch.empty_like(u)
         k_write_t, last = k_write.transpose(-1, -2), last.unsqueeze(-1)
-        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk
-            r = slice(c * rows, (c + 1) * rows)
-            states[c0 + c] = h
+        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk, written in place
+            r, i = slice(c * rows, (c + 1) * rows), c0 + c
+            h = states[i]
             torch.baddbmm(u[r], w[r], h, alpha=-1.0, out=u_prime[r])
-            h = torch.baddbmm(last[r] * h, k_write_t[r], u_prime[r])
+            torch.mul(h, last[r], out=states[i + 1] if i + 1 < nc else h_final).baddbmm_(k_write_t[r], u_prime[r])
         entering = states[c0:c1].view(-1, dk, dv)
         put_chunks(out, torch.bmm(scores, u_prime).baddbmm_(q_read, entering), c0)
-    return from_chunk_buffer(out, t_len), h, states
+    return from_chunk_buffer(out, t_len), h_final, states
 
 
 @torch.library.custom_op("fastweights::chunk_gdn2_fwd", mutates_args=())
