@@ -278,3 +278,37 @@ def test_intermediate_states_are_the_recurrence_at_chunk_entries():
         want = x["initial_state"] if c == 0 else ops.recurrent_gdn2(**prefix, output_final_state=True)[1]
         assert_close(f"entry state of chunk {c}", states[:, c], want, 1e-12)
     assert_close("o", o, ops.recurrent_gdn2(**x)[0], 1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [7, 24, 32])
+def test_forward_only_path_equals_kda_driver_and_recurrence(chunk_size):
+    """The chunk forward's own driver (no grad: S and P formed together, the cross-sub-block factors
+    only where they are non-zero) against KDA's driver with GDN-2's block terms and the float64
+    recurrence, at chunk sizes whose sub-blocks are 1 (C = 7), 4 of 6 (C = 24) and 4 of 8 (C = 32),
+    T not a multiple of C, K != V, B > 1, an initial state; fp32 with strong decays within 2x of
+    the fp32 recurrence's error."""
+    from fastweights.ops.gdn2 import chunk as gdn2_chunk_module
+    from fastweights.ops.gdn2.parallel import gdn2_block_terms
+    from fastweights.ops.kda import chunk as kda_chunk_module
+
+    x = gdn2_inputs(2, 75, 2, 60, 20, seed=7)
+    q, k, v, g, b, w = (x[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "g", "b", "w"))
+    h0 = x["initial_state"].reshape(4, 60, 20)
+    ours = gdn2_chunk_module.gdn2_chunk_fwd(q, k, b * k, w * v, g, h0, 0.3, chunk_size)
+    kdas = kda_chunk_module.chunk_kda_fwd(q, k, w * v, b * k, g, h0, 0.3, chunk_size, terms=gdn2_block_terms)
+    for name, a, want in zip(("o", "h_T", "states"), ours, kdas):
+        assert rel_err(a, want) < 1e-12, (name, rel_err(a, want))
+    with torch.no_grad():
+        got64 = ops.chunk_gdn2(**x, output_final_state=True, chunk_size=chunk_size)
+        want64 = ops.recurrent_gdn2(**x, output_final_state=True)
+        assert_close("fp64 no grad o", got64[0], want64[0], 1e-12)
+        assert_close("fp64 no grad h_T", got64[1], want64[1], 1e-12)
+        strong = gdn2_inputs(1, 200, 2, 16, 8, seed=5, strong=True)
+        truth = ops.recurrent_gdn2(**strong, output_final_state=True)
+        x32 = {n: t.float() for n, t in strong.items()}
+        got = ops.chunk_gdn2(**x32, output_final_state=True, chunk_size=chunk_size)
+        base = ops.recurrent_gdn2(**x32, output_final_state=True)
+    for name, a, b_, want in zip(("o", "h_T"), got, base, truth):
+        assert torch.isfinite(a).all()
+        err, base_err = rel_err(a, want), rel_err(b_, want)
+        assert err <= 2 * base_err, (name, err, base_err)
