@@ -28,33 +28,77 @@ from typing import Tuple
 
 import torch
 
-from ..kda.parallel import BlockTerms, RelativeDecay, cumulative_decay, kda_parallel, sub_block
+from ..kda.parallel import BlockTerms, cumulative_decay, kda_parallel, sub_block
 from .._spec import Form, OpSpec, Rule
 from .fla import dplr_form
 from .recurrent import dplr_step
+
+
+def _paired_products(c, xs, ys, s: int, dtype):
+    """The four decayed products ``M_xy[.., r, i] = Σ_d x[r, d] y[i, d] e^{c_r − c_i}`` (i <= r) of the
+    two row operands ``xs [Bt, 2, L, K]`` (a ⊙ e^{−gk}, q) and the two column operands ``ys`` (b, k),
+    with KDA's relative sub-block factors (:class:`~..kda.parallel.RelativeDecay`: every
+    exponential of a number <= 0, pairs inside a sub-block summed exactly); returns
+    ``m [Bt, nb, 2s, 2L]`` (rows: sub-block j, then operand x and row r in it; columns: operand y,
+    then token i) and ``diag [Bt, 2, 2, nb, s, s]`` (the pairs inside sub-block j, i <= r; a view).
+
+    The factors are formed once for the block and shared: each x ⊙ e^{c_r − c_m(j)} and
+    y ⊙ e^{c_e(j') − c_i} is taken once (not once per product), the cross-sub-block factor
+    e^{c_m(j) − c_e(j')} is broadcast into the column operands without materialising it per token,
+    and one batched matmul gives all four products."""
+    bt, _, length, dk = xs.shape
+    nb = length // s
+    cb = c.view(bt, nb, s, dk)
+    ends = cb[:, :, -1]  # [Bt, nb, K] c at the last token of each sub-block
+    refs = torch.cat([c.new_zeros(bt, 1, dk), ends[:, :-1]], dim=1)  # c_m(j), the token before sub-block j
+    e_left = torch.exp((cb - refs.unsqueeze(2)).to(dtype))  # [Bt, nb, s, K]
+    e_end = torch.exp((ends.unsqueeze(2) - cb).to(dtype))  # [Bt, nb, s, K] e^{c_e(j) − c_i}
+    earlier = torch.ones(nb, nb, dtype=torch.bool, device=c.device).tril(-1)  # j' < j
+    across = torch.exp((refs.unsqueeze(2) - ends.unsqueeze(1)).to(dtype).masked_fill(
+        ~earlier[None, :, :, None], float("-inf")))  # [Bt, nb(j), nb(j'), K]
+    left = (xs.view(bt, 2, nb, s, dk).transpose(1, 2) * e_left.unsqueeze(2)).reshape(bt, nb, 2 * s, dk)
+    ends_y = ys.view(bt, 2, nb, s, dk) * e_end.unsqueeze(1)  # [Bt, 2, nb(j'), s, K]
+    right = (across[:, :, None, :, None, :] * ends_y.unsqueeze(1)).view(bt, nb, 2 * length, dk)
+    m = left @ right.transpose(-1, -2)  # [Bt, nb, 2s, 2L]: pairs in different sub-blocks
+    inside = torch.ones(s, s, dtype=torch.bool, device=c.device).tril()
+    diff = (cb.unsqueeze(3) - cb.unsqueeze(2)).to(dtype)  # [Bt, nb, s(r), s(i), K] c_r − c_i
+    e_diag = torch.exp(diff.masked_fill(~inside[None, None, :, :, None], float("-inf")))
+    # y_i ⊙ e^{c_r − c_i} per row r, then one small product per row: [x_r] @ [y ⊙ e]ᵀ over (y, i)
+    y_diag = e_diag.unsqueeze(3) * ys.view(bt, 2, nb, 1, s, dk).permute(0, 2, 3, 1, 4, 5)  # [Bt, nb, s, 2, s, K]
+    x_rows = xs.view(bt, 2, nb, s, dk).permute(0, 2, 3, 1, 4)  # [Bt, nb, s, 2, K]
+    diag = x_rows @ y_diag.view(bt, nb, s, 2 * s, dk).transpose(-1, -2)  # [Bt, nb, s(r), 2(x), 2s (y, i)]
+    return m, diag.view(bt, nb, s, 2, 2, s).permute(0, 3, 4, 1, 2, 5)
 
 
 def dplr_block_terms(q, k, v, ab, gk, scale: float, solve=None) -> BlockTerms:
     """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``
     in KDA's :class:`~..kda.parallel.BlockTerms` shape with 2L pseudo-rows (module docstring).
     ``solve`` is unused (the unit-triangular solve is autograd's, see ``chunk.py``); ``solver``
-    keeps the block's inputs, from which the chunk form's backward recomputes these terms."""
+    keeps the block's inputs, from which the chunk form's backward recomputes these terms.
+    ``decay`` is None: the four products share their factors (:func:`_paired_products`), and
+    only KDA's hand-written adjoint reads a :class:`~..kda.parallel.RelativeDecay`."""
     a, b = ab[..., 0, :], ab[..., 1, :]
-    length, dk = q.shape[-2], q.shape[-1]
+    bt, length, dk = q.shape
+    s = sub_block(length)
+    nb = length // s
     c = cumulative_decay(gk)
-    decay = RelativeDecay(c, sub_block(length), q.dtype)
     read, to_end = torch.exp(c.to(q.dtype)), torch.exp((c[:, -1:] - c).to(q.dtype))
     a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
-    a_ab = decay.products(a_shift, b, strict=True)
-    a_ak = decay.products(a_shift, k, strict=True)
-    scores = torch.cat([decay.products(q, b, strict=False), decay.products(q, k, strict=False)], dim=-1) * scale
+    m, diag = _paired_products(c, torch.stack([a_shift, q], dim=1), torch.stack([b, k], dim=1), s, q.dtype)
+    # pairs inside a sub-block: A_ab and A_ak strictly below the diagonal, the scores on it too
+    strict = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-1)
+    diag = torch.stack([diag[:, 0] * strict.to(q.dtype), diag[:, 1]], dim=1)
+    m.view(bt, nb, 2, s, 2, nb, s).diagonal(dim1=1, dim2=5).add_(diag.permute(0, 1, 4, 2, 5, 3))
+    a_ab = m[:, :, :s, :length].reshape(bt, length, length)
+    a_ak = m[:, :, :s, length:].reshape(bt, length, length)
+    scores = m[:, :, s:].reshape(bt, length, 2 * length) * scale  # [A_qb | A_qk]
     eye = torch.eye(length, dtype=q.dtype, device=q.device)
     rhs = torch.cat([a * torch.exp((c - gk.to(c.dtype)).to(q.dtype)), a_ak @ v], dim=-1)
     wu = torch.linalg.solve_triangular(eye - a_ab, rhs, upper=False, unitriangular=True)  # [W | U₀]
     rows = torch.cat([torch.cat([-wu[..., :dk], wu[..., dk:]], dim=-1), torch.cat([torch.zeros_like(k), v], dim=-1)],
                      dim=-2)
     k_write = torch.cat([b * to_end, k * to_end], dim=-2)
-    return BlockTerms(decay, read, to_end, a_ab, scores, q * read * scale, k_write, read[:, -1], rows,
+    return BlockTerms(None, read, to_end, a_ab, scores, q * read * scale, k_write, read[:, -1], rows,
                       (q, k, v, ab, gk))
 
 
