@@ -53,18 +53,24 @@ def _paired_products(c, xs, ys, s: int, dtype):
     refs = torch.cat([c.new_zeros(bt, 1, dk), ends[:, :-1]], dim=1)  # c_m(j), the token before sub-block j
     e_left = torch.exp((cb - refs.unsqueeze(2)).to(dtype))  # [Bt, nb, s, K]
     e_end = torch.exp((ends.unsqueeze(2) - cb).to(dtype))  # [Bt, nb, s, K] e^{c_e(j) − c_i}
-    earlier = torch.ones(nb, nb, dtype=torch.bool, device=c.device).tril(-1)  # j' < j
-    across = torch.exp((refs.unsqueeze(2) - ends.unsqueeze(1)).to(dtype).masked_fill(
-        ~earlier[None, :, :, None], float("-inf")))  # [Bt, nb(j), nb(j'), K]
     left = (xs.view(bt, 2, nb, s, dk).transpose(1, 2) * e_left.unsqueeze(2)).reshape(bt, nb, 2 * s, dk)
-    ends_y = ys.view(bt, 2, nb, s, dk) * e_end.unsqueeze(1)  # [Bt, 2, nb(j'), s, K]
-    right = (across[:, :, None, :, None, :] * ends_y.unsqueeze(1)).view(bt, nb, 2 * length, dk)
-    m = left @ right.transpose(-1, -2)  # [Bt, nb, 2s, 2L]: pairs in different sub-blocks
-    inside = torch.ones(s, s, dtype=torch.bool, device=c.device).tril()
-    diff = (cb.unsqueeze(3) - cb.unsqueeze(2)).to(dtype)  # [Bt, nb, s(r), s(i), K] c_r − c_i
-    e_diag = torch.exp(diff.masked_fill(~inside[None, None, :, :, None], float("-inf")))
-    # y_i ⊙ e^{c_r − c_i} per row r, then one small product per row: [x_r] @ [y ⊙ e]ᵀ over (y, i)
-    y_diag = e_diag.unsqueeze(3) * ys.view(bt, 2, nb, 1, s, dk).permute(0, 2, 3, 1, 4, 5)  # [Bt, nb, s, 2, s, K]
+    ends_y = (ys.view(bt, 2, nb, s, dk) * e_end.unsqueeze(1)).transpose(1, 2).reshape(bt, nb, 2 * s, dk)
+    # pairs in different sub-blocks j' < j, column sub-block j' at a time: the rows after it scaled by
+    # e^{c_m(j) − c_e(j')} (m(j) = e(j − 1), so <= 0), one batched product with its scaled columns
+    m = xs.new_zeros(bt, nb, 2 * s, 2, nb, s)  # [Bt, nb(j), 2s (x, r), 2(y), nb(j'), s(i)]
+    for jp in range(nb - 1):
+        across = torch.exp((refs[:, jp + 1:] - ends[:, jp:jp + 1]).to(dtype))  # [Bt, nb − j' − 1, K]
+        rows = (left[:, jp + 1:] * across.unsqueeze(2)).view(bt, -1, dk)
+        m[:, jp + 1:, :, :, jp].copy_((rows @ ends_y[:, jp].transpose(-1, -2)).view(bt, nb - jp - 1, 2 * s, 2, s))
+    m = m.view(bt, nb, 2 * s, 2 * length)
+    # y_i ⊙ e^{c_r − c_i} (i <= r in a sub-block) laid out per row r, one offset r − i = δ at a time
+    # (the exponents of the lower triangle only); then one small product per row: [x_r] @ [y ⊙ e]ᵀ
+    y_blocks = ys.view(bt, 2, nb, s, dk).transpose(1, 2)  # [Bt, nb, 2, s, K]
+    y_diag = xs.new_zeros(bt, nb, s, 2, s, dk)  # [Bt, nb, s(r), 2(y), s(i), K]
+    y_diag.diagonal(dim1=2, dim2=4).copy_(y_blocks.transpose(-1, -2))
+    for delta in range(1, s):
+        e = torch.exp((cb[:, :, delta:] - cb[:, :, :-delta]).to(dtype))  # [Bt, nb, s − δ, K] e^{c_{i+δ} − c_i}
+        y_diag.diagonal(-delta, dim1=2, dim2=4).copy_((y_blocks[:, :, :, :-delta] * e.unsqueeze(2)).transpose(-1, -2))
     x_rows = xs.view(bt, 2, nb, s, dk).permute(0, 2, 3, 1, 4)  # [Bt, nb, s, 2, K]
     diag = x_rows @ y_diag.view(bt, nb, s, 2 * s, dk).transpose(-1, -2)  # [Bt, nb, s(r), 2(x), 2s (y, i)]
     return m, diag.view(bt, nb, s, 2, 2, s).permute(0, 3, 4, 1, 2, 5)
