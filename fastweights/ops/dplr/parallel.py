@@ -76,13 +76,10 @@ def _paired_products(c, xs, ys, s: int, dtype):
     return m, diag.view(bt, nb, s, 2, 2, s).permute(0, 3, 4, 1, 2, 5)
 
 
-def dplr_block_terms(q, k, v, ab, gk, scale: float, solve=None) -> BlockTerms:
-    """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``
-    in KDA's :class:`~..kda.parallel.BlockTerms` shape with 2L pseudo-rows (module docstring).
-    ``solve`` is unused (the unit-triangular solve is autograd's, see ``chunk.py``); ``solver``
-    keeps the block's inputs, from which the chunk form's backward recomputes these terms.
-    ``decay`` is None: the four products share their factors (:func:`_paired_products`), and
-    only KDA's hand-written adjoint reads a :class:`~..kda.parallel.RelativeDecay`."""
+def dplr_block_core(q, k, v, ab, gk, scale: float):
+    """What both :func:`dplr_block_terms` and the chunk form's forward loop need of blocks
+    ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``: ``(read, to_end, a_ab, scores,
+    wu)``, the scores ``[A_qb | A_qk]`` scaled and ``wu = [W | U₀]`` (module docstring)."""
     a, b = ab[..., 0, :], ab[..., 1, :]
     bt, length, dk = q.shape
     s = sub_block(length)
@@ -101,6 +98,19 @@ def dplr_block_terms(q, k, v, ab, gk, scale: float, solve=None) -> BlockTerms:
     eye = torch.eye(length, dtype=q.dtype, device=q.device)
     rhs = torch.cat([a * torch.exp((c - gk.to(c.dtype)).to(q.dtype)), a_ak @ v], dim=-1)
     wu = torch.linalg.solve_triangular(eye - a_ab, rhs, upper=False, unitriangular=True)  # [W | U₀]
+    return read, to_end, a_ab, scores, wu
+
+
+def dplr_block_terms(q, k, v, ab, gk, scale: float, solve=None) -> BlockTerms:
+    """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``
+    in KDA's :class:`~..kda.parallel.BlockTerms` shape with 2L pseudo-rows (module docstring).
+    ``solve`` is unused (the unit-triangular solve is autograd's, see ``chunk.py``); ``solver``
+    keeps the block's inputs, from which the chunk form's backward recomputes these terms.
+    ``decay`` is None: the four products share their factors (:func:`_paired_products`), and
+    only KDA's hand-written adjoint reads a :class:`~..kda.parallel.RelativeDecay`."""
+    a, b = ab[..., 0, :], ab[..., 1, :]
+    read, to_end, a_ab, scores, wu = dplr_block_core(q, k, v, ab, gk, scale)
+    dk = q.shape[-1]
     rows = torch.cat([torch.cat([-wu[..., :dk], wu[..., dk:]], dim=-1), torch.cat([torch.zeros_like(k), v], dim=-1)],
                      dim=-2)
     k_write = torch.cat([b * to_end, k * to_end], dim=-2)
