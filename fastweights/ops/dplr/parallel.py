@@ -89,8 +89,7 @@ def dplr_block_core(q, k, v, ab, gk, scale: float):
     a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
     m, diag = _paired_products(c, torch.stack([a_shift, q], dim=1), torch.stack([b, k], dim=1), s, q.dtype)
     # pairs inside a sub-block: A_ab and A_ak strictly below the diagonal, the scores on it too
-    strict = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-1)
-    diag = torch.stack([diag[:, 0] * strict.to(q.dtype), diag[:, 1]], dim=1)
+    diag[:, 0].diagonal(dim1=-2, dim2=-1).zero_()
     m.view(bt, nb, 2, s, 2, nb, s).diagonal(dim1=1, dim2=5).add_(diag.permute(0, 1, 4, 2, 5, 3))
     a_ab = m[:, :, :s, :length].reshape(bt, length, length)
     a_ak = m[:, :, :s, length:].reshape(bt, length, length)
