@@ -66,9 +66,10 @@ def _paired_products(c, xs, ys, s: int, dtype):
     # y_i ⊙ e^{c_r − c_i} (i <= r in a sub-block) laid out per row r, one offset r − i = δ at a time
     # (the exponents of the lower triangle only); then one small product per row: [x_r] @ [y ⊙ e]ᵀ
     y_blocks = ys.view(bt, 2, nb, s, dk).transpose(1, 2)  # [Bt, nb, 2, s, K]
-    y_diag = xs.new_zeros(bt, nb, s, 2, s, dk)  # [Bt, nb, s(r), 2(y), s(i), K]
+    y_diag = xs.new_empty(bt, nb, s, 2, s, dk)  # [Bt, nb, s(r), 2(y), s(i), K]
     y_diag.diagonal(dim1=2, dim2=4).copy_(y_blocks.transpose(-1, -2))
     for delta in range(1, s):
+        y_diag.diagonal(delta, dim1=2, dim2=4).zero_()  # i > r
         e = torch.exp((cb[:, :, delta:] - cb[:, :, :-delta]).to(dtype))  # [Bt, nb, s − δ, K] e^{c_{i+δ} − c_i}
         y_diag.diagonal(-delta, dim1=2, dim2=4).copy_((y_blocks[:, :, :, :-delta] * e.unsqueeze(2)).transpose(-1, -2))
     x_rows = xs.view(bt, 2, nb, s, dk).permute(0, 2, 3, 1, 4)  # [Bt, nb, s, 2, K]
