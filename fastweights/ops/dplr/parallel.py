@@ -36,7 +36,7 @@ from .recurrent import dplr_step
 
 def _paired_products(c, xs, ys, s: int, dtype):
     """The four decayed products ``M_xy[.., r, i] = Σ_d x[r, d] y[i, d] e^{c_r − c_i}`` (i <= r) of the
-    two row operands ``xs [Bt, 2, L, K]`` (a ⊙ e^{−gk}, q) and the two column operands ``ys`` (b, k),
+    two row operands ``xs [Bt, nb, 2, s, K]`` (a ⊙ e^{−gk}, q; per sub-block) and the two column operands ``ys`` (b, k),
     with KDA's relative sub-block factors (:class:`~..kda.parallel.RelativeDecay`: every
     exponential of a number <= 0, pairs inside a sub-block summed exactly); returns
     ``m [Bt, nb, 2s, 2L]`` (rows: sub-block j, then operand x and row r in it; columns: operand y,
@@ -46,15 +46,15 @@ def _paired_products(c, xs, ys, s: int, dtype):
     y ⊙ e^{c_e(j') − c_i} is taken once (not once per product), the cross-sub-block factor
     e^{c_m(j) − c_e(j')} is broadcast into the column operands without materialising it per token,
     and one batched matmul gives all four products."""
-    bt, _, length, dk = xs.shape
-    nb = length // s
+    bt, nb, _, _, dk = xs.shape
+    length = nb * s
     cb = c.view(bt, nb, s, dk)
     ends = cb[:, :, -1]  # [Bt, nb, K] c at the last token of each sub-block
     refs = torch.cat([c.new_zeros(bt, 1, dk), ends[:, :-1]], dim=1)  # c_m(j), the token before sub-block j
     e_left = torch.exp((cb - refs.unsqueeze(2)).to(dtype))  # [Bt, nb, s, K]
     e_end = torch.exp((ends.unsqueeze(2) - cb).to(dtype))  # [Bt, nb, s, K] e^{c_e(j) − c_i}
-    left = (xs.view(bt, 2, nb, s, dk).transpose(1, 2) * e_left.unsqueeze(2)).reshape(bt, nb, 2 * s, dk)
-    ends_y = (ys.view(bt, 2, nb, s, dk) * e_end.unsqueeze(1)).transpose(1, 2).reshape(bt, nb, 2 * s, dk)
+    left = (xs * e_left.unsqueeze(2)).view(bt, nb, 2 * s, dk)
+    ends_y = (ys * e_end.unsqueeze(2)).view(bt, nb, 2 * s, dk)
     # pairs in different sub-blocks j' < j, column sub-block j' at a time: the rows after it scaled by
     # e^{c_m(j) − c_e(j')} (m(j) = e(j − 1), so <= 0), one batched product with its scaled columns
     m = xs.new_zeros(bt, nb, 2 * s, 2, nb, s)  # [Bt, nb(j), 2s (x, r), 2(y), nb(j'), s(i)]
@@ -65,14 +65,14 @@ def _paired_products(c, xs, ys, s: int, dtype):
     m = m.view(bt, nb, 2 * s, 2 * length)
     # y_i ⊙ e^{c_r − c_i} (i <= r in a sub-block) laid out per row r, one offset r − i = δ at a time
     # (the exponents of the lower triangle only); then one small product per row: [x_r] @ [y ⊙ e]ᵀ
-    y_blocks = ys.view(bt, 2, nb, s, dk).transpose(1, 2)  # [Bt, nb, 2, s, K]
+    y_blocks = ys  # [Bt, nb, 2, s, K]
     y_diag = xs.new_empty(bt, nb, s, 2, s, dk)  # [Bt, nb, s(r), 2(y), s(i), K]
     y_diag.diagonal(dim1=2, dim2=4).copy_(y_blocks.transpose(-1, -2))
     for delta in range(1, s):
         y_diag.diagonal(delta, dim1=2, dim2=4).zero_()  # i > r
         e = torch.exp((cb[:, :, delta:] - cb[:, :, :-delta]).to(dtype))  # [Bt, nb, s − δ, K] e^{c_{i+δ} − c_i}
         y_diag.diagonal(-delta, dim1=2, dim2=4).copy_((y_blocks[:, :, :, :-delta] * e.unsqueeze(2)).transpose(-1, -2))
-    x_rows = xs.view(bt, 2, nb, s, dk).permute(0, 2, 3, 1, 4)  # [Bt, nb, s, 2, K]
+    x_rows = xs.transpose(2, 3)  # [Bt, nb, s, 2, K]
     diag = x_rows @ y_diag.view(bt, nb, s, 2 * s, dk).transpose(-1, -2)  # [Bt, nb, s(r), 2(x), 2s (y, i)]
     return m, diag.view(bt, nb, s, 2, 2, s).permute(0, 3, 4, 1, 2, 5)
 
@@ -88,7 +88,8 @@ def dplr_block_core(q, k, v, ab, gk, scale: float):
     c = cumulative_decay(gk)
     read, to_end = torch.exp(c.to(q.dtype)), torch.exp((c[:, -1:] - c).to(q.dtype))
     a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
-    m, diag = _paired_products(c, torch.stack([a_shift, q], dim=1), torch.stack([b, k], dim=1), s, q.dtype)
+    m, diag = _paired_products(c, torch.stack([a_shift.view(bt, nb, s, dk), q.view(bt, nb, s, dk)], dim=2),
+                               torch.stack([b.view(bt, nb, s, dk), k.view(bt, nb, s, dk)], dim=2), s, q.dtype)
     # pairs inside a sub-block: A_ab and A_ak strictly below the diagonal, the scores on it too
     diag[:, 0].diagonal(dim1=-2, dim2=-1).zero_()
     m.view(bt, nb, 2, s, 2, nb, s).diagonal(dim1=1, dim2=5).add_(diag.permute(0, 1, 4, 2, 5, 3))
