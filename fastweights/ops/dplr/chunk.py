@@ -1,8 +1,9 @@
-"""The DPLR delta rule, chunk form: KDA's chunk driver with the DPLR block terms.
+"""The DPLR delta rule, chunk form: KDA's chunk structure with the DPLR block terms.
 
-Per chunk of C tokens, :func:`~.parallel.dplr_block_terms` (KDA's relative sub-block decay
-factors; the block's two write paths as 2C pseudo-rows), then KDA's one sequential loop
-across chunks and the outputs (:func:`~fastweights.ops.kda.chunk.chunk_kda_fwd`). The
+Per chunk of C tokens, the block's state-free terms (:func:`~.parallel.dplr_block_core`: KDA's
+relative sub-block decay factors, the four decayed products sharing them), then one sequential
+loop across chunks and the outputs (:func:`chunk_dplr_fwd`: KDA's loop with the state-free V
+pseudo-rows taken out of it). The
 backward is KDA's hand-written adjoint loop (last chunk first, from the saved chunk-entry
 states); the adjoint of each group of chunks' state-free terms is taken by autograd on
 their recomputation (:func:`dplr_block_terms_backward`), not written out by hand as KDA's,
