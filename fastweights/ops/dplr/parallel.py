@@ -36,16 +36,17 @@ from .recurrent import dplr_step
 
 def _paired_products(c, xs, ys, s: int, dtype):
     """The four decayed products ``M_xy[.., r, i] = Σ_d x[r, d] y[i, d] e^{c_r − c_i}`` (i <= r) of the
-    two row operands ``xs [Bt, nb, 2, s, K]`` (a ⊙ e^{−gk}, q; per sub-block) and the two column operands ``ys`` (b, k),
-    with KDA's relative sub-block factors (:class:`~..kda.parallel.RelativeDecay`: every
+    two row operands ``xs [Bt, nb, 2, s, K]`` (a ⊙ e^{−gk}, q; per sub-block) and the two column
+    operands ``ys`` (b, k), with KDA's relative sub-block factors (:class:`~..kda.parallel.RelativeDecay`: every
     exponential of a number <= 0, pairs inside a sub-block summed exactly); returns
     ``m [Bt, nb, 2s, 2L]`` (rows: sub-block j, then operand x and row r in it; columns: operand y,
     then token i) and ``diag [Bt, 2, 2, nb, s, s]`` (the pairs inside sub-block j, i <= r; a view).
 
     The factors are formed once for the block and shared: each x ⊙ e^{c_r − c_m(j)} and
-    y ⊙ e^{c_e(j') − c_i} is taken once (not once per product), the cross-sub-block factor
-    e^{c_m(j) − c_e(j')} is broadcast into the column operands without materialising it per token,
-    and one batched matmul gives all four products."""
+    y ⊙ e^{c_e(j') − c_i} is taken once (not once per product); the cross-sub-block factor
+    e^{c_m(j) − c_e(j')} scales the rows of sub-blocks j > j' only (not a full nb × nb grid), and
+    one batched product per column sub-block gives all four products' pairs; inside a sub-block
+    only the exponents of the lower triangle are taken."""
     bt, nb, _, _, dk = xs.shape
     length = nb * s
     cb = c.view(bt, nb, s, dk)
@@ -88,8 +89,8 @@ def dplr_block_core(q, k, v, ab, gk, scale: float):
     c = cumulative_decay(gk)
     read, to_end = torch.exp(c.to(q.dtype)), torch.exp((c[:, -1:] - c).to(q.dtype))
     a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
-    m, diag = _paired_products(c, torch.stack([a_shift.view(bt, nb, s, dk), q.view(bt, nb, s, dk)], dim=2),
-                               torch.stack([b.view(bt, nb, s, dk), k.view(bt, nb, s, dk)], dim=2), s, q.dtype)
+    m, diag = _paired_products(c, torch.stack([t.reshape(bt, nb, s, dk) for t in (a_shift, q)], dim=2),
+                               torch.stack([t.reshape(bt, nb, s, dk) for t in (b, k)], dim=2), s, q.dtype)
     # pairs inside a sub-block: A_ab and A_ak strictly below the diagonal, the scores on it too
     diag[:, 0].diagonal(dim1=-2, dim2=-1).zero_()
     m.view(bt, nb, 2, s, 2, nb, s).diagonal(dim1=1, dim2=5).add_(diag.permute(0, 1, 4, 2, 5, 3))
