@@ -28,33 +28,95 @@ from typing import Tuple
 
 import torch
 
-from ..kda.parallel import BlockTerms, RelativeDecay, cumulative_decay, kda_parallel, sub_block
+from ..kda.parallel import BlockTerms, cumulative_decay, kda_parallel, sub_block
 from .._spec import Form, OpSpec, Rule
 from .fla import dplr_form
 from .recurrent import dplr_step
+
+
+def _paired_products(c, xs, ys, s: int, dtype):
+    """The four decayed products ``M_xy[.., r, i] = Σ_d x[r, d] y[i, d] e^{c_r − c_i}`` (i <= r) of the
+    two row operands ``xs [Bt, nb, 2, s, K]`` (a ⊙ e^{−gk}, q; per sub-block) and the two column
+    operands ``ys`` (b, k), with KDA's relative sub-block factors (:class:`~..kda.parallel.RelativeDecay`: every
+    exponential of a number <= 0, pairs inside a sub-block summed exactly); returns
+    ``m [Bt, nb, 2s, 2L]`` (rows: sub-block j, then operand x and row r in it; columns: operand y,
+    then token i) and ``diag [Bt, 2, 2, nb, s, s]`` (the pairs inside sub-block j, i <= r; a view).
+
+    The factors are formed once for the block and shared: each x ⊙ e^{c_r − c_m(j)} and
+    y ⊙ e^{c_e(j') − c_i} is taken once (not once per product); the cross-sub-block factor
+    e^{c_m(j) − c_e(j')} scales the rows of sub-blocks j > j' only (not a full nb × nb grid), and
+    one batched product per column sub-block gives all four products' pairs; inside a sub-block
+    only the exponents of the lower triangle are taken."""
+    bt, nb, _, _, dk = xs.shape
+    length = nb * s
+    cb = c.view(bt, nb, s, dk)
+    ends = cb[:, :, -1]  # [Bt, nb, K] c at the last token of each sub-block
+    refs = torch.cat([c.new_zeros(bt, 1, dk), ends[:, :-1]], dim=1)  # c_m(j), the token before sub-block j
+    e_left = torch.exp((cb - refs.unsqueeze(2)).to(dtype))  # [Bt, nb, s, K]
+    e_end = torch.exp((ends.unsqueeze(2) - cb).to(dtype))  # [Bt, nb, s, K] e^{c_e(j) − c_i}
+    left = (xs * e_left.unsqueeze(2)).view(bt, nb, 2 * s, dk)
+    ends_y = (ys * e_end.unsqueeze(2)).view(bt, nb, 2 * s, dk)
+    # pairs in different sub-blocks j' < j, column sub-block j' at a time: the rows after it scaled by
+    # e^{c_m(j) − c_e(j')} (m(j) = e(j − 1), so <= 0), one batched product with its scaled columns
+    m = xs.new_zeros(bt, nb, 2 * s, 2, nb, s)  # [Bt, nb(j), 2s (x, r), 2(y), nb(j'), s(i)]
+    for jp in range(nb - 1):
+        across = torch.exp((refs[:, jp + 1:] - ends[:, jp:jp + 1]).to(dtype))  # [Bt, nb − j' − 1, K]
+        rows = (left[:, jp + 1:] * across.unsqueeze(2)).view(bt, -1, dk)
+        m[:, jp + 1:, :, :, jp].copy_((rows @ ends_y[:, jp].transpose(-1, -2)).view(bt, nb - jp - 1, 2 * s, 2, s))
+    m = m.view(bt, nb, 2 * s, 2 * length)
+    # y_i ⊙ e^{c_r − c_i} (i <= r in a sub-block) laid out per row r, one offset r − i = δ at a time
+    # (the exponents of the lower triangle only); then one small product per row: [x_r] @ [y ⊙ e]ᵀ
+    y_blocks = ys  # [Bt, nb, 2, s, K]
+    y_diag = xs.new_empty(bt, nb, s, 2, s, dk)  # [Bt, nb, s(r), 2(y), s(i), K]
+    y_diag.diagonal(dim1=2, dim2=4).copy_(y_blocks.transpose(-1, -2))
+    for delta in range(1, s):
+        y_diag.diagonal(delta, dim1=2, dim2=4).zero_()  # i > r
+        e = torch.exp((cb[:, :, delta:] - cb[:, :, :-delta]).to(dtype))  # [Bt, nb, s − δ, K] e^{c_{i+δ} − c_i}
+        y_diag.diagonal(-delta, dim1=2, dim2=4).copy_((y_blocks[:, :, :, :-delta] * e.unsqueeze(2)).transpose(-1, -2))
+    x_rows = xs.transpose(2, 3)  # [Bt, nb, s, 2, K]
+    diag = x_rows @ y_diag.view(bt, nb, s, 2 * s, dk).transpose(-1, -2)  # [Bt, nb, s(r), 2(x), 2s (y, i)]
+    return m, diag.view(bt, nb, s, 2, 2, s).permute(0, 3, 4, 1, 2, 5)
+
+
+def dplr_block_core(q, k, v, ab, gk, scale: float):
+    """What both :func:`dplr_block_terms` and the chunk form's forward loop need of blocks
+    ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``: ``(read, to_end, a_ab, scores,
+    wu)``, the scores ``[A_qb | A_qk]`` scaled and ``wu = [W | U₀]`` (module docstring)."""
+    a, b = ab[..., 0, :], ab[..., 1, :]
+    bt, length, dk = q.shape
+    s = sub_block(length)
+    nb = length // s
+    c = cumulative_decay(gk)
+    read, to_end = torch.exp(c.to(q.dtype)), torch.exp((c[:, -1:] - c).to(q.dtype))
+    a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
+    m, diag = _paired_products(c, torch.stack([t.reshape(bt, nb, s, dk) for t in (a_shift, q)], dim=2),
+                               torch.stack([t.reshape(bt, nb, s, dk) for t in (b, k)], dim=2), s, q.dtype)
+    # pairs inside a sub-block: A_ab and A_ak strictly below the diagonal, the scores on it too
+    diag[:, 0].diagonal(dim1=-2, dim2=-1).zero_()
+    m.view(bt, nb, 2, s, 2, nb, s).diagonal(dim1=1, dim2=5).add_(diag.permute(0, 1, 4, 2, 5, 3))
+    a_ab = m[:, :, :s, :length].reshape(bt, length, length)
+    a_ak = m[:, :, :s, length:].reshape(bt, length, length)
+    scores = m[:, :, s:].reshape(bt, length, 2 * length) * scale  # [A_qb | A_qk]
+    eye = torch.eye(length, dtype=q.dtype, device=q.device)
+    rhs = torch.cat([a * torch.exp((c - gk.to(c.dtype)).to(q.dtype)), a_ak @ v], dim=-1)
+    wu = torch.linalg.solve_triangular(eye - a_ab, rhs, upper=False, unitriangular=True)  # [W | U₀]
+    return read, to_end, a_ab, scores, wu
 
 
 def dplr_block_terms(q, k, v, ab, gk, scale: float, solve=None) -> BlockTerms:
     """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``
     in KDA's :class:`~..kda.parallel.BlockTerms` shape with 2L pseudo-rows (module docstring).
     ``solve`` is unused (the unit-triangular solve is autograd's, see ``chunk.py``); ``solver``
-    keeps the block's inputs, from which the chunk form's backward recomputes these terms."""
+    keeps the block's inputs, from which the chunk form's backward recomputes these terms.
+    ``decay`` is None: the four products share their factors (:func:`_paired_products`), and
+    only KDA's hand-written adjoint reads a :class:`~..kda.parallel.RelativeDecay`."""
     a, b = ab[..., 0, :], ab[..., 1, :]
-    length, dk = q.shape[-2], q.shape[-1]
-    c = cumulative_decay(gk)
-    decay = RelativeDecay(c, sub_block(length), q.dtype)
-    read, to_end = torch.exp(c.to(q.dtype)), torch.exp((c[:, -1:] - c).to(q.dtype))
-    a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
-    a_ab = decay.products(a_shift, b, strict=True)
-    a_ak = decay.products(a_shift, k, strict=True)
-    scores = torch.cat([decay.products(q, b, strict=False), decay.products(q, k, strict=False)], dim=-1) * scale
-    eye = torch.eye(length, dtype=q.dtype, device=q.device)
-    rhs = torch.cat([a * torch.exp((c - gk.to(c.dtype)).to(q.dtype)), a_ak @ v], dim=-1)
-    wu = torch.linalg.solve_triangular(eye - a_ab, rhs, upper=False, unitriangular=True)  # [W | U₀]
+    read, to_end, a_ab, scores, wu = dplr_block_core(q, k, v, ab, gk, scale)
+    dk = q.shape[-1]
     rows = torch.cat([torch.cat([-wu[..., :dk], wu[..., dk:]], dim=-1), torch.cat([torch.zeros_like(k), v], dim=-1)],
                      dim=-2)
     k_write = torch.cat([b * to_end, k * to_end], dim=-2)
-    return BlockTerms(decay, read, to_end, a_ab, scores, q * read * scale, k_write, read[:, -1], rows,
+    return BlockTerms(None, read, to_end, a_ab, scores, q * read * scale, k_write, read[:, -1], rows,
                       (q, k, v, ab, gk))
 
 
