@@ -104,6 +104,19 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -
     return err
 
 
+
+def assert_decode_matches_forward(model, ids: torch.Tensor, prefix: int, end: int, tol: float = 1e-12) -> None:
+    """An LM that prefills ``ids[:, :prefix]`` and then decodes ``ids[:, prefix:end]`` one token at a
+    time from its cache gives the full forward's logits at those positions (within ``tol``)."""
+    with torch.no_grad():
+        full, _ = model(ids)
+        _, cache = model(ids[:, :prefix])
+        steps = []
+        for t in range(prefix, end):
+            out, cache = model(ids[:, t:t + 1], cache)
+            steps.append(out)
+    assert_close("LM decode from cache vs full forward (float64)", torch.cat(steps, 1), full[:, prefix:end], tol)
+
 def saved_by_function(monkeypatch, fn):
     """Bytes every ``autograd.Function`` passes to ``ctx.save_for_backward`` while ``fn`` runs.
 

@@ -13,7 +13,7 @@ from fastweights import ops
 from fastweights.layers import MIXERS, DeltaProduct, GatedDeltaNet2
 from fastweights.models import LM, LMConfig
 
-from helpers import assert_close
+from helpers import assert_close, assert_decode_matches_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,14 +96,7 @@ def test_lm_trains_decodes_and_compiles(mixer):
     grads = [p.grad for n, p in model.named_parameters() if "blocks.0.mixer" in n]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     model64 = LM(config).double().eval()
-    with torch.no_grad():
-        full, _ = model64(ids)
-        _, cache = model64(ids[:, :12])
-        steps = []
-        for t in range(12, 19):
-            out, cache = model64(ids[:, t:t + 1], cache)
-            steps.append(out)
-    assert_close("LM decode from cache vs full forward (float64)", torch.cat(steps, 1), full[:, 12:], 1e-12)
+    assert_decode_matches_forward(model64, ids, 12, 19)
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(LM(LMConfig(vocab_size=31, d_model=16, n_layers=1, n_heads=2, mixer=mixer[0],
                                                    chunk_size=8)))(ids)

@@ -15,7 +15,7 @@ from fastweights import ops
 from fastweights.layers import MIXERS, FastWeightState, RWKV7Attention
 from fastweights.models import LM, LMConfig
 
-from helpers import assert_close
+from helpers import assert_close, assert_decode_matches_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,14 +132,7 @@ def test_lm_trains_decodes_and_recomputes(mixer):
     ckpt = torch.autograd.grad(loss_ckpt, list(model64.parameters()))
     assert all((a - b).abs().max() <= 1e-12 * (1 + a.abs().max()) for a, b in zip(plain, ckpt))
     model64.eval()
-    with torch.no_grad():
-        full, _ = model64(ids)
-        _, cache = model64(ids[:, :12])
-        steps = []
-        for t in range(12, 19):
-            out, cache = model64(ids[:, t:t + 1], cache)
-            steps.append(out)
-    assert_close("LM decode from cache vs full forward (float64)", torch.cat(steps, 1), full[:, 12:], 1e-12)
+    assert_decode_matches_forward(model64, ids, 12, 19)
 
 
 def test_lm_compiles_without_a_graph_break():
