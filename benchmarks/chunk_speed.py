@@ -81,7 +81,7 @@ def implementation(name: str) -> Callable:
     if name == "textbook":
         return textbook_chunk_delta_rule
     if name == "fast":
-        return lambda *a, **kw: ops.chunk_delta_rule(*a, backend="torch", **kw)
+        return lambda *a, **kw: ops.chunk_delta_rule(*a, **kw)
     raise ValueError(f"unknown implementation {name!r}; expected one of {IMPLEMENTATIONS}")
 
 
@@ -230,7 +230,7 @@ def _long_main(tokens, piece, H, K, V, C, threads, device) -> None:
         return [t.to(device) for t in (q, k, v, beta)]
 
     with torch.no_grad():
-        ops.chunk_delta_rule(*piece_inputs(piece), chunk_size=C, backend="torch")  # warm-up
+        ops.chunk_delta_rule(*piece_inputs(piece), chunk_size=C)  # warm-up
         rss_before = _status_kib("VmRSS")
         _reset_peak_rss()
         h, done, rss_trace = None, 0, []
@@ -238,7 +238,7 @@ def _long_main(tokens, piece, H, K, V, C, threads, device) -> None:
         while done < tokens:
             n = min(piece, tokens - done)
             _, h = ops.chunk_delta_rule(
-                *piece_inputs(n), initial_state=h, output_final_state=True, chunk_size=C, backend="torch"
+                *piece_inputs(n), initial_state=h, output_final_state=True, chunk_size=C
             )
             done += n
             rss_trace.append(_status_kib("VmRSS"))

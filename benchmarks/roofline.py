@@ -165,8 +165,8 @@ def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode
 
         def run(q, k, v, beta, gated=gated):
             if gated:
-                return ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C, backend="torch")
-            return ops.chunk_delta_rule(q, k, v, beta, chunk_size=C, backend="torch")
+                return ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C)
+            return ops.chunk_delta_rule(q, k, v, beta, chunk_size=C)
 
         def forward(run=run):
             with torch.no_grad():
@@ -228,9 +228,9 @@ def op_cases(device: str, B: int, H: int, T: int, K: int, V: int, C: int, decode
     def step(gated: bool):
         with torch.no_grad():
             if gated:
-                ops.gated_delta_rule_step(*step_args, sg[:, 0], live, inplace=True, backend="torch")
+                ops.gated_delta_rule_step(*step_args, sg[:, 0], live, inplace=True)
             else:
-                ops.delta_rule_step(*step_args, live, inplace=True, backend="torch")
+                ops.delta_rule_step(*step_args, live, inplace=True)
 
     moved = 2 * state.numel() * 4  # the state read and written once
     cases["decode: recurrent_gated_delta_rule T=1"] = (decode, moved, "GB/s")
