@@ -25,7 +25,9 @@ from ..kda import chunk as kda_chunk
 from .._spec import Form, OpSpec, Rule
 from .fla import dplr_form
 from .recurrent import dplr_step
-from .parallel import dplr_block_core, dplr_block_terms
+from .parallel import dplr_block_terms
+from .._halving import halving_products
+from ..kda.parallel import cumulative_decay
 
 
 def dplr_block_terms_backward(q, k, v, ab, terms, d_wu, d_scores, d_q_read, d_k_write, d_last, scale, solve_adjoint):
@@ -39,7 +41,29 @@ def dplr_block_terms_backward(q, k, v, ab, terms, d_wu, d_scores, d_q_read, d_k_
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads))
 
 
-def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int):
+def _forward_terms(q, k, v, ab, gk, scale: float):
+    """What the forward needs of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``:
+    ``(e^c, e^{c_L − c}, A_qb, A_qk, W, U₀)``, the scores scaled (:func:`~.parallel.dplr_block_core`'s
+    algebra, module docstring of ``parallel.py``).
+
+    The four decayed products (rows a ⊙ e^{−gk} and scale·q, columns b and k) are formed together by
+    recursive halving (:func:`~.._halving.halving_products`: every exponential of a number <= 0), and
+    ``[W | U₀] = (I − A_ab)⁻¹ [A ⊙ e^{c − gk} | A_ak V]`` is one unit lower-triangular solve on −A_ab
+    (LAPACK's substitution reads only the strict lower triangle)."""
+    a, b = ab[..., 0, :], ab[..., 1, :]
+    dtype = q.dtype
+    c = cumulative_decay(gk)
+    read, to_end = torch.exp(c.to(dtype)), torch.exp((c[:, -1:] - c).to(dtype))
+    a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
+    products = halving_products(c, torch.stack([a_shift, q * scale], dim=2), torch.stack([b, k], dim=2))
+    a_ak = products[0, 1]
+    a_ak.diagonal(dim1=-2, dim2=-1).zero_()  # A_ak strictly below the diagonal
+    rhs = torch.cat([a * torch.exp((c - gk.to(c.dtype)).to(dtype)), torch.bmm(a_ak, v)], dim=-1)
+    wu = torch.linalg.solve_triangular(products[0, 0].neg_(), rhs, upper=False, unitriangular=True)
+    return read, to_end, products[1, 0], products[1, 1], wu
+
+
+def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_states: bool = True):
     """Forward on head-first ``[N, H, T, ·]`` tensors (``ab [N, H, T, 2, K]``), ``h0 [N·H, K, V]`` or
     None; returns KDA's ``(o, h_T, states)`` (:func:`~fastweights.ops.kda.chunk.chunk_kda_fwd`,
     ``states[c]`` the state entering chunk c), group by group of chunks as KDA's driver.
@@ -47,47 +71,55 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int):
     KDA's driver would run the 2L pseudo-rows ``[U; V]`` through its loop; here the V rows, which
     do not depend on the state, are taken out of it: per chunk the loop forms U = U₀ + W h and
     h' = e^{c_L} ⊙ h + (K ⊙ e^{c_L − c})ᵀ V + (B ⊙ e^{c_L − c})ᵀ U with the V term batched over
-    the group beforehand, and the outputs A_qk V + A_qb U + Q̂ h are batched after it."""
+    the group beforehand, and the outputs A_qk V + A_qb U + Q̂ h are batched after it.
+
+    ``keep_states=False`` (a forward no backward will follow) returns ``states`` with no chunks
+    (``[0, N·H, K, V]``): the group's entry states go to one group-sized buffer used again by every
+    group instead of T/C states written once each (fresh memory, faulted in page by page)."""
     n, nh, t_len, dk = q.shape
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
-    states = v.new_empty(nc, rows, dk, dv)
+    groups = kda_chunk._groups(nc, rows)
+    states = v.new_empty(nc if keep_states else 0, rows, dk, dv)
+    buffer = None if keep_states or not groups else v.new_empty(groups[0][1], rows, dk, dv)
     out = chunk_buffer(v, n, nh, nc, chunk_size, (dv,))
     h = v.new_zeros(rows, dk, dv) if h0 is None else h0
-    for c0, c1 in kda_chunk._groups(nc, rows):
+    for c0, c1 in groups:
         qf, kf, vf, abf, gf = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, ab, gk))
-        read, to_end, _, scores, wu = dplr_block_core(qf, kf, vf, abf, gf, scale)
-        length = qf.shape[1]
+        read, to_end, a_qb, a_qk, wu = _forward_terms(qf, kf, vf, abf, gf, scale)
         w, u0 = wu[..., :dk], wu[..., dk:]
         b_write_t = (abf[..., 1, :] * to_end).transpose(-1, -2)  # [Bt, K, L]
         from_v = torch.bmm((kf * to_end).transpose(-1, -2), vf)  # [Bt, K, V] (K ⊙ e^{c_L − c})ᵀ V
         last = read[:, -1].unsqueeze(-1)
         u = torch.empty_like(u0)
+        entering = states[c0:c1] if keep_states else buffer[:c1 - c0]
         for c in range(c1 - c0):  # the one sequential loop: two small products per chunk
             r = slice(c * rows, (c + 1) * rows)
-            states[c0 + c] = h
+            entering[c] = h
             torch.baddbmm(u0[r], w[r], h, out=u[r])
             h = torch.baddbmm(torch.addcmul(from_v[r], last[r], h), b_write_t[r], u[r])
-        entering = states[c0:c1].view(-1, dk, dv)
-        o = torch.bmm(scores[..., length:], vf).baddbmm_(scores[..., :length], u)
-        put_chunks(out, o.baddbmm_(qf * read * scale, entering), c0)
+        o = torch.bmm(a_qk, vf).baddbmm_(a_qb, u)
+        put_chunks(out, o.baddbmm_(qf * read * scale, entering.view(-1, dk, dv)), c0)
     return from_chunk_buffer(out, t_len), h, states
 
 
 @torch.library.custom_op("fastweights::chunk_dplr_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, ab: Tensor, gk: Tensor, h0: Optional[Tensor],
-            scale: float, chunk_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+            scale: float, chunk_size: int, keep_states: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     n, nh, _, dk = q.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     with autocast_off(q.device), torch.no_grad():
-        return chunk_dplr_fwd(q, k, v, ab, gk, h0_, scale, chunk_size)
+        return chunk_dplr_fwd(q, k, v, ab, gk, h0_, scale, chunk_size, keep_states)
 
 
-_fwd_op.register_fake(kda_chunk._fwd_fake)
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, ab, gk, h0, scale, chunk_size, keep_states=True):
+    o, h_final, states = kda_chunk._fwd_fake(q, k, v, ab, gk, h0, scale, chunk_size)
+    return o, h_final, (states if keep_states else states.new_empty((0,) + tuple(states.shape[1:])))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ab, gk, h0, scale, chunk_size = inputs
+    q, k, v, ab, gk, h0, scale, chunk_size, *_ = inputs
     states = output[2]
     ctx.save_for_backward(q, k, v, ab, gk, states)
     backward_only(ctx, states)
@@ -105,7 +137,7 @@ def _backward(ctx, do, dh_final, _states):
             q, k, v, ab, gk, states, do, dh_final, ctx.scale, ctx.chunk_size, terms=dplr_block_terms,
             terms_backward=dplr_block_terms_backward)
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, dab, dgk, dh0, None, None
+    return dq, dk, dv, dab, dgk, dh0, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -113,7 +145,9 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def dplr_chunk(q, k, v, beta, gk, h0, scale, chunk_size, *, a, b) -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk form on head-first compute-dtype tensors; returns ``(o, h_T)``."""
-    o, h_final, _ = _fwd_op(q, k, v, torch.stack([a, b], dim=-2), gk, h0, float(scale), int(chunk_size))
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, a, b, gk, h0))
+    o, h_final, _ = _fwd_op(q, k, v, torch.stack([a, b], dim=-2), gk, h0, float(scale), int(chunk_size),
+                            keep)  # states: backward only
     return o, h_final.view(q.shape[0], q.shape[1], *h_final.shape[1:])
 
 
