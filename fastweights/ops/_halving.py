@@ -55,7 +55,6 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
     """
     bt, length, nr, dk = rows.shape
     ny = cols.shape[2]
-    dtype = rows.dtype
     padded = 1 << max(0, (length - 1).bit_length())
     if padded != length:  # zero operands and no decay after the block: nothing changes inside it
         extra = padded - length
@@ -68,8 +67,9 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
     out.diagonal(dim1=-2, dim2=-1).copy_(torch.matmul(rows, cols.transpose(-1, -2)).permute(2, 3, 0, 1))
     if levels:
         # every level's exponent of every token, c_r − c_m for the rows after m and c_m − c_i for the
-        # columns up to m (both <= 0), in float64; then one rounding and one exponential for all levels
-        exponents = c.new_empty(bt, levels, padded, dk)
+        # columns up to m (both <= 0): float64 differences, each rounded once as it is written to the
+        # compute dtype; then one exponential for all levels
+        exponents = rows.new_empty(bt, levels, padded, dk)
         for level in range(1, levels + 1):
             half = padded >> level
             halves = c.view(bt, 1 << (level - 1), 2, half, dk)
@@ -77,7 +77,7 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
             into = exponents[:, level - 1].view(halves.shape)
             torch.sub(halves[:, :, 1], mid, out=into[:, :, 1])
             torch.sub(mid, halves[:, :, 0], out=into[:, :, 0])
-        factors = exponents.to(dtype).exp_()  # [Bt, levels, L, K]
+        factors = exponents.exp_()  # [Bt, levels, L, K]
         for level in range(1, levels + 1):
             half = padded >> level
             pairs = 1 << (level - 1)
