@@ -50,17 +50,25 @@ def _forward_terms(q, k, v, ab, gk, scale: float):
     recursive halving (:func:`~.._halving.halving_products`: every exponential of a number <= 0), and
     ``[W | U₀] = (I − A_ab)⁻¹ [A ⊙ e^{c − gk} | A_ak V]`` is one unit lower-triangular solve on −A_ab
     (LAPACK's substitution reads only the strict lower triangle)."""
-    a, b = ab[..., 0, :], ab[..., 1, :]
-    dtype = q.dtype
+    bt, length, dk = q.shape
     c = cumulative_decay(gk)
-    read, to_end = torch.exp(c.to(dtype)), torch.exp((c[:, -1:] - c).to(dtype))
-    a_shift = a * torch.exp(-gk)  # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
-    products = halving_products(c, torch.stack([a_shift, q * scale], dim=2), torch.stack([b, k], dim=2))
+    read = c.to(q.dtype, copy=True).exp_()  # (a copy: c itself when the inputs are float64)
+    to_end = torch.sub(c[:, -1:], c, out=torch.empty_like(q)).exp_()  # the float64 difference, rounded once
+    rows = q.new_empty(bt, length, 2, dk)  # the row operands: a ⊙ e^{−gk} and scale·q
+    # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
+    a_shift = torch.mul(ab[..., 0, :], torch.neg(gk).exp_(), out=rows[:, :, 0])
+    torch.mul(q, scale, out=rows[:, :, 1])
+    cols = q.new_empty(bt, length, 2, dk)  # the column operands: b and k
+    cols[:, :, 0] = ab[..., 1, :]
+    cols[:, :, 1] = k
+    products = halving_products(c, rows, cols)
     a_ak = products[0, 1]
     a_ak.diagonal(dim1=-2, dim2=-1).zero_()  # A_ak strictly below the diagonal
-    rhs = torch.cat([a * torch.exp((c - gk.to(c.dtype)).to(dtype)), torch.bmm(a_ak, v)], dim=-1)
+    rhs = q.new_empty(bt, length, dk + v.shape[-1])
+    torch.mul(a_shift, read, out=rhs[..., :dk])  # A ⊙ e^{c − gk} = (A ⊙ e^{−gk}) ⊙ e^c
+    torch.bmm(a_ak, v, out=rhs[..., dk:])
     wu = torch.linalg.solve_triangular(products[0, 0].neg_(), rhs, upper=False, unitriangular=True)
-    return read, to_end, products[1, 0], products[1, 1], wu
+    return read, to_end, rows[:, :, 1], products[1, 0], products[1, 1], wu
 
 
 def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_states: bool = True):
@@ -83,24 +91,28 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
     states = v.new_empty(nc if keep_states else 0, rows, dk, dv)
     buffer = None if keep_states or not groups else v.new_empty(groups[0][1], rows, dk, dv)
     out = chunk_buffer(v, n, nh, nc, chunk_size, (dv,))
-    h = v.new_zeros(rows, dk, dv) if h0 is None else h0
+    h_final = v.new_empty(rows, dk, dv)
+    if nc == 0:
+        return from_chunk_buffer(out, t_len), (h_final.zero_() if h0 is None else h0), states
+    h, carry = (v.new_zeros(rows, dk, dv) if h0 is None else h0), v.new_empty(rows, dk, dv)
     for c0, c1 in groups:
         qf, kf, vf, abf, gf = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, ab, gk))
-        read, to_end, a_qb, a_qk, wu = _forward_terms(qf, kf, vf, abf, gf, scale)
+        read, to_end, q_scaled, a_qb, a_qk, wu = _forward_terms(qf, kf, vf, abf, gf, scale)
         w, u0 = wu[..., :dk], wu[..., dk:]
         b_write_t = (abf[..., 1, :] * to_end).transpose(-1, -2)  # [Bt, K, L]
         from_v = torch.bmm((kf * to_end).transpose(-1, -2), vf)  # [Bt, K, V] (K ⊙ e^{c_L − c})ᵀ V
         last = read[:, -1].unsqueeze(-1)
         u = torch.empty_like(u0)
         entering = states[c0:c1] if keep_states else buffer[:c1 - c0]
-        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk
+        entering[0].copy_(h)
+        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk, written in place
             r = slice(c * rows, (c + 1) * rows)
-            entering[c] = h
-            torch.baddbmm(u0[r], w[r], h, out=u[r])
-            h = torch.baddbmm(torch.addcmul(from_v[r], last[r], h), b_write_t[r], u[r])
+            torch.baddbmm(u0[r], w[r], entering[c], out=u[r])
+            h = entering[c + 1] if c0 + c + 1 < c1 else (h_final if c1 == nc else carry)
+            torch.addcmul(from_v[r], last[r], entering[c], out=h).baddbmm_(b_write_t[r], u[r])
         o = torch.bmm(a_qk, vf).baddbmm_(a_qb, u)
-        put_chunks(out, o.baddbmm_(qf * read * scale, entering.view(-1, dk, dv)), c0)
-    return from_chunk_buffer(out, t_len), h, states
+        put_chunks(out, o.baddbmm_(q_scaled * read, entering.view(-1, dk, dv)), c0)
+    return from_chunk_buffer(out, t_len), h_final, states
 
 
 @torch.library.custom_op("fastweights::chunk_dplr_fwd", mutates_args=())

@@ -49,17 +49,21 @@ def _forward_terms(q, k, e, x, g, scale: float, chunk_size: int):
     nothing the backward would need is kept.
     """
     bt, length, dk = k.shape
-    dtype = k.dtype
     c = g.to(torch.float64).cumsum(-2)  # float64, as KDA's cumulative_decay
-    read = torch.exp(c.to(dtype))
-    to_end = torch.exp((c[:, -1:] - c).to(dtype))
-    products = halving_products(c, torch.stack([e, q * scale], dim=2), k.unsqueeze(2))
+    read = c.to(k.dtype, copy=True).exp_()  # (a copy: c itself when the inputs are float64)
+    to_end = torch.sub(c[:, -1:], c, out=torch.empty_like(k)).exp_()  # the float64 difference, rounded once
+    rows = k.new_empty(bt, length, 2, dk)  # the row operands: e and scale·q
+    rows[:, :, 0] = e
+    q_scaled = torch.mul(q, scale, out=rows[:, :, 1])
+    products = halving_products(c, rows, k.unsqueeze(2))
     # [W | U] = (I + S)⁻¹ [e ⊙ e^c | x]: a unit lower-triangular solve reads only S's strict lower
     # triangle (its diagonal e_r·k_r and the zero upper half are ignored); LAPACK's substitution, row by
     # row, is both faster here than the block substitution of the backward and backward stable in fp32
-    wu = torch.linalg.solve_triangular(products[0, 0], torch.cat([e * read, x], dim=-1), upper=False,
-                                       unitriangular=True)
-    return wu[..., :dk], wu[..., dk:], products[1, 0], q * read * scale, k * to_end, read[:, -1]
+    rhs = k.new_empty(bt, length, dk + x.shape[-1])
+    torch.mul(e, read, out=rhs[..., :dk])
+    rhs[..., dk:] = x
+    wu = torch.linalg.solve_triangular(products[0, 0], rhs, upper=False, unitriangular=True)
+    return wu[..., :dk], wu[..., dk:], products[1, 0], q_scaled * read, k * to_end, read[:, -1]
 
 
 def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states: bool = True):
