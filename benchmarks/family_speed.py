@@ -6,10 +6,12 @@ Usage::
     python -m benchmarks.run family_speed              # T = 2048, B = 1, H = 4, K = V = 64, fp32, 1 thread
     python -m benchmarks.run family_speed --T 1024 --threads 2
 
-Wall time of the forward, and of forward + backward of ``(o·do).sum() + (h_T·dh).sum()``,
-median of ``--repeats`` runs after one warm-up, recurrent and chunk forms side by side in one
-process (the ratio is what to read: the machines here are shared). DeltaProduct runs
-n_h = 2 (T·n_h = 4096 Householder steps). Writes ``docs/results/family_speed.json``.
+Time of the forward (under ``torch.no_grad``, as inference runs it), and of forward + backward of
+``(o·do).sum() + (h_T·dh).sum()``, median of ``--repeats`` runs after one warm-up, the recurrent
+and chunk forms interleaved run by run in one process (the ratio is what to read: the machines
+here are shared). ``--clock cpu`` times the calling thread's CPU time instead of wall time (with
+one thread, what other processes on a shared machine do not add to). DeltaProduct runs n_h = 2
+(T·n_h = 4096 Householder steps). Writes ``docs/results/family_speed.json``.
 """
 
 from __future__ import annotations
@@ -56,18 +58,28 @@ FAMILIES = {
 }
 
 
-def once(fn, x, options, backward) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def once(fn, x, options, backward, clock=time.perf_counter) -> float:
     leaves = {n: (t.detach().clone().requires_grad_(backward) if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
-    start = time.perf_counter()
-    o, h = fn(**leaves, output_final_state=True, **options)
-    if backward:
-        ((o * torch.ones_like(o)).sum() + (h * 0.5).sum()).backward()
-    return time.perf_counter() - start
+    start = clock()
+    with torch.set_grad_enabled(backward):
+        o, h = fn(**leaves, output_final_state=True, **options)
+        if backward:
+            ((o * torch.ones_like(o)).sum() + (h * 0.5).sum()).backward()
+    return clock() - start
 
 
-def timed(fn, x, options, backward, repeats) -> float:
-    once(fn, x, options, backward)  # warm-up
-    return statistics.median(once(fn, x, options, backward) for _ in range(repeats))
+def timed_pair(forms, x, backward, repeats, clock=time.perf_counter) -> Tuple[float, ...]:
+    """Median time of each ``(fn, options)`` in ``forms``, run interleaved after one warm-up each."""
+    for fn, options in forms:
+        once(fn, x, options, backward, clock)  # warm-up
+    times = [[] for _ in forms]
+    for _ in range(repeats):
+        for spent, (fn, options) in zip(times, forms):
+            spent.append(once(fn, x, options, backward, clock))
+    return tuple(statistics.median(spent) for spent in times)
 
 
 @dataclass
@@ -82,6 +94,10 @@ class Config:
     chunk_size: int = field(default=32, metadata=flag(type=int, help="default 32"))
     threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
     repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
+    clock: str = field(default="wall", metadata=flag(choices=list(CLOCKS), help="wall time or the thread's CPU time "
+                                                                                 "(default wall)"))
+    forward_only: bool = field(default=False, metadata=flag(action="store_true", help="time the forward only (the "
+                                                                                       "recurrent backward takes ~15 s)"))
     families: Tuple[str, ...] = field(default=tuple(FAMILIES), metadata=flag(
         parse=tuple, nargs="+", choices=list(FAMILIES), help="which families (default all)"))
     json: str = field(default="docs/results/family_speed.json", metadata=flag(help="default docs/results/family_speed.json"))
@@ -90,7 +106,8 @@ class Config:
 def main(args: Config) -> int:
     torch.set_num_threads(args.threads)
     shape = dict(B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype="float32", threads=torch.get_num_threads(),
-                 chunk_size=args.chunk_size, num_householder=N_H)
+                 chunk_size=args.chunk_size, num_householder=N_H, clock=args.clock, repeats=args.repeats)
+    clock = CLOCKS[args.clock]
     print(f"chunk vs recurrent, {shape}")
     print(f"{'family':13} {'rec fwd s':>10} {'chunk fwd s':>12} {'x':>6} {'rec f+b s':>10} {'chunk f+b s':>12} {'x':>6}")
     rows = []
@@ -98,15 +115,18 @@ def main(args: Config) -> int:
         recurrent, chunk = FAMILIES[family]
         x = family_inputs(family, args.B, args.T, args.H, args.K, args.V)
         row = dict(family=family)
-        for label, fn, options in (("recurrent", recurrent, {}), ("chunk", chunk, dict(chunk_size=args.chunk_size))):
-            row[f"{label}_forward_s"] = timed(fn, x, options, False, args.repeats)
-            row[f"{label}_forward_backward_s"] = timed(fn, x, options, True, args.repeats)
+        forms = ((recurrent, {}), (chunk, dict(chunk_size=args.chunk_size)))
+        row["recurrent_forward_s"], row["chunk_forward_s"] = timed_pair(forms, x, False, args.repeats, clock)
         row["forward_speedup"] = row["recurrent_forward_s"] / row["chunk_forward_s"]
-        row["forward_backward_speedup"] = row["recurrent_forward_backward_s"] / row["chunk_forward_backward_s"]
+        if not args.forward_only:
+            row["recurrent_forward_backward_s"], row["chunk_forward_backward_s"] = timed_pair(
+                forms, x, True, args.repeats, clock)
+            row["forward_backward_speedup"] = row["recurrent_forward_backward_s"] / row["chunk_forward_backward_s"]
         rows.append(row)
-        print(f"{family:13} {row['recurrent_forward_s']:10.3f} {row['chunk_forward_s']:12.3f} {row['forward_speedup']:6.1f} "
-              f"{row['recurrent_forward_backward_s']:10.3f} {row['chunk_forward_backward_s']:12.3f} "
-              f"{row['forward_backward_speedup']:6.1f}", flush=True)
+        both = (f"{row['recurrent_forward_backward_s']:10.3f} {row['chunk_forward_backward_s']:12.3f} "
+                f"{row['forward_backward_speedup']:6.1f}" if not args.forward_only else f"{'-':>10} {'-':>12} {'-':>6}")
+        print(f"{family:13} {row['recurrent_forward_s']:10.3f} {row['chunk_forward_s']:12.3f} {row['forward_speedup']:6.2f} "
+              f"{both}", flush=True)
     if args.json:
         atomic_write_text(args.json, json.dumps(dict(shape=shape, speed=rows), indent=1))
         print(f"wrote {args.json}")
