@@ -282,9 +282,9 @@ def test_intermediate_states_are_the_recurrence_at_chunk_entries():
 
 @pytest.mark.parametrize("chunk_size", [7, 24, 32])
 def test_forward_only_path_equals_kda_driver_and_recurrence(chunk_size):
-    """The chunk forward's own driver (no grad: S and P formed together, the cross-sub-block factors
-    only where they are non-zero) against KDA's driver with GDN-2's block terms and the float64
-    recurrence, at chunk sizes whose sub-blocks are 1 (C = 7), 4 of 6 (C = 24) and 4 of 8 (C = 32),
+    """The chunk forward's own driver (S and P formed together by recursive halving, one triangular
+    solve) against KDA's driver with GDN-2's block terms and the float64 recurrence, at chunk sizes
+    padded to a power of two (C = 7, 24) and not (C = 32),
     T not a multiple of C, K != V, B > 1, an initial state; fp32 with strong decays within 2x of
     the fp32 recurrence's error."""
     from fastweights.ops.gdn2 import chunk as gdn2_chunk_module

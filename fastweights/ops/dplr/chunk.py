@@ -1,9 +1,12 @@
 """The DPLR delta rule, chunk form: KDA's chunk structure with the DPLR block terms.
 
-Per chunk of C tokens, the block's state-free terms (:func:`~.parallel.dplr_block_core`: KDA's
-relative sub-block decay factors, the four decayed products sharing them), then one sequential
-loop across chunks and the outputs (:func:`chunk_dplr_fwd`: KDA's loop with the state-free V
-pseudo-rows taken out of it). The
+Per chunk of C tokens, the block's state-free terms (:func:`_forward_terms`: the four decayed
+products by recursive halving, :func:`~.._halving.halving_products`, every exponential of a
+number <= 0; one unit-triangular solve), then one sequential loop across chunks and the outputs
+(:func:`chunk_dplr_fwd`: KDA's loop with the state-free V pseudo-rows taken out of it; no chunk
+states kept without grad). No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``)
+reads and writes the state along one key per token, while the DPLR transition reads along a,
+writes along b and adds k vᵀ, two write paths that kernel's block algebra does not have. The
 backward is KDA's hand-written adjoint loop (last chunk first, from the saved chunk-entry
 states); the adjoint of each group of chunks' state-free terms is taken by autograd on
 their recomputation (:func:`dplr_block_terms_backward`), not written out by hand as KDA's,

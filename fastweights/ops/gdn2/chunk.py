@@ -5,11 +5,17 @@ relative sub-block decay factors, every exponential of a number <= 0), then the 
 sequential loop ``U' = U − W h``, ``h ← diag(e^{c_C}) h + (K ⊙ e^{c_C − c})ᵀ U'``, then the
 outputs, batched. The forward (:func:`gdn2_chunk_fwd`) is KDA's
 :func:`~fastweights.ops.kda.chunk.chunk_kda_fwd` with those terms, arranged for a forward
-alone (:func:`_forward_terms`: S and P share their key factors, none of the zero upper
-half of the cross-sub-block factors is formed, nothing only the backward needs is kept);
-float64 agrees with that driver to rounding. The backward is KDA's hand-written one (the
-adjoint loop, last chunk first) with :func:`~.parallel.gdn2_block_terms_backward`; both are
-``torch.library`` custom ops, opaque to ``torch.compile``.
+alone (:func:`_forward_terms`: S and P formed together by recursive halving,
+:func:`~.._halving.halving_products`, every exponential still of a number <= 0; one
+unit-triangular solve; nothing only the backward needs is kept, no chunk states without
+grad); float64 agrees with that driver to rounding. The backward is KDA's hand-written one
+(the adjoint loop, last chunk first) with :func:`~.parallel.gdn2_block_terms_backward`; both
+are ``torch.library`` custom ops, opaque to ``torch.compile``.
+
+No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``) has one key per token for
+both the erase and the write, scaled by a scalar β, and GDN-2's erase key b ⊙ k differs from
+its write key k channel by channel, so that kernel's block algebra does not cover it. The
+PyTorch forward is measured against the recurrence in BENCHMARKS.md.
 
 The custom ops take the erase keys ``e = b ⊙ k`` and the gated values ``x = w ⊙ v``; those
 two products, and their gradients to b, k, w and v, are ordinary autograd around them.

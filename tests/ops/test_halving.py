@@ -1,0 +1,125 @@
+"""The decayed pair products by recursive halving (``ops/_halving.py``) and the forward-only
+drivers of GDN-2 and DPLR that use them: float64 equality with the products written out pair by
+pair, no overflow for strong decays, and the no-grad path (no chunk states kept) equal to the
+path that keeps them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweights import ops
+from fastweights.ops._halving import halving_products
+from fastweights.ops.dplr import chunk as dplr_chunk
+from fastweights.ops.gdn2 import chunk as gdn2_chunk
+
+from helpers import rel_err
+
+
+def pairwise(c, rows, cols):
+    """``Σ_d x_r y_i e^{c_r − c_i}`` for i <= r, one pair at a time (the exponent clamped to <= 0 above
+    the diagonal, where the entry is then zeroed)."""
+    length = c.shape[1]
+    diff = (c.unsqueeze(2) - c.unsqueeze(1)).clamp_max(0.0)  # [Bt, r, i, K]
+    full = torch.einsum("brxd,biyd,brid->xybri", rows, cols, torch.exp(diff))
+    return full * torch.ones(length, length, dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 16, 24, 32])
+@pytest.mark.parametrize("nr,ny", [(2, 1), (2, 2)])
+def test_halving_products_equal_the_pairwise_sums(length, nr, ny):
+    gen = torch.Generator().manual_seed(length * 10 + ny)
+    bt, dk = 3, 5
+    g = -torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)
+    c = g.cumsum(1)
+    rows = torch.randn(bt, length, nr, dk, dtype=torch.float64, generator=gen)
+    cols = torch.randn(bt, length, ny, dk, dtype=torch.float64, generator=gen)
+    got = halving_products(c, rows, cols)
+    assert got.shape == (nr, ny, bt, length, length)
+    assert all(got[x, y].is_contiguous() for x in range(nr) for y in range(ny))
+    assert rel_err(got, pairwise(c, rows, cols)) < 1e-14
+
+
+def test_halving_products_never_overflow_with_strong_decays():
+    """Decays down to e^{−80} per token (cumulative −2560 over a block of 32): every factor is the
+    exponential of a number <= 0, so fp32 stays finite and matches float64 to fp32 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    bt, length, dk = 2, 32, 8
+    g = -80 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)
+    g[:, ::5] = 0.0  # some tokens without decay: pairs across them stay O(1)
+    c = g.cumsum(1)
+    rows = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    cols = torch.randn(bt, length, 1, dk, dtype=torch.float64, generator=gen)
+    want = pairwise(c, rows, cols)
+    got32 = halving_products(c, rows.float(), cols.float())
+    assert torch.isfinite(got32).all()
+    assert rel_err(got32.double(), want) < 1e-6
+
+
+def gdn2_heads(n, t_len, nh, dk, dv, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, nh, t_len, dk, dtype=torch.float64, generator=gen)
+    k = F.normalize(torch.randn(n, nh, t_len, dk, dtype=torch.float64, generator=gen), dim=-1)
+    v = torch.randn(n, nh, t_len, dv, dtype=torch.float64, generator=gen)
+    g = -3 * torch.rand(n, nh, t_len, dk, dtype=torch.float64, generator=gen)
+    b = 2 * torch.rand(n, nh, t_len, dk, dtype=torch.float64, generator=gen)
+    w = torch.rand(n, nh, t_len, dv, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(n * nh, dk, dv, dtype=torch.float64, generator=gen)
+    return q, k, v, g, b, w, h0
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16])
+def test_gdn2_forward_without_states_equals_the_one_keeping_them(chunk_size):
+    """``keep_states=False`` reuses one group buffer for the entry states: same o and h_T, bit for bit,
+    over several groups (T/C chunks > the group's), T not a multiple of C, B > 1, K != V."""
+    q, k, v, g, b, w, h0 = gdn2_heads(2, 150, 3, 12, 7, seed=1)
+    kept = gdn2_chunk.gdn2_chunk_fwd(q, k, b * k, w * v, g, h0, 0.4, chunk_size, True)
+    free = gdn2_chunk.gdn2_chunk_fwd(q, k, b * k, w * v, g, h0, 0.4, chunk_size, False)
+    assert kept[2].shape[0] == -(-150 // chunk_size) and free[2].shape[0] == 0
+    assert torch.equal(kept[0], free[0]) and torch.equal(kept[1], free[1])
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16])
+def test_dplr_forward_without_states_equals_the_one_keeping_them(chunk_size):
+    gen = torch.Generator().manual_seed(2)
+    n, nh, t_len, dk, dv = 2, 3, 150, 12, 7
+    q, k = (torch.randn(n, nh, t_len, dk, dtype=torch.float64, generator=gen) for _ in range(2))
+    v = torch.randn(n, nh, t_len, dv, dtype=torch.float64, generator=gen)
+    kappa = F.normalize(torch.randn(n, nh, t_len, dk, dtype=torch.float64, generator=gen), dim=-1)
+    ab = torch.stack([-kappa, kappa * torch.rand(n, nh, t_len, dk, dtype=torch.float64, generator=gen)], dim=-2)
+    gk = -0.6 * torch.rand(n, nh, t_len, dk, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(n * nh, dk, dv, dtype=torch.float64, generator=gen)
+    kept = dplr_chunk.chunk_dplr_fwd(q, k, v, ab, gk, h0, 0.4, chunk_size, True)
+    free = dplr_chunk.chunk_dplr_fwd(q, k, v, ab, gk, h0, 0.4, chunk_size, False)
+    assert kept[2].shape[0] == -(-t_len // chunk_size) and free[2].shape[0] == 0
+    assert torch.equal(kept[0], free[0]) and torch.equal(kept[1], free[1])
+
+
+@pytest.mark.parametrize("family", ["gdn2", "dplr"])
+def test_no_grad_call_equals_the_differentiable_call_and_the_recurrence(family):
+    """The public chunk ops without grad (no chunk states) and with grad (states kept for the backward)
+    give the same outputs, both equal to the float64 recurrence; T = 100, C = 16, H = 2, K = 60, V = 20,
+    B = 2, an initial state."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, K, V = 2, 100, 2, 60, 20
+    x = dict(q=torch.randn(B, T, H, K, dtype=torch.float64, generator=gen),
+             k=F.normalize(torch.randn(B, T, H, K, dtype=torch.float64, generator=gen), dim=-1),
+             v=torch.randn(B, T, H, V, dtype=torch.float64, generator=gen),
+             initial_state=torch.randn(B, H, K, V, dtype=torch.float64, generator=gen))
+    if family == "gdn2":
+        x.update(g=-2 * torch.rand(B, T, H, K, dtype=torch.float64, generator=gen),
+                 b=2 * torch.rand(B, T, H, K, dtype=torch.float64, generator=gen),
+                 w=torch.rand(B, T, H, V, dtype=torch.float64, generator=gen))
+        chunk, recurrent = ops.chunk_gdn2, ops.recurrent_gdn2
+    else:
+        kappa = F.normalize(torch.randn(B, T, H, K, dtype=torch.float64, generator=gen), dim=-1)
+        x.update(a=-kappa, b=kappa * torch.rand(B, T, H, K, dtype=torch.float64, generator=gen),
+                 gk=-0.6 * torch.rand(B, T, H, K, dtype=torch.float64, generator=gen))
+        chunk, recurrent = ops.chunk_dplr_delta_rule, ops.recurrent_dplr_delta_rule
+    want = recurrent(**x, output_final_state=True)
+    with torch.no_grad():
+        free = chunk(**x, output_final_state=True, chunk_size=16)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    kept = chunk(**leaves, output_final_state=True, chunk_size=16)
+    for a, b_, w_ in zip(free, kept, want):
+        assert torch.equal(a, b_.detach())
+        assert rel_err(a, w_) < 1e-12
