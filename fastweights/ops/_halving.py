@@ -34,9 +34,6 @@ L that is not a power of two is padded (zero operands, no decay) and the result 
 
 from __future__ import annotations
 
-import functools
-from typing import Tuple
-
 import torch
 import torch.nn.functional as F
 
