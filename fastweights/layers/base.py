@@ -21,6 +21,7 @@ run token by token: a layer never re-implements a recurrence), given by
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -139,6 +140,11 @@ class FastWeightMixer(nn.Module):
         ``[S, H, K, V]``: row n reads and writes slot ``state_indices[n]`` in place (the op's pool
         form, :mod:`fastweights.ops.state_pool`), and the pool is returned."""
         raise NotImplementedError
+
+    def memory_op(self, recurrent: bool, recurrent_op, chunk_op):
+        """The op a :meth:`memory` call runs: ``recurrent_op`` (no chunks), or ``chunk_op`` with the
+        layer's ``chunk_size`` passed down as it is (None included: the ops' one resolver decides)."""
+        return recurrent_op if recurrent else functools.partial(chunk_op, chunk_size=self.chunk_size)
 
     def chunk_length(self, like: torch.Tensor) -> int:
         """C of this layer's chunk-op calls on tensors like ``like``: what the op runs for the layer's

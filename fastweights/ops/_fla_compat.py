@@ -2,8 +2,10 @@
 
 Code written for fla, and ``transformers`` models that call fla's gated ops, should
 run on :mod:`fastweights.ops` unchanged. This module is the one place that turns
-fla's options into our plain ``(q, k, v, beta, g, initial_state)`` arguments; the
-public ops call :func:`fla_inputs` first and then run as usual.
+fla's options into our plain ``(q, k, v, beta, g, initial_state)`` arguments: the delta
+and gated ops' public functions (``ops/<rule>/api.py``) call :func:`run_fla`, which maps them
+(:func:`fla_inputs`) and hands the op to the dispatcher; the other families' fla modules call
+:func:`fla_inputs` in their own mapping, and build their public forms with :func:`public_form`.
 
 Accepted (same meaning as in fla):
 
@@ -79,8 +81,10 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import STATE_V_FIRST, state_dtype
+from ._dispatch import run
+from ._spec import Form, OpSpec
 
-__all__ = ["PASS_THROUGH", "accepts_state_v_first", "fla_inputs"]
+__all__ = ["PASS_THROUGH", "accepts_state_v_first", "fla_inputs", "run_fla", "public_form"]
 
 # Keyword arguments that callers (transformers' models, fla's layers) pass through the
 # ops and that cannot change an op's result: ignored without a word.
@@ -256,3 +260,68 @@ def accepts_state_v_first(op):
         return (o, None if h is None else h.transpose(-1, -2), *(x.transpose(-1, -2) for x in states))
 
     return wrapper
+
+
+def run_fla(
+    spec: OpSpec, q, k, v, beta, g, initial_state, cu_seqlens, *,
+    gated: bool,
+    qk_norm: Optional[str] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    extra: Optional[dict] = None,
+    **options,
+):
+    """The body of the delta rule's and the gated delta rule's public ops: fla's options to plain
+    inputs (:func:`fla_inputs`; ``extra`` is the op's ``**extra``), then the dispatcher
+    (:func:`~fastweights.ops._dispatch.run`) with ``spec``, β required (and g for the gated ops) and
+    ``options`` (``chunk_size``, ``backend``, ``feature_map``, the serving options, ...) as they are."""
+    q, k, beta, g, initial_state, cu_seqlens = fla_inputs(
+        spec.name, q, k, v, beta, g, initial_state, cu_seqlens, gated=gated,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
+    )
+    return run(spec, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+               cu_seqlens_cpu=cu_seqlens_cpu, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
+               requires_beta=True, requires_g=gated, allow_neg_eigval=allow_neg_eigval, **options)
+
+
+def public_form(spec: OpSpec, body, leading: tuple, signature: inspect.Signature, doc: str, module: str,
+                state_v_first: bool = False):
+    """The public op of ``spec`` for a family whose forms share one body (KDA, GDN-2, DeltaProduct,
+    DPLR): ``body(spec, *leading, *args, **kwargs)`` under ``signature`` (the body's, after ``spec``
+    and ``leading``), named ``spec.name``, documented by ``doc``, living in ``module`` (the family's
+    ``api.py``), with fla's ``state_v_first`` when asked.
+
+    Only a chunk form takes ``chunk_size``: a recurrent or parallel form drops it from its signature
+    (parameters after it become keyword-only, so no positional argument lands in its place) and
+    refuses it as an unknown keyword."""
+    chunked = spec.form is Form.CHUNK
+    limit = None
+    if not chunked:
+        params = list(signature.parameters.values())
+        names = [p.name for p in params]
+        at = names.index("chunk_size")
+        if params[at].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            limit = at
+        rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else p
+                for p in params[at + 1:]]
+        signature = signature.replace(parameters=params[:at] + rest)
+
+    def form(*args, **kwargs):
+        if not chunked:
+            if "chunk_size" in kwargs:
+                raise unknown_keyword(spec.name, "chunk_size", signature.parameters)
+            if limit is not None and len(args) > limit:
+                raise TypeError(f"{spec.name}() takes at most {limit} positional arguments ({len(args)} given)")
+        return body(spec, *leading, *args, **kwargs)
+
+    form.__name__ = form.__qualname__ = spec.name
+    form.__doc__ = inspect.cleandoc(doc)
+    form.__signature__ = signature
+    form.__module__ = module
+    return accepts_state_v_first(form) if state_v_first else form
