@@ -29,8 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import check_int
-from ..ops import compute_dtype, resolve_chunk_size
+from ..ops import check_chunk_option, compute_dtype, resolve_chunk_size
 from .common import (
     FastWeightState, GatedRMSNorm, ShortConvolution, WindowInputs, cached_weights, check_context_parallel_input,
     check_layer_input, forward_with_mask, get_activation, window_conv_state,
@@ -104,7 +103,7 @@ class FastWeightMixer(nn.Module):
         self.d_model, self.n_heads = d_model, n_heads
         self.head_dim, self.value_head_dim, self.num_v_heads = key_dim, int(value_dim), value_heads
         self.key_width, self.value_width = n_heads * key_dim, value_heads * int(value_dim)  # H·K, HV·V
-        check_int(name, "chunk_size", chunk_size, none_ok=True, what="a positive int or None (chosen per key size)")
+        check_chunk_option(name, chunk_size)
         self.chunk_size = chunk_size
         self.activation = get_activation(activation, name)
         self.value_activation = get_activation(value_activation, name)
