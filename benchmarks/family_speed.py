@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.config import atomic_write_text, flag
 
+from ._shapes import OpShape
+
 N_H = 2
 
 
@@ -71,17 +73,11 @@ def timed(fn, x, options, backward, repeats) -> float:
 
 
 @dataclass
-class Config:
-    """The flags of ``python -m benchmarks.run family_speed``."""
+class Config(OpShape):
+    """The flags of ``python -m benchmarks.run family_speed``: the shared op shape (``_shapes.OpShape``)
+    and these."""
 
-    B: int = field(default=1, metadata=flag(type=int, help="default 1"))
-    T: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
-    H: int = field(default=4, metadata=flag(type=int, help="default 4"))
-    K: int = field(default=64, metadata=flag(type=int, help="default 64"))
-    V: int = field(default=64, metadata=flag(type=int, help="default 64"))
     chunk_size: int = field(default=32, metadata=flag(type=int, help="default 32"))
-    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
-    repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
     families: Tuple[str, ...] = field(default=tuple(FAMILIES), metadata=flag(
         parse=tuple, nargs="+", choices=list(FAMILIES), help="which families (default all)"))
     json: str = field(default="docs/results/family_speed.json", metadata=flag(help="default docs/results/family_speed.json"))
