@@ -5,7 +5,7 @@ run on :mod:`fastweights.ops` unchanged. This module is the one place that turns
 fla's options into our plain ``(q, k, v, beta, g, initial_state)`` arguments: the delta
 and gated ops' public functions (``ops/<rule>/api.py``) call :func:`run_fla`, which maps them
 (:func:`fla_inputs`) and hands the op to the dispatcher; the other families' fla modules call
-:func:`fla_inputs` in their own mapping, and build their public forms with :func:`public_form`.
+:func:`fla_inputs` in their own mapping.
 
 Accepted (same meaning as in fla):
 
@@ -71,7 +71,6 @@ q/k feature map, ``qk_norm``           none                   ``feature_map``, `
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import sys
 import warnings
@@ -80,11 +79,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._checks import STATE_V_FIRST, state_dtype
+from ._checks import state_dtype
 from ._dispatch import run
-from ._spec import Form, OpSpec
+from ._spec import OpSpec
 
-__all__ = ["PASS_THROUGH", "accepts_state_v_first", "fla_inputs", "run_fla", "public_form"]
+__all__ = ["PASS_THROUGH", "fla_inputs", "run_fla"]
 
 # Keyword arguments that callers (transformers' models, fla's layers) pass through the
 # ops and that cannot change an op's result: ignored without a word.
@@ -236,32 +235,6 @@ def fla_inputs(
     return q, k, beta, g, initial_state, cu_seqlens
 
 
-def accepts_state_v_first(op):
-    """Decorator for the gated ops: fla's ``state_v_first`` (or ``transpose_state_layout``)
-    = True means the caller's states are ``[N, HV, V, K]``; transpose the initial state in
-    and the final state out, so the op itself only sees our ``[N, HV, K, V]``."""
-
-    @functools.wraps(op)
-    def wrapper(*args, **kwargs):
-        v_first = bool(kwargs.pop("state_v_first", False)) | bool(kwargs.pop("transpose_state_layout", False))
-        if not v_first:
-            return op(*args, **kwargs)
-        bound = inspect.signature(op).bind_partial(*args, **kwargs)
-        h0 = bound.arguments.get("initial_state")
-        if isinstance(h0, torch.Tensor) and h0.dim() == 4:
-            bound.arguments["initial_state"] = h0.transpose(-1, -2)
-        # the checks quote a wrong initial_state in the caller's [N, HV, V, K] (not traceable: eager only)
-        token = None if torch.compiler.is_compiling() else STATE_V_FIRST.set(True)
-        try:
-            o, h, *states = op(*bound.args, **bound.kwargs)
-        finally:
-            if token is not None:
-                STATE_V_FIRST.reset(token)
-        return (o, None if h is None else h.transpose(-1, -2), *(x.transpose(-1, -2) for x in states))
-
-    return wrapper
-
-
 def run_fla(
     spec: OpSpec, q, k, v, beta, g, initial_state, cu_seqlens, *,
     gated: bool,
@@ -288,40 +261,3 @@ def run_fla(
     return run(spec, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens,
                cu_seqlens_cpu=cu_seqlens_cpu, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
                requires_beta=True, requires_g=gated, allow_neg_eigval=allow_neg_eigval, **options)
-
-
-def public_form(spec: OpSpec, body, leading: tuple, signature: inspect.Signature, doc: str, module: str,
-                state_v_first: bool = False):
-    """The public op of ``spec`` for a family whose forms share one body (KDA, GDN-2, DeltaProduct,
-    DPLR): ``body(spec, *leading, *args, **kwargs)`` under ``signature`` (the body's, after ``spec``
-    and ``leading``), named ``spec.name``, documented by ``doc``, living in ``module`` (the family's
-    ``api.py``), with fla's ``state_v_first`` when asked.
-
-    Only a chunk form takes ``chunk_size``: a recurrent or parallel form drops it from its signature
-    (parameters after it become keyword-only, so no positional argument lands in its place) and
-    refuses it as an unknown keyword."""
-    chunked = spec.form is Form.CHUNK
-    limit = None
-    if not chunked:
-        params = list(signature.parameters.values())
-        names = [p.name for p in params]
-        at = names.index("chunk_size")
-        if params[at].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
-            limit = at
-        rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else p
-                for p in params[at + 1:]]
-        signature = signature.replace(parameters=params[:at] + rest)
-
-    def form(*args, **kwargs):
-        if not chunked:
-            if "chunk_size" in kwargs:
-                raise unknown_keyword(spec.name, "chunk_size", signature.parameters)
-            if limit is not None and len(args) > limit:
-                raise TypeError(f"{spec.name}() takes at most {limit} positional arguments ({len(args)} given)")
-        return body(spec, *leading, *args, **kwargs)
-
-    form.__name__ = form.__qualname__ = spec.name
-    form.__doc__ = inspect.cleandoc(doc)
-    form.__signature__ = signature
-    form.__module__ = module
-    return accepts_state_v_first(form) if state_v_first else form

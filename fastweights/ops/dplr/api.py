@@ -8,7 +8,7 @@ module once (docs/design.md, "The path of a call").
 
 from __future__ import annotations
 
-from .._fla_compat import public_form
+from .._forms import public_form
 from .._spec import OpSpec
 from .chunk import CHUNK_DPLR_DELTA_RULE
 from .fla import FORM_SIGNATURE, run_dplr

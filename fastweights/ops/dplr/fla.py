@@ -10,7 +10,7 @@ fla argument                   what we do
 ``scale``                      ``None``: K^−0.5 (``chunk_rwkv7``'s default is 1.0, as fla's)
 ``cu_seqlens``,                packed sequences (B = 1); a host copy of ``cu_seqlens``
 ``cu_seqlens_cpu``
-``chunk_size``                 any positive int (fla: 16 or 64); ``None``: 64
+``chunk_size``                 any positive int (fla: 16 or 64); ``None``: ``default_chunk_size``'s choice
 ``safe_gate``,                 accepted and ignored: hints about how fla's kernels run
 ``disable_recompute``,
 ``lower_bound``

@@ -12,7 +12,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._fla_compat import accepts_state_v_first, run_fla
+from .._fla_compat import run_fla
+from .._forms import accepts_state_v_first
 from ..feature_maps import FeatureMapLike
 from .chunk import CHUNK_GATED_DELTA_RULE
 from .parallel import PARALLEL_GATED_DELTA_RULE

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .._fla_compat import public_form
+from .._forms import public_form
 from .._spec import OpSpec
 from .chunk import CHUNK_GDN2
 from .fla import FORM_SIGNATURE, run_gdn2

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .._fla_compat import accepts_state_v_first, public_form
+from .._forms import accepts_state_v_first, public_form
 from .._spec import OpSpec
 from .chunk import CHUNK_KDA
 from .fla import FORM_SIGNATURE, run_kda

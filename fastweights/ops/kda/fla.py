@@ -168,7 +168,7 @@ def run_kda(
     order, then ours by keyword (``chunk_size``: None is :func:`~fastweights.ops.default_chunk_size`'s
     choice, as for every chunk op; ``backend`` as in ``chunk_delta_rule``). ``safe_gate`` and
     ``disable_recompute`` are fla's kernel hints (ignored); ``state_v_first`` is handled by
-    :func:`accepts_state_v_first`."""
+    :func:`~.._forms.accepts_state_v_first`."""
     op = spec.name
     q, k, beta, gk, gv, initial_state, cu_seqlens, gk_name = kda_inputs(
         op, q, k, v, g, beta, initial_state, cu_seqlens, gk=gk, gv=gv, gv_supported=gv_supported,
