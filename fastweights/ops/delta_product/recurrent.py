@@ -21,6 +21,7 @@ from typing import Tuple
 import torch
 
 from .._moved import moved_names
+from ..step import scan_tokens
 from .._spec import Form, OpSpec, Rule
 
 
@@ -43,11 +44,7 @@ def delta_product_recurrence(q, k, v, beta, g, h0, scale, *, ks, vs, betas):
     """Token-by-token on head-first tensors (``ks [N, H, T, n_h, K]``, ...); returns ``(o, h_T)``."""
     n, nh, t_len, dk = q.shape
     h = h0 if h0 is not None else q.new_zeros(n, nh, dk, vs.shape[-1])
-    outputs = []
-    for t in range(t_len):
-        o_t, h = gated_delta_product_step(q[:, :, t], ks[:, :, t], vs[:, :, t], betas[:, :, t], g[:, :, t], h, scale)
-        outputs.append(o_t)
-    return torch.stack(outputs, dim=2), h
+    return scan_tokens(gated_delta_product_step, h, scale, q, ks, vs, betas, g)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).

@@ -22,7 +22,7 @@ import torch
 from .._backend import backward_can_follow
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from ..step import delta_rule_step, delta_update
+from ..step import delta_rule_step, delta_update, scan_tokens
 
 
 def low_products_step(q, k, v, beta, g, h, scale, low=torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -54,14 +54,7 @@ def delta_rule_recurrence(q, k, v, beta, g, h0, scale, low=None) -> Tuple[torch.
     step = delta_update
     if low is not None and not backward_can_follow(q, k, v, beta, g, h0):
         step = functools.partial(low_products_step, low=low)
-    outputs = []
-    for t in range(t_len):
-        o_t, h = step(
-            q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], None if g is None else g[:, :, t], h, scale
-        )
-        outputs.append(o_t)
-    o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
-    return o, h
+    return scan_tokens(step, h, scale, q, k, v, beta, g)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).

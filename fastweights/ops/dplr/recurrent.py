@@ -18,6 +18,7 @@ from typing import Tuple
 import torch
 
 from .._moved import moved_names
+from ..step import scan_tokens
 from .._spec import Form, OpSpec, Rule
 
 
@@ -36,11 +37,7 @@ def dplr_recurrence(q, k, v, beta, gk, h0, scale, *, a, b) -> Tuple[torch.Tensor
     """Token-by-token on head-first tensors ``[N, H, T, ·]``; returns ``(o, h_T)``."""
     n, nh, t_len, dk = q.shape
     h = h0 if h0 is not None else q.new_zeros(n, nh, dk, v.shape[-1])
-    outputs = []
-    for t in range(t_len):
-        o_t, h = dplr_step(q[:, :, t], k[:, :, t], v[:, :, t], a[:, :, t], b[:, :, t], gk[:, :, t], h, scale)
-        outputs.append(o_t)
-    return torch.stack(outputs, dim=2), h
+    return scan_tokens(dplr_step, h, scale, q, k, v, a, b, gk)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).

@@ -22,6 +22,7 @@ from typing import Tuple
 import torch
 
 from .._moved import moved_names
+from ..step import scan_tokens
 from .._spec import Form, OpSpec, Rule
 
 
@@ -42,11 +43,7 @@ def gdn2_recurrence(q, k, v, beta, g, h0, scale, *, b, w) -> Tuple[torch.Tensor,
     """Token-by-token GDN-2 on head-first tensors ``[N, H, T, ·]``; returns ``(o, h_T)`` (``beta`` unused)."""
     n, nh, t_len, dk = k.shape
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
-    outputs = []
-    for t in range(t_len):
-        o_t, h = gdn2_step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], b[:, :, t], w[:, :, t], h, scale)
-        outputs.append(o_t)
-    return torch.stack(outputs, dim=2), h
+    return scan_tokens(gdn2_step, h, scale, q, k, v, g, b, w)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).

@@ -26,19 +26,17 @@ import torch
 
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from ..step import kda_step, kda_update
+from ..step import kda_step, kda_update, scan_tokens
 
 
 def kda_recurrence(q, k, v, beta, gk, h0, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token KDA on head-first tensors ``[N, H, T, D]`` (``gk [N, H, T, K]``); returns ``(o, h_T)``."""
     n, nh, t_len, dk = k.shape
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
-    outputs = []
-    for t in range(t_len):
-        o_t, h = kda_update(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], gk[:, :, t], h, scale,
-                          None if gv is None else gv[:, :, t])
-        outputs.append(o_t)
-    return torch.stack(outputs, dim=2), h
+    if gv is None:
+        return scan_tokens(kda_update, h, scale, q, k, v, beta, gk)
+    return scan_tokens(lambda q, k, v, beta, gk, gv, h, scale: kda_update(q, k, v, beta, gk, h, scale, gv), h, scale,
+                       q, k, v, beta, gk, gv)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).

@@ -19,19 +19,14 @@ import torch
 
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from ..step import linear_attn_step, sum_update
+from ..step import linear_attn_step, scan_tokens, sum_update
 
 
 def linear_attn_recurrence(q, k, v, beta, g, h0, scale) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token sum rule on head-first tensors ``[N, H, T, D]``; returns ``(o, h_T)``."""
     n, nh, t_len, dk = k.shape
     h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
-    outputs = []
-    for t in range(t_len):
-        o_t, h = sum_update(q[:, :, t], k[:, :, t], v[:, :, t], None if g is None else g[:, :, t], h, scale)
-        outputs.append(o_t)
-    o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
-    return o, h
+    return scan_tokens(sum_update, h, scale, q, k, v, g)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).
