@@ -24,7 +24,8 @@ diagonal-plus-low-rank     ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
 delta rule (RWKV-7)        ``dplr_delta_rule``
 =========================  ==============================  ========================
 
-Every form of a rule takes the same arguments and returns the same thing; the
+Every form of a rule takes the same arguments and returns the same thing (only the
+``chunk_*`` form has ``chunk_size``, ``backend`` and its other options); the
 ``recurrent_*`` form is the reference that the others are tested against.
 
 One token at a time (decoding): ``delta_rule_step``, ``gated_delta_rule_step`` and

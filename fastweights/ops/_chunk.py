@@ -190,6 +190,16 @@ def block_terms(
 # --------------------------------------------------------------------------------------
 
 
+def with_initial_state(o: torch.Tensor, h: torch.Tensor, h0: Optional[torch.Tensor], q_decayed: torch.Tensor,
+                       seq_decay: Optional[torch.Tensor], scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A block's output and final state from a zero start (``o``, ``h``) plus what the initial state
+    ``h0`` adds (:func:`block_terms`' names): its read ``scale · (Q ⊙ e^b) h0`` and its decayed carry
+    ``e^{b_L} h0``. Without ``h0``, ``(o, h)`` as they are."""
+    if h0 is None:
+        return o, h
+    return o + scale * (q_decayed @ h0), h + (h0 if seq_decay is None else h0 * seq_decay[..., None, None])
+
+
 def backward_only(ctx, *tensors: Optional[torch.Tensor]) -> None:
     """In a chunk op's ``setup_context``: ``tensors`` (outputs the op returns only so that its
     backward can have them: chunk states, gathered inputs) get no gradient.

@@ -17,7 +17,7 @@ from typing import Tuple
 
 import torch
 
-from .._chunk import block_terms
+from .._chunk import block_terms, with_initial_state
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from .wy import ut_transform
@@ -30,12 +30,7 @@ def delta_rule_parallel(q, k, v, beta, g, h0, scale) -> Tuple[torch.Tensor, torc
     w, u = ut_transform(k, v, beta, b)
     if h0 is not None:
         u = u - w @ h0
-    o = scores @ u
-    h = k_decayed.transpose(-1, -2) @ u
-    if h0 is not None:
-        o = o + scale * (q_decayed @ h0)
-        h = h + (h0 if seq_decay is None else h0 * seq_decay[..., None, None])
-    return o, h
+    return with_initial_state(scores @ u, k_decayed.transpose(-1, -2) @ u, h0, q_decayed, seq_decay, scale)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).

@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from .._chunk import block_terms
+from .._chunk import block_terms, with_initial_state
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from ..step import linear_attn_step
@@ -23,12 +23,7 @@ from ..step import linear_attn_step
 def linear_attn_parallel(q, k, v, beta, g, h0, scale) -> Tuple[torch.Tensor, torch.Tensor]:
     """Whole-sequence masked product on head-first tensors; returns ``(o, h_T)``."""
     q_decayed, k_decayed, scores, seq_decay, _ = block_terms(q, k, g, scale)
-    o = scores @ v
-    h = k_decayed.transpose(-1, -2) @ v
-    if h0 is not None:
-        o = o + scale * (q_decayed @ h0)
-        h = h + (h0 if seq_decay is None else h0 * seq_decay[..., None, None])
-    return o, h
+    return with_initial_state(scores @ v, k_decayed.transpose(-1, -2) @ v, h0, q_decayed, seq_decay, scale)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).
