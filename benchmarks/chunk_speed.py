@@ -74,10 +74,10 @@ TARGETS = {  # what the fast chunk path must reach, at T = 2048 (memory at T = 8
 
 def implementation(name: str) -> Callable:
     from fastweights import ops
-    from fastweights.ops.delta_rule.textbook import textbook_chunk_delta_rule
+    from fastweights.ops.delta_rule.api import textbook_chunk_delta_rule
 
-    if name == "recurrent":
-        return ops.recurrent_delta_rule
+    if name == "recurrent":  # the recurrence has no chunk length: the runner's C is dropped
+        return lambda *a, chunk_size=None, **kw: ops.recurrent_delta_rule(*a, **kw)
     if name == "textbook":
         return textbook_chunk_delta_rule
     if name == "fast":

@@ -66,7 +66,7 @@ def _op_call(name: str, packed: bool, hint: bool):
     if "gated" in name or "linear_attn" in name:
         extra["g"] = (-torch.rand(B, T, H, generator=gen)).requires_grad_()
     options = dict(output_final_state=True)
-    if not name.startswith("softmax"):
+    if name.startswith("chunk_"):  # only the chunk forms have a chunk length
         options["chunk_size"] = 8
     if name.endswith("delta_rule") and not name.startswith("softmax"):
         options["qk_norm"] = "l2"

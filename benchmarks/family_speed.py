@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.config import atomic_write_text, flag
 
+from ._shapes import OpShape
+
 N_H = 2
 
 
@@ -83,17 +85,11 @@ def timed_pair(forms, x, backward, repeats, clock=time.perf_counter) -> Tuple[fl
 
 
 @dataclass
-class Config:
-    """The flags of ``python -m benchmarks.run family_speed``."""
+class Config(OpShape):
+    """The flags of ``python -m benchmarks.run family_speed``: the shared op shape (``_shapes.OpShape``)
+    and these."""
 
-    B: int = field(default=1, metadata=flag(type=int, help="default 1"))
-    T: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
-    H: int = field(default=4, metadata=flag(type=int, help="default 4"))
-    K: int = field(default=64, metadata=flag(type=int, help="default 64"))
-    V: int = field(default=64, metadata=flag(type=int, help="default 64"))
     chunk_size: int = field(default=32, metadata=flag(type=int, help="default 32"))
-    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
-    repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
     clock: str = field(default="wall", metadata=flag(choices=list(CLOCKS), help="wall time or the thread's CPU time "
                                                                                  "(default wall)"))
     forward_only: bool = field(default=False, metadata=flag(action="store_true", help="time the forward only (the "

@@ -33,6 +33,7 @@ import torch
 from fastweights.config import atomic_write_text, flag
 from fastweights.models import LM, LMConfig
 
+from ._shapes import Threads
 from .chunk_speed import _reset_peak_rss, _status_kib
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: the children import the package and the benchmarks from there
@@ -81,8 +82,8 @@ def child(args) -> dict:
 
 
 @dataclass
-class Config:
-    """The flags of ``python -m benchmarks.run grad_checkpointing``."""
+class Config(Threads):
+    """The flags of ``python -m benchmarks.run grad_checkpointing``: ``--threads`` (``_shapes.Threads``) and these."""
 
     batch: int = field(default=8, metadata=flag(type=int, help="default 8"))
     seq_len: int = field(default=512, metadata=flag(type=int, help="default 512"))
@@ -90,7 +91,6 @@ class Config:
     n_layers: int = field(default=8, metadata=flag(type=int, help="default 8"))
     n_heads: int = field(default=4, metadata=flag(type=int, help="default 4"))
     mixer: str = field(default="deltanet", metadata=flag(help='a mixer name, or a JSON list such as \'["deltanet", "softmax"]\''))
-    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
     device: str = field(default="cpu", metadata=flag(help="default cpu"))
     json: Optional[str] = field(default=None, metadata=flag(metavar="PATH", help="also write the rows and the shape here"))
     checkpointing: str = "off"  # not a flag: main() runs one child process with "off", one with "on"

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.config import atomic_write_text, flag
 
+from ._shapes import OpShape
+
 FORMS = {
     "recurrent": (ops.recurrent_kda, {}),
     "parallel": (ops.parallel_kda, {}),
@@ -93,16 +95,10 @@ def errors(device, T=256, strong=False):
 
 
 @dataclass
-class Config:
-    """The flags of ``python -m benchmarks.run kda_speed``."""
+class Config(OpShape):
+    """The flags of ``python -m benchmarks.run kda_speed``: the shared op shape (``_shapes.OpShape``)
+    and these."""
 
-    B: int = field(default=1, metadata=flag(type=int, help="default 1"))
-    T: int = field(default=2048, metadata=flag(type=int, help="default 2048"))
-    H: int = field(default=4, metadata=flag(type=int, help="default 4"))
-    K: int = field(default=64, metadata=flag(type=int, help="default 64"))
-    V: int = field(default=64, metadata=flag(type=int, help="default 64"))
-    threads: int = field(default=1, metadata=flag(type=int, help="default 1"))
-    repeats: int = field(default=3, metadata=flag(type=int, help="default 3"))
     device: str = field(default="cpu", metadata=flag(help="default cpu"))
     json: str = field(default="docs/results/kda_speed.json", metadata=flag(help="default docs/results/kda_speed.json"))
 

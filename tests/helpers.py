@@ -7,6 +7,7 @@ keyword arguments, so one test body covers every rule and form.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple
 
@@ -86,7 +87,24 @@ def make_inputs(
     return x
 
 
+def chunk_option(form: Callable, chunk_size: int) -> dict:
+    """``{"chunk_size": chunk_size}`` for a form that takes one (a chunk form), ``{}`` for the others
+    (the recurrent and parallel forms have no chunk length)."""
+    return {"chunk_size": chunk_size} if "chunk_size" in inspect.signature(form).parameters else {}
+
+
+def in_chunk_place(recurrent: Callable) -> Callable:
+    """``recurrent`` callable as a layer calls its chunk op: with a ``chunk_size``, which a recurrent
+    form has no use for (tests that swap a layer's chunk op for the recurrence)."""
+    def op(*args, chunk_size=None, **kwargs):
+        return recurrent(*args, **kwargs)
+    return op
+
+
 def call(form: Callable, rule: Rule, inputs: Dict[str, torch.Tensor], **kwargs):
+    """``form`` on ``inputs`` with the rule's options; a ``chunk_size`` goes to the forms that take one."""
+    if "chunk_size" in kwargs:
+        kwargs.update(chunk_option(form, kwargs.pop("chunk_size")))
     return form(**inputs, **rule.options, **kwargs)
 
 

@@ -21,6 +21,7 @@ run token by token: a layer never re-implements a recurrence), given by
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -28,8 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import check_int
-from ..ops import compute_dtype, resolve_chunk_size
+from ..ops import check_chunk_option, compute_dtype, resolve_chunk_size
 from .common import (
     FastWeightState, GatedRMSNorm, ShortConvolution, WindowInputs, cached_weights, check_context_parallel_input,
     check_layer_input, forward_with_mask, get_activation, window_conv_state,
@@ -103,7 +103,7 @@ class FastWeightMixer(nn.Module):
         self.d_model, self.n_heads = d_model, n_heads
         self.head_dim, self.value_head_dim, self.num_v_heads = key_dim, int(value_dim), value_heads
         self.key_width, self.value_width = n_heads * key_dim, value_heads * int(value_dim)  # H·K, HV·V
-        check_int(name, "chunk_size", chunk_size, none_ok=True, what="a positive int or None (chosen per key size)")
+        check_chunk_option(name, chunk_size)
         self.chunk_size = chunk_size
         self.activation = get_activation(activation, name)
         self.value_activation = get_activation(value_activation, name)
@@ -139,6 +139,11 @@ class FastWeightMixer(nn.Module):
         ``[S, H, K, V]``: row n reads and writes slot ``state_indices[n]`` in place (the op's pool
         form, :mod:`fastweights.ops.state_pool`), and the pool is returned."""
         raise NotImplementedError
+
+    def memory_op(self, recurrent: bool, recurrent_op, chunk_op):
+        """The op a :meth:`memory` call runs: ``recurrent_op`` (no chunks), or ``chunk_op`` with the
+        layer's ``chunk_size`` passed down as it is (None included: the ops' one resolver decides)."""
+        return recurrent_op if recurrent else functools.partial(chunk_op, chunk_size=self.chunk_size)
 
     def chunk_length(self, like: torch.Tensor) -> int:
         """C of this layer's chunk-op calls on tensors like ``like``: what the op runs for the layer's

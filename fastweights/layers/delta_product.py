@@ -81,10 +81,10 @@ class DeltaProduct(GatedDeltaNet):
                 chunk_gated_delta_product, q, ks.flatten(1, 2), vs.flatten(1, 2), g, betas.flatten(1, 2), self.num_householder, cp_group=cp_group,
                 cu_seqlens=cu_seqlens, chunk_size=self.chunk_length(q), qk_norm=self.qk_norm,
                 allow_neg_eigval=self.allow_neg_eigval)
-        op = recurrent_gated_delta_product if recurrent else chunk_gated_delta_product
+        op = self.memory_op(recurrent, recurrent_gated_delta_product, chunk_gated_delta_product)
         return op(q, ks.flatten(1, 2), vs.flatten(1, 2), g, betas.flatten(1, 2), self.num_householder,
                   initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                  chunk_size=self.chunk_size, qk_norm=self.qk_norm, allow_neg_eigval=self.allow_neg_eigval)
+                  qk_norm=self.qk_norm, allow_neg_eigval=self.allow_neg_eigval)
 
     def step_projections(self):
         return super().step_projections() + (() if self.ks_proj is None else ("ks_proj", "vs_proj"))

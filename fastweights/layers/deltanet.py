@@ -60,11 +60,11 @@ class DeltaNet(FastWeightMixer):
 
     def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None, cp_group=None):
         beta = write_strength(extra, self.allow_neg_eigval)  # [B, T, HV]: extra is b_proj(x)
-        op = recurrent_delta_rule if recurrent else chunk_delta_rule
+        op = self.memory_op(recurrent, recurrent_delta_rule, chunk_delta_rule)
         return op(
             q, k, v, beta, initial_state=initial_state, output_final_state=cp_group is None,
             **({} if cp_group is None else dict(cp_group=cp_group)),
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

@@ -57,11 +57,11 @@ class GatedDeltaNet(DeltaNet):
         b_logits, a = extra.split([hv, hv], dim=-1)
         beta = write_strength(b_logits, self.allow_neg_eigval)  # [B, T, HV]
         g = self.decay_from_projection(a)                       # [B, T, HV]
-        op = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+        op = self.memory_op(recurrent, recurrent_gated_delta_rule, chunk_gated_delta_rule)
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=cp_group is None,
             **({} if cp_group is None else dict(cp_group=cp_group)),
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

@@ -73,9 +73,9 @@ class GatedDeltaNet2(KimiDeltaAttention):
 
             return gdn2_context_parallel(chunk_gdn2, q, k, v, g, b, w, cp_group=cp_group, cu_seqlens=cu_seqlens,
                                          chunk_size=self.chunk_length(q), qk_norm=self.qk_norm)
-        op = recurrent_gdn2 if recurrent else chunk_gdn2
+        op = self.memory_op(recurrent, recurrent_gdn2, chunk_gdn2)
         return op(q, k, v, g, b, w, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
-                  max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm)
+                  max_seqlen=max_seqlen, qk_norm=self.qk_norm)
 
     def step_projections(self):
         return super().step_projections() + ("w_proj",)

@@ -71,10 +71,10 @@ class KimiDeltaAttention(DeltaNet):
         b_logits, f_a = extra.split([hv, self.head_dim], dim=-1)
         beta = write_strength(b_logits, self.allow_neg_eigval)  # [B, T, HV]
         g = self.decay_from_projection(f_a)                     # [B, T, HV, K]
-        op = recurrent_kda if recurrent else chunk_kda
+        op = self.memory_op(recurrent, recurrent_kda, chunk_kda)
         return op(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, chunk_size=self.chunk_size, qk_norm=self.qk_norm,
+            max_seqlen=max_seqlen, qk_norm=self.qk_norm,
             allow_neg_eigval=self.allow_neg_eigval,
         )
 

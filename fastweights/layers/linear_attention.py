@@ -52,11 +52,11 @@ class LinearAttention(FastWeightMixer):
         self.qk_norm, self.normalize = qk_norm, bool(normalize)
 
     def memory(self, q, k, v, extra, initial_state, cu_seqlens, recurrent, max_seqlen=None, cp_group=None):
-        op = recurrent_linear_attn if recurrent else chunk_linear_attn
+        op = self.memory_op(recurrent, recurrent_linear_attn, chunk_linear_attn)
         return op(
             q, k, v, initial_state=initial_state, output_final_state=cp_group is None, cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen, **({} if cp_group is None else dict(cp_group=cp_group)),
-            chunk_size=self.chunk_size, feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
+            feature_map=self.feature_map, qk_norm=self.qk_norm, normalize=self.normalize,
         )
 
     def memory_shape(self, n: int):

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import check_int
-from ..ops import chunk_dplr_delta_rule, compute_dtype, default_chunk_size, dplr_step
+from ..ops import check_chunk_option, chunk_dplr_delta_rule, compute_dtype, dplr_step
 from .base import pool_step_rows
 from .common import (
     FastWeightState, WindowInputs, check_layer_input, forward_with_mask, sequence_positions, window_conv_state,
@@ -164,7 +164,7 @@ class RWKV7Attention(nn.Module):
         if value_dim % n_heads:
             raise ValueError(f"{name}: `value_dim`={value_dim} must be divisible by the {n_heads} heads")
         check_int(name, "layer_idx", layer_idx, minimum=0, what="an int >= 0 (0: the first RWKV-7 layer)")
-        check_int(name, "chunk_size", chunk_size, none_ok=True, what="a positive int or None (chosen per key size)")
+        check_chunk_option(name, chunk_size)
         check_int(name, "num_hidden_layers", num_hidden_layers, none_ok=True)
         if mode not in ("chunk", "fused_recurrent"):
             raise ValueError(f"{name}: unknown `mode` {mode!r}; expected 'chunk' or 'fused_recurrent' (fla's kernel choice, ignored)")
@@ -305,10 +305,9 @@ class RWKV7Attention(nn.Module):
             return self.step(x, state, value_residual=value_residual)
         prev, last = token_shift(x, None if state is None else state.conv, cu_seqlens)
         r, w, k, v, a, b, g = self._inputs(x, prev, value_residual)
-        chunk = self.chunk_size if self.chunk_size is not None else default_chunk_size(self.head_dim, x.device)
-        o, memory = chunk_dplr_delta_rule(
+        o, memory = chunk_dplr_delta_rule(  # chunk_size as set (None: the op's one resolver decides)
             r, k, v, a, b, w, 1.0, initial_state=None if state is None else state.memory, output_final_state=True,
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=chunk,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, chunk_size=self.chunk_size,
         )
         return self._output(o, r, k, v, g), FastWeightState(memory, last)
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..config import Config, check_int, is_int
 from ..layers import MIXERS, RMSNorm
 from ..layers.common import align_rows, check_attention_mask, check_rope_theta, pack_rows, unalign_rows, unpack_rows
-from ..ops import check_cu_seqlens, checked_cu_seqlens_cpu
+from ..ops import check_chunk_option, check_cu_seqlens, checked_cu_seqlens_cpu
 from .window import CHUNK_FROM, Segment, WINDOW_WIDTH, cuttable, drop_kv_rows, padded_width, rolled_back, window_nbytes
 
 __all__ = ["LMConfig", "LM", "LMCache", "Block", "SwiGLU"]
@@ -116,12 +116,9 @@ class LMConfig(Config):
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "chunk_size",
-                     "num_householder"):
-            value = getattr(self, name)
-            if name == "chunk_size" and value is None:  # chosen per layer (key size, device)
-                continue
-            check_int("LMConfig", name, value)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "conv_size", "num_householder"):
+            check_int("LMConfig", name, getattr(self, name))
+        check_chunk_option("LMConfig", self.chunk_size)  # as every layer checks it; None is resolved per call
         for name in ("init_std", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \

@@ -24,7 +24,8 @@ diagonal-plus-low-rank     ``recurrent_/parallel_/chunk_``  ``[N, H, K, V]``
 delta rule (RWKV-7)        ``dplr_delta_rule``
 =========================  ==============================  ========================
 
-Every form of a rule takes the same arguments and returns the same thing; the
+Every form of a rule takes the same arguments and returns the same thing (only the
+``chunk_*`` form has ``chunk_size``, ``backend`` and its other options); the
 ``recurrent_*`` form is the reference that the others are tested against.
 
 One token at a time (decoding): ``delta_rule_step``, ``gated_delta_rule_step`` and
@@ -46,7 +47,7 @@ defaults differ from ours (docs/fla_compat.md: the gated and KDA ops, argument b
 
 from ._checks import check_cu_seqlens, checked_cu_seqlens_cpu, compute_dtype, finite_checks, value_checks
 from ._checks import check_op_inputs as check_inputs
-from ._chunk import default_chunk_size, resolve_chunk_size
+from ._chunk import check_chunk_option, default_chunk_size, resolve_chunk_size
 from ._frontend import packed_positions
 from ._fla_aliases import (
     fused_chunk_linear_attn, fused_recurrent_delta_rule, fused_recurrent_gated_delta_rule, fused_recurrent_linear_attn,
@@ -84,7 +85,7 @@ __all__ = [
     # one token (update + read), for decoding: the recurrent forms' step
     "delta_rule_step", "gated_delta_rule_step", "linear_attn_step",
     # what layers and models built on the ops share with them
-    "compute_dtype", "default_chunk_size", "resolve_chunk_size", "check_cu_seqlens", "checked_cu_seqlens_cpu", "packed_positions",
+    "compute_dtype", "default_chunk_size", "resolve_chunk_size", "check_chunk_option", "check_cu_seqlens", "checked_cu_seqlens_cpu", "packed_positions",
     # flash-linear-attention's names, with fla's signatures (ops/_fla_aliases.py)
     "fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",
     "fused_chunk_linear_attn", "fused_recurrent_kda", "fused_recurrent_gdn2",

@@ -360,7 +360,7 @@ def check_chunk_size(op: str, chunk_size) -> None:
 
 #: True while an op called with fla's ``state_v_first=True`` checks its arguments: the caller's
 #: ``initial_state`` is ``[N, H, V, K]``, transposed on the way in, so a wrong shape is quoted in
-#: the caller's layout (set by :func:`fastweights.ops._fla_compat.accepts_state_v_first`). Read
+#: the caller's layout (set by :func:`fastweights.ops._forms.accepts_state_v_first`). Read
 #: only on the way to an error, and neither set nor read under ``torch.compile``, which cannot trace it.
 STATE_V_FIRST = contextvars.ContextVar("fastweights_state_v_first", default=False)
 

@@ -31,6 +31,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..config import check_int
+
 
 def to_chunks(x: Optional[torch.Tensor], chunk_size: int) -> Optional[torch.Tensor]:
     """``[N, H, T, ...]`` -> ``[N, H, T/C, C, ...]``, zero-padding T up to a multiple of C.
@@ -85,6 +87,13 @@ def resolve_chunk_size(chunk_size: Optional[int], key_dim: Optional[int], device
     if chunk_size is None and key_dim is not None:
         chunk_size = LONG_CHUNK if backend == "triton" else default_chunk_size(key_dim, device)
     return chunk_size
+
+
+def check_chunk_option(owner: str, chunk_size) -> None:
+    """The check of a ``chunk_size`` a layer or a model config holds until a call: a positive int, or
+    None (left to :func:`resolve_chunk_size` at each call: the layers and :class:`LMConfig` pass it on
+    as it is)."""
+    check_int(owner, "chunk_size", chunk_size, none_ok=True, what="a positive int or None (chosen per key size)")
 
 
 def causal_mask(length: int, device, diagonal: int = 0) -> torch.Tensor:
@@ -179,6 +188,16 @@ def block_terms(
 # The fast path works on flattened chunks ``[N·H·NC, C, D]`` ("Bt" below) so that
 # every batched product is one ``bmm`` on contiguous memory.
 # --------------------------------------------------------------------------------------
+
+
+def with_initial_state(o: torch.Tensor, h: torch.Tensor, h0: Optional[torch.Tensor], q_decayed: torch.Tensor,
+                       seq_decay: Optional[torch.Tensor], scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A block's output and final state from a zero start (``o``, ``h``) plus what the initial state
+    ``h0`` adds (:func:`block_terms`' names): its read ``scale · (Q ⊙ e^b) h0`` and its decayed carry
+    ``e^{b_L} h0``. Without ``h0``, ``(o, h)`` as they are."""
+    if h0 is None:
+        return o, h
+    return o + scale * (q_decayed @ h0), h + (h0 if seq_decay is None else h0 * seq_decay[..., None, None])
 
 
 def backward_only(ctx, *tensors: Optional[torch.Tensor]) -> None:

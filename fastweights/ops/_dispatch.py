@@ -14,7 +14,7 @@ import torch
 
 from ._backend import BACKENDS, select_backend
 from ._chunk import resolve_chunk_size
-from ._spec import OpSpec
+from ._spec import Form, OpSpec
 
 __all__ = ["run", "choose_backend"]
 
@@ -51,13 +51,17 @@ def choose_backend(spec: OpSpec, backend: str, q, v, *, chunk_size, feature_map=
 
 def run(spec: OpSpec, q, k, v, *, backend: str = "auto", chunk_size=None, feature_map=None, cp_group=None, **kwargs):
     """Run ``spec``'s op on its chosen backend; returns what the op returns (``(o, h_T or None)``,
-    with a third item when intermediate states are asked for).
+    with a third item when intermediate states are asked for). ``chunk_size`` belongs to the chunk
+    forms only (resolved here, :func:`~._chunk.resolve_chunk_size`); the other forms have none.
 
     ``kwargs`` are :func:`~._frontend.run_op`'s arguments; the Triton front end takes those of
     them it runs (it packs varlen batches natively and refuses the serving options).
     """
-    shaped = isinstance(q, torch.Tensor) and q.dim() == 4
-    chunk_size = resolve_chunk_size(chunk_size, q.shape[-1] if shaped else None, q.device if shaped else None, backend)
+    if spec.form is Form.CHUNK:
+        shaped = isinstance(q, torch.Tensor) and q.dim() == 4
+        chunk_size = resolve_chunk_size(chunk_size, q.shape[-1] if shaped else None, q.device if shaped else None, backend)
+    elif chunk_size is not None:
+        raise TypeError(f"{spec.name}: only a chunk form takes `chunk_size`, got {chunk_size!r}")
     pytorch_only = cp_group is not None or any(kwargs.get(name) is not None and kwargs.get(name) is not False
                                                for name in SERVING_OPTIONS)
     if pytorch_only and backend == "triton":
@@ -67,7 +71,7 @@ def run(spec: OpSpec, q, k, v, *, backend: str = "auto", chunk_size=None, featur
     choice = choose_backend(spec, backend, q, v, chunk_size=chunk_size, feature_map=feature_map,
                             pytorch_only=pytorch_only)
     if choice == "triton":
-        from ._frontend import autocast_off
+        from .precision import autocast_off
         from .triton.chunk import chunk_op_triton
 
         triton_kwargs = {name: kwargs[name] for name in ("beta", "g", "scale", "initial_state", "output_final_state",

@@ -18,7 +18,7 @@ from ._checks import state_dtype
 from ._fla_compat import refuse_or_ignore
 from .delta_rule import recurrent_delta_rule
 from .gated_delta_rule import recurrent_gated_delta_rule
-from .kda.recurrent import recurrent_kda_as
+from .kda.api import recurrent_kda_as
 from .linear_attn import chunk_linear_attn, recurrent_linear_attn
 
 __all__ = ["fused_recurrent_delta_rule", "fused_recurrent_gated_delta_rule", "fused_recurrent_linear_attn",

@@ -2,8 +2,10 @@
 
 Code written for fla, and ``transformers`` models that call fla's gated ops, should
 run on :mod:`fastweights.ops` unchanged. This module is the one place that turns
-fla's options into our plain ``(q, k, v, beta, g, initial_state)`` arguments; the
-public ops call :func:`fla_inputs` first and then run as usual.
+fla's options into our plain ``(q, k, v, beta, g, initial_state)`` arguments: the delta
+and gated ops' public functions (``ops/<rule>/api.py``) call :func:`run_fla`, which maps them
+(:func:`fla_inputs`) and hands the op to the dispatcher; the other families' fla modules call
+:func:`fla_inputs` in their own mapping.
 
 Accepted (same meaning as in fla):
 
@@ -69,7 +71,6 @@ q/k feature map, ``qk_norm``           none                   ``feature_map``, `
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import sys
 import warnings
@@ -78,9 +79,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._checks import STATE_V_FIRST, state_dtype
+from ._checks import state_dtype
+from ._dispatch import run
+from ._spec import OpSpec
 
-__all__ = ["PASS_THROUGH", "accepts_state_v_first", "fla_inputs"]
+__all__ = ["PASS_THROUGH", "fla_inputs", "run_fla"]
 
 # Keyword arguments that callers (transformers' models, fla's layers) pass through the
 # ops and that cannot change an op's result: ignored without a word.
@@ -232,27 +235,29 @@ def fla_inputs(
     return q, k, beta, g, initial_state, cu_seqlens
 
 
-def accepts_state_v_first(op):
-    """Decorator for the gated ops: fla's ``state_v_first`` (or ``transpose_state_layout``)
-    = True means the caller's states are ``[N, HV, V, K]``; transpose the initial state in
-    and the final state out, so the op itself only sees our ``[N, HV, K, V]``."""
-
-    @functools.wraps(op)
-    def wrapper(*args, **kwargs):
-        v_first = bool(kwargs.pop("state_v_first", False)) | bool(kwargs.pop("transpose_state_layout", False))
-        if not v_first:
-            return op(*args, **kwargs)
-        bound = inspect.signature(op).bind_partial(*args, **kwargs)
-        h0 = bound.arguments.get("initial_state")
-        if isinstance(h0, torch.Tensor) and h0.dim() == 4:
-            bound.arguments["initial_state"] = h0.transpose(-1, -2)
-        # the checks quote a wrong initial_state in the caller's [N, HV, V, K] (not traceable: eager only)
-        token = None if torch.compiler.is_compiling() else STATE_V_FIRST.set(True)
-        try:
-            o, h, *states = op(*bound.args, **bound.kwargs)
-        finally:
-            if token is not None:
-                STATE_V_FIRST.reset(token)
-        return (o, None if h is None else h.transpose(-1, -2), *(x.transpose(-1, -2) for x in states))
-
-    return wrapper
+def run_fla(
+    spec: OpSpec, q, k, v, beta, g, initial_state, cu_seqlens, *,
+    gated: bool,
+    qk_norm: Optional[str] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    extra: Optional[dict] = None,
+    **options,
+):
+    """The body of the delta rule's and the gated delta rule's public ops: fla's options to plain
+    inputs (:func:`fla_inputs`; ``extra`` is the op's ``**extra``), then the dispatcher
+    (:func:`~fastweights.ops._dispatch.run`) with ``spec``, β required (and g for the gated ops) and
+    ``options`` (``chunk_size``, ``backend``, ``feature_map``, the serving options, ...) as they are."""
+    q, k, beta, g, initial_state, cu_seqlens = fla_inputs(
+        spec.name, q, k, v, beta, g, initial_state, cu_seqlens, gated=gated,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
+    )
+    return run(spec, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+               cu_seqlens_cpu=cu_seqlens_cpu, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
+               requires_beta=True, requires_g=gated, allow_neg_eigval=allow_neg_eigval, **options)

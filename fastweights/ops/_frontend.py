@@ -9,8 +9,9 @@ layout ``[N, H, T, D]`` that the solvers use; call the form's solver; and undo
 all of that on the way out.
 
 A solver ("core") has the signature
-``core(q, k, v, beta, g, h0, scale, chunk_size) -> (o, h_T)`` on head-first
-compute-dtype tensors, with ``beta``/``g``/``h0`` possibly ``None``. That keeps
+``core(q, k, v, beta, g, h0, scale) -> (o, h_T)`` on head-first compute-dtype tensors,
+with ``beta``/``g``/``h0`` possibly ``None``; a chunk form's solver also takes the keyword
+``chunk_size``. That keeps
 each form's file down to its algorithm.
 
 What the op is comes from its :class:`~._spec.OpSpec` (the dispatcher, ``_dispatch.run``,
@@ -36,44 +37,17 @@ with ``cu_seqlens`` (:class:`Packing`), so a compiled op has no graph break.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from ..config import check_int
-from ._checks import check_inputs, check_score_memory, compute_dtype, effective_chunk_size, resolve_scale, state_dtype
+from ._checks import NO_CHUNKS, check_inputs, check_score_memory, compute_dtype, effective_chunk_size, resolve_scale, state_dtype
 from ._backend import backward_can_follow
 from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map, normalize_qk
 from ._spec import Form, OpSpec, Rule
-from .precision import product_dtype
+from .precision import autocast_off, check_autocast, product_dtype
 from .step import divide_by_normalizer, normalizer_column
-
-
-def autocast_off(device: torch.device):
-    """A context in which ``torch.autocast`` does not apply on ``device`` (a no-op where it never does).
-
-    The equivalent of ``torch.amp.custom_fwd(cast_inputs=...)`` for any device type,
-    usable inside ``torch.compile`` and inside custom ops' implementations (which a
-    compiled graph may call while the user's autocast region is active).
-    """
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def check_autocast(op: str, device: torch.device, **tensors: Optional[torch.Tensor]) -> None:
-    """Refuse float64 tensors inside an active ``torch.autocast`` region on ``device``."""
-    if not torch.amp.is_autocast_available(device.type) or not torch.is_autocast_enabled(device.type):
-        return
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
-            raise TypeError(
-                f"{op}: `{name}` is float64 inside torch.autocast(device_type={device.type!r}, "
-                f"dtype={torch.get_autocast_dtype(device.type)}); expected float32, bfloat16 or float16 there. "
-                f"Autocast never lowers float64, so this is a float64 computation inside a mixed-precision "
-                f"region: run it outside autocast, or cast `{name}` to float32."
-            )
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +115,7 @@ def check_op_args(
     g=None,
     initial_state=None,
     cu_seqlens=None,
-    chunk_size: int,
+    chunk_size=NO_CHUNKS,
     scale=None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
@@ -157,6 +131,7 @@ def check_op_args(
     gk_name: str = "gk",
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
+    ``chunk_size`` is checked in a chunk form only (the others leave it at ``NO_CHUNKS``).
 
     Shared by :func:`run_op` and the Triton front end, so both refuse the same
     inputs with the same messages.
@@ -194,7 +169,7 @@ def run_op(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    chunk_size: int,
+    chunk_size: Optional[int] = None,
     feature_map: FeatureMapLike = None,
     qk_norm: Optional[str] = None,
     normalize: bool = False,
@@ -218,8 +193,8 @@ def run_op(
     or ``(o, h_T or None, states)`` when intermediate states are asked for.
 
     ``spec`` is the op (:class:`~._spec.OpSpec`), ``backend`` the dispatcher's choice (``"torch"``:
-    ``spec.torch``, ``"cpu"``: ``spec.cpu``), ``chunk_size`` already resolved
-    (:func:`~._chunk.resolve_chunk_size`, in the dispatcher).
+    ``spec.torch``, ``"cpu"``: ``spec.cpu``), ``chunk_size`` already resolved for a chunk form
+    (:func:`~._chunk.resolve_chunk_size`, in the dispatcher) and None for the others.
 
     Per-channel decays (the KDA ops): ``gk [B, T, H, K]`` goes to the core in ``g``'s slot
     (``g`` must then be None) and ``gv [B, T, H, V]``, when given, as the keyword ``gv``.
@@ -282,6 +257,10 @@ def intermediate_every(op: str, chunk_size: Optional[int], return_intermediate_s
     if cp_group is not None:
         raise ValueError(f"{op}: intermediate states are not returned with `cp_group` (context parallelism)")
     if return_intermediate_states:
+        if not chunked:
+            raise ValueError(f"{op}: `return_intermediate_states` (the state entering every chunk) is an option of "
+                             f"the chunk form; this form has no chunks: use `state_block_size` (the state after every "
+                             f"block of tokens)")
         return int(chunk_size), True
     check_int(op, "state_block_size", state_block_size)
     if chunked and state_block_size % chunk_size:
@@ -305,8 +284,8 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
 
     def check(seq_len=None):
         return check_op_args(
-            op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-            scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
+            op, q, k, v, beta=beta, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size if spec.form is Form.CHUNK else NO_CHUNKS, scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
             requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
             cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len, gk=gk, gv=gv, gk_name=gk_name,
         )
@@ -393,15 +372,16 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
     def solve_padded(q, k, v, beta, g, h0, gv, extra):
         """The form's solver on padded compute-dtype ``[N, T, H, ·]`` tensors -> ``(o [N, T, H, V], h_T)``."""
         n, t_len, heads = q.shape[0], q.shape[1], q.shape[2]
-        size = chunk_size
+        chunked = {}
         if spec.form is Form.CHUNK:
             size = effective_chunk_size(chunk_size, t_len)
+            chunked = {"chunk_size": size}
             if check_memory:
                 check_score_memory(op, n, heads, -(-t_len // size) * size, size, dt, q.device,
                                    f"the [C, C] chunk matrices at T={t_len}, C={size}")
         elif spec.form is Form.PARALLEL and check_memory:
             check_score_memory(op, n, heads, t_len, t_len, dt, q.device, f"the [T, T] score matrices at T={t_len}")
-        o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, size,
+        o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, **chunked,
                       **({} if gv is None else {"gv": head_first(gv)}),
                       **{name: head_first(t) for name, t in extra.items()},
                       **({} if low is None else {"low": low}))

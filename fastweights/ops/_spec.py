@@ -7,8 +7,9 @@ Triton kernels run it, whether its solver takes bf16 product operands, whether i
 bf16 inputs, whether it has a single backward only, and its one-token step. The public function
 passes its spec to :func:`fastweights.ops._dispatch.run`; the name is only for messages.
 
-A solver has the signature ``solver(q, k, v, beta, g, h0, scale, chunk_size, **tensors) -> (o, h_T)``
-on head-first compute-dtype tensors (``fastweights/ops/_frontend.py``).
+A solver has the signature ``solver(q, k, v, beta, g, h0, scale, **tensors) -> (o, h_T)`` on
+head-first compute-dtype tensors (``fastweights/ops/_frontend.py``); a chunk form's solver also takes
+``chunk_size`` (by keyword), and only a chunk form's.
 """
 
 from __future__ import annotations

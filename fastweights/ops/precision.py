@@ -70,3 +70,32 @@ def product_dtype(input_dtype: torch.dtype) -> Optional[torch.dtype]:
     if input_dtype == torch.bfloat16 and bf16_products_enabled():
         return torch.bfloat16
     return None
+
+
+# -- torch.autocast: the ops compute in fp32 whatever autocast would do (docs/design.md, section 6) --
+
+
+def autocast_off(device: torch.device):
+    """A context in which ``torch.autocast`` does not apply on ``device`` (a no-op where it never does).
+
+    The equivalent of ``torch.amp.custom_fwd(cast_inputs=...)`` for any device type,
+    usable inside ``torch.compile`` and inside custom ops' implementations (which a
+    compiled graph may call while the user's autocast region is active).
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def check_autocast(op: str, device: torch.device, **tensors: Optional[torch.Tensor]) -> None:
+    """Refuse float64 tensors inside an active ``torch.autocast`` region on ``device``."""
+    if not torch.amp.is_autocast_available(device.type) or not torch.is_autocast_enabled(device.type):
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            raise TypeError(
+                f"{op}: `{name}` is float64 inside torch.autocast(device_type={device.type!r}, "
+                f"dtype={torch.get_autocast_dtype(device.type)}); expected float32, bfloat16 or float16 there. "
+                f"Autocast never lowers float64, so this is a float64 computation inside a mixed-precision "
+                f"region: run it outside autocast, or cast `{name}` to float32."
+            )

@@ -359,6 +359,19 @@ def kda_update(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torc
     return o.view(shape[:-2] + (dv,)), h.view(shape)
 
 
+def scan_tokens(step, h: torch.Tensor, scale: float, *per_token: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The loop of every recurrent form: ``o_t, h = step(x_1[:, :, t], ..., x_n[:, :, t], h, scale)`` for
+    each token t of the head-first ``per_token`` tensors ``[N, H, T, ·]`` (a None stays None), from the
+    state ``h [N, H, K, V]``; returns ``(o [N, H, T, V], h_T)``. The third tensor is v (T = 0: o is
+    its zeros with the state's V)."""
+    outputs = []
+    for t in range(per_token[0].shape[2]):
+        o_t, h = step(*(None if x is None else x[:, :, t] for x in per_token), h, scale)
+        outputs.append(o_t)
+    v = per_token[2]
+    return (torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape[:3] + h.shape[-1:])), h
+
+
 def normalizer_column(v: torch.Tensor) -> torch.Tensor:
     """``v [..., V]`` -> ``[..., V + 1]`` with a last column of ones: the normalizer
     z_t = α_t z_{t−1} + φ(k_t) is the state written with value 1, carried as h's last column."""

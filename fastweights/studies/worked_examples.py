@@ -115,7 +115,8 @@ def fast_weight_examples() -> List[WorkedExample]:
     # three tokens, recurrent and parallel forms both give o₃ = (4, 5).
     keys, values = [(1, 0), (0, 1), (1, 1)], [(2, 0), (0, 3), (1, 1)]
     for form in (ops.recurrent_linear_attn, ops.parallel_linear_attn, ops.chunk_linear_attn):
-        o, _ = form(_seq([(0, 0), (0, 0), (1, 1)]), _seq(keys), _seq(values), scale=1.0, chunk_size=2)
+        chunks = {"chunk_size": 2} if form is ops.chunk_linear_attn else {}  # only the chunk form has a chunk length
+        o, _ = form(_seq([(0, 0), (0, 0), (1, 1)]), _seq(keys), _seq(values), scale=1.0, **chunks)
         out.append(WorkedExample("§2 forms", f"o₃ = (4, 5) via {form.__name__}", o[0, 2, 0], t([4, 5])))
 
     # two orthogonal keys, exact recall and the 50/50 blend.

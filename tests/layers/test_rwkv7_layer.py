@@ -15,7 +15,7 @@ from fastweights import ops
 from fastweights.layers import MIXERS, FastWeightState, RWKV7Attention
 from fastweights.models import LM, LMConfig
 
-from helpers import assert_close, assert_decode_matches_forward
+from helpers import in_chunk_place, assert_close, assert_decode_matches_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +45,7 @@ def test_chunk_prefill_equals_the_recurrent_form_and_decoding_continues_it(monke
     x = torch.randn(2, 21, 24, dtype=torch.float64)
     ys, states = run(layers, x)
     with monkeypatch.context() as patch:  # the same layers on the recurrent op
-        patch.setattr("fastweights.layers.rwkv7.chunk_dplr_delta_rule", ops.recurrent_dplr_delta_rule)
+        patch.setattr("fastweights.layers.rwkv7.chunk_dplr_delta_rule", in_chunk_place(ops.recurrent_dplr_delta_rule))
         ys_ref, states_ref = run(layers, x)
     for i in range(2):
         assert_close(f"layer {i} chunk vs recurrent", ys[i], ys_ref[i], 1e-12)

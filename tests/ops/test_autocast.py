@@ -29,7 +29,7 @@ from fastweights import layers, ops
 from fastweights.models import LM, LMConfig
 from fastweights.ops._frontend import autocast_off
 
-from helpers import RULES, rel_err
+from helpers import in_chunk_place, RULES, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
@@ -148,10 +148,10 @@ def _recurrent_softmax(q, k, v, **kwargs):
 
 
 RECURRENT_FORMS = {  # module attribute -> the recurrent form that replaces the fast op there
-    ("fastweights.layers.deltanet", "chunk_delta_rule"): ops.recurrent_delta_rule,
-    ("fastweights.layers.gated_deltanet", "chunk_gated_delta_rule"): ops.recurrent_gated_delta_rule,
-    ("fastweights.layers.kda", "chunk_kda"): ops.recurrent_kda,
-    ("fastweights.layers.linear_attention", "chunk_linear_attn"): ops.recurrent_linear_attn,
+    ("fastweights.layers.deltanet", "chunk_delta_rule"): in_chunk_place(ops.recurrent_delta_rule),
+    ("fastweights.layers.gated_deltanet", "chunk_gated_delta_rule"): in_chunk_place(ops.recurrent_gated_delta_rule),
+    ("fastweights.layers.kda", "chunk_kda"): in_chunk_place(ops.recurrent_kda),
+    ("fastweights.layers.linear_attention", "chunk_linear_attn"): in_chunk_place(ops.recurrent_linear_attn),
     ("fastweights.layers.softmax_attention", "softmax_attn"): _recurrent_softmax,
 }
 

@@ -16,7 +16,7 @@ import torch
 from helpers import RULES, assert_close, call, make_inputs, saved_by_function
 from fastweights import ops
 from fastweights.ops.delta_rule.chunk import delta_rule_chunk
-from fastweights.ops.delta_rule.textbook import textbook_chunk_delta_rule
+from fastweights.ops.delta_rule.api import textbook_chunk_delta_rule
 from fastweights.ops.linear_attn.chunk import linear_attn_chunk
 
 

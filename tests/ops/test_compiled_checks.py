@@ -11,6 +11,7 @@ import torch
 import torch._dynamo
 
 import fastweights.ops as ops
+from helpers import chunk_option
 
 B, T, H, K = 2, 9, 2, 4
 
@@ -47,7 +48,8 @@ BAD = {  # (argument, how to spoil it, what the message says)
 
 def _call(op_name, x, **kw):
     args = [x[n] for n in OPS[op_name]]
-    return getattr(ops, op_name)(*args, chunk_size=4, **kw)
+    op = getattr(ops, op_name)
+    return op(*args, **chunk_option(op, 4), **kw)
 
 
 @pytest.mark.parametrize("op_name", [  # the gated ops take every checked argument; the others in the slow run

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from fastweights import ops
 
-from helpers import assert_all_close, forward_backward, assert_close, rel_err
+from helpers import assert_all_close, chunk_option, forward_backward, assert_close, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,7 +76,7 @@ def test_recurrence_equals_the_plain_loop(n_h):
 def test_one_householder_step_is_the_gated_delta_rule_and_no_g_no_decay():
     x = dp_inputs(2, 20, 2, 6, 4, 1, neg=False)
     for fn in (ops.recurrent_gated_delta_product, ops.chunk_gated_delta_product):
-        o, h = fn(**x, num_householder=1, output_final_state=True, chunk_size=8)
+        o, h = fn(**x, num_householder=1, output_final_state=True, **chunk_option(fn, 8))
         o_ref, h_ref = ops.recurrent_gated_delta_rule(**x, output_final_state=True)
         assert_close(f"{fn.__name__} n_h=1 vs gated delta rule o", o, o_ref, 1e-13)
         assert_close(f"{fn.__name__} n_h=1 vs gated delta rule h_T", h, h_ref, 1e-13)
@@ -237,7 +237,7 @@ def test_bf16_within_2x_of_the_recurrent_form(fn):
     xb = {n: t.to(torch.bfloat16) for n, t in x.items()}
     truth = run(ops.recurrent_gated_delta_product, {n: t.double() for n, t in xb.items()}, 2)
     base = run(ops.recurrent_gated_delta_product, xb, 2)
-    got = run(fn, xb, 2, dict(chunk_size=16))
+    got = run(fn, xb, 2, chunk_option(fn, 16))
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
     pairs = [("o", got[0], base[0], truth[0], 2), ("h_T", got[1], base[1], truth[1], 2)]
     pairs += [(f"d{n}", got[2][n], base[2][n], truth[2][n], 3) for n in truth[2]]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fastweights import ops
 
-from helpers import assert_all_close, forward_backward, assert_close, rel_err
+from helpers import assert_all_close, chunk_option, forward_backward, assert_close, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -207,7 +207,7 @@ def test_bf16_within_2x_of_the_recurrent_form(fn):
     xb = {n: t.to(torch.bfloat16) for n, t in x.items()}
     truth = run(ops.recurrent_dplr_delta_rule, {n: t.double() for n, t in xb.items()})
     base = run(ops.recurrent_dplr_delta_rule, xb)
-    got = run(fn, xb, dict(chunk_size=32))
+    got = run(fn, xb, chunk_option(fn, 32))
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
     pairs = [("o", got[0], base[0], truth[0], 2), ("h_T", got[1], base[1], truth[1], 2)]
     pairs += [(f"d{n}", got[2][n], base[2][n], truth[2][n], 3) for n in truth[2]]

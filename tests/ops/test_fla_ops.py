@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from fastweights import ops
 from fastweights.ops import _fla_compat
+from helpers import chunk_option
 
 pytest.importorskip("transformers", reason="transformers not installed (its l2norm is one of the oracles)")
 fla_gdr_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive", reason="flash-linear-attention not installed (test-only oracle)")
@@ -77,7 +78,7 @@ def test_gated_all_fla_options_match_naive(form):
     o, h = form(
         x["q"], x["k"], x["v"], x["a"], x["b"], initial_state=x["h0"], output_final_state=True,
         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-        A_log=x["A_log"], dt_bias=x["dt_bias"], chunk_size=16,
+        A_log=x["A_log"], dt_bias=x["dt_bias"], **chunk_option(form, 16),
     )
     g = naive_gdn_gate(x["a"], x["A_log"], x["dt_bias"])
     o_ref, h_ref = fla_gated_naive(
@@ -94,7 +95,7 @@ def test_allow_neg_eigval_doubles_the_sigmoid(form):
     x = inputs(seed=1, HV=2)
     o, _ = form(
         x["q"], x["k"], x["v"], x["a"] * 0 - 0.1, x["b"], use_qk_l2norm_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, chunk_size=16,
+        use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, **chunk_option(form, 16),
     )
     o_ref, _ = fla_gated_naive(
         fla_l2norm(x["q"].float()), fla_l2norm(x["k"].float()), x["v"].float(),
@@ -104,7 +105,7 @@ def test_allow_neg_eigval_doubles_the_sigmoid(form):
     # Without the sigmoid, β ∈ [0, 2] is taken as given (fla raises here; see _fla_compat).
     beta2 = 2 * torch.sigmoid(x["b"])
     o2, _ = form(x["q"], x["k"], x["v"], x["a"] * 0 - 0.1, beta2, use_qk_l2norm_in_kernel=True,
-                 allow_neg_eigval=True, chunk_size=16)
+                 allow_neg_eigval=True, **chunk_option(form, 16))
     report(f"{form.__name__} allow_neg_eigval, beta given", max_err(o2, o_ref))
 
 
@@ -112,7 +113,7 @@ def test_allow_neg_eigval_doubles_the_sigmoid(form):
 def test_gated_beta_none_and_g_none_are_fla_defaults(form):
     x = inputs(seed=2, HV=2)
     q, k = fla_l2norm(x["q"]), fla_l2norm(x["k"])
-    o, _ = form(q, k, x["v"], None, None, chunk_size=16)
+    o, _ = form(q, k, x["v"], None, None, **chunk_option(form, 16))
     ones, zeros = torch.ones_like(x["b"]).float(), torch.zeros_like(x["a"]).float()
     o_ref, _ = fla_gated_naive(q.float(), k.float(), x["v"].float(), ones, zeros)
     report(f"{form.__name__} beta=None, g=None", max_err(o, o_ref))
@@ -126,7 +127,7 @@ def test_low_precision_initial_state_is_cast_up(form, dtype):
     g = -F.softplus(x["a"]).float()
     beta = torch.sigmoid(x["b"]).float()
     h0 = x["h0"].to(dtype)
-    o, h = form(q, k, x["v"].float(), g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    o, h = form(q, k, x["v"].float(), g, beta, initial_state=h0, output_final_state=True, **chunk_option(form, 16))
     assert h.dtype == torch.float32
     o_ref, h_ref = fla_gated_naive(q, k, x["v"].float(), beta, g, initial_state=h0.float(), output_final_state=True)
     report(f"{form.__name__} {dtype} initial_state", max(max_err(o, o_ref), max_err(h, h_ref)))
@@ -139,7 +140,7 @@ def test_cu_seqlens_cpu_alone_packs_the_sequences(form):
     q, k = fla_l2norm(x["q"]), fla_l2norm(x["k"])
     g, beta = -F.softplus(x["a"]), torch.sigmoid(x["b"])
     bounds = [0, 9, 30, 41]
-    o, h = form(q, k, x["v"], g, beta, output_final_state=True, chunk_size=16,
+    o, h = form(q, k, x["v"], g, beta, output_final_state=True, **chunk_option(form, 16),
                 cu_seqlens_cpu=torch.tensor(bounds))
     worst = 0.0
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -159,7 +160,7 @@ def test_gradients_through_fla_options(form):
     do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     o, h = form(ours["q"], ours["k"], ours["v"], ours["a"], ours["b"], initial_state=ours["h0"],
                 output_final_state=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                use_gate_in_kernel=True, A_log=ours["A_log"], dt_bias=ours["dt_bias"], chunk_size=8)
+                use_gate_in_kernel=True, A_log=ours["A_log"], dt_bias=ours["dt_bias"], **chunk_option(form, 8))
     ((o * do).sum() + h.sum()).backward()
     o_ref, h_ref = fla_gated_naive(
         expand(fla_l2norm(ref["q"]), 2), expand(fla_l2norm(ref["k"]), 2), ref["v"], torch.sigmoid(ref["b"]),
@@ -179,7 +180,7 @@ def test_delta_rule_options_match_naive(form):
     beta = torch.sigmoid(x["b"])
     for b in (beta, None):
         o, h = form(q.float(), k.float(), v.float(), b if b is None else b.float(), initial_state=h0,
-                    output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
+                    output_final_state=True, use_qk_l2norm_in_kernel=True, **chunk_option(form, 16))
         head_first = lambda t: t.float().transpose(1, 2)
         o_ref, h_ref = fla_delta_naive(
             head_first(fla_l2norm(q)), head_first(fla_l2norm(k)), head_first(v),
@@ -270,7 +271,7 @@ def test_state_v_first_transposes_the_states(form):
     q, k = fla_l2norm(x["q"]), fla_l2norm(x["k"])
     g, beta = -F.softplus(x["a"]), torch.sigmoid(x["b"])
     o, h = form(q, k, x["v"], g, beta, initial_state=x["h0"].transpose(-1, -2).contiguous(),
-                output_final_state=True, state_v_first=True, chunk_size=16)
+                output_final_state=True, state_v_first=True, **chunk_option(form, 16))
     o_ref, h_ref = fla_gated_naive(*(t.float() for t in (q, k, x["v"], beta, g)), initial_state=x["h0"].float(),
                                    output_final_state=True)
     assert h.shape == x["h0"].transpose(-1, -2).shape

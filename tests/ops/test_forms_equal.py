@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastweights import ops
-from helpers import RULES, assert_close, call, make_inputs
+from helpers import RULES, assert_close, call, chunk_option, make_inputs
 
 TOL = 1e-10
 
@@ -94,7 +94,7 @@ def test_feature_maps_and_norms_keep_forms_equal(form, name, qk_norm, normalize)
     x = make_inputs(rule, 2, 45, 2, 12, 7, seed=4)
     kwargs = dict(feature_map=FEATURE_MAPS[name], qk_norm=qk_norm, normalize=normalize, output_final_state=True)
     o_ref, h_ref = ops.recurrent_linear_attn(**x, **kwargs)
-    o, h = form(**x, **kwargs, chunk_size=16)
+    o, h = form(**x, **kwargs, **chunk_option(form, 16))
     assert torch.isfinite(o_ref).all()
     assert_close("output", o, o_ref, TOL)
     assert_close("final state", h, h_ref, TOL)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastweights import ops
+from helpers import chunk_option
 
 FAST_CASES, LONG_CASES = 300, 3000
 FORMS = {
@@ -122,9 +123,11 @@ def build(case):
         kwargs["initial_state"] = kwargs["initial_state"].float()
     if case["cu_seqlens"] is not None:
         kwargs["cu_seqlens"] = torch.tensor(case["cu_seqlens"])
-    kwargs.update(scale=case["scale"], chunk_size=case["chunk_size"], output_final_state=True)
+    kwargs.update(scale=case["scale"], output_final_state=True, **chunk_option(case["form"], case["chunk_size"]))
 
     fault, error = case["fault"], None
+    if fault in ("chunk-none", "chunk-zero", "chunk-float") and "chunk_size" not in kwargs:
+        fault = None  # the recurrent and parallel forms have no chunk length to spoil
     if fault == "chunk-none":
         kwargs["chunk_size"] = None  # valid: the chunk-length policy (default_chunk_size) decides
     elif fault == "chunk-zero":

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fastweights import ops
 
-from helpers import assert_all_close, assert_close, forward_backward, rel_err
+from helpers import assert_all_close, assert_close, chunk_option, forward_backward, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,7 +191,7 @@ def test_fla_options_gate_norm_grouped_heads_and_state_layout():
     o_ref, h_ref = loop_gdn2(l2(q), l2(k), v, gate, b, w, h0.transpose(-1, -2))
     for fn in (ops.recurrent_gdn2, ops.parallel_gdn2, ops.chunk_gdn2):
         o, h = fn(q, k, v, raw, b, w, None, h0, True, True, True, A_log=A_log, dt_bias=dt_bias, state_v_first=True,
-                  chunk_size=8, safe_gate=True, disable_recompute=True)
+                  **chunk_option(fn, 8), safe_gate=True, disable_recompute=True)
         assert_close(f"{fn.__name__} fla options o", o, o_ref, 1e-12)
         assert_close(f"{fn.__name__} fla options h_T [N, HV, V, K]", h.transpose(-1, -2), h_ref, 1e-12)
     o, h = ops.fused_recurrent_gdn2(q, k, v, raw, b, w, A_log, dt_bias, None, h0, True, True, True, None, True)
@@ -240,7 +240,7 @@ def test_bf16_within_2x_of_the_recurrent_form(fn):
     xb = {n: t.to(torch.bfloat16) for n, t in x.items()}
     truth = run(ops.recurrent_gdn2, {n: t.double() for n, t in xb.items()})
     base = run(ops.recurrent_gdn2, xb)
-    got = run(fn, xb, dict(chunk_size=32))
+    got = run(fn, xb, chunk_option(fn, 32))
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
     pairs = [("o", got[0], base[0], truth[0], 2), ("h_T", got[1], base[1], truth[1], 2)]
     pairs += [(f"d{n}", got[2][n], base[2][n], truth[2][n], 3) for n in truth[2]]

@@ -361,3 +361,190 @@ def test_backend_torch_steps_run_no_compiled_kernel(kernel_calls):
 def test_a_backend_an_op_cannot_run_is_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):
         call(torch.randn(1, 4, 1, 8))
+
+
+# -- one way down: the public functions in api.py, the forms' modules below them -----------------------
+
+
+FAMILIES = ("delta_rule", "gated_delta_rule", "linear_attn", "kda", "gdn2", "delta_product", "dplr")
+FORM_MODULES = ("recurrent", "parallel", "chunk", "textbook")
+#: fla's names of a form, kept in alias modules with fla's signatures (not in api.py)
+FLA_ALIAS_MODULES = {"fastweights.ops._fla_aliases", "fastweights.ops.dplr.fla_aliases"}
+
+
+def _public_forms():
+    """The public op functions of ``fastweights.ops`` (the forms, their fla names): ``[(name, function)]``."""
+    return [(n, getattr(ops, n)) for n in ops.__all__
+            if n.startswith(("recurrent_", "parallel_", "chunk_", "fused_recurrent_", "fused_chunk_"))
+            and inspect.isfunction(getattr(ops, n))]
+
+
+def test_every_public_form_lives_in_its_familys_api_module():
+    forms = _public_forms()
+    assert len(forms) >= 28
+    where = {name: fn.__module__ for name, fn in forms}
+    print(where)
+    for name, module in where.items():
+        family = module.split(".")[2] if module.count(".") >= 3 else None
+        assert module in FLA_ALIAS_MODULES or (family in FAMILIES and module == f"fastweights.ops.{family}.api"), (name, module)
+    assert sum(m.endswith(".api") for m in where.values()) >= 21
+
+
+def form_module_problems(tree: ast.Module, public: set) -> list:
+    """What a forms' module (recurrent.py, parallel.py, chunk.py) must not hold: a top-level definition
+    of a public op name, or an import of the dispatcher or of the fla mapping (a public wrapper's
+    business)."""
+    found = []
+    for node in tree.body:
+        names = []
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        found += [(node.lineno, f"defines the public op {n}") for n in names if n in public]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and node.module in ("_dispatch", "_fla_compat", "_forms"):
+            found.append((node.lineno, f"imports {node.module}"))
+    return found
+
+
+def test_the_form_module_checker_finds_a_wrapper():
+    bad = ast.parse("from .._dispatch import run\nfrom .._spec import OpSpec\n"
+                    "def chunk_delta_rule(q, k, v):\n    return run(SPEC, q, k, v)\nrecurrent_kda = form(SPEC)\n")
+    assert [why for _, why in form_module_problems(bad, {"chunk_delta_rule", "recurrent_kda"})] == [
+        "defines the public op chunk_delta_rule", "defines the public op recurrent_kda", "imports _dispatch"]
+    good = ast.parse("from .._spec import OpSpec\ndef delta_rule_chunk(q, k, v):\n    return q\n")
+    assert form_module_problems(good, {"chunk_delta_rule"}) == []
+
+
+def test_the_forms_modules_hold_no_public_op_wrapper():
+    public = {n for n, _ in _public_forms()} | {"textbook_chunk_delta_rule", "recurrent_kda_as"}  # (a form's *_step is its maths)
+    problems, seen = [], 0
+    for family in FAMILIES:
+        for name in FORM_MODULES:
+            path = OPS / family / f"{name}.py"
+            if not path.exists():
+                continue
+            seen += 1
+            problems += [f"{path.relative_to(PACKAGE.parent)}:{line}: {why}"
+                         for line, why in form_module_problems(ast.parse(path.read_text()), public)]
+    assert seen == 22
+    print("\n".join(problems) or "clean")
+    assert problems == []
+
+
+def test_the_old_paths_of_the_public_functions_warn_and_resolve():
+    moved = {"delta_rule.chunk": "chunk_delta_rule", "delta_rule.recurrent": "recurrent_delta_rule",
+             "delta_rule.textbook": "textbook_chunk_delta_rule", "gated_delta_rule.parallel": "parallel_gated_delta_rule",
+             "linear_attn.chunk": "chunk_linear_attn", "kda.recurrent": "fused_recurrent_kda", "gdn2.chunk": "chunk_gdn2",
+             "delta_product.parallel": "parallel_gated_delta_product", "dplr.recurrent": "recurrent_dplr_delta_rule"}
+    for old, name in moved.items():
+        module = importlib.import_module(f"fastweights.ops.{old}")
+        family = old.split(".")[0]
+        with pytest.warns(DeprecationWarning, match=rf"fastweights\.ops\.{old}\.{name} moved to fastweights\.ops\.{family}\.api\.{name}"):
+            found = getattr(module, name)
+        assert found is getattr(importlib.import_module(f"fastweights.ops.{family}.api"), name)
+    with pytest.raises(AttributeError, match="has no attribute 'chunk_delta_rule_typo'"):
+        importlib.import_module("fastweights.ops.delta_rule.chunk").chunk_delta_rule_typo
+
+
+# -- no recurrent or parallel op takes chunk_size -------------------------------------------------------
+
+
+def test_only_chunk_forms_take_chunk_size():
+    forms = _public_forms()
+    without = [(n, fn) for n, fn in forms if not n.startswith(("chunk_", "fused_chunk_"))]
+    assert len(without) >= 14
+    for name, fn in forms:  # (fla's aliases keep fla's signatures: fused_chunk_linear_attn has none)
+        takes = "chunk_size" in inspect.signature(fn).parameters
+        assert takes == name.startswith("chunk_") or (not takes and fn.__module__ in FLA_ALIAS_MODULES), name
+    for spec_list in _specs().values():
+        spec = spec_list[0]
+        for solver in (spec.torch, spec.cpu):
+            if solver is not None:
+                assert ("chunk_size" in inspect.signature(solver).parameters) == (spec.form is Form.CHUNK), spec.name
+
+
+@pytest.mark.parametrize("name", ["recurrent_delta_rule", "parallel_gated_delta_rule", "recurrent_linear_attn",
+                                  "parallel_kda", "recurrent_gdn2", "parallel_gated_delta_product",
+                                  "recurrent_dplr_delta_rule", "fused_recurrent_kda"])
+def test_a_recurrent_or_parallel_form_refuses_chunk_size_by_name(name):
+    q = torch.randn(1, 4, 1, 8)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument .chunk_size."):
+        getattr(ops, name)(q, q, q, chunk_size=16)
+
+
+def test_positional_arguments_of_a_form_without_chunk_size_do_not_land_in_its_place():
+    """DPLR's body has fla's positional ``chunk_size`` (``chunk_dplr_delta_rule``); its recurrent form
+    takes positional arguments only up to that place."""
+    params = list(inspect.signature(ops.recurrent_dplr_delta_rule).parameters.values())
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional[-1] == "safe_gate" and "chunk_size" not in positional
+    q = torch.randn(1, 4, 1, 8)
+    with pytest.raises(TypeError, match=r"recurrent_dplr_delta_rule\(\) takes at most 12 positional arguments \(13 given\)"):
+        ops.recurrent_dplr_delta_rule(q, q, q, q, q, q, None, None, False, None, None, False, 16)
+
+
+# -- the descent: each module of a call's chain entered once, nothing below calling back up -----------
+
+
+def callbacks_up(calls, chain) -> list:
+    """``calls``: ``[(caller module, callee module)]`` in order. The calls that go from a module of
+    ``chain`` to one earlier in it (a module below calling back up into one above)."""
+    rank = {m: i for i, m in enumerate(chain)}
+    return [(a, b) for a, b in calls if a in rank and b in rank and rank[b] < rank[a]]
+
+
+def _trace(fn):
+    """Run ``fn()``; return ``[(caller module, callee module)]`` of every Python call it makes."""
+    import sys
+
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_back is not None:
+            calls.append((frame.f_back.f_globals.get("__name__"), frame.f_globals.get("__name__")))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_the_callback_finder_finds_a_call_back_up():
+    chain = ["api", "dispatch", "frontend", "solver"]
+    assert callbacks_up([("api", "dispatch"), ("dispatch", "frontend"), ("frontend", "solver"), ("solver", "leaf")], chain) == []
+    assert callbacks_up([("api", "dispatch"), ("frontend", "solver"), ("solver", "frontend")], chain) == [("solver", "frontend")]
+
+
+P = "fastweights.ops."
+CHAINS = {
+    "chunk_delta_rule": [P + "delta_rule.api", P + "_fla_compat", P + "_dispatch", P + "_frontend", P + "delta_rule.chunk",
+                         P + "cpu.library"],
+    "chunk_gated_delta_rule": [P + "_forms", P + "gated_delta_rule.api", P + "_fla_compat", P + "_dispatch", P + "_frontend",
+                               P + "delta_rule.chunk", P + "cpu.library"],
+    "chunk_linear_attn": [P + "linear_attn.api", P + "_dispatch", P + "_frontend", P + "linear_attn.chunk", P + "cpu.library"],
+    "chunk_kda": [P + "_forms", P + "kda.fla", P + "_dispatch", P + "_frontend", P + "kda.chunk", P + "cpu.library"],
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_a_chunk_call_descends_through_each_module_once(name):
+    """The path of docs/design.md: every module of the chain is entered, in order, and no module below
+    calls back into one above it (the helpers a step calls, _chunk, _checks, _backend, precision, ...,
+    are leaves outside the chain)."""
+    from fastweights.ops import cpu
+
+    op = getattr(ops, name)
+    x = _inputs(op, packed=False)
+    x = {n: t.float() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+    calls = _trace(lambda: op(**x, output_final_state=True, chunk_size=16))
+    chain = CHAINS[name] if cpu.available() else CHAINS[name][:-1]
+    entered = {callee for _, callee in calls}
+    print(name, [m for m in chain if m in entered])
+    assert set(chain) <= entered
+    assert (chain[0], chain[1]) in calls or chain[0] == calls[0][1]
+    assert all((a, b) in calls for a, b in zip(chain[1:4], chain[2:5]))  # api/mapping -> dispatcher -> front end
+    assert callbacks_up(calls, chain) == []

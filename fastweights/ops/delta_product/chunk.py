@@ -16,10 +16,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._frontend import autocast_off
+from ..precision import autocast_off
 from ..kda import chunk as kda_chunk
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import delta_product_form
 from .recurrent import gated_delta_product_step
 from .parallel import product_block_terms, product_block_terms_backward
 
@@ -68,17 +68,6 @@ def delta_product_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, ks, vs, beta
 #: The op, declared once (``fastweights/ops/_spec.py``).
 CHUNK_GATED_DELTA_PRODUCT = OpSpec("chunk_gated_delta_product", Rule.DELTA, Form.CHUNK, torch=delta_product_chunk, step=gated_delta_product_step)
 
-chunk_gated_delta_product = delta_product_form(CHUNK_GATED_DELTA_PRODUCT, doc="""
-    (Gated) DeltaProduct, chunkwise parallel: the fast path for training (module docstring),
-    with fla 0.6.0's name and positional order ``(q, k, v, g, beta, num_householder, scale,
-    initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)``.
 
-    Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_product` (same arguments and
-    returns; see its docstring) to ~1e-12 relative in float64.
-
-    Args beyond the reference's:
-        chunk_size: C, tokens per chunk (each chunk's UT transform has C·n_h rows).
-
-    Gradients reach q, k, v, g, beta and initial_state through KDA's hand-written chunk
-    backward; double backward is not supported (use the parallel form).
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.delta_product.api", "chunk_gated_delta_product")

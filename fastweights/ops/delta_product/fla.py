@@ -36,7 +36,7 @@ from .._fla_compat import fla_inputs
 from .._spec import OpSpec
 from ..feature_maps import normalize_qk
 
-__all__ = ["delta_product_form", "run_delta_product"]
+__all__ = ["run_delta_product"]
 
 
 def _fold(op: str, name: str, t, q: torch.Tensor, n_h: int, width: Optional[int], layout: str) -> torch.Tensor:
@@ -115,17 +115,3 @@ def run_delta_product(
 #: The signature every DeltaProduct form has: :func:`run_delta_product`'s, after its first parameter.
 FORM_SIGNATURE = inspect.signature(run_delta_product).replace(
     parameters=list(inspect.signature(run_delta_product).parameters.values())[1:])
-
-
-def delta_product_form(spec: OpSpec, doc: str):
-    """The public op of ``spec`` (``recurrent_/parallel_/chunk_gated_delta_product``):
-    :func:`run_delta_product` under :data:`FORM_SIGNATURE`."""
-
-    def form(*args, **kwargs):
-        return run_delta_product(spec, *args, **kwargs)
-
-    form.__name__ = form.__qualname__ = spec.name
-    form.__doc__ = inspect.cleandoc(doc)
-    form.__signature__ = FORM_SIGNATURE
-    form.__module__ = spec.torch.__module__
-    return form

@@ -29,8 +29,8 @@ from .._chunk import causal_mask
 from ..kda.parallel import (
     BlockTerms, block_terms, block_terms_backward, exclusive_cumsum, kda_parallel, reverse_cumsum, solve_ut,
 )
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import delta_product_form
 from .recurrent import gated_delta_product_step
 
 
@@ -107,7 +107,7 @@ def product_block_terms_backward(q, ks, vs, betas, terms: BlockTerms, d_wu, d_sc
             dgk.view(bt, length, n_h, dk)[:, :, 0].sum(-1))
 
 
-def delta_product_parallel(q, k, v, beta, g, h0, scale, chunk_size=None, *, ks, vs, betas):
+def delta_product_parallel(q, k, v, beta, g, h0, scale, *, ks, vs, betas):
     """DeltaProduct as one block on head-first tensors (autograd); returns ``(o, h_T)``."""
     return kda_parallel(q, ks, vs, betas, g, h0, scale, terms=product_block_terms)
 
@@ -115,9 +115,6 @@ def delta_product_parallel(q, k, v, beta, g, h0, scale, chunk_size=None, *, ks, 
 #: The op, declared once (``fastweights/ops/_spec.py``).
 PARALLEL_GATED_DELTA_PRODUCT = OpSpec("parallel_gated_delta_product", Rule.DELTA, Form.PARALLEL, torch=delta_product_parallel, step=gated_delta_product_step)
 
-parallel_gated_delta_product = delta_product_form(PARALLEL_GATED_DELTA_PRODUCT, doc="""
-    (Gated) DeltaProduct as one UT transform over all T·n_h sub-steps (O((T·n_h)²·K) work).
 
-    Equivalent to :func:`~fastweights.ops.recurrent_gated_delta_product`: same arguments and
-    returns (``chunk_size`` is unused). Differentiable by autograd, double backward included.
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.delta_product.api", "parallel_gated_delta_product")

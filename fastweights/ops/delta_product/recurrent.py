@@ -20,8 +20,9 @@ from typing import Tuple
 
 import torch
 
+from .._moved import moved_names
+from ..step import scan_tokens
 from .._spec import Form, OpSpec, Rule
-from .fla import delta_product_form
 
 
 def gated_delta_product_step(q, ks, vs, betas, g, h, scale) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -39,49 +40,17 @@ def gated_delta_product_step(q, ks, vs, betas, g, h, scale) -> Tuple[torch.Tenso
     return o.view(shape[:-2] + (dv,)), h.view(shape)
 
 
-def delta_product_recurrence(q, k, v, beta, g, h0, scale, chunk_size=None, *, ks, vs, betas):
+def delta_product_recurrence(q, k, v, beta, g, h0, scale, *, ks, vs, betas):
     """Token-by-token on head-first tensors (``ks [N, H, T, n_h, K]``, ...); returns ``(o, h_T)``."""
     n, nh, t_len, dk = q.shape
     h = h0 if h0 is not None else q.new_zeros(n, nh, dk, vs.shape[-1])
-    outputs = []
-    for t in range(t_len):
-        o_t, h = gated_delta_product_step(q[:, :, t], ks[:, :, t], vs[:, :, t], betas[:, :, t], g[:, :, t], h, scale)
-        outputs.append(o_t)
-    return torch.stack(outputs, dim=2), h
+    return scan_tokens(gated_delta_product_step, h, scale, q, ks, vs, betas, g)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).
 RECURRENT_GATED_DELTA_PRODUCT = OpSpec("recurrent_gated_delta_product", Rule.DELTA, Form.RECURRENT,
                                        torch=delta_product_recurrence, step=gated_delta_product_step)
 
-recurrent_gated_delta_product = delta_product_form(RECURRENT_GATED_DELTA_PRODUCT, doc="""
-    (Gated) DeltaProduct, one token (n_h Householder steps) at a time: the reference form.
 
-    Args (fla 0.6.0's ``chunk_gated_delta_product`` order):
-        q: ``[B, T, H, K]``; k: ``[B, T·n_h, H, K]``; v: ``[B, T·n_h, H, V]`` (token t's
-            sub-step j at t·n_h + j).
-        g: ``[B, T, H]`` log decay per token (<= 0), ``None``: no decay (DeltaProduct).
-        beta: ``[B, T·n_h, H]`` in [0, 1] ([0, 2] with ``allow_neg_eigval``); ``None``: 1.
-        num_householder: n_h, Householder steps per token.
-        scale: ``None`` means ``K ** -0.5``.
-        initial_state: ``[N, H, K, V]`` fp32 (fp64 for fp64 inputs).
-        output_final_state: also return the state after the last token.
-        use_qk_l2norm_in_kernel: L2-normalize q and every k (fla's formula).
-        cu_seqlens, cu_seqlens_cpu, max_seqlen: N packed sequences (B = 1), token offsets.
-        allow_neg_eigval: β may lie in [0, 2].
-        chunk_size: unused here (every form takes the same arguments).
-        qk_norm: ``None``, ``"l2"`` or ``"sum"``.
-
-    Returns:
-        ``(o [B, T, H, V] in the input dtype, final_state [N, H, K, V] or None)``.
-
-    Example::
-
-        >>> B, T, H, K, V, n = 2, 100, 4, 32, 48, 2
-        >>> q, k, v = torch.randn(B, T, H, K), torch.randn(B, T * n, H, K), torch.randn(B, T * n, H, V)
-        >>> g, beta = torch.nn.functional.logsigmoid(torch.randn(B, T, H)), 2 * torch.rand(B, T * n, H)
-        >>> o, h = recurrent_gated_delta_product(q, k, v, g, beta, n, use_qk_l2norm_in_kernel=True,
-        ...                                      allow_neg_eigval=True, output_final_state=True)
-        >>> o.shape, h.shape
-        (torch.Size([2, 100, 4, 48]), torch.Size([2, 4, 32, 48]))
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.delta_product.api", "recurrent_gated_delta_product")

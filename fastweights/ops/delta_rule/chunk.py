@@ -40,12 +40,10 @@ from .._chunk import (
     reverse_cumsum,
 )
 from .._backend import backward_can_follow
-from .._dispatch import run
-from .._fla_compat import fla_inputs
-from .._frontend import autocast_off
+from ..precision import autocast_off
 from ..cpu import kernels_for
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from ..feature_maps import FeatureMapLike
 from ..step import delta_rule_step
 from .wy import block_substitution, diagonal_block_inverses, row_blocks, ut_solve
 
@@ -527,91 +525,5 @@ CHUNK_DELTA_RULE = OpSpec(
 )
 
 
-def chunk_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: Optional[int] = None,
-    qk_norm: Optional[str] = None,
-    feature_map: FeatureMapLike = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    backend: str = "auto",
-    allow_neg_eigval: bool = False,
-    *,
-    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
-    max_seqlen: Optional[int] = None,
-    cp_group=None,
-    return_intermediate_states: bool = False,
-    state_block_size: Optional[int] = None,
-    state_indices: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
-    **extra,
-) -> Tuple[Optional[torch.Tensor], ...]:
-    """The delta rule, chunkwise parallel: the fast path for training.
-
-    Equivalent to :func:`~fastweights.ops.recurrent_delta_rule` (same arguments
-    and returns; see its docstring), to ~1e-12 relative in float64. Unlike
-    flash-linear-attention's kernel it accepts fp32 and fp64 as well as bf16/fp16
-    (low precision is computed in fp32) and runs on any device.
-
-    Args beyond the reference's:
-        chunk_size: C, tokens per chunk (T need not be a multiple of C). The
-            intra-chunk work is O(T·C·(K+V) + T·C²); the sequential loop has T/C steps.
-            ``None`` (the default, and what the layers pass) runs
-            :func:`fastweights.ops.default_chunk_size` of K and the device.
-        backend: ``"auto"`` (Triton kernels for CUDA tensors when ``fastweights[triton]``
-            is installed, the compiled CPU kernels for CPU tensors, PyTorch otherwise),
-            ``"torch"`` (the PyTorch code, on every device), ``"cpu"`` (the compiled CPU
-            kernels, ``fastweights/ops/cpu/``; the PyTorch code where they do not apply:
-            fp16, kernels off or unbuilt) or ``"triton"`` (``fastweights/ops/triton/``:
-            fp32/bf16/fp16, K, V <= 256, chunk size 64).
-
-    Training: the PyTorch backend differentiates through
-    :func:`delta_rule_chunk`, a hand-written backward (derived in
-    ``delta_rule/README.md``) that keeps the inputs, [W | U'], the diagonal-block
-    inverses and the T/C chunk-entry states -- O(T·(K+V) + (T/C)·K·V) per head --
-    and recomputes the rest. Forward and backward are ``torch.library`` custom ops
-    (``fastweights::chunk_delta_rule_fwd``/``_bwd``): ``torch.compile`` calls them as they
-    are, without a graph break. Under ``torch.autocast`` the op computes in fp32
-    and returns the inputs' dtype; ``cu_seqlens_cpu``/``max_seqlen`` as in
-    :func:`~fastweights.ops.recurrent_delta_rule`.
-    Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
-    double backward is not supported (use the recurrent or parallel form).
-    ``benchmarks/chunk_speed.py`` (``fastweights bench``) measures it against the
-    textbook chunk implementation and the recurrence.
-    Context parallelism: ``cp_group`` (a ``torch.distributed.ProcessGroup``; None: off)
-    splits T over the group's ranks, each holding one contiguous slice ``[B, L, ...]`` in
-    rank order (``cu_seqlens``, if given, holds the *global* offsets, the same on every
-    rank; a sequence may cross rank boundaries); any L (a partial last chunk is padded). The ranks
-    exchange one ``[H, K, K + V]`` state summary per row instead of the sequence; ``o`` is
-    the slice's output, final states come back on every rank, and ``initial_state[i]``
-    is read (and gets its gradient) on the rank holding sequence i's first token
-    (:mod:`fastweights.ops.context_parallel`, ``docs/context_parallel.md``).
-
-    Serving (``docs/serving.md``): ``return_intermediate_states=True`` also returns fla's
-    per-chunk states ``h [B, NT, H, K, V]`` (NT = ceil(T/C); ``h[:, c]`` is the state entering
-    chunk c, i.e. after c·C tokens; with ``cu_seqlens`` ``[1, Σ NT_i, H, K, V]``, sequence by
-    sequence) as a third return; ``state_block_size=m`` (a multiple of C) returns instead the
-    states after m, 2m, ... tokens (``[B, T // m, H, K, V]``; ``[1, Σ T_i // m, ...]``), vLLM's
-    block-aligned prefix cache. Only the states asked for are kept. ``state_indices [N]`` makes
-    ``initial_state`` a pool ``[S, H, K, V]``: sequence i starts from ``pool[state_indices[i]]``
-    (zeros where ``state_indices[i] = -1`` or ``has_initial_state[i]`` is False) and its final
-    state is written back there in place (:mod:`fastweights.ops.state_pool`).
-    """
-    q, k, beta, _, initial_state, cu_seqlens = fla_inputs(  # fla's options -> plain inputs
-        "chunk_delta_rule", q, k, v, beta, None, initial_state, cu_seqlens, gated=False, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=extra,
-    )
-    kwargs = dict(
-        beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size, feature_map=feature_map,
-        qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm, allow_neg_eigval=allow_neg_eigval,
-    )
-    return run(CHUNK_DELTA_RULE, q, k, v, backend=backend, requires_beta=True, cu_seqlens_cpu=cu_seqlens_cpu,
-               max_seqlen=max_seqlen, cp_group=cp_group, return_intermediate_states=return_intermediate_states,
-               state_block_size=state_block_size, state_indices=state_indices, has_initial_state=has_initial_state,
-               **kwargs)
+#: The public function moved to api.py (its old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.delta_rule.api", "chunk_delta_rule")

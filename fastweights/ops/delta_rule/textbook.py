@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._chunk import block_terms, chunk_scan, decay_matrix, from_chunks, to_chunks
-from .._dispatch import run
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 
 
@@ -61,26 +61,5 @@ def textbook_delta_rule_chunk(q, k, v, beta, g, h0, scale, chunk_size) -> Tuple[
 TEXTBOOK_CHUNK_DELTA_RULE = OpSpec("textbook_chunk_delta_rule", Rule.DELTA, Form.CHUNK, torch=textbook_delta_rule_chunk)
 
 
-def textbook_chunk_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    g: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: Optional[int] = None,
-    qk_norm: Optional[str] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The (gated, with ``g``) delta rule by the textbook chunk algorithm, differentiated by autograd.
-
-    Same arguments and returns as :func:`~fastweights.ops.chunk_delta_rule` (plus an
-    optional ``g`` for the gated rule). Slow and memory-hungry on purpose: it is the
-    baseline that ``benchmarks/chunk_speed.py`` measures the fast path against.
-    """
-    return run(TEXTBOOK_CHUNK_DELTA_RULE, q, k, v, beta=beta, g=g, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, qk_norm=qk_norm, requires_beta=True,
-    )
+#: The public function moved to api.py (its old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.delta_rule.api", "textbook_chunk_delta_rule")

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
-from .._frontend import autocast_off
+from ..precision import autocast_off
 from ..kda import chunk as kda_chunk
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import dplr_form
 from .recurrent import dplr_step
 from .parallel import dplr_block_terms
 from .._halving import halving_products
@@ -169,12 +169,6 @@ def dplr_chunk(q, k, v, beta, gk, h0, scale, chunk_size, *, a, b) -> Tuple[torch
 #: The op, declared once (``fastweights/ops/_spec.py``).
 CHUNK_DPLR_DELTA_RULE = OpSpec("chunk_dplr_delta_rule", Rule.DELTA, Form.CHUNK, torch=dplr_chunk, step=dplr_step)
 
-chunk_dplr_delta_rule = dplr_form(CHUNK_DPLR_DELTA_RULE, needs_floor=True, doc="""
-    The DPLR delta rule, chunkwise parallel (module docstring), with fla 0.6.0's name and
-    positional order ``(q, k, v, a, b, gk, scale, initial_state, output_final_state,
-    cu_seqlens, cu_seqlens_cpu, safe_gate, chunk_size, disable_recompute, ...)``.
 
-    Equivalent to :func:`~fastweights.ops.recurrent_dplr_delta_rule` (same arguments and
-    returns) to ~1e-12 relative in float64, with ``gk >= −80``. ``chunk_size`` (C) is any
-    positive int, ``None``: 64. Gradients reach q, k, v, a, b, gk and initial_state.
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.dplr.api", "chunk_dplr_delta_rule")

@@ -10,7 +10,7 @@ fla argument                   what we do
 ``scale``                      ``None``: K^−0.5 (``chunk_rwkv7``'s default is 1.0, as fla's)
 ``cu_seqlens``,                packed sequences (B = 1); a host copy of ``cu_seqlens``
 ``cu_seqlens_cpu``
-``chunk_size``                 any positive int (fla: 16 or 64); ``None``: 64
+``chunk_size``                 any positive int (fla: 16 or 64); ``None``: ``default_chunk_size``'s choice
 ``safe_gate``,                 accepted and ignored: hints about how fla's kernels run
 ``disable_recompute``,
 ``lower_bound``
@@ -31,7 +31,7 @@ from .._dispatch import run
 from .._fla_compat import refuse_or_ignore, resolve_cu_seqlens, resolve_decay
 from .._spec import OpSpec
 
-__all__ = ["dplr_form", "run_dplr"]
+__all__ = ["run_dplr"]
 
 #: The parallel and chunk forms take e^{−gk} of single tokens: below this it overflows fp32.
 GK_FLOOR = -80.0
@@ -99,17 +99,3 @@ def run_dplr(
 
 #: The signature every DPLR form has: :func:`run_dplr`'s, after its first two parameters.
 FORM_SIGNATURE = inspect.signature(run_dplr).replace(parameters=list(inspect.signature(run_dplr).parameters.values())[2:])
-
-
-def dplr_form(spec: OpSpec, needs_floor: bool, doc: str):
-    """The public op of ``spec`` (``recurrent_/parallel_/chunk_dplr_delta_rule``): :func:`run_dplr`
-    under :data:`FORM_SIGNATURE`."""
-
-    def form(*args, **kwargs):
-        return run_dplr(spec, needs_floor, *args, **kwargs)
-
-    form.__name__ = form.__qualname__ = spec.name
-    form.__doc__ = inspect.cleandoc(doc)
-    form.__signature__ = FORM_SIGNATURE
-    form.__module__ = spec.torch.__module__
-    return form

@@ -9,8 +9,7 @@ from typing import Optional
 
 import torch
 
-from .chunk import chunk_dplr_delta_rule
-from .recurrent import recurrent_dplr_delta_rule
+from .api import chunk_dplr_delta_rule, recurrent_dplr_delta_rule
 
 __all__ = ["fused_recurrent_dplr_delta_rule", "chunk_rwkv7", "fused_recurrent_rwkv7"]
 

@@ -29,8 +29,8 @@ from typing import Tuple
 import torch
 
 from ..kda.parallel import BlockTerms, cumulative_decay, kda_parallel, sub_block
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import dplr_form
 from .recurrent import dplr_step
 
 
@@ -120,7 +120,7 @@ def dplr_block_terms(q, k, v, ab, gk, scale: float, solve=None) -> BlockTerms:
                       (q, k, v, ab, gk))
 
 
-def dplr_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, *, a, b) -> Tuple[torch.Tensor, torch.Tensor]:
+def dplr_parallel(q, k, v, beta, gk, h0, scale, *, a, b) -> Tuple[torch.Tensor, torch.Tensor]:
     """The DPLR delta rule as one block on head-first tensors ``[N, H, T, ·]`` (autograd)."""
     return kda_parallel(q, k, v, torch.stack([a, b], dim=-2), gk, h0, scale, terms=dplr_block_terms)
 
@@ -128,9 +128,6 @@ def dplr_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, *, a, b) -> Tup
 #: The op, declared once (``fastweights/ops/_spec.py``).
 PARALLEL_DPLR_DELTA_RULE = OpSpec("parallel_dplr_delta_rule", Rule.DELTA, Form.PARALLEL, torch=dplr_parallel, step=dplr_step)
 
-parallel_dplr_delta_rule = dplr_form(PARALLEL_DPLR_DELTA_RULE, needs_floor=True, doc="""
-    The DPLR delta rule as one T×T block (O(T²·K) work, O(T²) memory; module docstring).
 
-    Equivalent to :func:`~fastweights.ops.recurrent_dplr_delta_rule`: same arguments and
-    returns (``chunk_size`` is unused), with ``gk >= −80``. Differentiable by autograd.
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.dplr.api", "parallel_dplr_delta_rule")

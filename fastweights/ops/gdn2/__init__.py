@@ -1,5 +1,4 @@
-from .chunk import chunk_gdn2
-from .parallel import parallel_gdn2
-from .recurrent import fused_recurrent_gdn2, gdn2_step, recurrent_gdn2
+from .api import chunk_gdn2, fused_recurrent_gdn2, parallel_gdn2, recurrent_gdn2
+from .recurrent import gdn2_step
 
 __all__ = ["recurrent_gdn2", "parallel_gdn2", "chunk_gdn2", "fused_recurrent_gdn2", "gdn2_step"]

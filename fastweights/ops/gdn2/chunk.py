@@ -28,12 +28,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._chunk import causal_mask, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
-from .._frontend import autocast_off
+from .._chunk import chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from .._halving import halving_products
+from ..precision import autocast_off
 from ..kda import chunk as kda_chunk
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import gdn2_form
 from .recurrent import gdn2_step
 from .parallel import gdn2_block_terms, gdn2_block_terms_backward
 
@@ -156,27 +156,6 @@ def gdn2_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, b, w) -> Tuple[torch.
 #: The op, declared once (``fastweights/ops/_spec.py``).
 CHUNK_GDN2 = OpSpec("chunk_gdn2", Rule.DELTA, Form.CHUNK, torch=gdn2_chunk, step=gdn2_step)
 
-chunk_gdn2 = gdn2_form(CHUNK_GDN2, doc="""
-    Gated DeltaNet-2, chunkwise parallel: the fast path for training (module docstring).
 
-    Equivalent to :func:`~fastweights.ops.recurrent_gdn2` (same arguments and returns; see
-    its docstring), to ~1e-12 relative in float64, with fla 0.6.0's name and positional
-    order ``(q, k, v, g, b, w, scale, initial_state, output_final_state,
-    use_qk_l2norm_in_kernel, use_gate_in_kernel, cu_seqlens, ...)``.
-
-    Args beyond the reference's:
-        chunk_size: C, tokens per chunk (any positive int; fla's kernel requires 64).
-
-    Gradients reach q, k, v, g, b, w and initial_state through KDA's hand-written chunk
-    backward (inputs and the T/C chunk-entry states kept, the rest recomputed); double
-    backward is not supported (use the parallel form). Under ``torch.autocast`` it computes
-    in fp32 and returns the inputs' dtype.
-
-    Example::
-
-        >>> B, T, H, K, V = 2, 1000, 4, 64, 64
-        >>> q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
-        >>> g = -torch.rand(B, T, H, K) * 7          # α down to 1e-3 per token and channel
-        >>> b, w = 2 * torch.rand(B, T, H, K), torch.rand(B, T, H, V)
-        >>> o, h = chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm_in_kernel=True, output_final_state=True)
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.gdn2.api", "chunk_gdn2")

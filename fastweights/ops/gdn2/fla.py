@@ -31,11 +31,11 @@ import torch
 
 from .._checks import _check_finite, _check_range, _check_tensor, _shape, state_dtype
 from .._dispatch import run
-from .._fla_compat import accepts_state_v_first, resolve_decay
+from .._fla_compat import resolve_decay
 from .._spec import OpSpec
 from ..kda.fla import kda_inputs
 
-__all__ = ["gdn2_form", "run_gdn2", "check_gates"]
+__all__ = ["run_gdn2", "check_gates"]
 
 
 def check_gates(op: str, q, v, b, w) -> None:
@@ -110,17 +110,3 @@ def run_gdn2(
 
 #: The signature every GDN-2 form has: :func:`run_gdn2`'s, after its first parameter.
 FORM_SIGNATURE = inspect.signature(run_gdn2).replace(parameters=list(inspect.signature(run_gdn2).parameters.values())[1:])
-
-
-def gdn2_form(spec: OpSpec, doc: str):
-    """The public op of ``spec`` (``recurrent_gdn2``, ``parallel_gdn2``, ``chunk_gdn2``): :func:`run_gdn2`
-    under :data:`FORM_SIGNATURE`, with fla's ``state_v_first``."""
-
-    def form(*args, **kwargs):
-        return run_gdn2(spec, *args, **kwargs)
-
-    form.__name__ = form.__qualname__ = spec.name
-    form.__doc__ = inspect.cleandoc(doc)
-    form.__signature__ = FORM_SIGNATURE
-    form.__module__ = spec.torch.__module__
-    return accepts_state_v_first(form)

@@ -25,8 +25,8 @@ import torch
 from ..kda.parallel import (
     BlockTerms, RelativeDecay, cumulative_decay, exclusive_cumsum, kda_parallel, reverse_cumsum, solve_ut, sub_block,
 )
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import gdn2_form
 from .recurrent import gdn2_step
 
 
@@ -69,7 +69,7 @@ def gdn2_block_terms_backward(q, k, x, e, terms: BlockTerms, d_wu, d_scores, d_q
     return dq, dk, dz[..., dk_:], de, dg + dg_s + dg_p
 
 
-def gdn2_parallel(q, k, v, beta, g, h0, scale, chunk_size=None, *, b, w) -> Tuple[torch.Tensor, torch.Tensor]:
+def gdn2_parallel(q, k, v, beta, g, h0, scale, *, b, w) -> Tuple[torch.Tensor, torch.Tensor]:
     """GDN-2 as one block on head-first tensors ``[N, H, T, ·]`` (autograd); returns ``(o, h_T)``."""
     return kda_parallel(q, k, w * v, b * k, g, h0, scale, terms=gdn2_block_terms)
 
@@ -77,9 +77,6 @@ def gdn2_parallel(q, k, v, beta, g, h0, scale, chunk_size=None, *, b, w) -> Tupl
 #: The op, declared once (``fastweights/ops/_spec.py``).
 PARALLEL_GDN2 = OpSpec("parallel_gdn2", Rule.DELTA, Form.PARALLEL, torch=gdn2_parallel, step=gdn2_step)
 
-parallel_gdn2 = gdn2_form(PARALLEL_GDN2, doc="""
-    Gated DeltaNet-2 as one T×T UT transform (O(T²·K) work, O(T²) memory; module docstring).
 
-    Equivalent to :func:`~fastweights.ops.recurrent_gdn2`: same arguments and returns
-    (``chunk_size`` is unused). Differentiable by autograd, double backward included.
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.gdn2.api", "parallel_gdn2")

@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
-from .._frontend import autocast_off
+from ..precision import autocast_off
 from ..cpu import kernels_for
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import kda_form
 from .parallel import block_terms, block_terms_backward, sub_block
 from ..step import kda_step
 
@@ -267,32 +267,6 @@ def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True) -> 
 CHUNK_KDA = OpSpec("chunk_kda", Rule.DELTA, Form.CHUNK, torch=functools.partial(kda_chunk, native=False), cpu=kda_chunk,
                    step=kda_step)
 
-chunk_kda = kda_form(CHUNK_KDA, gv_supported=False, doc="""
-    Kimi Delta Attention, chunkwise parallel: the fast path for training (module docstring).
 
-    Equivalent to :func:`~fastweights.ops.recurrent_kda` (same arguments and returns; see its
-    docstring), to ~1e-12 relative in float64, with fla 0.6.0's name and positional order
-    ``(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, ...)``.
-    ``gv`` is refused (the recurrent form has it).
-
-    Args beyond the reference's:
-        chunk_size: C, tokens per chunk (any positive int; fla allows 32 or 64). The
-            intra-chunk work is O(T·C·(K + V) + T·16·K) per head; the loop has T/C steps.
-            ``None`` (the default, as for every chunk op and layer) runs
-            :func:`fastweights.ops.default_chunk_size` of K and the device.
-        backend: ``"auto"`` (the compiled CPU kernels for CPU tensors, PyTorch elsewhere),
-            ``"torch"`` (the PyTorch code) or ``"cpu"``, as in :func:`~fastweights.ops.chunk_delta_rule`.
-
-    Gradients reach q, k, v, beta, g and initial_state through a hand-written backward
-    (README.md in this folder) that keeps the inputs and the T/C chunk-entry states and
-    recomputes the rest; double backward is not supported (use the parallel form).
-    Under ``torch.autocast`` it computes in fp32 and returns the inputs' dtype.
-
-    Example::
-
-        >>> B, T, H, K, V = 2, 1000, 4, 64, 64
-        >>> q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
-        >>> g = -torch.rand(B, T, H, K) * 7          # α down to 1e-3 per token and channel
-        >>> o, h = chunk_kda(q, k, v, g, torch.rand(B, T, H), use_qk_l2norm_in_kernel=True,
-        ...                  output_final_state=True, chunk_size=128)
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.kda.api", "chunk_kda")

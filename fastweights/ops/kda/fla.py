@@ -40,10 +40,10 @@ import torch.nn.functional as F
 
 from .._checks import state_dtype
 from .._dispatch import run
-from .._fla_compat import accepts_state_v_first, fla_inputs, resolve_decay
+from .._fla_compat import fla_inputs, resolve_decay
 from .._spec import OpSpec
 
-__all__ = ["kda_inputs", "kda_gate", "kda_form", "run_kda"]
+__all__ = ["kda_inputs", "kda_gate", "run_kda"]
 
 
 def _param(op: str, name: str, t, shapes, want: str) -> torch.Tensor:
@@ -168,7 +168,7 @@ def run_kda(
     order, then ours by keyword (``chunk_size``: None is :func:`~fastweights.ops.default_chunk_size`'s
     choice, as for every chunk op; ``backend`` as in ``chunk_delta_rule``). ``safe_gate`` and
     ``disable_recompute`` are fla's kernel hints (ignored); ``state_v_first`` is handled by
-    :func:`accepts_state_v_first`."""
+    :func:`~.._forms.accepts_state_v_first`."""
     op = spec.name
     q, k, beta, gk, gv, initial_state, cu_seqlens, gk_name = kda_inputs(
         op, q, k, v, g, beta, initial_state, cu_seqlens, gk=gk, gv=gv, gv_supported=gv_supported,
@@ -191,18 +191,3 @@ def run_kda(
 
 #: The signature every KDA form has: :func:`run_kda`'s, after its first two parameters.
 FORM_SIGNATURE = inspect.signature(run_kda).replace(parameters=list(inspect.signature(run_kda).parameters.values())[2:])
-
-
-def kda_form(spec: OpSpec, gv_supported: bool, doc: str):
-    """The public op of ``spec`` (``recurrent_kda``, ``parallel_kda``, ``chunk_kda``): :func:`run_kda`
-    under :data:`FORM_SIGNATURE` (one signature for every form, as the op conventions ask), with
-    fla's ``state_v_first``."""
-
-    def form(*args, **kwargs):
-        return run_kda(spec, gv_supported, *args, **kwargs)
-
-    form.__name__ = form.__qualname__ = spec.name
-    form.__doc__ = inspect.cleandoc(doc)
-    form.__signature__ = FORM_SIGNATURE
-    form.__module__ = (spec.cpu or spec.torch).__module__
-    return accepts_state_v_first(form)

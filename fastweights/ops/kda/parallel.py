@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .._chunk import causal_mask
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from .fla import kda_form
 from ..step import kda_step
 
 #: The parallel form pads T to a multiple of this (zero tokens), so that its sub-blocks divide it.
@@ -241,7 +241,7 @@ def pad_tokens(x: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]
     return F.pad(x, widths)
 
 
-def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, terms=block_terms) -> Tuple[torch.Tensor, torch.Tensor]:
+def kda_parallel(q, k, v, beta, gk, h0, scale, terms=block_terms) -> Tuple[torch.Tensor, torch.Tensor]:
     """KDA as one block on head-first tensors ``[N, H, T, ·]`` (autograd); returns ``(o, h_T)``.
 
     ``terms`` computes the block's :class:`BlockTerms` from the five per-token inputs (another
@@ -265,10 +265,6 @@ def kda_parallel(q, k, v, beta, gk, h0, scale, chunk_size=None, terms=block_term
 #: The op, declared once (``fastweights/ops/_spec.py``).
 PARALLEL_KDA = OpSpec("parallel_kda", Rule.DELTA, Form.PARALLEL, torch=kda_parallel, step=kda_step)
 
-parallel_kda = kda_form(PARALLEL_KDA, gv_supported=False, doc="""
-    Kimi Delta Attention as one T×T UT transform (O(T²·K) work, O(T²) memory; module docstring).
 
-    Equivalent to :func:`~fastweights.ops.recurrent_kda`: same arguments and returns, except
-    that ``gv`` is refused (``chunk_size`` is unused). Differentiable by autograd, double
-    backward included.
-""")
+#: The public function moved to api.py (the old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.kda.api", "parallel_kda")

@@ -29,11 +29,10 @@ from .._chunk import (
     ChunkDecay, backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, read_write_backward, reverse_cumsum, state_scan,
     state_scan_backward, unflat_chunks,
 )
-from .._dispatch import run
-from .._frontend import autocast_off
+from ..precision import autocast_off
+from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from ..cpu import kernels_for
-from ..feature_maps import FeatureMapLike
 from ..step import linear_attn_step
 
 
@@ -217,61 +216,5 @@ CHUNK_LINEAR_ATTN = OpSpec("chunk_linear_attn", Rule.SUM, Form.CHUNK, torch=func
                            cpu=linear_attn_chunk, step=linear_attn_step)
 
 
-def chunk_linear_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-    cu_seqlens: Optional[torch.LongTensor] = None,
-    chunk_size: Optional[int] = None,
-    feature_map: FeatureMapLike = None,
-    qk_norm: Optional[str] = None,
-    normalize: bool = False,
-    eps: float = 1e-6,
-    cu_seqlens_cpu: Optional[torch.LongTensor] = None,
-    max_seqlen: Optional[int] = None,
-    cp_group=None,
-    *,
-    backend: str = "auto",
-    return_intermediate_states: bool = False,
-    state_block_size: Optional[int] = None,
-    state_indices: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
-) -> Tuple[Optional[torch.Tensor], ...]:
-    """Causal linear attention, chunkwise parallel: the fast path for training.
-
-    Equivalent to :func:`~fastweights.ops.recurrent_linear_attn` (same arguments and
-    returns; see its docstring). ``chunk_size`` (C) trades the O(T·C) intra-chunk
-    work against T/C sequential state updates; T need not be a multiple of C.
-
-    Training differentiates through :func:`linear_attn_chunk`, a
-    hand-written backward that keeps the inputs and the T/C chunk-entry states
-    only (``delta_rule/README.md``, with W = 0 and U = V); double backward is not
-    supported (use the recurrent or parallel form). Forward and backward are
-    ``torch.library`` custom ops (``fastweights::chunk_linear_attn_fwd``/``_bwd``), opaque
-    to ``torch.compile``.
-
-    Context parallelism: ``cp_group`` (a ``torch.distributed.ProcessGroup``; None: off)
-    splits T over the group's ranks as in :func:`~fastweights.ops.chunk_delta_rule`; here
-    a slice's summary is its decayed sum ``[H, K, V]`` (with the normalizer column when
-    ``normalize``) and, with ``g``, one decay per head.
-
-    ``backend``: ``"auto"`` (the compiled CPU kernels for CPU tensors, PyTorch elsewhere),
-    ``"torch"`` (the PyTorch code) or ``"cpu"``, as in :func:`~fastweights.ops.chunk_delta_rule`.
-
-    Serving options ``return_intermediate_states``, ``state_block_size``, ``state_indices``
-    and ``has_initial_state`` as in :func:`~fastweights.ops.chunk_delta_rule` (with
-    ``normalize`` the states carry the normalizer column, ``[.., K, V + 1]``).
-    """
-    return run(
-        CHUNK_LINEAR_ATTN, q, k, v, backend=backend, g=g, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen,
-        chunk_size=chunk_size, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize, eps=eps,
-        cp_group=cp_group,
-            return_intermediate_states=return_intermediate_states, state_block_size=state_block_size,
-            state_indices=state_indices, has_initial_state=has_initial_state,
-    )
+#: The public function moved to api.py (its old path still works, with a DeprecationWarning).
+__getattr__ = moved_names(__name__, "fastweights.ops.linear_attn.api", "chunk_linear_attn")

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_inputs, compute_dtype, resolve_scale
-from .._frontend import Packing, autocast_off, check_autocast
+from .._frontend import Packing
+from ..precision import autocast_off, check_autocast
 
 
 class _KVFields(NamedTuple):
