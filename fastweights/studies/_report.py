@@ -18,15 +18,34 @@ import contextlib
 import csv
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ..config import atomic_write_text, check_int
+from ..config import add_declared_arguments, atomic_write_text, check_int, config_from_declared
 
 BRANCHES = ("dev1", "dev2", "heldout")
+
+
+def study_command(cls: type, order: Tuple[str, ...] = ()) -> Tuple[Callable, Callable]:
+    """``(add_arguments, config_from_args)``: the command line of a study whose config dataclass
+    ``cls`` declares its flags (:func:`fastweights.config.flag`) and has a ``full`` preset.
+
+    ``add_arguments(parser)`` adds the declared flags, those named in ``order`` first (a study
+    keeps its established help); ``config_from_args(args)`` builds ``cls.full`` with ``--full``
+    (else ``cls``) from ``--root-seed`` and the flags given.
+    """
+
+    def add_arguments(parser) -> None:
+        add_declared_arguments(parser, cls, order=order)
+
+    def config_from_args(args):
+        return config_from_declared(args, cls, cls.full if args.full else None, root_seed=args.root_seed)
+
+    return add_arguments, config_from_args
 
 
 def branch_seed_sequence(root_seed: int, branch: str, *key: int) -> np.random.SeedSequence:
@@ -151,6 +170,18 @@ def save_result(result: Dict, out_dir, name: str, rows: Iterable[Dict], columns:
         return
     result["files"] += figures
     write_json(out / f"{name}.json", result)
+
+
+def finish_study(result: Dict, started: float, cache: "CellCache", out_dir, name: str, rows: Iterable[Dict],
+                 columns: Sequence[str], plot: Optional[Callable[[Dict, Path], List[str]]] = None) -> Dict:
+    """A study's last step, in this order: its runtime (seconds since ``started``, a
+    ``time.perf_counter()`` value) into ``result["runtime_s"]``, its files written
+    (:func:`save_result`), and only then its partial cells dropped (:meth:`CellCache.finish`).
+    Returns ``result``."""
+    result["runtime_s"] = round(time.perf_counter() - started, 3)
+    save_result(result, out_dir, name, rows, columns, plot)
+    cache.finish()
+    return result
 
 
 class CellCache:

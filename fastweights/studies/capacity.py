@@ -97,9 +97,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..config import add_declared_arguments, check_int, check_ints, config_from_declared, flag
+from ..config import check_int, check_ints, flag
 from ..ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_linear_attn, softmax_attn
-from ._report import BRANCHES, CellCache, branch_seed_sequence, format_table, mean_se, pyplot, save_figure, save_result, torch_generator, torch_threads
+from ._report import (BRANCHES, CellCache, branch_seed_sequence, finish_study, format_table, mean_se, pyplot, save_figure,
+                      study_command, torch_generator, torch_threads)
 
 ARMS = ("softmax", "delta", "selective", "sum", "fading", "rls")
 PROTOCOL_ARMS = ("softmax", "delta", "selective")
@@ -407,10 +408,7 @@ def run_capacity(config: Optional[CapacityConfig] = None, out_dir: Optional[str]
         "runtime_s": None,
         "files": [],
     }
-    result["runtime_s"] = round(time.perf_counter() - start, 3)
-    save_result(result, out_dir, "capacity", table, TABLE_COLUMNS, plot_capacity if plots else None)
-    cache.finish()
-    return result
+    return finish_study(result, start, cache, out_dir, "capacity", table, TABLE_COLUMNS, plot_capacity if plots else None)
 
 
 def headline(config: CapacityConfig, scores) -> Dict[str, Dict[str, float]]:
@@ -565,11 +563,4 @@ def report(result: Dict) -> str:
 HELP = "recall under a fixed capacity (sealed protocol, more arms, width sweep)"
 Config = CapacityConfig
 run = run_capacity
-
-
-def add_arguments(parser) -> None:
-    add_declared_arguments(parser, CapacityConfig, order=("branch", "repetitions", "gamma"))
-
-
-def config_from_args(args) -> CapacityConfig:
-    return config_from_declared(args, CapacityConfig, CapacityConfig.full if args.full else None, root_seed=args.root_seed)
+add_arguments, config_from_args = study_command(CapacityConfig, order=("branch", "repetitions", "gamma"))

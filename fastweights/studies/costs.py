@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..config import add_declared_arguments, check_int, check_ints, config_from_declared, flag
+from ..config import check_int, check_ints, flag
 from ..ops import (
     KVCache,
     chunk_delta_rule,
@@ -67,7 +67,7 @@ from ..ops import (
     recurrent_linear_attn,
     softmax_attn,
 )
-from ._report import CellCache, branch_seed_sequence, format_table, pyplot, save_figure, save_result, torch_generator, torch_threads
+from ._report import CellCache, branch_seed_sequence, finish_study, format_table, pyplot, save_figure, study_command, torch_generator, torch_threads
 from .capacity import recursive_least_squares
 
 SOLVERS = ("softmax", "linear", "delta", "gated_delta", "rls")
@@ -471,10 +471,7 @@ def run_costs(config: Optional[CostsConfig] = None, out_dir: Optional[str] = Non
     if config.check_lm:
         rows = check_lm_calculator()
         result["lm_check"] = {"rows": rows, "exact": all(r["predicted"] == r["measured"] for r in rows)}
-    result["runtime_s"] = round(time.perf_counter() - start, 3)
-    save_result(result, out_dir, "costs", table, TABLE_COLUMNS, plot_costs if plots else None)
-    cache.finish()
-    return result
+    return finish_study(result, start, cache, out_dir, "costs", table, TABLE_COLUMNS, plot_costs if plots else None)
 
 
 # Distinct marker, line style and size per solver: solvers whose curves coincide (delta and gated delta
@@ -633,11 +630,4 @@ def report(result: Dict) -> str:
 HELP = "the per-solver audit (state, update and query cost per solver) and the memory calculator"
 Config = CostsConfig
 run = run_costs
-
-
-def add_arguments(parser) -> None:
-    add_declared_arguments(parser, CostsConfig)
-
-
-def config_from_args(args) -> CostsConfig:
-    return config_from_declared(args, CostsConfig, CostsConfig.full if args.full else None, root_seed=args.root_seed)
+add_arguments, config_from_args = study_command(CostsConfig)

@@ -59,10 +59,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..config import add_declared_arguments, check_int, config_from_declared, flag
+from ..config import check_int, flag
 from ..tasks.mqar import MQAR
 from ..tasks.recall import IGNORE
-from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
+from ._report import CellCache, finish_study, format_table, keyed_seed, mean_se, pyplot, save_figure, study_command, torch_threads
 
 MIXERS = ("deltanet", "gated_deltanet", "linear", "softmax")
 # Every mixer the study can train (``--mixers``); the default runs :data:`MIXERS`.
@@ -471,10 +471,7 @@ def run_mqar(config: Optional[MQARConfig] = None, out_dir: Optional[str] = None,
         "table": rows,
         "files": [],
     }
-    result["runtime_s"] = round(time.perf_counter() - start, 3)
-    save_result(result, out_dir, "mqar", rows, TABLE_COLUMNS, plot_mqar if plots else None)
-    cache.finish()
-    return result
+    return finish_study(result, start, cache, out_dir, "mqar", rows, TABLE_COLUMNS, plot_mqar if plots else None)
 
 
 def plot_mqar(result: Dict, out: Path) -> List[str]:
@@ -528,12 +525,5 @@ def report(result: Dict) -> str:
 HELP = "multi-query associative recall (Arora et al. 2023): DeltaNet, Gated DeltaNet, linear and softmax LMs"
 Config = MQARConfig
 run = run_mqar
-
-
-def add_arguments(parser) -> None:
-    add_declared_arguments(parser, MQARConfig, order=("d_models", "mixers", "short_conv", "cells", "vocab_size", "lrs", "seeds", "max_steps",
-                                                 "threads", "workers"))
-
-
-def config_from_args(args) -> MQARConfig:
-    return config_from_declared(args, MQARConfig, MQARConfig.full if args.full else None, root_seed=args.root_seed)
+add_arguments, config_from_args = study_command(MQARConfig, order=("d_models", "mixers", "short_conv", "cells", "vocab_size",
+                                                                  "lrs", "seeds", "max_steps", "threads", "workers"))

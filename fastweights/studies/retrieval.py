@@ -66,11 +66,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import NESTED_FLAGS, add_declared_arguments, check_int, config_from_declared, flag, is_int
+from ..config import NESTED_FLAGS, check_int, flag, is_int
 from ..ops import DPFP, EluPlusOne, FavorPlus, chunk_delta_rule, chunk_linear_attn
 from ..ops.feature_maps import normalize_qk
 from ..tasks.retrieval import RetrievalBatch, RetrievalTask
-from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
+from ._report import CellCache, finish_study, format_table, keyed_seed, mean_se, pyplot, save_figure, study_command, torch_threads
 
 # FAVOR+ with m = 1, 2, 8 × d_key random features: the paper's 64/128/512 at d_key = 64.
 FAVOR_FEATURES = {"favor": 1, "favor2": 2, "favor8": 8}
@@ -432,10 +432,7 @@ def run_retrieval(config: Optional[RetrievalConfig] = None, out_dir: Optional[st
         "table": rows,
         "files": [],
     }
-    result["runtime_s"] = round(time.perf_counter() - start, 3)
-    save_result(result, out_dir, "retrieval", rows, TABLE_COLUMNS, plot_retrieval if plots else None)
-    cache.finish()
-    return result
+    return finish_study(result, start, cache, out_dir, "retrieval", rows, TABLE_COLUMNS, plot_retrieval if plots else None)
 
 
 def plot_retrieval(result: Dict, out: Path) -> List[str]:
@@ -533,12 +530,4 @@ def report(result: Dict) -> str:
 HELP = "trainable associative retrieval (Schlag et al. 2021 settings 1 and 2), capacity sweep over S"
 Config = RetrievalConfig
 run = run_retrieval
-
-
-def add_arguments(parser) -> None:
-    add_declared_arguments(parser, RetrievalConfig, order=("train.d_key", "train.max_steps", "seeds", "threads"))
-
-
-def config_from_args(args) -> RetrievalConfig:
-    return config_from_declared(args, RetrievalConfig, RetrievalConfig.full if args.full else None,
-                                root_seed=args.root_seed)
+add_arguments, config_from_args = study_command(RetrievalConfig, order=("train.d_key", "train.max_steps", "seeds", "threads"))

@@ -47,9 +47,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..config import add_declared_arguments, check_int, check_ints, config_from_declared, flag
+from ..config import check_int, check_ints, flag
 from ..tasks.state_tracking import TASKS, make_state_tracking_task
-from ._report import CellCache, format_table, keyed_seed, mean_se, pyplot, save_figure, save_result, torch_threads
+from ._report import CellCache, finish_study, format_table, keyed_seed, mean_se, pyplot, save_figure, study_command, torch_threads
 
 QUICK_ARMS = ("linear", "deltanet[0,1]", "deltanet[0,2]")
 FULL_ARMS = ("linear", "deltanet[0,1]", "deltanet[0,2]", "gated_deltanet[0,1]", "gated_deltanet[0,2]", "kda[0,1]",
@@ -334,10 +334,7 @@ def run_state_tracking(config: Optional[StateTrackingConfig] = None, out_dir: Op
         "published": {t: PUBLISHED[t] for t in config.tasks if t in PUBLISHED},
         "files": [],
     }
-    result["runtime_s"] = round(time.perf_counter() - start, 3)
-    save_result(result, out_dir, "state_tracking", rows, TABLE_COLUMNS, plot_state_tracking if plots else None)
-    cache.finish()
-    return result
+    return finish_study(result, start, cache, out_dir, "state_tracking", rows, TABLE_COLUMNS, plot_state_tracking if plots else None)
 
 
 def plot_state_tracking(result: Dict, out: Path) -> List[str]:
@@ -386,12 +383,4 @@ def report(result: Dict) -> str:
 HELP = "state tracking (Grazzi et al. 2025; Siems et al. 2025): parity, sums mod m and group word problems"
 Config = StateTrackingConfig
 run = run_state_tracking
-
-
-def add_arguments(parser) -> None:
-    add_declared_arguments(parser, StateTrackingConfig, order=("tasks", "arms", "seeds", "max_steps", "test_lengths"))
-
-
-def config_from_args(args) -> StateTrackingConfig:
-    return config_from_declared(args, StateTrackingConfig, StateTrackingConfig.full if args.full else None,
-                                root_seed=args.root_seed)
+add_arguments, config_from_args = study_command(StateTrackingConfig, order=("tasks", "arms", "seeds", "max_steps", "test_lengths"))

@@ -133,27 +133,63 @@ struct Step {
   }
 };
 
+// [N, H, ·] (or [N, H]) -> [N·H, ·] (or [N·H]) in dtype dt, unit stride in the last dim.
+torch::Tensor rows(const torch::Tensor& t, at::ScalarType dt, int64_t nh, int64_t width) {
+  torch::Tensor r = t.to(dt).reshape(width < 0 ? at::IntArrayRef{nh} : at::IntArrayRef{nh, width});
+  return width >= 0 && r.stride(1) != 1 ? r.contiguous() : r;
+}
+
+// One token's inputs as rows of the state's dtype: q, k [N·H, K], v [N·H, V], beta, g [N·H].
+struct TokenRows {
+  torch::Tensor q, k, v, beta;
+  c10::optional<torch::Tensor> g;
+};
+
+// q, k [N, H, K], v [N, H, V], beta, g [N, H] (g optional), on the CPU; `op` and `holder` name the
+// function and the tensor (state or pool) whose sizes they must match in the message.
+TokenRows token_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& beta,
+                     const c10::optional<torch::Tensor>& g, at::ScalarType dt, int64_t N, int64_t H, int64_t K,
+                     int64_t V, const char* op, const char* holder) {
+  TORCH_CHECK(q.sizes() == at::IntArrayRef({N, H, K}) && k.sizes() == q.sizes() &&
+                  v.sizes() == at::IntArrayRef({N, H, V}) && beta.sizes() == at::IntArrayRef({N, H}) &&
+                  (!g.has_value() || g->sizes() == beta.sizes()),
+              op, ": the shapes do not match the ", holder, "'s");
+  for (const torch::Tensor* t : {&q, &k, &v, &beta}) TORCH_CHECK(t->is_cpu(), op, ": every tensor must be on the CPU");
+  TORCH_CHECK(!g.has_value() || g->is_cpu(), op, ": every tensor must be on the CPU");
+  const int64_t NH = N * H;
+  TokenRows in{rows(q, dt, NH, K), rows(k, dt, NH, K), rows(v, dt, NH, V), rows(beta, dt, NH, -1), c10::nullopt};
+  if (g.has_value()) in.g = rows(*g, dt, NH, -1);
+  return in;
+}
+
+// The Step over `in`, writing o [N·H, V]; the state pointers (h, h_out) are left to the caller.
 template <typename T>
-void run_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& beta,
-              const c10::optional<torch::Tensor>& g, const torch::Tensor& h, torch::Tensor& h_out, torch::Tensor& o,
-              double scale) {
+Step<T> make_step(const TokenRows& in, torch::Tensor& o, int64_t K, int64_t V, double scale) {
   Step<T> s;
-  s.q = q.data_ptr<T>();
-  s.k = k.data_ptr<T>();
-  s.v = v.data_ptr<T>();
-  s.beta = beta.data_ptr<T>();
-  s.g = g.has_value() ? g->data_ptr<T>() : nullptr;
-  s.q_s = q.stride(0);
-  s.k_s = k.stride(0);
-  s.v_s = v.stride(0);
-  s.beta_s = beta.stride(0);
-  s.g_s = g.has_value() ? g->stride(0) : 0;
+  s.q = in.q.data_ptr<T>();
+  s.k = in.k.data_ptr<T>();
+  s.v = in.v.data_ptr<T>();
+  s.beta = in.beta.data_ptr<T>();
+  s.g = in.g.has_value() ? in.g->data_ptr<T>() : nullptr;
+  s.q_s = in.q.stride(0);
+  s.k_s = in.k.stride(0);
+  s.v_s = in.v.stride(0);
+  s.beta_s = in.beta.stride(0);
+  s.g_s = in.g.has_value() ? in.g->stride(0) : 0;
+  s.h = nullptr;
+  s.h_out = nullptr;
+  s.o = o.data_ptr<T>();
+  s.K = K;
+  s.V = V;
+  s.scale = T(scale);
+  return s;
+}
+
+template <typename T>
+void run_step(const TokenRows& in, const torch::Tensor& h, torch::Tensor& h_out, torch::Tensor& o, double scale) {
+  Step<T> s = make_step<T>(in, o, h.size(1), h.size(2), scale);
   s.h = h.data_ptr<T>();
   s.h_out = h_out.data_ptr<T>();
-  s.o = o.data_ptr<T>();
-  s.K = h.size(1);
-  s.V = h.size(2);
-  s.scale = T(scale);
   const int64_t V = s.V;
   const bool in_place = s.h_out == s.h;
   at::parallel_for(0, h.size(0), 1, [&](int64_t begin, int64_t end) {
@@ -171,12 +207,6 @@ void run_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
   });
 }
 
-// [N, H, ·] (or [N, H]) -> [N·H, ·] (or [N·H]) in dtype dt, unit stride in the last dim.
-torch::Tensor rows(const torch::Tensor& t, at::ScalarType dt, int64_t nh, int64_t width) {
-  torch::Tensor r = t.to(dt).reshape(width < 0 ? at::IntArrayRef{nh} : at::IntArrayRef{nh, width});
-  return width >= 0 && r.stride(1) != 1 ? r.contiguous() : r;
-}
-
 // One token: q, k [N, H, K], v [N, H, V], beta, g [N, H] (any float dtype: cast to the state's),
 // state [N, H, K, V] contiguous float32 or float64 (shapes checked by the caller). Returns
 // (o [N, H, V] in v's dtype, h'): h' is the state itself, updated, when in place, else a new tensor.
@@ -187,24 +217,12 @@ std::vector<torch::Tensor> delta_step(const torch::Tensor& q, const torch::Tenso
   const auto dt = state.scalar_type();
   TORCH_CHECK(dt == torch::kFloat || dt == torch::kDouble, "delta_step: a float32 or float64 state only");
   const int64_t N = state.size(0), H = state.size(1), K = state.size(2), V = state.size(3), NH = N * H;
-  TORCH_CHECK(q.sizes() == at::IntArrayRef({N, H, K}) && k.sizes() == q.sizes() &&
-                  v.sizes() == at::IntArrayRef({N, H, V}) && beta.sizes() == at::IntArrayRef({N, H}) &&
-                  (!g.has_value() || g->sizes() == beta.sizes()),
-              "delta_step: the shapes do not match the state's");
-  for (const torch::Tensor* t : {&q, &k, &v, &beta}) TORCH_CHECK(t->is_cpu(), "delta_step: every tensor must be on the CPU");
-  TORCH_CHECK(!g.has_value() || g->is_cpu(), "delta_step: every tensor must be on the CPU");
-  c10::optional<torch::Tensor> gr;
-  if (g.has_value()) gr = rows(*g, dt, NH, -1);
+  const TokenRows in = token_rows(q, k, v, beta, g, dt, N, H, K, V, "delta_step", "state");
   torch::Tensor h = state.view({NH, K, V});
   torch::Tensor h_out = inplace ? h : torch::empty_like(h);
   torch::Tensor o = torch::empty({N, H, V}, state.options());
-  if (dt == torch::kFloat) {
-    run_step<float>(rows(q, dt, NH, K), rows(k, dt, NH, K), rows(v, dt, NH, V), rows(beta, dt, NH, -1), gr, h, h_out,
-                    o, scale);
-  } else {
-    run_step<double>(rows(q, dt, NH, K), rows(k, dt, NH, K), rows(v, dt, NH, V), rows(beta, dt, NH, -1), gr, h,
-                     h_out, o, scale);
-  }
+  if (dt == torch::kFloat) run_step<float>(in, h, h_out, o, scale);
+  else run_step<double>(in, h, h_out, o, scale);
   return {o.to(v.scalar_type()), inplace ? state : h_out.view({N, H, K, V})};
 }
 
@@ -213,31 +231,14 @@ std::vector<torch::Tensor> delta_step(const torch::Tensor& q, const torch::Tenso
 // state that is dropped; fresh[n] (optional) starts slot slots[n] from zeros. The caller checks the
 // slots (in range, no slot twice: each head's memory belongs to one task).
 template <typename T>
-void run_pool_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& beta,
-                   const c10::optional<torch::Tensor>& g, torch::Tensor& pool, const torch::Tensor& slots,
+void run_pool_step(const TokenRows& in, torch::Tensor& pool, const torch::Tensor& slots,
                    const c10::optional<torch::Tensor>& fresh, torch::Tensor& o, double scale, int64_t H) {
-  Step<T> s;
-  s.q = q.data_ptr<T>();
-  s.k = k.data_ptr<T>();
-  s.v = v.data_ptr<T>();
-  s.beta = beta.data_ptr<T>();
-  s.g = g.has_value() ? g->data_ptr<T>() : nullptr;
-  s.q_s = q.stride(0);
-  s.k_s = k.stride(0);
-  s.v_s = v.stride(0);
-  s.beta_s = beta.stride(0);
-  s.g_s = g.has_value() ? g->stride(0) : 0;
-  s.h = nullptr;
-  s.h_out = nullptr;
-  s.o = o.data_ptr<T>();
-  s.K = pool.size(2);
-  s.V = pool.size(3);
-  s.scale = T(scale);
+  const Step<T> s = make_step<T>(in, o, pool.size(2), pool.size(3), scale);
   const int64_t K = s.K, V = s.V, KV = K * V;
   T* base = pool.data_ptr<T>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const bool* has_init = fresh.has_value() ? fresh->data_ptr<bool>() : nullptr;
-  const int64_t NH = q.size(0);
+  const int64_t NH = in.q.size(0);
   at::parallel_for(0, NH, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> scratch(3 * V);
     std::vector<T> dropped;  // the state of a row without a slot
@@ -269,26 +270,16 @@ torch::Tensor delta_step_pool(const torch::Tensor& q, const torch::Tensor& k, co
               "delta_step_pool: the pool must be a contiguous CPU [S, H, K, V] tensor");
   const auto dt = pool.scalar_type();
   TORCH_CHECK(dt == torch::kFloat || dt == torch::kDouble, "delta_step_pool: a float32 or float64 pool only");
-  const int64_t H = pool.size(1), K = pool.size(2), V = pool.size(3), N = q.size(0), NH = N * H;
-  TORCH_CHECK(q.sizes() == at::IntArrayRef({N, H, K}) && k.sizes() == q.sizes() &&
-                  v.sizes() == at::IntArrayRef({N, H, V}) && beta.sizes() == at::IntArrayRef({N, H}) &&
-                  (!g.has_value() || g->sizes() == beta.sizes()),
-              "delta_step_pool: the shapes do not match the pool's");
+  const int64_t H = pool.size(1), K = pool.size(2), V = pool.size(3), N = q.size(0);
+  const TokenRows in = token_rows(q, k, v, beta, g, dt, N, H, K, V, "delta_step_pool", "pool");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == N && slots.is_cpu(),
               "delta_step_pool: state_indices must be a CPU int64 [N] tensor");
   c10::optional<torch::Tensor> fresh;
   if (has_initial_state.has_value()) fresh = has_initial_state->to(torch::kBool).contiguous();
-  c10::optional<torch::Tensor> gr;
-  if (g.has_value()) gr = rows(*g, dt, NH, -1);
   torch::Tensor idx = slots.contiguous();
   torch::Tensor o = torch::empty({N, H, V}, pool.options());
-  if (dt == torch::kFloat) {
-    run_pool_step<float>(rows(q, dt, NH, K), rows(k, dt, NH, K), rows(v, dt, NH, V), rows(beta, dt, NH, -1), gr, pool,
-                         idx, fresh, o, scale, H);
-  } else {
-    run_pool_step<double>(rows(q, dt, NH, K), rows(k, dt, NH, K), rows(v, dt, NH, V), rows(beta, dt, NH, -1), gr, pool,
-                          idx, fresh, o, scale, H);
-  }
+  if (dt == torch::kFloat) run_pool_step<float>(in, pool, idx, fresh, o, scale, H);
+  else run_pool_step<double>(in, pool, idx, fresh, o, scale, H);
   return o.to(v.scalar_type());
 }
 

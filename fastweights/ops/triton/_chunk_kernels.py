@@ -123,13 +123,52 @@ def _store_state(ptr, x, K, V, k0, v0, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_bounds(cu_seqlens, chunk_indices, i_t, BT: tl.constexpr):
-    """(start token, end of its sequence) of global chunk ``i_t``."""
+def _state_program(cu_seqlens, chunk_offsets, h_in, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, HAS_IN: tl.constexpr):
+    """Where a program of the two sequential kernels starts: (sequence, head) on axis 0 (N·H there:
+    CUDA caps axes 1 and 2 at 65,535), the V-block on axis 1.
+
+    Returns (i_nh, head, first column v0, bos, eos, the sequence's first global chunk, its number
+    of chunks, the fp32 ``[BK, BV]`` state it starts from: its block of ``h_in`` with ``HAS_IN``,
+    else zeros).
+    """
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    first = tl.load(chunk_offsets + i_n).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    v0 = i_v * BV
+    if HAS_IN:
+        h = _load_state(h_in + _state_offset(i_nh, K, V), K, V, 0, v0, BK, BV)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    return i_nh, i_h, v0, bos, eos, first, n_chunks, h
+
+
+@triton.jit
+def _chunk_qkw(q, k, w, i_h, t0, eos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """The chunk's rows of q, k and w (from token ``t0``, zero from ``eos`` on), ``[BT, BK]`` each, stored dtype."""
+    sk = H * K
+    q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
+    k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
+    w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
+    return q_c, k_c, w_c
+
+
+@triton.jit
+def _chunk_program(cu_seqlens, chunk_indices, BT: tl.constexpr):
+    """What a program of the chunk-parallel kernels works on: (global chunk ``i_t`` on axis 0,
+    head on axis 1, the chunk's start token, the end of its sequence)."""
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_t).to(tl.int64)
     i_c = tl.load(chunk_indices + 2 * i_t + 1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    return bos + i_c * BT, eos
+    return i_t, i_h, bos + i_c * BT, eos
 
 
 @triton.jit
@@ -188,9 +227,7 @@ def _wy_fwd_kernel(
     to memory in the input dtype (the backward needs it) and comes back as one
     64×64 tile, the left operand of W and U.
     """
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, BT)
+    i_t, i_h, t0, eos = _chunk_program(cu_seqlens, chunk_indices, BT)
     k_h = k + i_h * K
     sk = H * K
     dt = k.dtype.element_ty
@@ -306,32 +343,18 @@ def _state_fwd_kernel(
     With ``SAVE_STATES`` (a backward follows) the state entering each chunk is saved
     and U' is written over U (the backward needs U', never U).
     """
-    i_nh = tl.program_id(0)  # N·H on axis 0: CUDA caps axes 1 and 2 at 65,535
-    i_v = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    first = tl.load(chunk_offsets + i_n).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, BT)
-    sk = H * K
+    i_nh, i_h, v0, bos, eos, first, n_chunks, h = _state_program(cu_seqlens, chunk_offsets, h0, H, K, V, BT, BK, BV,
+                                                                  HAS_H0)
     sv = H * V
-    v0 = i_v * BV
     r = tl.arange(0, BT)
     causal = r[:, None] >= r[None, :]
     dt = q.dtype.element_ty
 
-    if HAS_H0:
-        h = _load_state(h0 + _state_offset(i_nh, K, V), K, V, 0, v0, BK, BV)
-    else:
-        h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_c in range(0, n_chunks):
         if SAVE_STATES:
             _store_state(states + _state_offset((first + i_c) * H + i_h, K, V), h, K, V, 0, v0, BK, BV)
         t0 = bos + i_c * BT
-        q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
-        k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
-        w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
+        q_c, k_c, w_c = _chunk_qkw(q, k, w, i_h, t0, eos, H, K, BT, BK)
         u_c = _load_tile(u + i_h * V + v0, t0, eos, sv, V - v0, BT, BV).to(tl.float32)
         h_op = h.to(dt)
         u_c = u_c - tl.dot(w_c, h_op, input_precision=PREC)  # U'
@@ -373,32 +396,18 @@ def _state_bwd_kernel(
         dU' = Pᵀ dO + K̄ dh                              (stored, fp32)
         dh ← e^{b_C} dh + scale·(Q ⊙ e^b)ᵀ dO − Wᵀ dU'   (the gradient entering chunk c)
     """
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    first = tl.load(chunk_offsets + i_n).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, BT)
-    sk = H * K
+    i_nh, i_h, v0, bos, eos, first, n_chunks, dh = _state_program(cu_seqlens, chunk_offsets, dh_final, H, K, V, BT, BK,
+                                                                   BV, HAS_DHT)
     sv = H * V
-    v0 = i_v * BV
     r = tl.arange(0, BT)
     causal = r[:, None] >= r[None, :]
     dt = q.dtype.element_ty
 
-    if HAS_DHT:
-        dh = _load_state(dh_final + _state_offset(i_nh, K, V), K, V, 0, v0, BK, BV)
-    else:
-        dh = tl.zeros([BK, BV], dtype=tl.float32)
     for j in range(0, n_chunks):
         i_c = n_chunks - 1 - j
         _store_state(dstates + _state_offset((first + i_c) * H + i_h, K, V), dh, K, V, 0, v0, BK, BV)
         t0 = bos + i_c * BT
-        q_c = _load_tile(q + i_h * K, t0, eos, sk, K, BT, BK)
-        k_c = _load_tile(k + i_h * K, t0, eos, sk, K, BT, BK)
-        w_c = _load_tile(w + i_h * K, t0, eos, sk, K, BT, BK)
+        q_c, k_c, w_c = _chunk_qkw(q, k, w, i_h, t0, eos, H, K, BT, BK)
         do_c = _load_tile(do + i_h * V + v0, t0, eos, sv, V - v0, BT, BV)
         scores = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * scale
         du_c = tl.dot(k_c, dh.to(dt), input_precision=PREC)  # K̄ dh, K̄ = diag(e^{b_C − b}) K
@@ -434,9 +443,7 @@ def _grads_intra_kernel(
     and the parts of dβ (rowsum(dZ_U ⊙ V) + rowsum(dA ⊙ S)) and of db (the pair-wise Γ
     of P and S: rowsum − colsum of dM ⊙ M) that need all of K for S and P.
     """
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, BT)
+    i_t, i_h, t0, eos = _chunk_program(cu_seqlens, chunk_indices, BT)
     sk = H * K
     sv = H * V
     r = tl.arange(0, BT)
@@ -506,9 +513,7 @@ def _grads_key_kernel(
     dβ adds rowsum(dZ_W ⊙ K_b); db adds the row terms of Q_b, K̄, K_b and (to the last
     row) e^{b_C}'s and K̄'s b_C part; dg = reverse cumsum of db in the chunk.
     """
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0, eos = _chunk_bounds(cu_seqlens, chunk_indices, i_t, BT)
+    i_t, i_h, t0, eos = _chunk_program(cu_seqlens, chunk_indices, BT)
     sk = H * K
     sv = H * V
     r = tl.arange(0, BT)
