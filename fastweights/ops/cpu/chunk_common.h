@@ -45,7 +45,8 @@ void masked_scores(int64_t C, int64_t K, const T* Q, int64_t ldq, const T* Km, i
   mask_scores(C, bcum, S, P, G);
 }
 
-// The masks and decays of S = K Kᵀ and P = scale · Q Kᵀ (see masked_scores), in place.
+// The masks and decays of S = K Kᵀ and P = scale · Q Kᵀ (see masked_scores), in place; S may be
+// null (linear attention has no S). Without bcum, the masks only.
 template <typename T>
 void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G) {
   // Γ[i, j] = exp(b_i − b_j). With every |b| ≤ 60 in the chunk it is exp(b_i) · exp(−b_j) (2·C
@@ -60,25 +61,30 @@ void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G) {
     }
   }
   for (int64_t i = 0; i < C; ++i) {
-    T* s = S + i * C;
+    T* s = S == nullptr ? nullptr : S + i * C;
     T* p = P + i * C;
     if (bcum != nullptr && split && G == nullptr) {  // the common case, in a loop the compiler vectorises
       const T ui = up[i];
+      if (S != nullptr) {
 #pragma omp simd
-      for (int64_t j = 0; j <= i; ++j) {
-        const T gam = ui * down[j];
-        p[j] *= gam;
-        s[j] *= gam;
+        for (int64_t j = 0; j <= i; ++j) {
+          const T gam = ui * down[j];
+          p[j] *= gam;
+          s[j] *= gam;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j <= i; ++j) p[j] *= ui * down[j];
       }
     } else if (bcum != nullptr) {
       for (int64_t j = 0; j <= i; ++j) {
         const T gam = split ? up[i] * down[j] : std::exp(bcum[i] - bcum[j]);
         if (G != nullptr) G[i * C + j] = gam;
         p[j] *= gam;
-        s[j] *= gam;
+        if (S != nullptr) s[j] *= gam;
       }
     }
-    std::fill(s + i, s + C, T(0));
+    if (S != nullptr) std::fill(s + i, s + C, T(0));
     std::fill(p + i + 1, p + C, T(0));
   }
 }
@@ -250,6 +256,30 @@ void fp32_or_fp64(torch::ScalarType dtype, const char* op, Run&& run) {
 // The strides of a tensor's first three dims (n, h, t of [N, H, T, ·]; n, h, t of [N, H, T]).
 inline void strides3(const torch::Tensor& t, int64_t* s) {
   for (int i = 0; i < 3; ++i) s[i] = t.stride(i);
+}
+
+// The sizes every chunk task carries (per_head reads N and H): N sequences of L tokens, H heads of
+// K key and V value channels, NC chunks of C tokens. The kernels' work structs derive from it.
+struct Grid {
+  int64_t N = 0, H = 0, L = 0, K = 0, V = 0, C = 0, NC = 0;
+};
+
+// A head-first input's data, with the strides of its first three dims written into s; null (s
+// untouched) for an absent optional input.
+template <typename E>
+inline const E* rows_of(const torch::Tensor& t, int64_t* s) {
+  strides3(t, s);
+  return t.data_ptr<E>();
+}
+template <typename E>
+inline const E* rows_of(const c10::optional<torch::Tensor>& t, int64_t* s) {
+  return t.has_value() ? rows_of<E>(*t, s) : nullptr;
+}
+
+// A tensor's data where `present` (what a kernel reads or writes only on request), else null.
+template <typename E>
+inline E* data_if(bool present, const torch::Tensor& t) {
+  return present ? t.data_ptr<E>() : nullptr;
 }
 
 }  // namespace chunk
