@@ -32,6 +32,33 @@ void chunk_decays(int64_t C, T* bcum, T* rd, T* te) {
   }
 }
 
+// The gate's gradient through the state's reads and writes and through P (the terms the delta
+// rule and linear attention share; db before the reverse cumsum inside the chunk), added to db:
+//   db_r += Σ dQ_b ⊙ Q_b − Σ dK̄ ⊙ K̄ + Σ_i (dP ⊙ P)[r, i] − Σ_i (dP ⊙ P)[i, r],
+//   db_C += Σ dK̄ ⊙ K̄ + e^{b_C} ⟨h, dh⟩   (last = e^{b_C}, d_last = ⟨h, dh⟩).
+// Q_b, K̄ and their gradients are [C, K] rows, P and dP [C, C].
+template <typename T>
+void read_write_gate_grad(int64_t C, int64_t K, const T* Qb, const T* dQb, const T* Kbar, const T* dKbar, const T* P,
+                          const T* dP, T last, T d_last, T* db) {
+  T write_sum = T(0);
+  for (int64_t i = 0; i < C; ++i) {
+    T rq = T(0), wk = T(0);
+    for (int64_t j = 0; j < K; ++j) {
+      rq += dQb[i * K + j] * Qb[i * K + j];
+      wk += dKbar[i * K + j] * Kbar[i * K + j];
+    }
+    db[i] += rq - wk;
+    write_sum += wk;
+  }
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t j = 0; j <= i; ++j) {
+      const T e = dP[i * C + j] * P[i * C + j];
+      db[i] += e;
+      db[j] -= e;
+    }
+  db[C - 1] += write_sum + d_last * last;
+}
+
 // S = strictly-lower(K Kᵀ ⊙ Γ) and P = scale · lower(Q Kᵀ ⊙ Γ), with Γ[i, j] = exp(b_i − b_j)
 // (bcum == nullptr: no gate); the decays are also written into G (lower triangle) when given.
 template <typename T>

@@ -251,23 +251,7 @@ struct Backward : Grid {
             db[j] += e;
           }
         // the shared read/write terms: (dQ_b ⊙ Q_b) − (dK̄ ⊙ K̄) + pair_grad(dP ⊙ P), and the chunk's end
-        T write_sum = T(0);
-        for (int64_t i = 0; i < C; ++i) {
-          T rq = T(0), wk = T(0);
-          for (int64_t j = 0; j < K; ++j) {
-            rq += dQb[i * K + j] * Qb[i * K + j];
-            wk += dKbar[i * K + j] * Kbar[i * K + j];
-          }
-          db[i] += rq - wk;
-          write_sum += wk;
-        }
-        for (int64_t i = 0; i < C; ++i)
-          for (int64_t j = 0; j <= i; ++j) {
-            const T e = dP[i * C + j] * P[i * C + j];
-            db[i] += e;
-            db[j] -= e;
-          }
-        db[C - 1] += write_sum + d_last * last;
+        read_write_gate_grad(C, K, Qb, dQb, Kbar, dKbar, P, dP, last, d_last, db);
       }
       // d_qk = (dP ⊙ Γ) · scale on the causal triangle; M = D + Dᵀ with D = strictly-lower(−dS) ⊙ Γ
       for (int64_t i = 0; i < C; ++i) {

@@ -21,16 +21,8 @@ namespace {
 
 using namespace fastweights::cpu::chunk;
 
-// b = cumsum(g) in place, and the state's factors: e^b (its reads), e^{b_C − b} (its writes). P's
-// mask and decay Γ are chunk_common.h's mask_scores (the delta rule's, without S).
-template <typename T>
-void chunk_decays(int64_t C, T* b, T* rd, T* te) {
-  for (int64_t i = 1; i < C; ++i) b[i] += b[i - 1];
-  for (int64_t i = 0; i < C; ++i) {
-    rd[i] = std::exp(b[i]);
-    te[i] = std::exp(b[C - 1] - b[i]);
-  }
-}
+// b = cumsum(g), e^b and e^{b_C − b} are chunk_common.h's chunk_decays; P's mask and decay Γ its
+// mask_scores (without S), and the gate's gradient its read_write_gate_grad: the delta rule's.
 
 template <typename T>
 struct Forward : Grid {
@@ -196,24 +188,10 @@ struct Backward : Grid {
       for (int64_t i = 0; i < K * V; ++i) dh_new[i] = last * dh[i];
       mm<T>(true, false, K, V, C, scale, qread, K, dO, ldo, T(1), dh_new, V);
       if (gated) {
-        T d_last = T(0), write_sum = T(0);
+        T d_last = T(0);
         for (int64_t i = 0; i < K * V; ++i) d_last += h[i] * dh[i];
-        for (int64_t i = 0; i < C; ++i) {
-          T rq = T(0), wk = T(0);
-          for (int64_t j = 0; j < K; ++j) {
-            rq += dQb[i * K + j] * Qb[i * K + j];
-            wk += dKbar[i * K + j] * Kbar[i * K + j];
-          }
-          db[i] = rq - wk;
-          write_sum += wk;
-        }
-        for (int64_t i = 0; i < C; ++i)
-          for (int64_t j = 0; j <= i; ++j) {
-            const T e = dP[i * C + j] * P[i * C + j];
-            db[i] += e;
-            db[j] -= e;
-          }
-        db[C - 1] += write_sum + d_last * last;
+        std::fill(db, db + C, T(0));
+        read_write_gate_grad(C, K, Qb, dQb, Kbar, dKbar, P, dP, last, d_last, db);
         T run = T(0);
         for (int64_t i = C - 1; i >= 0; --i) {  // dg = reverse cumsum of db inside the chunk
           run += db[i];
