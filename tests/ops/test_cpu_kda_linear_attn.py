@@ -276,3 +276,144 @@ def test_linear_attention_flop_count_of_the_roofline_rows():
     assert linear_attn_flops(1, 1, 64, 128, 128, 64, backward=True) == fwd + 5 * 1048576 + 4 * 2097152
     # a partial chunk counts as a whole one
     assert linear_attn_flops(2, 3, 65, 8, 8, 64) == 2 * 3 * 2 * linear_attn_flops(1, 1, 64, 8, 8, 64)
+
+
+# -- the inference path: no gradient asked for, nothing kept ----------------------------------
+#
+# Without a gradient to record, both ops call their inference custom op
+# (``fastweights::chunk_linear_attn_infer`` / ``chunk_kda_infer``): the kernels then keep no
+# chunk copies or states, and linear attention reads a whole chunk's rows where they lie in the
+# token-major input (the partial last chunk gathered and zero-padded).
+
+
+@pytest.fixture
+def keep_flags(monkeypatch):
+    """The ``keep`` flag of every compiled forward call (the last argument of ``_native_forward``)."""
+    flags = []
+    for module in (linear_chunk_module, kda_chunk_module):
+        original = module._native_forward
+
+        def wrapped(*args, _original=original, _plain=7 + (module is kda_chunk_module)):
+            out = _original(*args)
+            if out is not None:  # keep is passed positionally, or left at its default (True)
+                flags.append(args[-1] if len(args) > _plain else True)
+            return out
+
+        monkeypatch.setattr(module, "_native_forward", wrapped)
+    return flags
+
+
+def _infer(form, x, kernels_on=True, **kwargs):
+    """``form``'s output and final state under ``torch.no_grad()``."""
+    cpu_kernels.set_enabled(kernels_on)
+    try:
+        with torch.no_grad():
+            return list(form(**x, output_final_state=True, **kwargs))
+    finally:
+        cpu_kernels.set_enabled(None)
+
+
+@pytest.mark.parametrize("rule_name", LINEAR_RULES)
+@pytest.mark.parametrize("B,T,K,V,C,h0", [(2, 1, 16, 24, 32, True), (2, 63, 60, 33, 64, False), (3, 200, 60, 40, 64, True),
+                                         (1, 1000, 8, 12, 64, True)])
+def test_linear_attn_float64_inference_kernel_equals_the_recurrence(kernels, keep_flags, rule_name, B, T, K, V, C, h0,
+                                                                    one_thread):
+    """No grad: output and final state ~1e-12 of the recurrence, whole chunks read in place and a
+    partial last one; and the kernel kept nothing (keep False)."""
+    rule = RULES[rule_name]
+    x = make_inputs(rule, B, T, 3, K, V, initial_state=h0, seed=T + 1)
+    got = _infer(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=C)
+    want = _infer(lambda **a: call(rule.reference, rule, a), x, kernels_on=False)
+    for name, a, b in zip(["o", "h_T"], got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    assert keep_flags and not any(keep_flags)
+
+
+@pytest.mark.parametrize("decay", [0.05, 7.0])
+def test_linear_attn_float64_inference_kernel_with_mild_and_strong_decays(kernels, keep_flags, decay, one_thread):
+    rule = RULES["linear_decay"]
+    x = make_inputs(rule, 1, 150, 2, 16, 20, initial_state=True, seed=6)
+    x["g"] = torch.full_like(x["g"], -decay) + 0.01 * torch.rand_like(x["g"])
+    got = _infer(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=64)
+    want = _infer(lambda **a: call(rule.reference, rule, a), x, kernels_on=False)
+    for name, a, b in zip(["o", "h_T"], got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    assert keep_flags == [False]
+
+
+@pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
+def test_linear_attn_inference_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, rule_name, one_thread):
+    rule = RULES[rule_name]
+    lengths = [5, 70, 1, 33, 2]
+    x = make_inputs(rule, 1, sum(lengths), 3, 20, 12, initial_state=False, seed=8)
+    kd, vd = rule.state_dims(20, 12)
+    x["initial_state"] = torch.randn(len(lengths), 3, kd, vd, dtype=torch.float64).abs()
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    form = (lambda **a: call(rule.forms[2], rule, a, cu_seqlens=cu, chunk_size=32))
+    for name, a, b in zip(["o", "h_T"], _infer(form, x, True), _infer(form, x, False)):
+        assert rel_err(a, b) < 1e-13, f"{name}: {rel_err(a, b):.2e}"
+
+
+def test_linear_attn_inference_and_training_forwards_agree(kernels, keep_flags, one_thread):
+    """The same forward with and without a gradient (kept chunks read vs the input read in place):
+    float64 to 1e-14; fp32 inference bitwise the same alone and in a batch, on 1 and 2 threads."""
+    rule = RULES["linear_decay"]
+    x = make_inputs(rule, 2, 300, 2, 32, 24, initial_state=True, seed=9)
+    trained = _run(lambda **a: call(rule.forms[2], rule, a), x)[:2]
+    inferred = _infer(lambda **a: call(rule.forms[2], rule, a), x)
+    for a, b in zip(inferred, trained):
+        assert rel_err(a, b) < 1e-14
+    assert keep_flags == [True, False]
+    x32 = {n: t.float() for n, t in x.items()}
+    threads = torch.get_num_threads()
+    try:
+        one = _infer(lambda **a: call(rule.forms[2], rule, a), x32)
+        torch.set_num_threads(2)
+        two = _infer(lambda **a: call(rule.forms[2], rule, a), x32)
+        alone = _infer(lambda **a: call(rule.forms[2], rule, a), {n: t[1:] for n, t in x32.items()})
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(alone[0], one[0][1:]) and torch.equal(alone[1], one[1][1:])
+
+
+@pytest.mark.parametrize("T,K,V,C,h0", [(1, 16, 24, 64, True), (63, 60, 33, 64, False), (200, 60, 40, 64, True),
+                                       (1000, 8, 12, 64, True)])
+def test_kda_float64_inference_kernel_equals_the_recurrence(kernels, keep_flags, T, K, V, C, h0, one_thread):
+    x = _kda_inputs(2, T, 3, K, V, initial_state=h0, seed=T + 1)
+    got = _infer(ops.chunk_kda, x, chunk_size=C)
+    want = _infer(ops.recurrent_kda, x, kernels_on=False)
+    for name, a, b in zip(["o", "h_T"], got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    assert keep_flags and not any(keep_flags)
+
+
+def test_kda_inference_and_training_forwards_agree(kernels, keep_flags, one_thread):
+    x = _kda_inputs(2, 300, 2, 32, 24, decay=3.0, seed=9)
+    trained = _run(ops.chunk_kda, x)[:2]
+    inferred = _infer(ops.chunk_kda, x)
+    for a, b in zip(inferred, trained):
+        assert rel_err(a, b) < 1e-14
+    assert keep_flags == [True, False]
+
+
+@pytest.mark.parametrize("op_name", ["chunk_linear_attn_infer", "chunk_kda_infer"])
+def test_inference_ops_fakes_match_the_kernels(kernels, op_name, one_thread):
+    """opcheck: the inference ops' fakes give the real outputs' shapes, dtypes and strides (T not
+    a multiple of C, K != V, with and without the gate and the initial state)."""
+    gen = torch.Generator().manual_seed(0)
+    n, h, t, dk, dv, c = 2, 3, 10, 5, 4, 4
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = rand(n, h, t, dk), F.normalize(rand(n, h, t, dk), dim=-1), rand(n, h, t, dv)
+    op = getattr(torch.ops.fastweights, op_name).default
+    if op_name == "chunk_linear_attn_infer":
+        samples = [(q, k, v, -torch.rand(n, h, t, generator=gen), rand(n, h, dk, dv), 0.5, c, True),
+                   (q, k, v, None, None, 0.5, c, True), (q, k, v, None, None, 0.5, c, False)]
+    else:
+        beta, gk = torch.rand(n, h, t, generator=gen), -torch.rand(n, h, t, dk, generator=gen)
+        samples = [(q, k, v, beta, gk, rand(n, h, dk, dv), 0.5, c, True), (q, k, v, beta, gk, None, 0.5, c, False)]
+    for args in samples:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

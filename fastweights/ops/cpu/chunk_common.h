@@ -32,6 +32,33 @@ void chunk_decays(int64_t C, T* bcum, T* rd, T* te) {
   }
 }
 
+// The gate's gradient through the state's reads and writes and through P (the terms the delta
+// rule and linear attention share; db before the reverse cumsum inside the chunk), added to db:
+//   db_r += Σ dQ_b ⊙ Q_b − Σ dK̄ ⊙ K̄ + Σ_i (dP ⊙ P)[r, i] − Σ_i (dP ⊙ P)[i, r],
+//   db_C += Σ dK̄ ⊙ K̄ + e^{b_C} ⟨h, dh⟩   (last = e^{b_C}, d_last = ⟨h, dh⟩).
+// Q_b, K̄ and their gradients are [C, K] rows, P and dP [C, C].
+template <typename T>
+void read_write_gate_grad(int64_t C, int64_t K, const T* Qb, const T* dQb, const T* Kbar, const T* dKbar, const T* P,
+                          const T* dP, T last, T d_last, T* db) {
+  T write_sum = T(0);
+  for (int64_t i = 0; i < C; ++i) {
+    T rq = T(0), wk = T(0);
+    for (int64_t j = 0; j < K; ++j) {
+      rq += dQb[i * K + j] * Qb[i * K + j];
+      wk += dKbar[i * K + j] * Kbar[i * K + j];
+    }
+    db[i] += rq - wk;
+    write_sum += wk;
+  }
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t j = 0; j <= i; ++j) {
+      const T e = dP[i * C + j] * P[i * C + j];
+      db[i] += e;
+      db[j] -= e;
+    }
+  db[C - 1] += write_sum + d_last * last;
+}
+
 // S = strictly-lower(K Kᵀ ⊙ Γ) and P = scale · lower(Q Kᵀ ⊙ Γ), with Γ[i, j] = exp(b_i − b_j)
 // (bcum == nullptr: no gate); the decays are also written into G (lower triangle) when given.
 template <typename T>
@@ -45,7 +72,8 @@ void masked_scores(int64_t C, int64_t K, const T* Q, int64_t ldq, const T* Km, i
   mask_scores(C, bcum, S, P, G);
 }
 
-// The masks and decays of S = K Kᵀ and P = scale · Q Kᵀ (see masked_scores), in place.
+// The masks and decays of S = K Kᵀ and P = scale · Q Kᵀ (see masked_scores), in place; S may be
+// null (linear attention has no S). Without bcum, the masks only.
 template <typename T>
 void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G) {
   // Γ[i, j] = exp(b_i − b_j). With every |b| ≤ 60 in the chunk it is exp(b_i) · exp(−b_j) (2·C
@@ -60,25 +88,30 @@ void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G) {
     }
   }
   for (int64_t i = 0; i < C; ++i) {
-    T* s = S + i * C;
+    T* s = S == nullptr ? nullptr : S + i * C;
     T* p = P + i * C;
     if (bcum != nullptr && split && G == nullptr) {  // the common case, in a loop the compiler vectorises
       const T ui = up[i];
+      if (S != nullptr) {
 #pragma omp simd
-      for (int64_t j = 0; j <= i; ++j) {
-        const T gam = ui * down[j];
-        p[j] *= gam;
-        s[j] *= gam;
+        for (int64_t j = 0; j <= i; ++j) {
+          const T gam = ui * down[j];
+          p[j] *= gam;
+          s[j] *= gam;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j <= i; ++j) p[j] *= ui * down[j];
       }
     } else if (bcum != nullptr) {
       for (int64_t j = 0; j <= i; ++j) {
         const T gam = split ? up[i] * down[j] : std::exp(bcum[i] - bcum[j]);
         if (G != nullptr) G[i * C + j] = gam;
         p[j] *= gam;
-        s[j] *= gam;
+        if (S != nullptr) s[j] *= gam;
       }
     }
-    std::fill(s + i, s + C, T(0));
+    if (S != nullptr) std::fill(s + i, s + C, T(0));
     std::fill(p + i + 1, p + C, T(0));
   }
 }
@@ -250,6 +283,30 @@ void fp32_or_fp64(torch::ScalarType dtype, const char* op, Run&& run) {
 // The strides of a tensor's first three dims (n, h, t of [N, H, T, ·]; n, h, t of [N, H, T]).
 inline void strides3(const torch::Tensor& t, int64_t* s) {
   for (int i = 0; i < 3; ++i) s[i] = t.stride(i);
+}
+
+// The sizes every chunk task carries (per_head reads N and H): N sequences of L tokens, H heads of
+// K key and V value channels, NC chunks of C tokens. The kernels' work structs derive from it.
+struct Grid {
+  int64_t N = 0, H = 0, L = 0, K = 0, V = 0, C = 0, NC = 0;
+};
+
+// A head-first input's data, with the strides of its first three dims written into s; null (s
+// untouched) for an absent optional input.
+template <typename E>
+inline const E* rows_of(const torch::Tensor& t, int64_t* s) {
+  strides3(t, s);
+  return t.data_ptr<E>();
+}
+template <typename E>
+inline const E* rows_of(const c10::optional<torch::Tensor>& t, int64_t* s) {
+  return t.has_value() ? rows_of<E>(*t, s) : nullptr;
+}
+
+// A tensor's data where `present` (what a kernel reads or writes only on request), else null.
+template <typename E>
+inline E* data_if(bool present, const torch::Tensor& t) {
+  return present ? t.data_ptr<E>() : nullptr;
 }
 
 }  // namespace chunk

@@ -32,7 +32,7 @@ using fastweights::cpu::round16;
 // E: the type of q, k, v and o — T, or bf16 (inference only: plain bf16 inputs widened in the
 // gather and the output rounded on its way out, so no pass over the inputs converts them first).
 template <typename T, typename E = T>
-struct Forward {
+struct Forward : Grid {
   // inputs, head-first [N, H, T, ·] with unit stride in the last dim; strides (n, h, t) in elements
   const E *q, *k, *v;
   const T *beta, *g, *h0;
@@ -42,7 +42,7 @@ struct Forward {
   T* h_out;   // [N·H, K, V]
   T* states;  // [NC, N·H, K, V]: the state entering each chunk (keep only)
   T *q_flat, *kv_flat, *wu, *inverses;  // kept: [NC·N·H, C, K], [.., C, K+V], [.., C, K+V], [nb, NC·N·H, bs, bs]
-  int64_t N, H, L, K, V, C, NC, nb;
+  int64_t nb;
   T scale;
   bool keep;
 
@@ -140,11 +140,10 @@ struct Forward {
 //   dQ = dQ_b ⊙ e^b + (dP ⊙ Γ·scale) K,  dK = dK̄ ⊙ e^{b_C−b} + (dP ⊙ Γ·scale)ᵀ Q − (D + Dᵀ) K − β (−dZ_W) ⊙ e^b
 //   with D = strictly-lower(β (−dA)) ⊙ Γ, and the gate's db summed back into dg by a reverse cumsum.
 template <typename T>
-struct Backward {
+struct Backward : Grid {
   const T *q_flat, *kv_flat, *wu, *states, *beta, *g, *dout, *dh_final;
   int64_t beta_s[3] = {}, g_s[3] = {}, do_s[3] = {};
   T *dq, *dk, *dv, *dbeta, *dg, *dh0;  // [N, NC·C, H, ·] (dbeta, dg [N, NC·C, H]); dh0 [N·H, K, V]
-  int64_t N, H, L, K, V, C, NC;
   T scale;
 
   int64_t scratch_size() const {
@@ -252,23 +251,7 @@ struct Backward {
             db[j] += e;
           }
         // the shared read/write terms: (dQ_b ⊙ Q_b) − (dK̄ ⊙ K̄) + pair_grad(dP ⊙ P), and the chunk's end
-        T write_sum = T(0);
-        for (int64_t i = 0; i < C; ++i) {
-          T rq = T(0), wk = T(0);
-          for (int64_t j = 0; j < K; ++j) {
-            rq += dQb[i * K + j] * Qb[i * K + j];
-            wk += dKbar[i * K + j] * Kbar[i * K + j];
-          }
-          db[i] += rq - wk;
-          write_sum += wk;
-        }
-        for (int64_t i = 0; i < C; ++i)
-          for (int64_t j = 0; j <= i; ++j) {
-            const T e = dP[i * C + j] * P[i * C + j];
-            db[i] += e;
-            db[j] -= e;
-          }
-        db[C - 1] += write_sum + d_last * last;
+        read_write_gate_grad(C, K, Qb, dQb, Kbar, dKbar, P, dP, last, d_last, db);
       }
       // d_qk = (dP ⊙ Γ) · scale on the causal triangle; M = D + Dᵀ with D = strictly-lower(−dS) ⊙ Γ
       for (int64_t i = 0; i < C; ++i) {
@@ -327,32 +310,21 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
                  int64_t C, int64_t nb, bool keep, torch::Tensor& o, torch::Tensor& h_out, torch::Tensor& states,
                  torch::Tensor& q_flat, torch::Tensor& kv_flat, torch::Tensor& wu, torch::Tensor& inverses) {
   Forward<T, E> f;
-  f.q = q.data_ptr<E>();
-  f.k = k.data_ptr<E>();
-  f.v = v.data_ptr<E>();
-  f.beta = beta.data_ptr<T>();
-  f.g = g.has_value() ? g->data_ptr<T>() : nullptr;
+  static_cast<Grid&>(f) = Grid{k.size(0), k.size(1), k.size(2), k.size(3), v.size(3), C, (k.size(2) + C - 1) / C};
+  f.nb = nb;
+  f.q = rows_of<E>(q, f.q_s);
+  f.k = rows_of<E>(k, f.k_s);
+  f.v = rows_of<E>(v, f.v_s);
+  f.beta = rows_of<T>(beta, f.beta_s);
+  f.g = rows_of<T>(g, f.g_s);
   f.h0 = h0.has_value() ? h0->data_ptr<T>() : nullptr;
-  strides3(q, f.q_s);
-  strides3(k, f.k_s);
-  strides3(v, f.v_s);
-  strides3(beta, f.beta_s);
-  if (g.has_value()) strides3(*g, f.g_s);
   f.o = o.data_ptr<E>();
   f.h_out = h_out.data_ptr<T>();
-  f.states = keep ? states.data_ptr<T>() : nullptr;
-  f.q_flat = keep ? q_flat.data_ptr<T>() : nullptr;
-  f.kv_flat = keep ? kv_flat.data_ptr<T>() : nullptr;
-  f.wu = keep ? wu.data_ptr<T>() : nullptr;
-  f.inverses = keep ? inverses.data_ptr<T>() : nullptr;
-  f.N = k.size(0);
-  f.H = k.size(1);
-  f.L = k.size(2);
-  f.K = k.size(3);
-  f.V = v.size(3);
-  f.C = C;
-  f.NC = (f.L + C - 1) / C;
-  f.nb = nb;
+  f.states = data_if<T>(keep, states);
+  f.q_flat = data_if<T>(keep, q_flat);
+  f.kv_flat = data_if<T>(keep, kv_flat);
+  f.wu = data_if<T>(keep, wu);
+  f.inverses = data_if<T>(keep, inverses);
   f.scale = T(scale);
   f.keep = keep;
   per_head(f);
@@ -424,24 +396,21 @@ std::vector<torch::Tensor> chunk_delta_bwd(const torch::Tensor& q_flat, const to
   auto fill = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Backward<T> b;
+    static_cast<Grid&>(b) = Grid{N, H, L, K, V, C, NC};
     b.q_flat = q_flat.data_ptr<T>();
     b.kv_flat = kv_flat.data_ptr<T>();
     b.wu = wu.data_ptr<T>();
     b.states = states.data_ptr<T>();
-    b.beta = beta.data_ptr<T>();
-    b.g = g.has_value() ? g->data_ptr<T>() : nullptr;
-    b.dout = dout.data_ptr<T>();
+    b.beta = rows_of<T>(beta, b.beta_s);
+    b.g = rows_of<T>(g, b.g_s);
+    b.dout = rows_of<T>(dout, b.do_s);
     b.dh_final = dhf.data_ptr<T>();
-    strides3(beta, b.beta_s);
-    if (g.has_value()) strides3(*g, b.g_s);
-    for (int i = 0; i < 3; ++i) b.do_s[i] = dout.stride(i);
     b.dq = dq.data_ptr<T>();
     b.dk = dk.data_ptr<T>();
     b.dv = dv.data_ptr<T>();
     b.dbeta = dbeta.data_ptr<T>();
     b.dg = g.has_value() ? dg.data_ptr<T>() : nullptr;
     b.dh0 = dh0.data_ptr<T>();
-    b.N = N; b.H = H; b.L = L; b.K = K; b.V = V; b.C = C; b.NC = NC;
     b.scale = T(scale);
     per_head(b);
   };

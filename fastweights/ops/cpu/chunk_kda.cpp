@@ -78,6 +78,17 @@ template <typename T>
 struct HeadInputs {
   const T *q, *k, *v, *beta, *gk;
   int64_t q_t, k_t, v_t, beta_t, gk_t;
+
+  // Asks for the rows of the chunk at t0 (nothing past L or before 0) while another computes: one
+  // token's rows are a page apart in a token-major input, which no hardware prefetcher follows.
+  void prefetch(int64_t t0, int64_t C, int64_t L, int64_t K, int64_t V) const {
+    if (t0 < 0 || t0 >= L) return;
+    const int64_t rows = std::min(C, L - t0);
+    prefetch_rows(q, q_t, t0, rows, K);
+    prefetch_rows(k, k_t, t0, rows, K);
+    prefetch_rows(v, v_t, t0, rows, V);
+    prefetch_rows(gk, gk_t, t0, rows, K);
+  }
 };
 
 // Every per-chunk quantity that does not need the state, in one task's scratch (the forward and the
@@ -181,10 +192,15 @@ struct Terms {
           Lf[(s + r) * K + d] = Q[(r0 + r) * K + d] * e * scale;
         }
       right_before(j, nullptr);
-      bool split = true;  // the sub-block's own pairs by the split factors when every channel stays finite
-      for (int64_t i = r0; i < r0 + s && split; ++i)
-        for (int64_t d = 0; d < K; ++d)
-          if (std::abs(bm(m, d) - bd[i * K + d]) > limit) { split = false; break; }
+      // the sub-block's own pairs by the split factors when every channel stays finite (one
+      // reduction the compiler vectorises: the decay's span from the reference point, at most)
+      double span = 0.0;
+      for (int64_t i = r0; i < r0 + s; ++i) {
+        const double* bi = bd + i * K;
+#pragma omp simd reduction(max : span)
+        for (int64_t d = 0; d < K; ++d) span = std::max(span, std::abs((m < 0 ? 0.0 : bd[m * K + d]) - bi[d]));
+      }
+      const bool split = span <= limit;
       const int64_t cols = split ? r0 + s : r0;
       if (split)
         for (int64_t i = r0; i < r0 + s; ++i)
@@ -192,10 +208,8 @@ struct Terms {
       if (cols > 0) mm<T>(false, true, 2 * s, cols, K, T(1), Lf, K, Right, K, T(0), M, C);
       for (int64_t r = 0; r < s; ++r) {
         const int64_t rr = r0 + r;
-        for (int64_t i = 0; i < r0; ++i) {
-          S[rr * C + i] = M[r * C + i];
-          P[rr * C + i] = M[(s + r) * C + i];
-        }
+        std::memcpy(S + rr * C, M + r * C, sizeof(T) * r0);
+        std::memcpy(P + rr * C, M + (s + r) * C, sizeof(T) * r0);
         for (int64_t i = r0; i <= rr; ++i) {
           T sv, pv;
           if (split) {
@@ -234,37 +248,38 @@ HeadInputs<T> head_inputs(const T* q, const int64_t* q_s, const T* k, const int6
 }
 
 template <typename T>
-struct Forward {
+struct Forward : Grid {
   const T *q, *k, *v, *beta, *gk, *h0;  // head-first [N, H, T, ·] (beta [N, H, T]), unit last stride
   int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {};
   T *o, *h_out, *states;                // [N, NC·C, H, V], [N·H, K, V], [NC, N·H, K, V] (keep only)
-  int64_t N, H, L, K, V, C, NC, s;      // s: the sub-block size (C a multiple of it)
+  int64_t s;                            // the sub-block size (C a multiple of it)
   T scale;
   bool keep;
 
-  int64_t scratch_size() const { return Terms<T>::size(C, K, V, s) + round16(C * V) + round16(K * V); }
+  int64_t scratch_size() const { return Terms<T>::size(C, K, V, s) + round16(K * V); }
 
   void head(int64_t nh, T* scratch) const {
-    const int64_t n = nh / H, hh = nh % H, NH = N * H, KV = K + V;
+    const int64_t n = nh / H, hh = nh % H, NH = N * H, KV = K + V, ldo = H * V;
     Carve<T> sc{scratch};
     Terms<T> x(sc, C, K, V, s, scale);
-    T *O = sc.take(C * V), *h = sc.take(K * V);
+    T* h = sc.take(K * V);
     T* Up = x.WU + K;  // U' in place of U
     const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, n, hh);
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
+      in.prefetch(t0 + C, C, L, K, V);
       x.compute(in, t0, L);
-      // U' = U − W h;  O = Q_r h + P U';  h ← diag(e^{b_C}) h + K_wᵀ U'
+      // U' = U − W h;  O = Q_r h + P U' (straight into the token-major output);  h ← diag(e^{b_C}) h + K_wᵀ U'
       if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
+      T* O = o + (n * NC * C + t0) * ldo + hh * V;
       mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, KV);
-      mm<T>(false, false, C, V, K, T(1), x.Qr, K, h, V, T(0), O, V);
-      mm<T>(false, false, C, V, C, T(1), x.P, C, Up, KV, T(1), O, V);
+      mm<T>(false, false, C, V, K, T(1), x.Qr, K, h, V, T(0), O, ldo);
+      mm<T>(false, false, C, V, C, T(1), x.P, C, Up, KV, T(1), O, ldo);
       for (int64_t i = 0; i < K; ++i)
         for (int64_t j = 0; j < V; ++j) h[i * V + j] *= x.last[i];
       mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
-      scatter_rows(O, V, C, V, o, n, NC * C, H, hh, t0);
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
   }
@@ -282,11 +297,11 @@ struct Forward {
 // (dLeft = dM Right, dRight = dMᵀ Left), inside a sub-block pair by pair. Every gk_t gradient is
 // a sum over the spans of the factors that hold it (never a difference of cumulative sums).
 template <typename T>
-struct Backward {
+struct Backward : Grid {
   const T *q, *k, *v, *beta, *gk, *states, *dout, *dh_final;
   int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, do_s[3] = {};
   T *dq, *dk, *dv, *dbeta, *dgk, *dh0;  // [N, NC·C, H, ·] (dbeta [N, NC·C, H]); dh0 [N·H, K, V]
-  int64_t N, H, L, K, V, C, NC, s;
+  int64_t s;
   T scale;
 
   int64_t scratch_size() const {
@@ -311,6 +326,8 @@ struct Backward {
     for (int64_t c = NC - 1; c >= 0; --c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       const T* h = states + row * K * V;
+      in.prefetch(t0 - C, C, L, K, V);
+      if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);
       x.compute(in, t0, L);
       gather_rows(doh, do_s[2], t0, L, C, V, dO, V);
       // U' = U − W h
@@ -481,21 +498,17 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Forward<T> f;
-    f.q = q.data_ptr<T>();
-    f.k = k.data_ptr<T>();
-    f.v = v.data_ptr<T>();
-    f.beta = beta.data_ptr<T>();
-    f.gk = gk.data_ptr<T>();
-    f.h0 = h0.has_value() ? h0c.data_ptr<T>() : nullptr;
-    strides3(q, f.q_s);
-    strides3(k, f.k_s);
-    strides3(v, f.v_s);
-    strides3(beta, f.beta_s);
-    strides3(gk, f.gk_s);
+    static_cast<Grid&>(f) = Grid{N, H, L, K, V, C, NC};
+    f.s = s;
+    f.q = rows_of<T>(q, f.q_s);
+    f.k = rows_of<T>(k, f.k_s);
+    f.v = rows_of<T>(v, f.v_s);
+    f.beta = rows_of<T>(beta, f.beta_s);
+    f.gk = rows_of<T>(gk, f.gk_s);
+    f.h0 = data_if<T>(h0.has_value(), h0c);
     f.o = o.data_ptr<T>();
     f.h_out = h_out.data_ptr<T>();
-    f.states = keep ? states.data_ptr<T>() : nullptr;
-    f.N = N; f.H = H; f.L = L; f.K = K; f.V = V; f.C = C; f.NC = NC; f.s = s;
+    f.states = data_if<T>(keep, states);
     f.scale = T(scale);
     f.keep = keep;
     per_head(f);
@@ -524,27 +537,22 @@ std::vector<torch::Tensor> chunk_kda_bwd(const torch::Tensor& q, const torch::Te
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Backward<T> b;
-    b.q = q.data_ptr<T>();
-    b.k = k.data_ptr<T>();
-    b.v = v.data_ptr<T>();
-    b.beta = beta.data_ptr<T>();
-    b.gk = gk.data_ptr<T>();
+    static_cast<Grid&>(b) = Grid{N, H, L, K, V, C, NC};
+    b.s = s;
+    b.q = rows_of<T>(q, b.q_s);
+    b.k = rows_of<T>(k, b.k_s);
+    b.v = rows_of<T>(v, b.v_s);
+    b.beta = rows_of<T>(beta, b.beta_s);
+    b.gk = rows_of<T>(gk, b.gk_s);
+    b.dout = rows_of<T>(dout, b.do_s);
     b.states = states.data_ptr<T>();
-    b.dout = dout.data_ptr<T>();
     b.dh_final = dhf.data_ptr<T>();
-    strides3(q, b.q_s);
-    strides3(k, b.k_s);
-    strides3(v, b.v_s);
-    strides3(beta, b.beta_s);
-    strides3(gk, b.gk_s);
-    strides3(dout, b.do_s);
     b.dq = dq.data_ptr<T>();
     b.dk = dk.data_ptr<T>();
     b.dv = dv.data_ptr<T>();
     b.dbeta = dbeta.data_ptr<T>();
     b.dgk = dgk.data_ptr<T>();
     b.dh0 = dh0.data_ptr<T>();
-    b.N = N; b.H = H; b.L = L; b.K = K; b.V = V; b.C = C; b.NC = NC; b.s = s;
     b.scale = T(scale);
     per_head(b);
   };

@@ -21,111 +21,115 @@ namespace {
 
 using namespace fastweights::cpu::chunk;
 
-// b = cumsum(g) in place, e^b, e^{b_C − b}, and P's mask and decay in place (lower triangle
-// with the diagonal kept, Γ written into G when given). Γ is e^{b_i} · e^{−b_j} when every |b|
-// in the chunk is at most 60 (no factor over- or underflows), else the difference's exponential.
-template <typename T>
-void decay_terms(int64_t C, T* b, T* rd, T* te, T* P, T* G) {
-  for (int64_t i = 1; i < C; ++i) b[i] += b[i - 1];
-  bool split = C <= 1024;
-  for (int64_t i = 0; i < C; ++i) {
-    rd[i] = std::exp(b[i]);
-    te[i] = std::exp(b[C - 1] - b[i]);
-    split = split && std::abs(b[i]) <= T(60);
-  }
-  T down[1024];
-  if (split)
-    for (int64_t j = 0; j < C; ++j) down[j] = std::exp(-b[j]);
-  for (int64_t i = 0; i < C; ++i) {
-    T* p = P + i * C;
-    for (int64_t j = 0; j <= i; ++j) {
-      const T gam = split ? rd[i] * down[j] : std::exp(b[i] - b[j]);
-      if (G != nullptr) G[i * C + j] = gam;
-      p[j] *= gam;
-    }
-  }
-}
+// b = cumsum(g), e^b and e^{b_C − b} are chunk_common.h's chunk_decays; P's mask and decay Γ its
+// mask_scores (without S), and the gate's gradient its read_write_gate_grad: the delta rule's.
 
 template <typename T>
-void causal_mask(int64_t C, T* P) {
-  for (int64_t i = 0; i < C; ++i) std::fill(P + i * C + i + 1, P + (i + 1) * C, T(0));
-}
-
-template <typename T>
-struct Forward {
+struct Forward : Grid {
   const T *q, *k, *v, *g, *h0;  // head-first [N, H, T, ·] (g [N, H, T]), unit last stride
   int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, g_s[3] = {};
   T *o, *h_out, *states;        // [N, NC·C, H, V], [N·H, K, V], [NC, N·H, K, V]
   T *qc, *kc, *vc, *gc;         // kept: the flattened chunks [NC·N·H, C, ·] (gc [NC·N·H, C])
-  int64_t N, H, L, K, V, C, NC;
   T scale;
   bool keep;
 
   int64_t scratch_size() const {
-    return 3 * round16(C * K) + 2 * round16(C * V) + round16(C * C) + round16(K * V) + 3 * round16(C);
+    return 3 * round16(C * K) + round16(C * V) + round16(C * C) + round16(K * V) + 3 * round16(C);
   }
 
+  // The products read the chunk's rows where they lie: in the kept buffers (gathered there once),
+  // in the input itself (a whole chunk: its rows are `stride` apart, which BLAS takes as the
+  // leading dimension), or, for the last partial chunk, in scratch padded with zero rows. O is
+  // written straight into the token-major output (rows H·V apart).
   void head(int64_t nh, T* scratch) const {
-    const int64_t n = nh / H, hh = nh % H, NH = N * H;
+    const int64_t n = nh / H, hh = nh % H, NH = N * H, ldo = H * V;
     Carve<T> s{scratch};
-    T *Q = s.take(C * K), *Km = s.take(C * K), *Kbar = s.take(C * K), *Vm = s.take(C * V), *O = s.take(C * V);
+    T *Qs = s.take(C * K), *Ks = s.take(C * K), *Kbar = s.take(C * K), *Vs = s.take(C * V);
     T *P = s.take(C * C), *h = s.take(K * V), *b = s.take(C), *rd = s.take(C), *te = s.take(C);
     const T* qh = q + n * q_s[0] + hh * q_s[1];
     const T* kh = k + n * k_s[0] + hh * k_s[1];
     const T* vh = v + n * v_s[0] + hh * v_s[1];
     const T* gh = g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1];
+    const bool in_place = q_s[2] >= K && k_s[2] >= K && v_s[2] >= V;  // rows apart (not broadcast)
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
-      gather_rows(qh, q_s[2], t0, L, C, K, Q, K);
-      gather_rows(kh, k_s[2], t0, L, C, K, Km, K);
-      gather_rows(vh, v_s[2], t0, L, C, V, Vm, V);
-      if (gh != nullptr)
-        for (int64_t i = 0; i < C; ++i) b[i] = t0 + i < L ? gh[(t0 + i) * g_s[2]] : T(0);
+      // the next chunk's rows, a page apart per token (no hardware prefetcher follows them), asked
+      // for in four parts between the products: all at once, the requests stall on the fill buffers
+      const int64_t ahead = std::clamp<int64_t>(L - t0 - C, 0, C);
+      auto prefetch = [&](int part) {
+        const int64_t r0 = ahead * part / 4, r1 = ahead * (part + 1) / 4;
+        prefetch_rows(qh, q_s[2], t0 + C + r0, r1 - r0, K);
+        prefetch_rows(kh, k_s[2], t0 + C + r0, r1 - r0, K);
+        prefetch_rows(vh, v_s[2], t0 + C + r0, r1 - r0, V);
+      };
+      prefetch(0);
+      const T *Q, *Km, *Vm;
+      int64_t ldq = K, ldk = K, ldv = V;
       if (keep) {
-        std::memcpy(qc + row * C * K, Q, sizeof(T) * C * K);
-        std::memcpy(kc + row * C * K, Km, sizeof(T) * C * K);
-        std::memcpy(vc + row * C * V, Vm, sizeof(T) * C * V);
-        if (gh != nullptr) std::memcpy(gc + row * C, b, sizeof(T) * C);
+        T *qd = qc + row * C * K, *kd = kc + row * C * K, *vd = vc + row * C * V;
+        gather_rows(qh, q_s[2], t0, L, C, K, qd, K);
+        gather_rows(kh, k_s[2], t0, L, C, K, kd, K);
+        gather_rows(vh, v_s[2], t0, L, C, V, vd, V);
         std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
+        Q = qd; Km = kd; Vm = vd;
+      } else if (in_place && t0 + C <= L) {
+        Q = qh + t0 * q_s[2]; Km = kh + t0 * k_s[2]; Vm = vh + t0 * v_s[2];
+        ldq = q_s[2]; ldk = k_s[2]; ldv = v_s[2];
+      } else {
+        gather_rows(qh, q_s[2], t0, L, C, K, Qs, K);
+        gather_rows(kh, k_s[2], t0, L, C, K, Ks, K);
+        gather_rows(vh, v_s[2], t0, L, C, V, Vs, V);
+        Q = Qs; Km = Ks; Vm = Vs;
       }
-      mm<T>(false, true, C, C, K, scale, Q, K, Km, K, T(0), P, C);
-      causal_mask(C, P);
-      const T* kwrite = Km;
       if (gh != nullptr) {
-        decay_terms(C, b, rd, te, P, static_cast<T*>(nullptr));
-        for (int64_t i = 0; i < C; ++i)
-          for (int64_t j = 0; j < K; ++j) {
-            Q[i * K + j] *= rd[i];  // Q_b (Q itself is kept above)
-            Kbar[i * K + j] = Km[i * K + j] * te[i];
-          }
-        kwrite = Kbar;
+        for (int64_t i = 0; i < C; ++i) b[i] = t0 + i < L ? gh[(t0 + i) * g_s[2]] : T(0);
+        if (keep) std::memcpy(gc + row * C, b, sizeof(T) * C);
       }
-      // O = P V + scale · Q_b h;  h ← e^{b_C} h + K̄ᵀ V
-      mm<T>(false, false, C, V, C, T(1), P, C, Vm, V, T(0), O, V);
-      mm<T>(false, false, C, V, K, scale, Q, K, h, V, T(1), O, V);
+      T* O = o + (n * NC * C + t0) * ldo + hh * V;
+      // P = scale · Q Kᵀ (masked, decayed);  O = scale · Q_b h + P V, Q_b h = diag(e^b) Q h
+      mm<T>(false, true, C, C, K, scale, Q, ldq, Km, ldk, T(0), P, C);
+      prefetch(1);
+      if (gh != nullptr) chunk_decays(C, b, rd, te);
+      mask_scores(C, gh != nullptr ? b : nullptr, static_cast<T*>(nullptr), P, static_cast<T*>(nullptr));
+      mm<T>(false, false, C, V, K, scale, Q, ldq, h, V, T(0), O, ldo);
+      prefetch(2);
+      const T* kwrite = Km;
+      int64_t ldw = ldk;
+      if (gh != nullptr) {
+        for (int64_t i = 0; i < C; ++i) {
+          const T r = rd[i], t = te[i];
+          T* oi = O + i * ldo;
+          const T* ki = Km + i * ldk;
+          for (int64_t j = 0; j < V; ++j) oi[j] *= r;
+          for (int64_t j = 0; j < K; ++j) Kbar[i * K + j] = ki[j] * t;
+        }
+        kwrite = Kbar;
+        ldw = K;
+      }
+      mm<T>(false, false, C, V, C, T(1), P, C, Vm, ldv, T(1), O, ldo);
+      prefetch(3);
+      // h ← e^{b_C} h + K̄ᵀ V
       if (gh != nullptr) {
         const T last = rd[C - 1];
         for (int64_t i = 0; i < K * V; ++i) h[i] *= last;
       }
-      mm<T>(true, false, K, V, C, T(1), kwrite, K, Vm, V, T(1), h, V);
-      scatter_rows(O, V, C, V, o, n, NC * C, H, hh, t0);
+      mm<T>(true, false, K, V, C, T(1), kwrite, ldw, Vm, ldv, T(1), h, V);
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
   }
 };
 
 template <typename T>
-struct Backward {
+struct Backward : Grid {
   const T *qc, *kc, *vc, *gc, *states, *dout, *dh_final;  // the forward's kept chunks; do head-first
   int64_t do_s[3] = {};
   T *dq, *dk, *dv, *dg, *dh0;  // [N, NC·C, H, ·] (dg [N, NC·C, H]); dh0 [N·H, K, V]
-  int64_t N, H, L, K, V, C, NC;
   T scale;
 
   int64_t scratch_size() const {
-    return 6 * round16(C * K) + 2 * round16(C * V) + 3 * round16(C * C) + 2 * round16(K * V) + 4 * round16(C);
+    return 4 * round16(C * K) + round16(C * V) + 3 * round16(C * C) + 2 * round16(K * V) + 4 * round16(C);
   }
 
   void head(int64_t nh, T* scratch) const {
@@ -133,23 +137,38 @@ struct Backward {
     const bool gated = gc != nullptr;
     Carve<T> s{scratch};
     T *Qb = s.take(C * K), *Kbar = s.take(C * K), *dQb = s.take(C * K), *dKbar = s.take(C * K);
-    T *dqc = s.take(C * K), *dkc = s.take(C * K), *dO = s.take(C * V), *dvc = s.take(C * V);
+    T *dOs = s.take(C * V);
     T *P = s.take(C * C), *G = s.take(C * C), *dP = s.take(C * C);
     T *dh = s.take(K * V), *dh_new = s.take(K * V);
     T *b = s.take(C), *rd = s.take(C), *te = s.take(C), *db = s.take(C);
     const T* doh = dout + n * do_s[0] + hh * do_s[1];
+    const int64_t ldk = H * K, ldv = H * V;  // the token-major gradients' row strides
     std::memcpy(dh, dh_final + nh * K * V, sizeof(T) * K * V);
     for (int64_t c = NC - 1; c >= 0; --c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       const T *Q = qc + row * C * K, *Km = kc + row * C * K, *Vm = vc + row * C * V, *h = states + row * K * V;
-      gather_rows(doh, do_s[2], t0, L, C, V, dO, V);
+      if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);  // the next (earlier) chunk's dO rows
+      // dO where it lies when the chunk is whole (rows do_s[2] apart), else gathered and zero-padded
+      const T* dO = dOs;
+      int64_t ldo = V;
+      if (t0 + C <= L && do_s[2] >= V) {
+        dO = doh + t0 * do_s[2];
+        ldo = do_s[2];
+      } else {
+        gather_rows(doh, do_s[2], t0, L, C, V, dOs, V);
+      }
+      // the chunk's gradients are written straight into the token-major outputs
+      const int64_t out_row = n * NC * C + t0;
+      T *dqc = dq + out_row * ldk + hh * K, *dkc = dk + out_row * ldk + hh * K, *dvc = dv + out_row * ldv + hh * V;
       mm<T>(false, true, C, C, K, scale, Q, K, Km, K, T(0), P, C);
-      causal_mask(C, P);
+      if (gated) {
+        std::memcpy(b, gc + row * C, sizeof(T) * C);
+        chunk_decays(C, b, rd, te);
+      }
+      mask_scores(C, gated ? b : nullptr, static_cast<T*>(nullptr), P, gated ? G : nullptr);
       const T *qread = Q, *kwrite = Km;
       T last = T(1);
       if (gated) {
-        std::memcpy(b, gc + row * C, sizeof(T) * C);
-        decay_terms(C, b, rd, te, P, G);
         for (int64_t i = 0; i < C; ++i)
           for (int64_t j = 0; j < K; ++j) {
             Qb[i * K + j] = Q[i * K + j] * rd[i];
@@ -160,33 +179,19 @@ struct Backward {
         last = rd[C - 1];
       }
       // dV = Pᵀ dO + K̄ dh;  dP = dO Vᵀ;  dQ_b = scale · dO hᵀ;  dK̄ = V dhᵀ
-      mm<T>(true, false, C, V, C, T(1), P, C, dO, V, T(0), dvc, V);
-      mm<T>(false, false, C, V, K, T(1), kwrite, K, dh, V, T(1), dvc, V);
-      mm<T>(false, true, C, C, V, T(1), dO, V, Vm, V, T(0), dP, C);
-      mm<T>(false, true, C, K, V, scale, dO, V, h, V, T(0), dQb, K);
+      mm<T>(true, false, C, V, C, T(1), P, C, dO, ldo, T(0), dvc, ldv);
+      mm<T>(false, false, C, V, K, T(1), kwrite, K, dh, V, T(1), dvc, ldv);
+      mm<T>(false, true, C, C, V, T(1), dO, ldo, Vm, V, T(0), dP, C);
+      mm<T>(false, true, C, K, V, scale, dO, ldo, h, V, T(0), dQb, K);
       mm<T>(false, true, C, K, V, T(1), Vm, V, dh, V, T(0), dKbar, K);
       // dh_c = e^{b_C} dh + scale · Q_bᵀ dO
       for (int64_t i = 0; i < K * V; ++i) dh_new[i] = last * dh[i];
-      mm<T>(true, false, K, V, C, scale, qread, K, dO, V, T(1), dh_new, V);
+      mm<T>(true, false, K, V, C, scale, qread, K, dO, ldo, T(1), dh_new, V);
       if (gated) {
-        T d_last = T(0), write_sum = T(0);
+        T d_last = T(0);
         for (int64_t i = 0; i < K * V; ++i) d_last += h[i] * dh[i];
-        for (int64_t i = 0; i < C; ++i) {
-          T rq = T(0), wk = T(0);
-          for (int64_t j = 0; j < K; ++j) {
-            rq += dQb[i * K + j] * Qb[i * K + j];
-            wk += dKbar[i * K + j] * Kbar[i * K + j];
-          }
-          db[i] = rq - wk;
-          write_sum += wk;
-        }
-        for (int64_t i = 0; i < C; ++i)
-          for (int64_t j = 0; j <= i; ++j) {
-            const T e = dP[i * C + j] * P[i * C + j];
-            db[i] += e;
-            db[j] -= e;
-          }
-        db[C - 1] += write_sum + d_last * last;
+        std::fill(db, db + C, T(0));
+        read_write_gate_grad(C, K, Qb, dQb, Kbar, dKbar, P, dP, last, d_last, db);
         T run = T(0);
         for (int64_t i = C - 1; i >= 0; --i) {  // dg = reverse cumsum of db inside the chunk
           run += db[i];
@@ -200,15 +205,12 @@ struct Backward {
       for (int64_t i = 0; i < C; ++i) {
         const T fr = gated ? rd[i] : T(1), ft = gated ? te[i] : T(1);
         for (int64_t j = 0; j < K; ++j) {
-          dqc[i * K + j] = dQb[i * K + j] * fr;
-          dkc[i * K + j] = dKbar[i * K + j] * ft;
+          dqc[i * ldk + j] = dQb[i * K + j] * fr;
+          dkc[i * ldk + j] = dKbar[i * K + j] * ft;
         }
       }
-      mm<T>(false, false, C, K, C, T(1), dP, C, Km, K, T(1), dqc, K);
-      mm<T>(true, false, C, K, C, T(1), dP, C, Q, K, T(1), dkc, K);
-      scatter_rows(dqc, K, C, K, dq, n, NC * C, H, hh, t0);
-      scatter_rows(dkc, K, C, K, dk, n, NC * C, H, hh, t0);
-      scatter_rows(dvc, V, C, V, dv, n, NC * C, H, hh, t0);
+      mm<T>(false, false, C, K, C, T(1), dP, C, Km, K, T(1), dqc, ldk);
+      mm<T>(true, false, C, K, C, T(1), dP, C, Q, K, T(1), dkc, ldk);
       std::swap(dh, dh_new);
     }
     std::memcpy(dh0 + nh * K * V, dh, sizeof(T) * K * V);
@@ -243,23 +245,19 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Forward<T> f;
-    f.q = q.data_ptr<T>();
-    f.k = k.data_ptr<T>();
-    f.v = v.data_ptr<T>();
-    f.g = g.has_value() ? g->data_ptr<T>() : nullptr;
-    f.h0 = h0.has_value() ? h0c.data_ptr<T>() : nullptr;
-    strides3(q, f.q_s);
-    strides3(k, f.k_s);
-    strides3(v, f.v_s);
-    if (g.has_value()) strides3(*g, f.g_s);
+    static_cast<Grid&>(f) = Grid{N, H, L, K, V, C, NC};
+    f.q = rows_of<T>(q, f.q_s);
+    f.k = rows_of<T>(k, f.k_s);
+    f.v = rows_of<T>(v, f.v_s);
+    f.g = rows_of<T>(g, f.g_s);
+    f.h0 = data_if<T>(h0.has_value(), h0c);
     f.o = o.data_ptr<T>();
     f.h_out = h_out.data_ptr<T>();
-    f.states = keep ? states.data_ptr<T>() : nullptr;
-    f.qc = keep ? qc.data_ptr<T>() : nullptr;
-    f.kc = keep ? kc.data_ptr<T>() : nullptr;
-    f.vc = keep ? vc.data_ptr<T>() : nullptr;
-    f.gc = keep && g.has_value() ? gc.data_ptr<T>() : nullptr;
-    f.N = N; f.H = H; f.L = L; f.K = K; f.V = V; f.C = C; f.NC = NC;
+    f.states = data_if<T>(keep, states);
+    f.qc = data_if<T>(keep, qc);
+    f.kc = data_if<T>(keep, kc);
+    f.vc = data_if<T>(keep, vc);
+    f.gc = data_if<T>(keep && g.has_value(), gc);
     f.scale = T(scale);
     f.keep = keep;
     per_head(f);
@@ -286,20 +284,19 @@ std::vector<torch::Tensor> chunk_linear_attn_bwd(const torch::Tensor& qc, const 
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Backward<T> b;
+    static_cast<Grid&>(b) = Grid{N, H, L, K, V, C, NC};
     b.qc = qc.data_ptr<T>();
     b.kc = kc.data_ptr<T>();
     b.vc = vc.data_ptr<T>();
     b.gc = gc.has_value() ? gc->data_ptr<T>() : nullptr;
     b.states = states.data_ptr<T>();
-    b.dout = dout.data_ptr<T>();
+    b.dout = rows_of<T>(dout, b.do_s);
     b.dh_final = dhf.data_ptr<T>();
-    strides3(dout, b.do_s);
     b.dq = dq.data_ptr<T>();
     b.dk = dk.data_ptr<T>();
     b.dv = dv.data_ptr<T>();
-    b.dg = gc.has_value() ? dg.data_ptr<T>() : nullptr;
+    b.dg = data_if<T>(gc.has_value(), dg);
     b.dh0 = dh0.data_ptr<T>();
-    b.N = N; b.H = H; b.L = L; b.K = K; b.V = V; b.C = C; b.NC = NC;
     b.scale = T(scale);
     per_head(b);
   };

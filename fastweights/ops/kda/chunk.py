@@ -75,17 +75,18 @@ def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms=block_terms
     return flat, terms(*flat, scale, solve=_solve_blocks)
 
 
-def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size):
+def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True):
     """:func:`chunk_kda_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the
     same algebra and sub-block reference points, one (sequence, head) per task), or None where it
-    does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the inputs."""
+    does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the inputs.
+    ``keep=False`` (no gradient asked for): the chunk states are not kept (``states`` is empty)."""
     if k.shape[2] == 0:
         return None
     mod = kernels_for(q, k, v, beta, gk, h0)
     if mod is None:
         return None
     q, k, v, gk = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk))
-    o, h, states = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size), True)
+    o, h, states = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size), keep)
     return from_chunk_buffer(o, k.shape[2]), h, states
 
 
@@ -255,10 +256,34 @@ def register_chunk_autograd(fwd_op, bwd_op, zero_output) -> None:
 register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, beta, gk: v.new_zeros(v.shape))
 
 
+@torch.library.custom_op("fastweights::chunk_kda_infer", mutates_args=())
+def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor],
+              scale: float, chunk_size: int, native: bool = True) -> Tuple[Tensor, Tensor]:
+    """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no gradient is asked for (the chunk
+    states, which only the backward reads, are not kept)."""
+    n, nh, _, dk = k.shape
+    h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+    with autocast_off(q.device):
+        compiled = _native_forward(q, k, v, beta, gk, h0_, scale, chunk_size, False) if native else None
+        if compiled is not None:
+            return compiled[0], compiled[1]
+        o, h, _ = chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=False)
+        return o, h
+
+
+@_infer_op.register_fake
+def _infer_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True):
+    o, h, _ = _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size, native)
+    return o, h
+
+
 def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk form with its hand-written backward on head-first compute-dtype tensors; returns ``(o, h_T)``.
     ``native``: whether the compiled CPU kernels may run forward and backward."""
-    o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, gk, h0)):
+        o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native)
+    else:  # inference: no chunk states kept for a backward
+        o, h_final = _infer_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 

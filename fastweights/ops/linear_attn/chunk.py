@@ -85,11 +85,11 @@ def _not_aliasing(x: Tensor, source: Tensor) -> Tensor:
     return x.clone() if x.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else x
 
 
-def _native_forward(q, k, v, g, h0, scale, chunk_size):
+def _native_forward(q, k, v, g, h0, scale, chunk_size, keep: bool = True):
     """The custom op's forward by the compiled CPU kernel (``fastweights/ops/cpu/chunk_linear_attn.cpp``:
     the same algebra, one (sequence, head) per task, writing the kept flattened chunks as it gathers
     them), or None where it does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for`
-    the inputs."""
+    the inputs. ``keep=False`` (no gradient asked for): nothing kept, the returned kept tensors empty."""
     if k.shape[2] == 0:
         return None
     mod = kernels_for(q, k, v, g, h0)
@@ -98,7 +98,7 @@ def _native_forward(q, k, v, g, h0, scale, chunk_size):
     n, nh, t_len, dk = k.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
-    o, h_final, states, qc, kc, vc, gc = mod.chunk_linear_attn_fwd(q, k, v, g, h0_, float(scale), int(chunk_size), True)
+    o, h_final, states, qc, kc, vc, gc = mod.chunk_linear_attn_fwd(q, k, v, g, h0_, float(scale), int(chunk_size), keep)
     return from_chunk_buffer(o, t_len), h_final, states, qc, kc, vc, gc
 
 
@@ -198,6 +198,36 @@ def _backward(ctx, do, dh_final, *unused):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("fastweights::chunk_linear_attn_infer", mutates_args=())
+def _infer_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float, chunk_size: int,
+    native: bool = True,
+) -> Tuple[Tensor, Tensor]:
+    """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no gradient is asked for, keeping
+    nothing for a backward (the compiled kernel then reads the inputs where they lie)."""
+    n, nh, t_len, dk = k.shape
+    with autocast_off(q.device):
+        compiled = _native_forward(q, k, v, g, h0, scale, chunk_size, False) if native else None
+        if compiled is not None:
+            return compiled[0], compiled[1]
+        qc, kc, vc, gc = (None if x is None else flat_chunks(x, chunk_size) for x in (q, k, v, g))
+        h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+        o, h_final, _ = chunk_linear_attn_fwd(qc, kc, vc, gc, h0_, scale, n, nh)
+        # h_T may be a view into the scan's stacked states: its own memory, as the fake says
+        return unflat_chunks(o, n, nh, t_len), h_final.clone() if h_final.storage_offset() else h_final
+
+
+@_infer_op.register_fake
+def _infer_fake(q, k, v, g, h0, scale, chunk_size, native=True):
+    o, h_final, *_ = _fwd_fake(q, k, v, g, h0, scale, chunk_size, native)
+    return o, h_final
+
+
+def _wants_grad(*tensors) -> bool:
+    """Whether autograd will ask for a backward through these inputs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise sum rule on head-first compute-dtype tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
 
@@ -206,7 +236,10 @@ def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = Tr
     (O(T·(2K + V) + (T/C)·K·V) per head). Double backward is not supported.
     ``native``: whether the compiled CPU kernels may run forward and backward.
     """
-    o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size), native)
+    if _wants_grad(q, k, v, g, h0):
+        o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size), native)
+    else:  # inference: nothing kept for a backward
+        o, h_final = _infer_op(q, k, v, g, h0, float(scale), int(chunk_size), native)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
