@@ -271,7 +271,7 @@ def test_chunk_size_is_capped_at_the_sequence(form, monkeypatch):
             "chunk_linear_attn": CHUNK_LINEAR_ATTN}[form.__name__]
     seen = []
     real = spec.cpu  # the solver backend="auto" runs on the CPU
-    monkeypatch.setattr(spec, "cpu", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(spec, "cpu", lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
     x = make_inputs(rule, 1, 10, 2, 4, 3, initial_state=True)
     o, _ = form(**x, chunk_size=10**6)
     o_ref, _ = rule.reference(**x)
