@@ -8,7 +8,11 @@ broadcast surprise deep inside a matmul.
 Non-finite inputs (NaN/Inf) are refused by default, because one NaN token
 poisons the recurrent state for every later token. The check costs one pass
 over the inputs; switch it off with ``fastweights.ops.finite_checks(False)``
-(a context manager and a setter).
+(a context manager and a setter). Where the compiled CPU chunk kernels of the
+delta rules run (``OpSpec.fused_finite_check``), q, k and v are not read in a
+pass of their own: the kernel counts their NaN/Inf entries while it gathers the
+rows it reads anyway, and raises this module's ``ValueError`` (same text, same
+count) after the call; see :func:`check_qkv_finite`.
 
 - CPU tensors: checked on the spot; a bad input raises ``ValueError`` naming it.
 - CUDA (any non-CPU) tensors: checked asynchronously with ``torch._assert_async``,
@@ -94,6 +98,11 @@ class finite_checks(_Switch):
     flag = "_CHECK_FINITE"
 
 
+def finite_checks_on() -> bool:
+    """Whether the NaN/Inf check of op inputs is on (:class:`finite_checks`)."""
+    return _CHECK_FINITE
+
+
 class value_checks(_Switch):
     """Turn the range checks on β ([0, 1], or [0, 2]) and g (<= 0) on or off
     (a setter and a context manager). ``scale`` and the sizes are always checked."""
@@ -153,6 +162,14 @@ def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
             f"the recurrent state. Clean the input, or disable this check with "
             f"fastweights.ops.finite_checks(False)."
         )
+
+
+def check_qkv_finite(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The finite check of ``q``, ``k`` and ``v`` alone (:func:`check_inputs` makes it unless told that
+    the solver will: ``finite_qkv=False``; the compiled chunk kernels count NaN/Inf while they gather
+    the rows, with this text)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_finite(op, name, t)
 
 
 def _check_range(op: str, t: torch.Tensor, low: Optional[float], high: float, rule: str, hint: str = "") -> None:
@@ -405,6 +422,7 @@ def check_inputs(
     gk: Optional[torch.Tensor] = None,
     gv: Optional[torch.Tensor] = None,
     gk_name: str = "gk",
+    finite_qkv: bool = True,
 ) -> int:
     """Check the arguments of an op; return N, the number of sequences.
 
@@ -479,8 +497,9 @@ def check_inputs(
             )
         if initial_state.device != q.device:
             raise ValueError(f"{op}: `initial_state` is on {initial_state.device}, expected the device of `q` ({q.device})")
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), (gk_name, gk), ("gv", gv),
-                    ("initial_state", initial_state)):
+    if finite_qkv:  # else the solver checks them (check_qkv_finite, or a compiled kernel's gather)
+        check_qkv_finite(op, q, k, v)
+    for name, t in (("beta", beta), ("g", g), (gk_name, gk), ("gv", gv), ("initial_state", initial_state)):
         if t is not None:
             _check_finite(op, name, t)
     check_values(op, beta, g, allow_neg_eigval)

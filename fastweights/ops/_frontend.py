@@ -42,7 +42,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ..config import check_int
-from ._checks import NO_CHUNKS, check_inputs, check_score_memory, compute_dtype, effective_chunk_size, resolve_scale, state_dtype
+from ._checks import (NO_CHUNKS, check_inputs, check_score_memory, compute_dtype, effective_chunk_size,
+                      finite_checks_on, resolve_scale, state_dtype)
 from ._backend import backward_can_follow
 from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map, normalize_qk
 from ._spec import Form, OpSpec, Rule
@@ -129,12 +130,14 @@ def check_op_args(
     gk=None,
     gv=None,
     gk_name: str = "gk",
+    finite_qkv: bool = True,
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
     ``chunk_size`` is checked in a chunk form only (the others leave it at ``NO_CHUNKS``).
 
     Shared by :func:`run_op` and the Triton front end, so both refuse the same
-    inputs with the same messages.
+    inputs with the same messages. ``finite_qkv=False``: the solver checks q, k, v for NaN/Inf
+    itself (:attr:`~._spec.OpSpec.fused_finite_check`).
     """
     if requires_beta and beta is None:
         raise TypeError(f"{op}: `beta` is required (a [B, T, H] tensor of write strengths)")
@@ -149,7 +152,7 @@ def check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
         state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
         allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len,
-        gk=gk, gv=gv, gk_name=gk_name,
+        gk=gk, gv=gv, gk_name=gk_name, finite_qkv=finite_qkv,
     )
     check_autocast(op, q.device, **{"q": q, "k": k, "v": v, "beta": beta, "g": g, gk_name: gk if gk is not None else g,
                                     "gv": gv})
@@ -281,6 +284,13 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
     """:func:`run_op` after the serving options are resolved; returns ``(o, h_T or None[, states])``."""
     op = spec.name
     core = spec.cpu if backend == "cpu" else spec.torch
+    # The finite check of q, k, v left to the solver, which makes it as the compiled kernel
+    # gathers the rows (one pass over the inputs fewer): only where the solver sees them as given,
+    # and not while compiling (there the check is an assert the compiler keeps and fuses).
+    fused_finite = (spec.fused_finite_check and finite_checks_on() and backend == "cpu" and cp_group is None
+                    and not torch.compiler.is_compiling()
+                    and feature_map is None
+                    and qk_norm is None and not normalize and isinstance(q, torch.Tensor) and q.device.type == "cpu")
 
     def check(seq_len=None):
         return check_op_args(
@@ -288,6 +298,7 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
             chunk_size=chunk_size if spec.form is Form.CHUNK else NO_CHUNKS, scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
             requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
             cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len, gk=gk, gv=gv, gk_name=gk_name,
+            finite_qkv=not fused_finite,
         )
 
     segments = None
@@ -384,7 +395,8 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
         o, h_t = core(head_first(q), head_first(k), head_first(v), head_first(beta), head_first(g), h0, scale, **chunked,
                       **({} if gv is None else {"gv": head_first(gv)}),
                       **{name: head_first(t) for name, t in extra.items()},
-                      **({} if low is None else {"low": low}))
+                      **({} if low is None else {"low": low}),
+                      **({"check_finite": op} if fused_finite else {}))
         return o.transpose(1, 2), h_t  # [N, T, H, V]
 
     # bf16 operands for the products (fastweights.ops.precision): only for cores that take

@@ -52,6 +52,9 @@ class OpSpec:
         reads_bf16_inputs: the CPU solver widens plain bf16 q, k, v itself (no fp32 copy first).
         single_backward: the solvers have a hand-written backward with no double backward, so the
             compiled q/k L2 norm (no double backward either) may serve them.
+        fused_finite_check: the CPU solver takes ``check_finite=<op name>`` and makes the finite
+            check of q, k and v itself (the compiled kernel while it gathers the rows, else the
+            same Python check), so the front end skips its separate passes over them.
         step: the public one-token step of the rule (the decoding path), or None.
     """
 
@@ -64,6 +67,7 @@ class OpSpec:
     low_products: bool = False
     reads_bf16_inputs: bool = False
     single_backward: bool = False
+    fused_finite_check: bool = False
     step: Optional[Callable] = None
 
     def backends(self) -> tuple:

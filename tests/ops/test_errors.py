@@ -278,7 +278,7 @@ def test_chunk_size_is_capped_at_the_sequence(form, monkeypatch):
             "chunk_linear_attn": CHUNK_LINEAR_ATTN}[form.__name__]
     seen = []
     real = spec.cpu  # the solver backend="auto" runs on the CPU
-    monkeypatch.setattr(spec, "cpu", lambda *a, chunk_size: seen.append(chunk_size) or real(*a, chunk_size=chunk_size))
+    monkeypatch.setattr(spec, "cpu", lambda *a, chunk_size, **kw: seen.append(chunk_size) or real(*a, chunk_size=chunk_size, **kw))
     x = make_inputs(rule, 1, 10, 2, 4, 3, initial_state=True)
     o, _ = form(**x, chunk_size=10**6)
     o_ref, _ = rule.reference(**x)

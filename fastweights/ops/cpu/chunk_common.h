@@ -12,7 +12,9 @@
 #include "isa.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <string>
 #include <cstring>
 #include <type_traits>
 
@@ -173,9 +175,77 @@ inline void prefetch_rows(const E* base, int64_t stride, int64_t t0, int64_t row
   const int64_t bytes = width * int64_t(sizeof(E));
   for (int64_t i = 0; i < rows; ++i) {
     const char* p = reinterpret_cast<const char*>(base + (t0 + i) * stride);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
   }
 }
+
+// Whether any of x[0 .. n) is NaN or ±Inf (the exponent field all ones; fp32, fp64 or bf16): a
+// min-reduction of the inverted exponent bits, zero only for such an entry, in a loop the compiler
+// vectorises (bf16 two to a 32-bit word). The gather runs it over a chunk's dense rows once they
+// are all copied, so it costs next to nothing where every entry is finite; count_nonfinite, the
+// exact count, runs only where this says yes.
+template <typename D>
+inline bool any_nonfinite(const D* x, int64_t n) {
+  if constexpr (sizeof(D) == 2) {  // bf16: the low and high halves of each word, in two minima
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(x);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(x);
+    uint32_t lo = 0x7f80u, hi = 0x7f80u;
+    const int64_t words = reinterpret_cast<uintptr_t>(x) % 4 == 0 ? n / 2 : 0;
+#pragma omp simd reduction(min : lo, hi)
+    for (int64_t j = 0; j < words; ++j) {
+      const uint32_t t = ~w[j] & 0x7f807f80u;
+      lo = std::min(lo, t & 0xffffu);
+      hi = std::min(hi, t >> 16);
+    }
+    for (int64_t j = 2 * words; j < n; ++j) lo = std::min<uint32_t>(lo, ~uint32_t(b[j]) & 0x7f80u);
+    return lo == 0 || hi == 0;
+  } else {
+    static_assert(std::is_same_v<D, float> || std::is_same_v<D, double>, "any_nonfinite: fp32, fp64 or bf16");
+    using U = std::conditional_t<std::is_same_v<D, float>, uint32_t, uint64_t>;
+    constexpr U E = std::is_same_v<D, float> ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+    const U* b = reinterpret_cast<const U*>(x);
+    U low = E;
+#pragma omp simd reduction(min : low)
+    for (int64_t j = 0; j < n; ++j) low = std::min<U>(low, ~b[j] & E);
+    return low == 0;
+  }
+}
+
+// How many of x[0 .. n) are NaN or ±Inf.
+template <typename D>
+inline int64_t count_nonfinite(const D* x, int64_t n) {
+  using U = std::conditional_t<sizeof(D) == 2, uint16_t, std::conditional_t<sizeof(D) == 4, uint32_t, uint64_t>>;
+  const U E = sizeof(D) == 2 ? U(0x7f80u) : sizeof(D) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+  const U* b = reinterpret_cast<const U*>(x);
+  int64_t bad = 0;
+  for (int64_t j = 0; j < n; ++j) bad += (b[j] & E) == E;
+  return bad;
+}
+
+// The ops' finite-input check of q, k and v, made by a kernel's gather (which reads every row
+// anyway) instead of in separate passes over the inputs before the call: each task counts its
+// rows' NaN/Inf entries, and the kernel raises the ops' ValueError (fastweights/ops/_checks.py's
+// text, naming the op and the argument) once every task is done. An empty op name: no check.
+struct FiniteCheck {
+  std::string op;
+  std::atomic<int64_t> bad[3] = {{0}, {0}, {0}};  // q, k, v
+
+  explicit FiniteCheck(std::string op_name) : op(std::move(op_name)) {}
+  bool on() const { return !op.empty(); }
+  void add(const int64_t* counts) {
+    for (int i = 0; i < 3; ++i)
+      if (counts[i] != 0) bad[i].fetch_add(counts[i], std::memory_order_relaxed);
+  }
+  void raise_if_any() const {
+    static const char* names[3] = {"q", "k", "v"};
+    for (int i = 0; i < 3; ++i) {
+      const int64_t n = bad[i].load();
+      TORCH_CHECK_VALUE(n == 0, op, ": `", names[i], "` contains ", n,
+                        " non-finite value(s) (NaN or Inf); they would poison the recurrent state. Clean the "
+                        "input, or disable this check with fastweights.ops.finite_checks(False).");
+    }
+  }
+};
 
 // One head's inputs (q, k, v of element type E; β and g of type A) with their time strides, and
 // the copy of a chunk of them into scratch: q → Q [C, K], k | v → KV [C, K + V], β → bvec, g →
@@ -231,8 +301,9 @@ struct HeadRows {
     prefetch_rows(v, v_t, t0 + begin, end - begin, V);
   }
 
+  // bad (nullptr: no check): counts of q's, k's and v's non-finite entries, added to.
   template <typename D>
-  void gather(int64_t t0, D* Q, D* KV, A* bvec, A* bcum, bool prefetch_ahead = true) const {
+  void gather(int64_t t0, D* Q, D* KV, A* bvec, A* bcum, bool prefetch_ahead = true, int64_t* bad = nullptr) const {
     const int64_t rows = std::min(C, L - t0), KVw = K + V;
     if (prefetch_ahead) prefetch_part(t0 + C, 0, 1);
     for (int64_t i = 0; i < C; ++i) {
@@ -248,6 +319,15 @@ struct HeadRows {
         std::fill(KV + i * KVw, KV + (i + 1) * KVw, D(0.f));
         bvec[i] = A(0);
         bcum[i] = A(0);
+      }
+    }
+    // the finite check, once every row is in (checked row by row in the loop above, its loads
+    // would hold back the next rows' loads, which miss the cache on long inputs)
+    if (bad != nullptr && rows > 0 && (any_nonfinite(Q, rows * K) || any_nonfinite(KV, rows * KVw))) {
+      for (int64_t i = 0; i < rows; ++i) {
+        bad[0] += count_nonfinite(Q + i * K, K);
+        bad[1] += count_nonfinite(KV + i * KVw, K);
+        bad[2] += count_nonfinite(KV + i * KVw + K, V);
       }
     }
   }

@@ -45,6 +45,7 @@ struct Forward : Grid {
   int64_t nb;
   T scale;
   bool keep;
+  FiniteCheck* finite;  // the fused finite check of q, k, v (chunk_common.h)
 
   int64_t scratch_size() const {
     return 2 * round16(C * (K + V)) + 3 * round16(C * C) + 2 * round16(C * V) + 3 * round16(C * K) +
@@ -74,9 +75,11 @@ struct Forward : Grid {
     else std::fill(h, h + K * V, T(0));
     const auto in = HeadRows<E, T>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
     const bool gated = g != nullptr;
+    int64_t bad[3] = {0, 0, 0};
+    int64_t* count = finite->on() ? bad : nullptr;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
-      in.gather(t0, Q, KVm, bvec, bcum);
+      in.gather(t0, Q, KVm, bvec, bcum, /*prefetch_ahead=*/true, count);
       if (gated) chunk_decays(C, bcum, rd, te);
       masked_scores<T>(C, K, Q, K, KVm, KV, scale, gated ? bcum : nullptr, S, P, nullptr);
       unit_lower_inverse<T>(C, S, bvec, Tm);
@@ -126,6 +129,7 @@ struct Forward : Grid {
       }
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
+    if (count != nullptr) finite->add(count);
   }
 };
 
@@ -308,7 +312,8 @@ template <typename T, typename E = T>
 void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& beta,
                  const c10::optional<torch::Tensor>& g, const c10::optional<torch::Tensor>& h0, double scale,
                  int64_t C, int64_t nb, bool keep, torch::Tensor& o, torch::Tensor& h_out, torch::Tensor& states,
-                 torch::Tensor& q_flat, torch::Tensor& kv_flat, torch::Tensor& wu, torch::Tensor& inverses) {
+                 torch::Tensor& q_flat, torch::Tensor& kv_flat, torch::Tensor& wu, torch::Tensor& inverses,
+                 FiniteCheck& finite) {
   Forward<T, E> f;
   static_cast<Grid&>(f) = Grid{k.size(0), k.size(1), k.size(2), k.size(3), v.size(3), C, (k.size(2) + C - 1) / C};
   f.nb = nb;
@@ -327,6 +332,7 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   f.inverses = data_if<T>(keep, inverses);
   f.scale = T(scale);
   f.keep = keep;
+  f.finite = &finite;
   per_head(f);
 }
 
@@ -337,7 +343,7 @@ void run_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
 std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& beta, const c10::optional<torch::Tensor>& g,
                                            const c10::optional<torch::Tensor>& h0, double scale, int64_t C,
-                                           int64_t nb, bool keep) {
+                                           int64_t nb, bool keep, const std::string& check_finite) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && beta.dim() == 3, "chunk_delta_fwd: bad ranks");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "chunk_delta_fwd: last dims must be unit-stride");
   TORCH_CHECK(C > 0 && nb > 0 && C % nb == 0, "chunk_delta_fwd: bad chunk size / row blocks");
@@ -364,15 +370,17 @@ std::vector<torch::Tensor> chunk_delta_fwd(const torch::Tensor& q, const torch::
   }
   c10::optional<torch::Tensor> h0c;
   if (h0.has_value()) h0c = h0->contiguous();
+  FiniteCheck finite(check_finite);
   if (bf16_io) {
     run_forward<float, at::BFloat16>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu,
-                                     inverses);
+                                     inverses, finite);
   } else if (v.scalar_type() == torch::kFloat) {
-    run_forward<float>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu, inverses);
+    run_forward<float>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu, inverses, finite);
   } else {
     TORCH_CHECK(v.scalar_type() == torch::kDouble, "chunk_delta_fwd: float32, float64 or bf16 inputs only");
-    run_forward<double>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu, inverses);
+    run_forward<double>(q, k, v, beta, g, h0c, scale, C, nb, keep, o, h_out, states, q_flat, kv_flat, wu, inverses, finite);
   }
+  finite.raise_if_any();
   return {o, h_out, states, q_flat, kv_flat, wu, inverses};
 }
 
@@ -421,6 +429,9 @@ std::vector<torch::Tensor> chunk_delta_bwd(const torch::Tensor& q_flat, const to
 }  // namespace
 
 void register_chunk_delta(pybind11::module& m) {
-  m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)");
+  namespace py = pybind11;
+  m.def("chunk_delta_fwd", &chunk_delta_fwd, "the (gated) delta rule's chunk forward, one task per (sequence, head)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("beta"), py::arg("g"), py::arg("h0"), py::arg("scale"),
+        py::arg("chunk_size"), py::arg("nb"), py::arg("keep"), py::arg("check_finite") = "");
   m.def("chunk_delta_bwd", &chunk_delta_bwd, "its backward, one task per (sequence, head), last chunk first");
 }

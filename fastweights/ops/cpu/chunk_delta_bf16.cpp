@@ -11,12 +11,14 @@ using fastweights::cpu::round16;
 // The forward with bf16 products (inference: nothing kept for a backward). Every product takes
 // bf16 operands and accumulates in fp32 (gemm_bf16.h: AMX tiles or AVX512-BF16's dot-product
 // instruction where the CPU has them); the state, the decays, the triangular solve for T and every
-// sum stay fp32, and an operand is rounded to bf16 once, right before its first product: T and
-// diag(β)[K e^b | V] for [W | U], −W and h for U' = U − W h, Q e^b, h, P and U' for O, K̄ and U'
-// for the state's update. Each B operand is packed once per chunk (K for S and P, h for U' and O,
-// U' for O and the state), and every product is C (+)= A B with no scaling, which the AMX path
-// writes directly: the scale is applied as O is rounded to the output (P is kept unscaled, so O
-// accumulates Q e^b h + P U' and is scaled once).
+// sum stay fp32, and an operand is rounded to bf16 once, right before its first product. The
+// inputs' own bf16 rows serve as they are: [W | U] = T diag(β)[K e^b | V] is computed as
+// (T diag(β e^b)) K and (T diag(β)) V, so only the two C×C factors are rounded (not the C×(K + V)
+// scaled rows), and O = diag(e^b)(Q h) + P U' scales the fp32 rows of Q h (not Q). Then −W and h
+// for U' = U − W h, P and U' for O, K̄ and U' for the state's update. Each B operand is packed once
+// per chunk (K for S and P, h for U' and O, U' for O and the state), and every product is
+// C (+)= A B with no scaling, which the AMX path writes directly: the scale is applied as O is
+// rounded to the output (P is kept unscaled, so O accumulates Q h + P U' and is scaled once).
 constexpr int64_t kAheadParts = 7;  // the products per chunk, each followed by a part of the next chunk's rows
 
 struct ForwardBf16 {
@@ -28,15 +30,16 @@ struct ForwardBf16 {
   float* h_out;  // [N·H, K, V]
   int64_t N, H, L, K, V, C, NC;
   float scale;
+  FiniteCheck* finite;  // the fused finite check of q, k, v (chunk_common.h)
 
   int64_t scratch_size() const {  // in floats, exactly what head() takes
     using fastweights::cpu::packed_b_words;
     const int64_t KV = K + V;
     auto f = [](int64_t floats) { return round16(floats); };
     auto b16 = [](int64_t count) { return round16((count + 1) / 2); };
-    return b16(C * K) * 2 + b16(C * KV) * 2 + b16(C * std::max(C, K)) + f(C * KV) + f(C * C) * 3 + f(C * V) +
-           f(K * V) + f(C) * 4 + f(packed_b_words(K, C)) + f(packed_b_words(C, KV)) + f(packed_b_words(K, V)) +
-           f(packed_b_words(C, V));
+    return b16(C * K) * 2 + b16(C * KV) + b16(C * std::max(C, K)) + b16(C * C) + f(C * KV) + f(C * C) * 3 +
+           f(C * V) + f(K * V) + f(C) * 5 + f(packed_b_words(K, C)) + f(packed_b_words(C, KV)) * 2 +
+           f(packed_b_words(K, V)) + f(packed_b_words(C, V));
   }
 
   void head(int64_t nh, float* scratch) const {
@@ -46,16 +49,17 @@ struct ForwardBf16 {
     using fastweights::cpu::scale_to_bf16;
     using fastweights::cpu::to_bf16;
     using fastweights::cpu::to_bf16_scaled;
+    using fastweights::cpu::to_bf16_times;
     const int64_t n = nh / H, hh = nh % H, KV = K + V;
     float* p = scratch;
     auto take = [&p](int64_t floats) { float* out = p; p += round16(floats); return out; };
     auto take16 = [&take](int64_t count) { return reinterpret_cast<B16*>(take((count + 1) / 2)); };
     auto take32 = [&take](int64_t words) { return reinterpret_cast<uint32_t*>(take(words)); };
-    B16* Qh = take16(C * K);             // Q, then Q e^b
+    B16* Qh = take16(C * K);             // Q as given
     B16* KVh = take16(C * KV);           // K | V as given
-    B16* Rh = take16(C * KV);            // diag(β) [K e^b | V]
     B16* Kbh = take16(C * K);            // K̄
-    B16* Ah = take16(C * std::max(C, K));  // an A operand: T, then −W, then P
+    B16* Ah = take16(C * std::max(C, K));  // an A operand: T diag(β e^b), then −W, then P
+    B16* Tvh = take16(C * C);            // T diag(β) (gated; ungated Ah serves both)
     float* WU = take(C * KV);            // [W | U]
     float* S = take(C * C);
     float* P = take(C * C);
@@ -67,8 +71,10 @@ struct ForwardBf16 {
     float* bcum = take(C);
     float* rd = take(C);
     float* te = take(C);
+    float* wk = take(C);                           // β e^b (β ungated)
     uint32_t* Kw = take32(packed_b_words(K, C));   // Kᵀ, packed
-    uint32_t* Rw = take32(packed_b_words(C, KV));  // diag(β) [K e^b | V], packed
+    uint32_t* Rw = take32(packed_b_words(C, KV));  // K | V (ungated) or K (gated), packed
+    uint32_t* Vw = take32(packed_b_words(C, KV));  // V (gated), packed
     uint32_t* hw = take32(packed_b_words(K, V));   // h, packed
     uint32_t* Uw = take32(packed_b_words(C, V));   // U', packed
     fastweights::cpu::Workspace ws;
@@ -77,10 +83,12 @@ struct ForwardBf16 {
     else std::fill(h, h + K * V, 0.f);
     const auto in = HeadRows<B16, float>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
     const bool gated = g != nullptr;
+    int64_t bad[3] = {0, 0, 0};
+    int64_t* count = finite->on() ? bad : nullptr;
 
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C;
-      in.gather(t0, Qh, KVh, bvec, bcum, /*prefetch_ahead=*/false);
+      in.gather(t0, Qh, KVh, bvec, bcum, /*prefetch_ahead=*/false, count);
       int64_t part = 0;  // the next chunk's rows are asked for in parts, one after each product
       auto ahead = [&]() { in.prefetch_part(t0 + C, part++, kAheadParts); };
       if (gated) chunk_decays(C, bcum, rd, te);
@@ -92,13 +100,16 @@ struct ForwardBf16 {
       ahead();
       mask_scores<float>(C, gated ? bcum : nullptr, S, P, nullptr);
       unit_lower_inverse<float>(C, S, bvec, Tm);
-      // [W | U] = T diag(β) [K e^b | V]
-      for (int64_t i = 0; i < C; ++i) {
-        scale_to_bf16(KVh + i * KV, gated ? bvec[i] * rd[i] : bvec[i], Rh + i * KV, K);
-        scale_to_bf16(KVh + i * KV + K, bvec[i], Rh + i * KV + K, V);
+      // [W | U] = T diag(β) [K e^b | V] = [(T diag(β e^b)) K | (T diag(β)) V]
+      for (int64_t i = 0; i < C; ++i) wk[i] = gated ? bvec[i] * rd[i] : bvec[i];
+      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, wk, Ah + i * C, C);
+      if (gated) {
+        for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Tvh + i * C, C);
+        gemm_bf16_packed(false, C, K, C, 1.f, Ah, C, pack_b(false, C, K, KVh, KV, Rw), 0.f, WU, KV, ws);
+        gemm_bf16_packed(false, C, V, C, 1.f, Tvh, C, pack_b(false, C, V, KVh + K, KV, Vw), 0.f, WU + K, KV, ws);
+      } else {
+        gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVh, KV, Rw), 0.f, WU, KV, ws);
       }
-      to_bf16(Tm, Ah, C * C);
-      gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, Rh, KV, Rw), 0.f, WU, KV, ws);
       ahead();
       // U' = U + (−W) h
       const auto hp = pack_b(K, V, h, V, hw);
@@ -106,14 +117,17 @@ struct ForwardBf16 {
       gemm_bf16_packed(false, C, V, K, 1.f, Ah, K, hp, 1.f, Up, KV, ws);
       ahead();
       const auto Upk = pack_b(C, V, Up, KV, Uw);
-      // O = (Q e^b) h + P U' (scaled on the way out)
+      // O = diag(e^b) (Q h) + P U' (scaled on the way out)
+      gemm_bf16_packed(false, C, V, K, 1.f, Qh, K, hp, 0.f, O, V, ws);
       if (gated) {
         for (int64_t i = 0; i < C; ++i) {
-          scale_to_bf16(Qh + i * K, rd[i], Qh + i * K, K);
+          const float r = rd[i];
+          float* row = O + i * V;
+#pragma omp simd
+          for (int64_t j = 0; j < V; ++j) row[j] *= r;
           scale_to_bf16(KVh + i * KV, te[i], Kbh + i * K, K);
         }
       }
-      gemm_bf16_packed(false, C, V, K, 1.f, Qh, K, hp, 0.f, O, V, ws);
       ahead();
       to_bf16(P, Ah, C * C);
       gemm_bf16_packed(false, C, V, C, 1.f, Ah, C, Upk, 1.f, O, V, ws);
@@ -131,14 +145,17 @@ struct ForwardBf16 {
     fastweights::cpu::store_fence();
     fastweights::cpu::gemm_bf16_release();
     std::memcpy(h_out + nh * K * V, h, sizeof(float) * K * V);
+    if (count != nullptr) finite->add(count);
   }
 };
 
 // The bf16-products forward: q, k, v bf16 [N, H, T, ·] (unit last stride), beta / g / h0 fp32.
-// Returns (o [N, NC·C, H, V] bf16, h_T [N·H, K, V] fp32).
+// Returns (o [N, NC·C, H, V] bf16, h_T [N·H, K, V] fp32). check_finite: the op's name for the
+// fused finite check of q, k, v (a ValueError naming the argument), or empty for none.
 std::vector<torch::Tensor> chunk_delta_fwd_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                                 const torch::Tensor& beta, const c10::optional<torch::Tensor>& g,
-                                                const c10::optional<torch::Tensor>& h0, double scale, int64_t C) {
+                                                const c10::optional<torch::Tensor>& h0, double scale, int64_t C,
+                                                const std::string& check_finite) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
               v.scalar_type() == torch::kBFloat16, "chunk_delta_fwd_bf16: q, k, v must be bfloat16");
   TORCH_CHECK(beta.scalar_type() == torch::kFloat && (!g.has_value() || g->scalar_type() == torch::kFloat) &&
@@ -164,12 +181,18 @@ std::vector<torch::Tensor> chunk_delta_fwd_bf16(const torch::Tensor& q, const to
   f.h_out = h_out.data_ptr<float>();
   f.N = N; f.H = H; f.L = L; f.K = K; f.V = V; f.C = C; f.NC = NC;
   f.scale = float(scale);
+  FiniteCheck finite(check_finite);
+  f.finite = &finite;
   per_head(f);
+  finite.raise_if_any();
   return {o, h_out};
 }
 
 }  // namespace
 
 void register_chunk_delta_bf16(pybind11::module& m) {
-  m.def("chunk_delta_fwd_bf16", &chunk_delta_fwd_bf16, "the inference forward with bf16 products");
+  namespace py = pybind11;
+  m.def("chunk_delta_fwd_bf16", &chunk_delta_fwd_bf16, "the inference forward with bf16 products", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("beta"), py::arg("g"), py::arg("h0"), py::arg("scale"),
+        py::arg("chunk_size"), py::arg("check_finite") = "");
 }

@@ -172,6 +172,22 @@ inline void to_bf16_scaled(const float* src, float factor, at::BFloat16* dst, in
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i] * factor);
 }
 
+// dst = bf16(src ⊙ w) for n fp32 entries: each product rounded once (a row of T diag(w)).
+inline void to_bf16_times(const float* src, const float* w, at::BFloat16* dst, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (isa() > kPortable) {
+    for (; i < n; i += 16) {
+      const __mmask16 live = bf16_detail::live16(n - i);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, src + i), _mm512_maskz_loadu_ps(live, w + i));
+      _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(x));
+    }
+  }
+#endif
+  for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i] * w[i]);
+}
+
 // to_bf16_scaled into a row of an output tensor that nothing reads soon: where the row starts
 // on a cache line and fills whole lines, non-temporal stores write it without first reading the
 // lines in (the caller ends its run of such stores with store_fence()).

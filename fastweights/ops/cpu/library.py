@@ -115,17 +115,18 @@ def _distinct_empties(outputs, first_empty: int):
 
 def _chunk_delta_fwd(mod, *args):
     out = tuple(mod.chunk_delta_fwd(*args))
-    return out if args[-1] else _distinct_empties(out, 2)  # args[-1]: keep
+    return out if args[9] else _distinct_empties(out, 2)  # args[9]: keep
 
 
 @kernel(call=_chunk_delta_fwd)
 def chunk_delta_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor],
-                    scale: float, chunk_size: int, nb: int, keep: bool
+                    scale: float, chunk_size: int, nb: int, keep: bool, check_finite: str = ""
                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The (gated) delta rule's chunk forward on ``[N, H, T, ·]`` inputs (fp32 or fp64, unit last
     stride), ``h0 [N·H, K, V]`` or None: ``(o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V],
     q_flat [R, C, K], kv_flat [R, C, K + V], wu [R, C, K + V], inverses [nb, R, C/nb, C/nb])`` with
-    R = NC·N·H; the last five are empty unless ``keep``."""
+    R = NC·N·H; the last five are empty unless ``keep``. ``check_finite``: an op's name, for the
+    finite check of q, k, v made as the rows are gathered (the ops' ValueError), or "" for none."""
     n, nh, t_len, dk = k.shape
     dv, c = v.shape[-1], chunk_size
     nc = -(-t_len // c)
@@ -139,9 +140,9 @@ def chunk_delta_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[T
 
 @kernel
 def chunk_delta_fwd_bf16(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor],
-                         scale: float, chunk_size: int) -> Tuple[Tensor, Tensor]:
+                         scale: float, chunk_size: int, check_finite: str = "") -> Tuple[Tensor, Tensor]:
     """The bf16-products inference forward: q, k, v bf16 ``[N, H, T, ·]``, beta/g/h0 fp32 ->
-    ``(o [N, NC·C, H, V] bf16, h_T [N·H, K, V] fp32)``."""
+    ``(o [N, NC·C, H, V] bf16, h_T [N·H, K, V] fp32)``; ``check_finite`` as for :func:`chunk_delta_fwd`."""
     n, nh, t_len, dk = k.shape
     dv, nc = v.shape[-1], -(-t_len // chunk_size)
     return v.new_empty(n, nc * chunk_size, nh, dv), beta.new_empty(n * nh, dk, dv)

@@ -40,6 +40,7 @@ from .._chunk import (
     reverse_cumsum,
 )
 from .._backend import backward_can_follow
+from .._checks import check_qkv_finite
 from ..precision import autocast_off
 from ..cpu import kernels_for
 from .._moved import moved_names
@@ -171,15 +172,16 @@ def _unit_last_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
+def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low, check_finite=""):
     """:func:`chunk_delta_rule_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_delta.cpp``:
     the same algebra, one (sequence, head) per task; bf16 products: :func:`_native_forward_bf16`),
     or None where it does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the
-    inputs (the CPU, fp32 or fp64 throughout, the kernels on and built)."""
+    inputs (the CPU, fp32 or fp64 throughout, the kernels on and built). ``check_finite``: the
+    op's name, for the finite check of q, k, v the kernel makes as it gathers them ("" for none)."""
     if k.shape[2] == 0:
         return None
     if low is not None:
-        return _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low)
+        return _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low, check_finite)
     if v.dtype == torch.bfloat16 and not keep:  # plain bf16 inputs: fp32 arithmetic, widened in the kernel's gather
         mod = kernels_for(beta, g, h0, dtypes=(torch.float32,))
         mod = mod if mod is not None and q.dtype == k.dtype == v.dtype and q.device.type == "cpu" else None
@@ -189,11 +191,12 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low):
         return None
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     nb = row_blocks(chunk_size, UT_BLOCKS)
-    o, h, states, *kept = mod.chunk_delta_fwd(q, k, v, beta, g, h0, float(scale), int(chunk_size), nb, bool(keep))
+    o, h, states, *kept = mod.chunk_delta_fwd(q, k, v, beta, g, h0, float(scale), int(chunk_size), nb, bool(keep),
+                                              check_finite)
     return from_chunk_buffer(o, k.shape[2]), h, states, (tuple(kept) if keep else None)
 
 
-def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low):
+def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low, check_finite=""):
     """The bf16-products inference forward by the compiled kernel (q, k, v as bf16 operands; the
     state, the solve and the sums fp32), or None where it does not apply."""
     if low != torch.bfloat16 or v.dtype != low:
@@ -201,14 +204,17 @@ def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low):
     mod = kernels_for(beta, g, h0, dtypes=(torch.float32,))
     if mod is None:
         return None
+    if check_finite and not q.dtype == k.dtype == low:  # rounding a huge finite entry to bf16 may give ±Inf:
+        check_qkv_finite(check_finite, q, k, v)           # check what the caller gave
+        check_finite = ""
     q, k, v = (t.to(low) if t.dtype != low else t for t in (q, k, v))
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    o, h = mod.chunk_delta_fwd_bf16(q, k, v, beta, g, h0, float(scale), int(chunk_size))
+    o, h = mod.chunk_delta_fwd_bf16(q, k, v, beta, g, h0, float(scale), int(chunk_size), check_finite)
     return from_chunk_buffer(o, k.shape[2]), h, h.new_empty(0), None
 
 
 def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = True, low: Optional[torch.dtype] = None,
-                         native: bool = True):
+                         native: bool = True, check_finite: str = ""):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V], kept)``;
@@ -222,12 +228,17 @@ def chunk_delta_rule_fwd(q, k, v, beta, g, h0, scale, chunk_size, keep: bool = T
     operands of that dtype; the state, the decays and the triangular solve stay
     in the inputs' dtype. ``native``: the compiled CPU kernel may run it (backend ``"cpu"``);
     False runs the PyTorch code below whatever the device (backend ``"torch"``).
+    ``check_finite`` (the op's name, or "" for none): the ops' finite check of q, k and v, made
+    here instead of in the front end (the compiled kernel counts NaN/Inf while it gathers the rows,
+    which it reads anyway; the PyTorch code runs the front end's check first).
     """
     if low is not None and keep:
         raise ValueError("chunk_delta_rule_fwd: `low` products are for inference only (keep=False)")
-    compiled = _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low) if native else None
+    compiled = _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low, check_finite) if native else None
     if compiled is not None:
         return compiled
+    if check_finite:
+        check_qkv_finite(check_finite, q, k, v)
     if low is None and v.dtype != beta.dtype:  # plain bf16 inputs the compiled kernel did not take: widen here
         q, k, v = (t.to(beta.dtype) for t in (q, k, v))
     n, nh, t_len, dk = k.shape
@@ -407,20 +418,22 @@ def chunk_delta_rule_bwd(beta, g, states, kept, do, dh_final, scale, chunk_size,
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor],
     scale: float, chunk_size: int, keep: bool, bf16_products: bool = False, native: bool = True,
+    check_finite: str = "",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`chunk_delta_rule_fwd` with ``h0 [N, H, K, V]``; the states and kept tensors are empty when ``keep`` is False."""
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     low = torch.bfloat16 if bf16_products else None
     with autocast_off(q.device):
-        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep, low, native)
+        o, h_final, states, kept = chunk_delta_rule_fwd(q, k, v, beta, g, h0_, scale, chunk_size, keep, low, native,
+                                                        check_finite)
     if not keep:  # the chunk states and the gathered inputs serve only a backward
         return (o, h_final) + tuple(q.new_empty(0) for _ in range(5))
     return (o, h_final, states) + kept
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False, native=True):
+def _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, keep, bf16_products=False, native=True, check_finite=""):
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
@@ -460,7 +473,7 @@ def _bwd_fake(beta, g, states, q_flat, kv_flat, wu, inverses, do, dh_final, scal
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, beta, g, h0, scale, chunk_size, keep, _, native = inputs
+    q, k, v, beta, g, h0, scale, chunk_size, keep, _, native, _ = inputs
     _, _, states, *kept = output
     ctx.save_for_backward(beta, g, states, *kept)
     backward_only(ctx, states, *kept)
@@ -478,7 +491,7 @@ def _backward(ctx, do, dh_final, *unused):
     dq, dk, dv, dbeta, dg, dh0 = _bwd_op(beta, g, states, *kept, do, dh_final, ctx.scale, ctx.chunk_size, ctx.native)
     dg = None if g is None else dg
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, dbeta, dg, dh0, None, None, None, None, None
+    return dq, dk, dv, dbeta, dg, dh0, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -486,7 +499,7 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def delta_rule_chunk(
     q, k, v, beta, g, h0, scale, chunk_size, keep: Optional[bool] = None, low: Optional[torch.dtype] = None,
-    native: bool = True,
+    native: bool = True, check_finite: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The (gated) delta rule's chunk form with its hand-written backward; returns ``(o, h_T)``.
 
@@ -507,11 +520,14 @@ def delta_rule_chunk(
     inference forward bf16 product operands; it is ignored when a backward may follow.
     ``native`` (the spec's ``cpu`` solver; ``False`` for its ``torch`` one): whether the
     compiled CPU kernels may run the forward and the backward where they apply.
+    ``check_finite``: the op's name when the front end left the finite check of q, k, v to the
+    solver (:attr:`~fastweights.ops._spec.OpSpec.fused_finite_check`), else "".
     """
     if keep is None:
         keep = backward_can_follow(q, k, v, beta, g, h0)
     low_products = low is not None and not keep
-    o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep, low_products, native)
+    o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep, low_products, native,
+                             check_finite)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
@@ -521,7 +537,7 @@ def delta_rule_chunk(
 CHUNK_DELTA_RULE = OpSpec(
     "chunk_delta_rule", Rule.DELTA, Form.CHUNK, torch=functools.partial(delta_rule_chunk, native=False),
     cpu=delta_rule_chunk, triton=True, low_products=True, reads_bf16_inputs=True, single_backward=True,
-    step=delta_rule_step,
+    fused_finite_check=True, step=delta_rule_step,
 )
 
 

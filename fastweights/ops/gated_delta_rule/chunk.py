@@ -23,7 +23,8 @@ from ..step import gated_delta_rule_step
 #: The gated delta rule's chunk op: the plain rule's solvers and kernels, with g given.
 CHUNK_GATED_DELTA_RULE = OpSpec(
     "chunk_gated_delta_rule", Rule.DELTA, Form.CHUNK, torch=CHUNK_DELTA_RULE.torch, cpu=CHUNK_DELTA_RULE.cpu,
-    triton=True, low_products=True, reads_bf16_inputs=True, single_backward=True, step=gated_delta_rule_step,
+    triton=True, low_products=True, reads_bf16_inputs=True, single_backward=True, fused_finite_check=True,
+    step=gated_delta_rule_step,
 )
 
 
