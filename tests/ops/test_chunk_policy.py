@@ -18,7 +18,7 @@ def _spy(monkeypatch, op, spec):
     """Record the chunk length the op's solver runs (its last argument; the compiled-CPU solver,
     what ``backend="auto"`` runs on the CPU)."""
     seen, real = [], spec.cpu
-    monkeypatch.setattr(spec, "cpu", lambda *a, chunk_size: seen.append(chunk_size) or real(*a, chunk_size=chunk_size))
+    monkeypatch.setattr(spec, "cpu", lambda *a, chunk_size, **kw: seen.append(chunk_size) or real(*a, chunk_size=chunk_size, **kw))
     return seen
 
 
