@@ -40,8 +40,8 @@ def native_calls(monkeypatch):
         for name in names:
             original = getattr(module, name)
 
-            def wrapped(*args, _original=original, _name=name, _module=module.__name__):
-                out = _original(*args)
+            def wrapped(*args, _original=original, _name=name, _module=module.__name__, **kw):
+                out = _original(*args, **kw)
                 if out is not None:
                     seen.append(f"{_module}.{_name}")
                 return out
@@ -293,8 +293,8 @@ def keep_flags(monkeypatch):
     for module in (linear_chunk_module, kda_chunk_module):
         original = module._native_forward
 
-        def wrapped(*args, _original=original, _plain=7 + (module is kda_chunk_module)):
-            out = _original(*args)
+        def wrapped(*args, _original=original, _plain=7 + (module is kda_chunk_module), **kw):
+            out = _original(*args, **kw)
             if out is not None:  # keep is passed positionally, or left at its default (True)
                 flags.append(args[-1] if len(args) > _plain else True)
             return out

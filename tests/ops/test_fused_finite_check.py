@@ -1,6 +1,6 @@
-"""The finite check of q, k, v made inside the compiled chunk kernels' gather.
+"""The finite check of q, k, v made inside the compiled chunk kernels.
 
-The delta-rule chunk ops leave the NaN/Inf check of q, k and v to their CPU solver
+The delta-rule and linear-attention chunk ops leave the NaN/Inf check of q, k and v to their CPU solver
 (``OpSpec.fused_finite_check``): the compiled kernel counts the bad entries while it copies the
 rows it reads anyway, and raises the same ValueError the front end's check raises. Every path
 that can take the check is tried here against the PyTorch path's message: fp32 and fp64 with and
@@ -39,6 +39,8 @@ def spoil(t, where, value):
 
 
 def call(gated, q, k, v, beta, g, backend, **kw):
+    if gated == "linear":
+        return ops.chunk_linear_attn(q, k, v, g=g, chunk_size=16, backend=backend, **kw)
     if gated:
         return ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, backend=backend, **kw)
     return ops.chunk_delta_rule(q, k, v, beta, chunk_size=16, backend=backend, **kw)
@@ -58,7 +60,7 @@ BAD = {  # (which input, entries, value) -> how many entries are bad
 
 
 @needs_kernels
-@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
+@pytest.mark.parametrize("gated", [False, True, "linear"], ids=["delta", "gated", "linear"])
 @pytest.mark.parametrize("case", sorted(BAD))
 @pytest.mark.parametrize("dtype,grad", [(torch.float32, False), (torch.float32, True), (torch.float64, False),
                                         (torch.float64, True), (torch.bfloat16, False)],
@@ -80,6 +82,7 @@ def test_the_kernel_raises_the_front_ends_error(gated, case, dtype, grad):
 @needs_kernels
 @pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
 def test_bf16_products_and_packed_sequences(gated):
+    """bf16 inputs under bf16_products, three packed sequences (one of length 1)."""
     (q, k, v), beta, g = inputs(dtype=torch.bfloat16, T=61)
     v = spoil(v, [(0, 60, 0, 1), (0, 7, 1, 0)], float("nan"))
     cu = torch.tensor([0, 1, 20, 61])
@@ -100,21 +103,23 @@ def test_a_huge_finite_input_is_not_refused_under_bf16_products():
 
 
 @needs_kernels
+@pytest.mark.parametrize("gated", [True, "linear"], ids=["gated", "linear"])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_switched_off_the_nan_goes_through(backend):
+def test_switched_off_the_nan_goes_through(backend, gated):
     (q, k, v), beta, g = inputs()
     k = spoil(k, [(0, 20, 0, 3)], float("nan"))
     with ops.finite_checks(False):
-        o, h = call(True, q, k, v, beta, g, backend, output_final_state=True)
+        o, h = call(gated, q, k, v, beta, g, backend, output_final_state=True)
     assert torch.isnan(o[0, 20:]).any() and torch.isnan(h).any()
     assert torch.isfinite(o[0, :16]).all()  # the chunks before its chunk are untouched
 
 
 @needs_kernels
-def test_clean_inputs_give_the_same_output_with_the_check_in_the_kernel():
+@pytest.mark.parametrize("gated", [True, "linear"], ids=["gated", "linear"])
+def test_clean_inputs_give_the_same_output_with_the_check_in_the_kernel(gated):
     """The fused check changes no result: the same call with the check on and off is bitwise equal."""
     (q, k, v), beta, g = inputs()
-    o_on, h_on = call(True, q, k, v, beta, g, "cpu", output_final_state=True)
+    o_on, h_on = call(gated, q, k, v, beta, g, "cpu", output_final_state=True)
     with ops.finite_checks(False):
-        o_off, h_off = call(True, q, k, v, beta, g, "cpu", output_final_state=True)
+        o_off, h_off = call(gated, q, k, v, beta, g, "cpu", output_final_state=True)
     assert torch.equal(o_on, o_off) and torch.equal(h_on, h_off)

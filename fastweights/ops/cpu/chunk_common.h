@@ -222,6 +222,17 @@ inline int64_t count_nonfinite(const D* x, int64_t n) {
   return bad;
 }
 
+// How many NaN/±Inf entries `rows` rows of `width` entries, `ld` apart, hold (any_nonfinite per row;
+// the exact count only for a row that has one). For kernels whose products read the rows where
+// they lie: run once a chunk's products are done, while its rows are still in cache.
+template <typename D>
+inline int64_t rows_nonfinite(const D* x, int64_t ld, int64_t rows, int64_t width) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < rows; ++i)
+    if (any_nonfinite(x + i * ld, width)) bad += count_nonfinite(x + i * ld, width);
+  return bad;
+}
+
 // The ops' finite-input check of q, k and v, made by a kernel's gather (which reads every row
 // anyway) instead of in separate passes over the inputs before the call: each task counts its
 // rows' NaN/Inf entries, and the kernel raises the ops' ValueError (fastweights/ops/_checks.py's

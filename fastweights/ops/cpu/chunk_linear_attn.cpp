@@ -32,6 +32,7 @@ struct Forward : Grid {
   T *qc, *kc, *vc, *gc;         // kept: the flattened chunks [NC·N·H, C, ·] (gc [NC·N·H, C])
   T scale;
   bool keep;
+  FiniteCheck* finite;  // the fused finite check of q, k, v (chunk_common.h)
 
   int64_t scratch_size() const {
     return 3 * round16(C * K) + round16(C * V) + round16(C * C) + round16(K * V) + 3 * round16(C);
@@ -53,6 +54,7 @@ struct Forward : Grid {
     const bool in_place = q_s[2] >= K && k_s[2] >= K && v_s[2] >= V;  // rows apart (not broadcast)
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
+    int64_t bad[3] = {0, 0, 0};
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       // the next chunk's rows, a page apart per token (no hardware prefetcher follows them), asked
@@ -116,8 +118,15 @@ struct Forward : Grid {
         for (int64_t i = 0; i < K * V; ++i) h[i] *= last;
       }
       mm<T>(true, false, K, V, C, T(1), kwrite, ldw, Vm, ldv, T(1), h, V);
+      if (finite->on()) {  // the chunk's rows, still in cache after its products
+        const int64_t rows = std::min(C, L - t0);
+        bad[0] += rows_nonfinite(Q, ldq, rows, K);
+        bad[1] += rows_nonfinite(Km, ldk, rows, K);
+        bad[2] += rows_nonfinite(Vm, ldv, rows, V);
+      }
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
+    if (finite->on()) finite->add(bad);
   }
 };
 
@@ -223,7 +232,7 @@ struct Backward : Grid {
 std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const torch::Tensor& k,
                                                  const torch::Tensor& v, const c10::optional<torch::Tensor>& g,
                                                  const c10::optional<torch::Tensor>& h0, double scale, int64_t C,
-                                                 bool keep) {
+                                                 bool keep, const std::string& check_finite) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "chunk_linear_attn_fwd: q, k, v must be [N, H, T, ·]");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "chunk_linear_attn_fwd: last dims must be unit-stride");
   TORCH_CHECK(C > 0 && C <= 1024, "chunk_linear_attn_fwd: chunk size must be in [1, 1024], got ", C);
@@ -242,6 +251,7 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
   }
   gc = keep && g.has_value() ? torch::empty({NC * N * H, C}, opts) : torch::empty({0}, opts);
   torch::Tensor h0c = h0.has_value() ? h0->contiguous() : torch::Tensor();
+  FiniteCheck finite(check_finite);
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Forward<T> f;
@@ -260,9 +270,11 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
     f.gc = data_if<T>(keep && g.has_value(), gc);
     f.scale = T(scale);
     f.keep = keep;
+    f.finite = &finite;
     per_head(f);
   };
   fp32_or_fp64(v.scalar_type(), "chunk_linear_attn_fwd", run);
+  finite.raise_if_any();
   return {o, h_out, states, qc, kc, vc, gc};
 }
 
@@ -307,6 +319,9 @@ std::vector<torch::Tensor> chunk_linear_attn_bwd(const torch::Tensor& qc, const 
 }  // namespace
 
 void register_chunk_linear_attn(pybind11::module& m) {
-  m.def("chunk_linear_attn_fwd", &chunk_linear_attn_fwd, "linear attention's chunk forward, one task per (sequence, head)");
+  namespace py = pybind11;
+  m.def("chunk_linear_attn_fwd", &chunk_linear_attn_fwd, "linear attention's chunk forward, one task per (sequence, head)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("h0"), py::arg("scale"), py::arg("chunk_size"),
+        py::arg("keep"), py::arg("check_finite") = "");
   m.def("chunk_linear_attn_bwd", &chunk_linear_attn_bwd, "its backward, last chunk first");
 }

@@ -29,6 +29,7 @@ from .._chunk import (
     ChunkDecay, backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, read_write_backward, reverse_cumsum, state_scan,
     state_scan_backward, unflat_chunks,
 )
+from .._checks import check_qkv_finite
 from ..precision import autocast_off
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
@@ -85,11 +86,13 @@ def _not_aliasing(x: Tensor, source: Tensor) -> Tensor:
     return x.clone() if x.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else x
 
 
-def _native_forward(q, k, v, g, h0, scale, chunk_size, keep: bool = True):
+def _native_forward(q, k, v, g, h0, scale, chunk_size, keep: bool = True, check_finite: str = ""):
     """The custom op's forward by the compiled CPU kernel (``fastweights/ops/cpu/chunk_linear_attn.cpp``:
     the same algebra, one (sequence, head) per task, writing the kept flattened chunks as it gathers
     them), or None where it does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for`
-    the inputs. ``keep=False`` (no gradient asked for): nothing kept, the returned kept tensors empty."""
+    the inputs. ``keep=False`` (no gradient asked for): nothing kept, the returned kept tensors empty.
+    ``check_finite``: the op's name, for the finite check of q, k, v the kernel makes on each chunk's
+    rows after its products ("" for none)."""
     if k.shape[2] == 0:
         return None
     mod = kernels_for(q, k, v, g, h0)
@@ -98,7 +101,8 @@ def _native_forward(q, k, v, g, h0, scale, chunk_size, keep: bool = True):
     n, nh, t_len, dk = k.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
-    o, h_final, states, qc, kc, vc, gc = mod.chunk_linear_attn_fwd(q, k, v, g, h0_, float(scale), int(chunk_size), keep)
+    o, h_final, states, qc, kc, vc, gc = mod.chunk_linear_attn_fwd(q, k, v, g, h0_, float(scale), int(chunk_size), keep,
+                                                                   check_finite)
     return from_chunk_buffer(o, t_len), h_final, states, qc, kc, vc, gc
 
 
@@ -118,17 +122,20 @@ def _native_backward(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size):
 @torch.library.custom_op("fastweights::chunk_linear_attn_fwd", mutates_args=())
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float, chunk_size: int,
-    native: bool = True,
+    native: bool = True, check_finite: str = "",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(o [N, H, T, V], h_T [N·H, K, V], states, qc, kc, vc, gc)``: the output and what the backward keeps
     (the flattened chunks of the inputs; ``gc`` empty without g). ``native``: the compiled CPU kernel
-    may run it (backend ``"cpu"``); False runs the PyTorch code (backend ``"torch"``)."""
+    may run it (backend ``"cpu"``); False runs the PyTorch code (backend ``"torch"``). ``check_finite``:
+    the op's name when the front end left the finite check of q, k, v to the solver, else ""."""
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     with autocast_off(q.device):
-        compiled = _native_forward(q, k, v, g, h0, scale, chunk_size) if native else None
+        compiled = _native_forward(q, k, v, g, h0, scale, chunk_size, check_finite=check_finite) if native else None
         if compiled is not None:
             return compiled
+        if check_finite:
+            check_qkv_finite(check_finite, q, k, v)
         # flat_chunks returns the input itself when it is already laid out chunk-major (N = H = 1,
         # C dividing T); a custom op's outputs must not alias its inputs, so copy it then.
         qc, kc, vc, gc = (None if x is None else _not_aliasing(flat_chunks(x, chunk_size), x) for x in (q, k, v, g))
@@ -138,7 +145,7 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, g, h0, scale, chunk_size, native=True):
+def _fwd_fake(q, k, v, g, h0, scale, chunk_size, native=True, check_finite=""):
     n, nh, t_len, dk = k.shape
     dv = v.shape[-1]
     nc = -(-t_len // chunk_size)
@@ -176,7 +183,7 @@ def _bwd_fake(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size, native=Tr
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, h0, scale, chunk_size, native = inputs
+    q, k, v, g, h0, scale, chunk_size, native, _ = inputs
     _, _, states, qc, kc, vc, gc = output
     ctx.save_for_backward(qc, kc, vc, None if g is None else gc, states)
     backward_only(ctx, states, qc, kc, vc, gc)
@@ -192,7 +199,7 @@ def _backward(ctx, do, dh_final, *unused):
         do = states.new_zeros(ctx.o_shape)
     dq, dk, dv, dg, dh0 = _bwd_op(qc, kc, vc, gc, states, do, dh_final, ctx.scale, ctx.chunk_size, ctx.native)
     dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, None if gc is None else dg, dh0, None, None, None
+    return dq, dk, dv, None if gc is None else dg, dh0, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -201,15 +208,17 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 @torch.library.custom_op("fastweights::chunk_linear_attn_infer", mutates_args=())
 def _infer_op(
     q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float, chunk_size: int,
-    native: bool = True,
+    native: bool = True, check_finite: str = "",
 ) -> Tuple[Tensor, Tensor]:
     """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no gradient is asked for, keeping
     nothing for a backward (the compiled kernel then reads the inputs where they lie)."""
     n, nh, t_len, dk = k.shape
     with autocast_off(q.device):
-        compiled = _native_forward(q, k, v, g, h0, scale, chunk_size, False) if native else None
+        compiled = _native_forward(q, k, v, g, h0, scale, chunk_size, False, check_finite=check_finite) if native else None
         if compiled is not None:
             return compiled[0], compiled[1]
+        if check_finite:
+            check_qkv_finite(check_finite, q, k, v)
         qc, kc, vc, gc = (None if x is None else flat_chunks(x, chunk_size) for x in (q, k, v, g))
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
         o, h_final, _ = chunk_linear_attn_fwd(qc, kc, vc, gc, h0_, scale, n, nh)
@@ -218,7 +227,7 @@ def _infer_op(
 
 
 @_infer_op.register_fake
-def _infer_fake(q, k, v, g, h0, scale, chunk_size, native=True):
+def _infer_fake(q, k, v, g, h0, scale, chunk_size, native=True, check_finite=""):
     o, h_final, *_ = _fwd_fake(q, k, v, g, h0, scale, chunk_size, native)
     return o, h_final
 
@@ -228,25 +237,28 @@ def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = True,
+                      check_finite: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise sum rule on head-first compute-dtype tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
 
     ``beta`` is unused (the solver signature of ``_frontend``); ``g``/``h0`` may be
     None. The hand-written backward keeps the inputs and the T/C chunk-entry states
     (O(T·(2K + V) + (T/C)·K·V) per head). Double backward is not supported.
-    ``native``: whether the compiled CPU kernels may run forward and backward.
+    ``native``: whether the compiled CPU kernels may run forward and backward. ``check_finite``: the
+    op's name when the front end left the finite check of q, k, v to the solver
+    (:attr:`~fastweights.ops._spec.OpSpec.fused_finite_check`), else "".
     """
     if _wants_grad(q, k, v, g, h0):
-        o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size), native)
+        o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size), native, check_finite)
     else:  # inference: nothing kept for a backward
-        o, h_final = _infer_op(q, k, v, g, h0, float(scale), int(chunk_size), native)
+        o, h_final = _infer_op(q, k, v, g, h0, float(scale), int(chunk_size), native, check_finite)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
 #: Linear attention's chunk op, declared once (``fastweights/ops/_spec.py``): :func:`linear_attn_chunk`
 #: without and with the compiled CPU kernels.
 CHUNK_LINEAR_ATTN = OpSpec("chunk_linear_attn", Rule.SUM, Form.CHUNK, torch=functools.partial(linear_attn_chunk, native=False),
-                           cpu=linear_attn_chunk, step=linear_attn_step)
+                           cpu=linear_attn_chunk, fused_finite_check=True, step=linear_attn_step)
 
 
 #: The public function moved to api.py (its old path still works, with a DeprecationWarning).
