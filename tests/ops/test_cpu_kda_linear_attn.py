@@ -130,18 +130,24 @@ def test_linear_attn_fp32_kernel_error_within_2x_of_the_fp32_recurrence(kernels,
         assert rel_err(a, e) <= bound, f"{name}: {rel_err(a, e):.2e} vs the recurrence's {rel_err(r, e):.2e}"
 
 
-@pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
-def test_linear_attn_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, rule_name, one_thread):
-    """Uneven packed sequences with length-1 segments (cu_seqlens must increase strictly: no empty
-    segment is accepted), an initial state each: the
-    kernel and ``FASTWEIGHTS_CPU_KERNELS=0``'s path agree to 1e-13, forward and every gradient."""
+def _packed_linear_case(rule_name):
+    """Uneven packed sequences with a length-1 segment, an initial state each: the inputs and the
+    chunk form on them (C 32)."""
     rule = RULES[rule_name]
     lengths = [5, 70, 1, 33, 2]
     x = make_inputs(rule, 1, sum(lengths), 3, 20, 12, initial_state=False, seed=8)
     kd, vd = rule.state_dims(20, 12)
     x["initial_state"] = torch.randn(len(lengths), 3, kd, vd, dtype=torch.float64).abs()
     cu = torch.tensor([0] + lengths).cumsum(0)
-    form = (lambda **a: call(rule.forms[2], rule, a, cu_seqlens=cu, chunk_size=32))
+    return x, (lambda **a: call(rule.forms[2], rule, a, cu_seqlens=cu, chunk_size=32))
+
+
+@pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
+def test_linear_attn_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, rule_name, one_thread):
+    """Uneven packed sequences with length-1 segments (cu_seqlens must increase strictly: no empty
+    segment is accepted), an initial state each: the
+    kernel and ``FASTWEIGHTS_CPU_KERNELS=0``'s path agree to 1e-13, forward and every gradient."""
+    x, form = _packed_linear_case(rule_name)
     on, off = _run(form, x, True), _run(form, x, False)
     for name, a, b in zip(_names(x), on, off):
         assert rel_err(a, b) < 1e-13, f"{name}: {rel_err(a, b):.2e}"
@@ -343,13 +349,7 @@ def test_linear_attn_float64_inference_kernel_with_mild_and_strong_decays(kernel
 
 @pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
 def test_linear_attn_inference_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, rule_name, one_thread):
-    rule = RULES[rule_name]
-    lengths = [5, 70, 1, 33, 2]
-    x = make_inputs(rule, 1, sum(lengths), 3, 20, 12, initial_state=False, seed=8)
-    kd, vd = rule.state_dims(20, 12)
-    x["initial_state"] = torch.randn(len(lengths), 3, kd, vd, dtype=torch.float64).abs()
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    form = (lambda **a: call(rule.forms[2], rule, a, cu_seqlens=cu, chunk_size=32))
+    x, form = _packed_linear_case(rule_name)
     for name, a, b in zip(["o", "h_T"], _infer(form, x, True), _infer(form, x, False)):
         assert rel_err(a, b) < 1e-13, f"{name}: {rel_err(a, b):.2e}"
 
