@@ -763,7 +763,7 @@ def softmax_attn_context_parallel(
     would send less, but it does not run on the CPU (no sharding rule for
     ``aten._scaled_dot_product_flash_attention_for_cpu`` in torch 2.13). Returns ``o [B, L, H, V]``.
     """
-    from ._checks import compute_dtype
+    from ._checks import compute_dtype, resolve_scale
 
     rank, world = check_cp_group("softmax_attn_context_parallel", cp_group)
     batch, length, heads, key_dim = q.shape
@@ -779,7 +779,7 @@ def softmax_attn_context_parallel(
     dt = compute_dtype(q.dtype)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2).to(dt), keys.transpose(1, 2).to(dt), values.transpose(1, 2).to(dt), attn_mask=mask,
-        scale=key_dim ** -0.5 if scale is None else scale,
+        scale=resolve_scale(scale, key_dim),
     )
     return o.transpose(1, 2).to(q.dtype)
 
@@ -787,6 +787,17 @@ def softmax_attn_context_parallel(
 # --------------------------------------------------------------------------------------
 # GDN-2 and (Gated) DeltaProduct: the same affine summaries, K×K transitions
 # --------------------------------------------------------------------------------------
+
+
+def _resolved_chunk(chunk_size: Optional[int], q) -> Optional[int]:
+    """``chunk_size`` as the chunk op would resolve it (:func:`~._chunk.resolve_chunk_size`, the one
+    owner), so every rank checks and cuts with the length the op runs; None stays None for a
+    malformed ``q`` (the checks name it)."""
+    from ._chunk import resolve_chunk_size
+
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4):
+        return chunk_size
+    return resolve_chunk_size(chunk_size, q.shape[-1], q.device)
 
 
 def _family_checks(op: str, q, k, v, gates, initial_state, cu_seqlens, chunk_size, seq_len: Optional[int]) -> None:
@@ -840,7 +851,7 @@ def gdn2_context_parallel(
     chunk_op: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
     w: torch.Tensor, *,
     cp_group, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64,
+    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``chunk_op`` (:func:`~fastweights.ops.chunk_gdn2`, or another GDN-2 form with its signature) on
@@ -861,6 +872,7 @@ def gdn2_context_parallel(
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     lead = tuple(v.shape[:3]) if isinstance(v, torch.Tensor) and v.dim() == 4 else (-1,)
     K = _shape_of(q, 3)
+    chunk_size = _resolved_chunk(chunk_size, q)
     gates = [("g", g, lead + (K,), None, 0.0), ("b", b, lead + (K,), 0.0, 2.0), ("w", w, lead + (_shape_of(v, 3),), 0.0, 1.0)]
     packed = torch.cat([b, w], dim=-1) if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (b, w)) else b
 
@@ -881,7 +893,7 @@ def gated_delta_product_context_parallel(
     chunk_op: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     num_householder: int, *,
     cp_group, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = 64,
+    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None, allow_neg_eigval: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``chunk_op`` (:func:`~fastweights.ops.chunk_gated_delta_product`, or another form with its
@@ -899,6 +911,7 @@ def gated_delta_product_context_parallel(
     check_int(op, "num_householder", n_h, what="an int >= 1 (Householder sub-steps per token)")
     B, L, H, K = (_shape_of(q, i) for i in range(4))
     V = _shape_of(v, 3)
+    chunk_size = _resolved_chunk(chunk_size, q)
     high = 2.0 if allow_neg_eigval else 1.0
     for name, t, width in (("k", k, K), ("v", v, V), ("beta", beta, None)):
         want = (B, L * n_h, H) + (() if width is None else (width,))
