@@ -9,10 +9,10 @@ Non-finite inputs (NaN/Inf) are refused by default, because one NaN token
 poisons the recurrent state for every later token. The check costs one pass
 over the inputs; switch it off with ``fastweights.ops.finite_checks(False)``
 (a context manager and a setter). Where the compiled CPU chunk kernels of the
-delta rules run (``OpSpec.fused_finite_check``), q, k and v are not read in a
-pass of their own: the kernel counts their NaN/Inf entries while it gathers the
-rows it reads anyway, and raises this module's ``ValueError`` (same text, same
-count) after the call; see :func:`check_qkv_finite`.
+delta rules and of linear attention run (``OpSpec.fused_finite_check``), q, k
+and v are not read in a pass of their own: the kernel counts their NaN/Inf
+entries in the rows it reads anyway, and raises this module's ``ValueError``
+(same text, same count) after the call; see :func:`check_qkv_finite`.
 
 - CPU tensors: checked on the spot; a bad input raises ``ValueError`` naming it.
 - CUDA (any non-CPU) tensors: checked asynchronously with ``torch._assert_async``,

@@ -335,11 +335,9 @@ struct HeadRows {
     // the finite check, once every row is in (checked row by row in the loop above, its loads
     // would hold back the next rows' loads, which miss the cache on long inputs)
     if (bad != nullptr && rows > 0 && (any_nonfinite(Q, rows * K) || any_nonfinite(KV, rows * KVw))) {
-      for (int64_t i = 0; i < rows; ++i) {
-        bad[0] += count_nonfinite(Q + i * K, K);
-        bad[1] += count_nonfinite(KV + i * KVw, K);
-        bad[2] += count_nonfinite(KV + i * KVw + K, V);
-      }
+      bad[0] += rows_nonfinite(Q, K, rows, K);
+      bad[1] += rows_nonfinite(KV, KVw, rows, K);
+      bad[2] += rows_nonfinite(KV + K, KVw, rows, V);
     }
   }
 };

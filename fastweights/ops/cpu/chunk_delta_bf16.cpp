@@ -38,8 +38,8 @@ struct ForwardBf16 {
     auto f = [](int64_t floats) { return round16(floats); };
     auto b16 = [](int64_t count) { return round16((count + 1) / 2); };
     return b16(C * K) * 2 + b16(C * KV) + b16(C * std::max(C, K)) + b16(C * C) + f(C * KV) + f(C * C) * 3 +
-           f(C * V) + f(K * V) + f(C) * 5 + f(packed_b_words(K, C)) + f(packed_b_words(C, KV)) * 2 +
-           f(packed_b_words(K, V)) + f(packed_b_words(C, V));
+           f(C * V) + f(K * V) + f(C) * 5 + f(packed_b_words(K, C)) + f(packed_b_words(C, KV)) +
+           f(packed_b_words(K, V)) + f(packed_b_words(C, V)) * 2;
   }
 
   void head(int64_t nh, float* scratch) const {
@@ -74,7 +74,7 @@ struct ForwardBf16 {
     float* wk = take(C);                           // β e^b (β ungated)
     uint32_t* Kw = take32(packed_b_words(K, C));   // Kᵀ, packed
     uint32_t* Rw = take32(packed_b_words(C, KV));  // K | V (ungated) or K (gated), packed
-    uint32_t* Vw = take32(packed_b_words(C, KV));  // V (gated), packed
+    uint32_t* Vw = take32(packed_b_words(C, V));   // V (gated), packed
     uint32_t* hw = take32(packed_b_words(K, V));   // h, packed
     uint32_t* Uw = take32(packed_b_words(C, V));   // U', packed
     fastweights::cpu::Workspace ws;
