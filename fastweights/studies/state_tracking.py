@@ -264,7 +264,7 @@ def _train_job(task_name: str, arm: str, config: StateTrackingConfig, seed: int)
 def run_state_tracking(config: Optional[StateTrackingConfig] = None, out_dir: Optional[str] = None,
                        progress: bool = True, plots: bool = True, resume: bool = False) -> Dict:
     """Train and test every (task, arm, seed); with ``out_dir`` write ``state_tracking.json``,
-    ``state_tracking.csv`` and ``state_tracking.png`` (finished runs go to
+    ``state_tracking.csv``, ``state_tracking.png`` and, for several arms, ``state_tracking_grid.png`` (finished runs go to
     ``state_tracking.partial.json`` as they arrive; ``resume`` continues from it).
 
     With ``config.workers > 1`` the runs go to spawned worker processes, which import the
@@ -359,7 +359,38 @@ def plot_state_tracking(result: Dict, out: Path) -> List[str]:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"sequence accuracy (solid), token (dotted); {cfg['seeds']} seeds")
     axes[0][-1].legend(fontsize=7, loc="lower left")
-    return [save_figure(fig, out / "state_tracking.png", dpi=80)]
+    files = [save_figure(fig, out / "state_tracking.png", dpi=80)]
+    if len(cfg["arms"]) > 1:
+        files.append(plot_state_tracking_grid(result, out / "state_tracking_grid.png"))
+    return files
+
+
+def plot_state_tracking_grid(result: Dict, path: Path) -> str:
+    """One heat map for a sweep of many arms: rows are arms, columns (task, test length); each
+    cell is the mean sequence accuracy over the seeds (colour and number) with the token
+    accuracy under it; the columns at the training length are marked."""
+    plt = pyplot()
+    cfg = result["config"]
+    tasks, arms, lengths = list(cfg["tasks"]), list(cfg["arms"]), sorted(cfg["test_lengths"])
+    cell = {(r["task"], r["arm"], r["test_length"]): r for r in result["results"]}
+    cols = [(t, n) for t in tasks for n in lengths]
+    grid = [[cell[(t, a, n)]["seq_accuracy"] for t, n in cols] for a in arms]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.62 * len(cols), 0.9 + 0.36 * len(arms)))
+    ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    for i, a in enumerate(arms):
+        for j, (t, n) in enumerate(cols):
+            r = cell[(t, a, n)]
+            ax.text(j, i, f"{r['seq_accuracy']:.2f}\n{r['token_accuracy']:.2f}", ha="center", va="center", fontsize=5.5,
+                    color="black" if r["seq_accuracy"] > 0.6 else "white")
+    ax.set_xticks(range(len(cols)))
+    ax.set_xticklabels([f"{t}\n{n}" + ("*" if n == result["train_max_length"] else "") for t, n in cols], fontsize=6)
+    ax.set_yticks(range(len(arms)))
+    ax.set_yticklabels(arms, fontsize=7)
+    for j in range(len(lengths), len(cols), len(lengths)):
+        ax.axvline(j - 0.5, color="white", lw=2)
+    ax.set_title(f"sequence accuracy (top) and token accuracy (bottom), mean of {cfg['seeds']} seeds; "
+                 f"* = training length", fontsize=8)
+    return save_figure(fig, path, dpi=110)
 
 
 def report(result: Dict) -> str:

@@ -101,6 +101,22 @@ def test_study_writes_its_contract(tmp_path):
     assert again["results"] == result["results"]
 
 
+def test_study_figures(tmp_path):
+    """With plots, the resumed sweep draws the per-task curves and, having two arms, the arm x
+    (task, length) grid; both are PNG files the JSON lists."""
+    pytest.importorskip("matplotlib")
+    cfg = StateTrackingConfig(tasks=("parity", "mod3"), arms=("linear", "deltanet[0,2]"), train_max_length=8,
+                              test_lengths=(8, 16), d_model=16, seeds=1, max_steps=2, warmup_steps=1, batch_size=4,
+                              test_size=8, workers=1)
+    result = run_state_tracking(cfg, out_dir=str(tmp_path), progress=False, plots=True)
+    for name in ("state_tracking.png", "state_tracking_grid.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert any(f.endswith(name) for f in result["files"])
+    one_arm = run_state_tracking(StateTrackingConfig(**{**cfg.__dict__, "arms": ("linear",)}),
+                                 out_dir=str(tmp_path / "one"), progress=False, plots=True)
+    assert not (tmp_path / "one" / "state_tracking_grid.png").exists() and (tmp_path / "one" / "state_tracking.png").exists()
+
+
 def test_study_is_registered_with_quick_and_full():
     module = get_study("state-tracking")
     assert module.Config is StateTrackingConfig
