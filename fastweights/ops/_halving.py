@@ -30,6 +30,7 @@ Training", arXiv:2312.06635, secondary-level chunking), taken to every level wit
 point at each split.
 
 L that is not a power of two is padded (zero operands, no decay) and the result cut back.
+:func:`halving_products_backward` is the adjoint (to the operands and to the log decays).
 """
 
 from __future__ import annotations
@@ -52,29 +53,13 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
     """
     bt, length, nr, dk = rows.shape
     ny = cols.shape[2]
-    padded = 1 << max(0, (length - 1).bit_length())
-    if padded != length:  # zero operands and no decay after the block: nothing changes inside it
-        extra = padded - length
-        c = torch.cat([c, c[:, -1:].expand(bt, extra, dk)], dim=1)
-        rows = F.pad(rows, (0, 0, 0, 0, 0, extra))
-        cols = F.pad(cols, (0, 0, 0, 0, 0, extra))
+    c, rows, cols, padded = _pad_block(c, rows, cols)
     levels = padded.bit_length() - 1
     out = rows.new_zeros(nr, ny, bt, padded, padded)
     # the diagonal, i = r: factor 1
     out.diagonal(dim1=-2, dim2=-1).copy_(torch.matmul(rows, cols.transpose(-1, -2)).permute(2, 3, 0, 1))
     if levels:
-        # every level's exponent of every token, c_r − c_m for the rows after m and c_m − c_i for the
-        # columns up to m (both <= 0): float64 differences, each rounded once as it is written to the
-        # compute dtype; then one exponential for all levels
-        exponents = rows.new_empty(bt, levels, padded, dk)
-        for level in range(1, levels + 1):
-            half = padded >> level
-            halves = c.view(bt, 1 << (level - 1), 2, half, dk)
-            mid = halves[:, :, 0, -1:]  # [Bt, P, 1, K]: c at the last token of each first half
-            into = exponents[:, level - 1].view(halves.shape)
-            torch.sub(halves[:, :, 1], mid, out=into[:, :, 1])
-            torch.sub(mid, halves[:, :, 0], out=into[:, :, 0])
-        factors = exponents.exp_()  # [Bt, levels, L, K]
+        factors = _level_factors(c, levels, rows.dtype)  # [Bt, levels, L, K]
         for level in range(1, levels + 1):
             half = padded >> level
             pairs = 1 << (level - 1)
@@ -87,3 +72,84 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
     if padded != length:
         out = out[..., :length, :length].contiguous()
     return out
+
+
+def _pad_block(c, rows, cols):
+    """``(c, rows, cols, L')`` with L padded to the next power of two L' (zero operands, no decay after
+    the block: nothing changes inside it)."""
+    bt, length, _, dk = rows.shape
+    padded = 1 << max(0, (length - 1).bit_length())
+    if padded != length:
+        extra = padded - length
+        c = torch.cat([c, c[:, -1:].expand(bt, extra, dk)], dim=1)
+        rows = F.pad(rows, (0, 0, 0, 0, 0, extra))
+        cols = F.pad(cols, (0, 0, 0, 0, 0, extra))
+    return c, rows, cols, padded
+
+
+def _level_factors(c: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[Bt, levels, L, K]``: at level ℓ, e^{c_r − c_m} for the tokens r of every second half and
+    e^{c_m − c_i} for the tokens i of every first half (m the first half's last token; both <= 0).
+
+    Every level's exponent of every token is a float64 difference, rounded once as it is written to
+    ``dtype``; then one exponential for all levels."""
+    bt, padded, dk = c.shape
+    exponents = torch.empty(bt, levels, padded, dk, dtype=dtype, device=c.device)
+    for level in range(1, levels + 1):
+        half = padded >> level
+        halves = c.view(bt, 1 << (level - 1), 2, half, dk)
+        mid = halves[:, :, 0, -1:]  # [Bt, P, 1, K]: c at the last token of each first half
+        into = exponents[:, level - 1].view(halves.shape)
+        torch.sub(halves[:, :, 1], mid, out=into[:, :, 1])
+        torch.sub(mid, halves[:, :, 0], out=into[:, :, 0])
+    return exponents.exp_()
+
+
+def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, d_out: torch.Tensor):
+    """The adjoint of :func:`halving_products`: ``d_out [nr, ny, Bt, L, L]`` (only the diagonal and the
+    strict lower triangle are read; zero a strict product's diagonal first) -> ``(d_rows [Bt, L, nr, K],
+    d_cols [Bt, L, ny, K], dgk [Bt, L, K])``, dgk the gradient to the log decays g whose cumulative
+    sums are ``c`` (c_r = g_1 + … + g_r).
+
+    The forward's products are recomputed level by level. At level ℓ a block is x̃ ỹᵀ with
+    x̃ = x ⊙ e^{c_r − c_m} and ỹ = y ⊙ e^{c_m − c_i}: d x̃ = dB ỹ, d ỹ = dBᵀ x̃. A factor e^{c_r − c_m}
+    depends on g_t for t in (m, r] with derivative the factor itself, so g_t collects Σ_x d x̃ ⊙ x̃ of
+    the rows r >= t of its own second half (a suffix sum inside that half); e^{c_m − c_i} depends on
+    g_t for t in (i, m]: g_t collects the columns i < t of its own first half (a prefix sum, t
+    excluded). Each span is summed directly, never as a difference of two cumulative sums (with
+    strong decays those would cancel and leave the rounding of larger terms behind, as KDA's
+    :meth:`~.kda.parallel.RelativeDecay.products_backward` notes)."""
+    bt, length, nr, dk = rows.shape
+    ny = cols.shape[2]
+    c, rows, cols, padded = _pad_block(c, rows, cols)
+    if padded != length:
+        d_out = F.pad(d_out, (0, padded - length, 0, padded - length))
+    # the diagonal, factor 1: D [Bt, L, nr, ny]
+    diag = d_out.diagonal(dim1=-2, dim2=-1).permute(2, 3, 0, 1)
+    d_rows = torch.matmul(diag, cols)
+    d_cols = torch.matmul(diag.transpose(-1, -2), rows)
+    dgk = rows.new_zeros(bt, padded, dk)
+    levels = padded.bit_length() - 1
+    if levels:
+        factors = _level_factors(c, levels, rows.dtype)
+        for level in range(1, levels + 1):
+            half = padded >> level
+            pairs = 1 << (level - 1)
+            f = factors[:, level - 1].view(bt, pairs, 2, half, 1, dk)
+            x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
+            y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
+            source = d_out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
+            d_block = source.permute(2, 5, 3, 0, 4, 1).reshape(bt * pairs, half * nr, half * ny)
+            d_x = torch.bmm(d_block, y.view(bt * pairs, half * ny, dk)).view(bt, pairs, half, nr, dk)
+            d_y = torch.bmm(d_block.transpose(-1, -2), x.view(bt * pairs, half * nr, dk)).view(bt, pairs, half, ny, dk)
+            d_rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1].addcmul_(d_x, f[:, :, 1])
+            d_cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0].addcmul_(d_y, f[:, :, 0])
+            spans = dgk.view(bt, pairs, 2, half, dk)
+            # rows: the suffix sums inside the second half (t <= r); columns: the prefix sums inside the
+            # first half, t excluded (i < t)
+            spans[:, :, 1] += d_x.mul_(x).sum(3).flip(2).cumsum(2).flip(2)
+            from_cols = d_y.mul_(y).sum(3)
+            spans[:, :, 0, 1:] += from_cols[:, :, :-1].cumsum(2)
+    if padded != length:
+        return d_rows[:, :length], d_cols[:, :length], dgk[:, :length]
+    return d_rows, d_cols, dgk

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights import ops
-from fastweights.ops._halving import halving_products
+from fastweights.ops._halving import halving_products, halving_products_backward
 from fastweights.ops.dplr import chunk as dplr_chunk
 from fastweights.ops.gdn2 import chunk as gdn2_chunk
 
@@ -37,6 +37,24 @@ def test_halving_products_equal_the_pairwise_sums(length, nr, ny):
     assert got.shape == (nr, ny, bt, length, length)
     assert all(got[x, y].is_contiguous() for x in range(nr) for y in range(ny))
     assert rel_err(got, pairwise(c, rows, cols)) < 1e-14
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 16, 24, 32])
+def test_halving_products_backward_equals_autograd_of_the_pairwise_sums(length):
+    """The adjoint to both operands and to the log decays g (c = cumsum g), float64, strong decays; the
+    cotangent's upper triangle is random too (it must be ignored)."""
+    gen = torch.Generator().manual_seed(length + 40)
+    bt, dk, nr, ny = 2, 5, 2, 2
+    g = (-6.9 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)).requires_grad_(True)
+    rows = torch.randn(bt, length, nr, dk, dtype=torch.float64, generator=gen, requires_grad=True)
+    cols = torch.randn(bt, length, ny, dk, dtype=torch.float64, generator=gen, requires_grad=True)
+    d_out = torch.randn(nr, ny, bt, length, length, dtype=torch.float64, generator=gen)
+    want = torch.autograd.grad((pairwise(g.cumsum(1), rows, cols) * d_out).sum(), (rows, cols, g))
+    got = halving_products_backward(g.detach().cumsum(1), rows.detach(), cols.detach(), d_out)
+    for name, a, b in zip(("rows", "cols", "g"), got, want):
+        err = rel_err(a, b) if b.abs().max() > 0 else a.abs().max().item()
+        print(f"L {length} d{name}: {err:.2e}")
+        assert err < 1e-13
 
 
 def test_halving_products_never_overflow_with_strong_decays():

@@ -6,48 +6,52 @@ number <= 0; one unit-triangular solve), then one sequential loop across chunks 
 (:func:`chunk_dplr_fwd`: KDA's loop with the state-free V pseudo-rows taken out of it; no chunk
 states kept without grad). No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``)
 reads and writes the state along one key per token, while the DPLR transition reads along a,
-writes along b and adds k vᵀ, two write paths that kernel's block algebra does not have. The
-backward is KDA's hand-written adjoint loop (last chunk first, from the saved chunk-entry
-states); the adjoint of each group of chunks' state-free terms is taken by autograd on
-their recomputation (:func:`dplr_block_terms_backward`), not written out by hand as KDA's,
-GDN-2's and DeltaProduct's are. The forward is a ``torch.library`` custom op; the backward
-is its registered autograd formula, not a custom op of its own (autograd does not run below
-a custom op's dispatch).
+writes along b and adds k vᵀ, two write paths that kernel's block algebra does not have.
+
+The backward is written by hand end to end: KDA's adjoint loop across chunks (last chunk first,
+from the saved chunk-entry states; :func:`~fastweights.ops.kda.chunk.chunk_kda_bwd`) over each
+group's terms recomputed in KDA's 2L-pseudo-row shape (:func:`_backward_terms`), and their
+adjoint :func:`~.parallel.dplr_block_terms_backward` (the solve's adjoint, then the halving
+products' adjoint :func:`~.._halving.halving_products_backward`, the decay factors span by span).
+Forward and backward are ``torch.library`` custom ops (``fastweights::chunk_dplr_fwd`` /
+``_bwd``), the backward registered as the forward's autograd formula as KDA's, GDN-2's and
+DeltaProduct's are; opaque to ``torch.compile``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
+from .._chunk import chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from ..precision import autocast_off
 from ..kda import chunk as kda_chunk
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from .recurrent import dplr_step
-from .parallel import dplr_block_terms
+from .parallel import DplrSaved, block_terms_of, dplr_block_terms_backward
 from .._halving import halving_products
 from ..kda.parallel import cumulative_decay
 
 
-def dplr_block_terms_backward(q, k, v, ab, terms, d_wu, d_scores, d_q_read, d_k_write, d_last, scale, solve_adjoint):
-    """The adjoint of :func:`~.parallel.dplr_block_terms` by autograd on its recomputation from
-    the inputs it kept; returns ``(dq, dk, dv, dab, dgk)``."""
-    inputs = [t.detach().requires_grad_(True) for t in terms.solver]
-    with torch.enable_grad():
-        x = dplr_block_terms(*inputs, scale)
-        grads = torch.autograd.grad((x.wu, x.scores, x.q_read, x.k_write, x.last), inputs,
-                                    (d_wu, d_scores, d_q_read, d_k_write, d_last), allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads))
+class _Terms(NamedTuple):
+    """A group of blocks' state-free terms, as :func:`_forward_terms` forms them."""
+
+    read: Tensor      # e^c
+    to_end: Tensor    # e^{c_L − c}
+    q_scaled: Tensor  # scale·q
+    a_qb: Tensor      # [Bt, L, L] scale·A_qb (diagonal included)
+    a_qk: Tensor      # [Bt, L, L] scale·A_qk
+    wu: Tensor        # [Bt, L, K + V] [W | U₀]
+    neg_a_ab: Tensor  # [Bt, L, L] −A_ab (the diagonal is not −A_ab's: never read)
+    saved: DplrSaved  # what only the backward reads
 
 
-def _forward_terms(q, k, v, ab, gk, scale: float):
-    """What the forward needs of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``:
-    ``(e^c, e^{c_L − c}, A_qb, A_qk, W, U₀)``, the scores scaled (:func:`~.parallel.dplr_block_core`'s
-    algebra, module docstring of ``parallel.py``).
+def _forward_terms(q, k, v, ab, gk, scale: float) -> _Terms:
+    """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``
+    (:func:`~.parallel.dplr_block_core`'s algebra, module docstring of ``parallel.py``).
 
     The four decayed products (rows a ⊙ e^{−gk} and scale·q, columns b and k) are formed together by
     recursive halving (:func:`~.._halving.halving_products`: every exponential of a number <= 0), and
@@ -59,8 +63,9 @@ def _forward_terms(q, k, v, ab, gk, scale: float):
     to_end = torch.sub(c[:, -1:], c, out=torch.empty_like(q)).exp_()  # the float64 difference, rounded once
     rows = q.new_empty(bt, length, 2, dk)  # the row operands: a ⊙ e^{−gk} and scale·q
     # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
-    a_shift = torch.mul(ab[..., 0, :], torch.neg(gk).exp_(), out=rows[:, :, 0])
-    torch.mul(q, scale, out=rows[:, :, 1])
+    exp_neg_gk = torch.neg(gk).exp_()
+    a_shift = torch.mul(ab[..., 0, :], exp_neg_gk, out=rows[:, :, 0])
+    q_scaled = torch.mul(q, scale, out=rows[:, :, 1])
     cols = q.new_empty(bt, length, 2, dk)  # the column operands: b and k
     cols[:, :, 0] = ab[..., 1, :]
     cols[:, :, 1] = k
@@ -70,8 +75,18 @@ def _forward_terms(q, k, v, ab, gk, scale: float):
     rhs = q.new_empty(bt, length, dk + v.shape[-1])
     torch.mul(a_shift, read, out=rhs[..., :dk])  # A ⊙ e^{c − gk} = (A ⊙ e^{−gk}) ⊙ e^c
     torch.bmm(a_ak, v, out=rhs[..., dk:])
-    wu = torch.linalg.solve_triangular(products[0, 0].neg_(), rhs, upper=False, unitriangular=True)
-    return read, to_end, rows[:, :, 1], products[1, 0], products[1, 1], wu
+    neg_a_ab = products[0, 0].neg_()
+    wu = torch.linalg.solve_triangular(neg_a_ab, rhs, upper=False, unitriangular=True)
+    return _Terms(read, to_end, q_scaled, products[1, 0], products[1, 1], wu, neg_a_ab,
+                  DplrSaved(c, exp_neg_gk, a_shift, a_ak))
+
+
+def _backward_terms(q, k, v, ab, gk, scale: float, solve=None):
+    """KDA's :class:`~..kda.parallel.BlockTerms` (2L pseudo-rows) of :func:`_forward_terms`, for KDA's
+    backward driver with :func:`~.parallel.dplr_block_terms_backward` (``solve`` unused)."""
+    x = _forward_terms(q, k, v, ab, gk, scale)
+    return block_terms_of(q, k, v, ab, x.read, x.to_end, x.neg_a_ab, torch.cat([x.a_qb, x.a_qk], dim=-1), x.wu,
+                          x.saved, scale)
 
 
 def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_states: bool = True):
@@ -100,7 +115,7 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
     h, carry = (v.new_zeros(rows, dk, dv) if h0 is None else h0), v.new_empty(rows, dk, dv)
     for c0, c1 in groups:
         qf, kf, vf, abf, gf = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, ab, gk))
-        read, to_end, q_scaled, a_qb, a_qk, wu = _forward_terms(qf, kf, vf, abf, gf, scale)
+        read, to_end, q_scaled, a_qb, a_qk, wu, _, _ = _forward_terms(qf, kf, vf, abf, gf, scale)
         w, u0 = wu[..., :dk], wu[..., dk:]
         b_write_t = (abf[..., 1, :] * to_end).transpose(-1, -2)  # [Bt, K, L]
         from_v = torch.bmm((kf * to_end).transpose(-1, -2), vf)  # [Bt, K, V] (K ⊙ e^{c_L − c})ᵀ V
@@ -133,29 +148,21 @@ def _fwd_fake(q, k, v, ab, gk, h0, scale, chunk_size, keep_states=True):
     return o, h_final, (states if keep_states else states.new_empty((0,) + tuple(states.shape[1:])))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, ab, gk, h0, scale, chunk_size, *_ = inputs
-    states = output[2]
-    ctx.save_for_backward(q, k, v, ab, gk, states)
-    backward_only(ctx, states)
-    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+@torch.library.custom_op("fastweights::chunk_dplr_bwd", mutates_args=())
+def _bwd_op(q: Tensor, k: Tensor, v: Tensor, ab: Tensor, gk: Tensor, states: Tensor, do: Tensor,
+            dh_final: Tensor, scale: float, chunk_size: int, keep_states: bool = True,
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with autocast_off(do.device):
+        return kda_chunk.chunk_kda_bwd(q, k, v, ab, gk, states, do, dh_final, scale, chunk_size,
+                                       terms=_backward_terms, terms_backward=dplr_block_terms_backward)
 
 
-def _backward(ctx, do, dh_final, _states):
-    q, k, v, ab, gk, states = ctx.saved_tensors
-    if dh_final is None:
-        dh_final = states.new_zeros(states.shape[1:])
-    if do is None:  # only h_T was used
-        do = v.new_zeros(v.shape)
-    with autocast_off(do.device), torch.no_grad():  # no custom op here: the terms' adjoint needs autograd
-        dq, dk, dv, dab, dgk, dh0 = kda_chunk.chunk_kda_bwd(
-            q, k, v, ab, gk, states, do, dh_final, ctx.scale, ctx.chunk_size, terms=dplr_block_terms,
-            terms_backward=dplr_block_terms_backward)
-    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, dab, dgk, dh0, None, None, None
+@_bwd_op.register_fake
+def _bwd_fake(q, k, v, ab, gk, states, do, dh_final, scale, chunk_size, keep_states=True):
+    return kda_chunk._bwd_fake(q, k, v, ab, gk, states, do, dh_final, scale, chunk_size)
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+kda_chunk.register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, ab, gk: v.new_zeros(v.shape))
 
 
 def dplr_chunk(q, k, v, beta, gk, h0, scale, chunk_size, *, a, b) -> Tuple[torch.Tensor, torch.Tensor]:
