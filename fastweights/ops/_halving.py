@@ -67,8 +67,7 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
             x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
             y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
             block = torch.bmm(x.view(bt * pairs, half * nr, dk), y.view(bt * pairs, half * ny, dk).transpose(-1, -2))
-            target = out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
-            target.copy_(block.view(bt, pairs, half, nr, half, ny).permute(3, 5, 0, 2, 4, 1))
+            _pair_blocks(out, level).copy_(block.view(bt, pairs, half, nr, half, ny).permute(3, 5, 0, 2, 4, 1))
     if padded != length:
         out = out[..., :length, :length].contiguous()
     return out
@@ -87,22 +86,72 @@ def _pad_block(c, rows, cols):
     return c, rows, cols, padded
 
 
-def _level_factors(c: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[Bt, levels, L, K]``: at level ℓ, e^{c_r − c_m} for the tokens r of every second half and
-    e^{c_m − c_i} for the tokens i of every first half (m the first half's last token; both <= 0).
+def _level_exponent(c: torch.Tensor, level: int, out: torch.Tensor) -> torch.Tensor:
+    """Level ℓ's exponents into ``out [Bt, L, K]``: c_r − c_m for the tokens r of every second half and
+    c_m − c_i for the tokens i of every first half (m the first half's last token; both <= 0), each
+    a float64 difference rounded once as it is written to ``out``'s dtype."""
+    bt, padded, dk = c.shape
+    half = padded >> level
+    halves = c.view(bt, 1 << (level - 1), 2, half, dk)
+    mid = halves[:, :, 0, -1:]  # [Bt, P, 1, K]: c at the last token of each first half
+    into = out.view(halves.shape)
+    torch.sub(halves[:, :, 1], mid, out=into[:, :, 1])
+    torch.sub(mid, halves[:, :, 0], out=into[:, :, 0])
+    return out
 
-    Every level's exponent of every token is a float64 difference, rounded once as it is written to
-    ``dtype``; then one exponential for all levels."""
+
+def _level_factors(c: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[Bt, levels, L, K]``: every level's factors, the exponentials of :func:`_level_exponent`."""
     bt, padded, dk = c.shape
     exponents = torch.empty(bt, levels, padded, dk, dtype=dtype, device=c.device)
     for level in range(1, levels + 1):
-        half = padded >> level
-        halves = c.view(bt, 1 << (level - 1), 2, half, dk)
-        mid = halves[:, :, 0, -1:]  # [Bt, P, 1, K]: c at the last token of each first half
-        into = exponents[:, level - 1].view(halves.shape)
-        torch.sub(halves[:, :, 1], mid, out=into[:, :, 1])
-        torch.sub(mid, halves[:, :, 0], out=into[:, :, 0])
+        _level_exponent(c, level, exponents[:, level - 1])
     return exponents.exp_()
+
+
+def _pair_blocks(out: torch.Tensor, level: int) -> torch.Tensor:
+    """The view of ``out [nr, ny, Bt, L, L]`` that level ℓ writes: ``[nr, ny, Bt, b(r), b(i), P]``, row r in
+    the second half and column i in the first half of each of the P pairs of halves of b tokens."""
+    nr, ny, bt, padded, _ = out.shape
+    half, pairs = padded >> level, 1 << (level - 1)
+    return out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
+
+
+def halving_products_by_operand(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                                diagonal_from: int = 0) -> torch.Tensor:
+    """:func:`halving_products` with the operands operand-major: ``rows [Bt, nr, L, K]``,
+    ``cols [Bt, ny, L, K]`` (each operand a contiguous ``[L, K]`` per block). The row operands before
+    ``diagonal_from`` get strictly lower products (their diagonal stays 0, not computed); the others
+    include it. Returns ``[nr, ny, Bt, L, L]`` as :func:`halving_products`.
+
+    Arranged for the CPU's caches: each level's factors are formed into one ``[Bt, L, K]`` buffer used
+    again by the next level (not all levels at once), and each level's scaled operands are written
+    operand-major, so that every elementwise product runs over contiguous spans of b·K numbers and
+    the level's one batched product reads them without a copy."""
+    bt, nr, length, dk = rows.shape
+    ny = cols.shape[1]
+    padded = 1 << max(0, (length - 1).bit_length())
+    if padded != length:  # zero operands and no decay after the block: nothing changes inside it
+        extra = padded - length
+        c = torch.cat([c, c[:, -1:].expand(bt, extra, dk)], dim=1)
+        rows, cols = F.pad(rows, (0, 0, 0, extra)), F.pad(cols, (0, 0, 0, extra))
+    out = rows.new_zeros(nr, ny, bt, padded, padded)
+    if diagonal_from < nr:  # i = r: factor 1
+        diag = (rows[:, diagonal_from:].unsqueeze(2) * cols.unsqueeze(1)).sum(-1)  # [Bt, nr', ny, L]
+        out[diagonal_from:].diagonal(dim1=-2, dim2=-1).copy_(diag.permute(1, 2, 0, 3))
+    factors = rows.new_empty(bt, padded, dk)
+    for level in range(1, padded.bit_length()):
+        half, pairs = padded >> level, 1 << (level - 1)
+        f = _level_exponent(c, level, factors).exp_().view(bt, 1, pairs, 2, half, dk)
+        x = rows.new_empty(bt, pairs, nr, half, dk)  # rows of the second halves, e^{c_r − c_m}
+        torch.mul(rows.view(bt, nr, pairs, 2, half, dk)[:, :, :, 1], f[:, :, :, 1], out=x.permute(0, 2, 1, 3, 4))
+        y = rows.new_empty(bt, pairs, ny, half, dk)  # columns of the first halves, e^{c_m − c_i}
+        torch.mul(cols.view(bt, ny, pairs, 2, half, dk)[:, :, :, 0], f[:, :, :, 0], out=y.permute(0, 2, 1, 3, 4))
+        block = torch.bmm(x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(-1, -2))
+        _pair_blocks(out, level).copy_(block.view(bt, pairs, nr, half, ny, half).permute(2, 4, 0, 3, 5, 1))
+    if padded != length:
+        out = out[..., :length, :length].contiguous()
+    return out
 
 
 def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, d_out: torch.Tensor):
@@ -138,8 +187,7 @@ def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.T
             f = factors[:, level - 1].view(bt, pairs, 2, half, 1, dk)
             x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
             y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
-            source = d_out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
-            d_block = source.permute(2, 5, 3, 0, 4, 1).reshape(bt * pairs, half * nr, half * ny)
+            d_block = _pair_blocks(d_out, level).permute(2, 5, 3, 0, 4, 1).reshape(bt * pairs, half * nr, half * ny)
             d_x = torch.bmm(d_block, y.view(bt * pairs, half * ny, dk)).view(bt, pairs, half, nr, dk)
             d_y = torch.bmm(d_block.transpose(-1, -2), x.view(bt * pairs, half * nr, dk)).view(bt, pairs, half, ny, dk)
             d_rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1].addcmul_(d_x, f[:, :, 1])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights import ops
-from fastweights.ops._halving import halving_products, halving_products_backward
+from fastweights.ops._halving import halving_products, halving_products_backward, halving_products_by_operand
 from fastweights.ops.dplr import chunk as dplr_chunk
 from fastweights.ops.gdn2 import chunk as gdn2_chunk
 
@@ -55,6 +55,24 @@ def test_halving_products_backward_equals_autograd_of_the_pairwise_sums(length):
         err = rel_err(a, b) if b.abs().max() > 0 else a.abs().max().item()
         print(f"L {length} d{name}: {err:.2e}")
         assert err < 1e-13
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 16, 24, 32])
+@pytest.mark.parametrize("diagonal_from", [0, 1, 2])
+def test_operand_major_products_equal_the_pairwise_sums(length, diagonal_from):
+    """The operand-major arrangement (the DPLR forward's): the same products, the rows before
+    ``diagonal_from`` strictly lower (their diagonal 0), L not a power of two padded inside."""
+    gen = torch.Generator().manual_seed(length + 7 * diagonal_from)
+    bt, dk = 3, 5
+    c = (-3 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)).cumsum(1)
+    rows = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    cols = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    want = pairwise(c, rows, cols)
+    want[:diagonal_from].diagonal(dim1=-2, dim2=-1).zero_()
+    got = halving_products_by_operand(c, rows.transpose(1, 2).contiguous(), cols.transpose(1, 2).contiguous(),
+                                      diagonal_from)
+    assert got.shape == (2, 2, bt, length, length)
+    assert rel_err(got, want) < 1e-14
 
 
 def test_halving_products_never_overflow_with_strong_decays():

@@ -32,7 +32,7 @@ from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from .recurrent import dplr_step
 from .parallel import DplrSaved, block_terms_of, dplr_block_terms_backward
-from .._halving import halving_products
+from .._halving import halving_products_by_operand
 from ..kda.parallel import cumulative_decay
 
 
@@ -49,30 +49,29 @@ class _Terms(NamedTuple):
     saved: DplrSaved  # what only the backward reads
 
 
-def _forward_terms(q, k, v, ab, gk, scale: float) -> _Terms:
-    """The state-free terms of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``
-    (:func:`~.parallel.dplr_block_core`'s algebra, module docstring of ``parallel.py``).
+def _forward_terms(rows: Tensor, cols: Tensor, gk: Tensor, v: Tensor, scale: float) -> _Terms:
+    """The state-free terms of blocks given operand-major: ``rows [Bt, 2, L, K]`` holding (a, q) (written
+    over: they become the row operands a ⊙ e^{−gk} and scale·q), ``cols [Bt, 2, L, K]`` holding (b, k),
+    ``gk [Bt, L, K]``, ``v [Bt, L, V]`` (:func:`~.parallel.dplr_block_core`'s algebra, module docstring of
+    ``parallel.py``).
 
-    The four decayed products (rows a ⊙ e^{−gk} and scale·q, columns b and k) are formed together by
-    recursive halving (:func:`~.._halving.halving_products`: every exponential of a number <= 0), and
-    ``[W | U₀] = (I − A_ab)⁻¹ [A ⊙ e^{c − gk} | A_ak V]`` is one unit lower-triangular solve on −A_ab
-    (LAPACK's substitution reads only the strict lower triangle)."""
-    bt, length, dk = q.shape
+    The four decayed products are formed together by recursive halving
+    (:func:`~.._halving.halving_products_by_operand`: every exponential of a number <= 0; A_ab and A_ak
+    strictly lower), and ``[W | U₀] = (I − A_ab)⁻¹ [A ⊙ e^{c − gk} | A_ak V]`` is one unit
+    lower-triangular solve on −A_ab (LAPACK's substitution reads only the strict lower triangle)."""
+    bt, _, length, dk = rows.shape
     c = cumulative_decay(gk)
-    read = c.to(q.dtype, copy=True).exp_()  # (a copy: c itself when the inputs are float64)
-    to_end = torch.sub(c[:, -1:], c, out=torch.empty_like(q)).exp_()  # the float64 difference, rounded once
-    rows = q.new_empty(bt, length, 2, dk)  # the row operands: a ⊙ e^{−gk} and scale·q
+    ends = gk.new_empty(bt, 2, length, dk)  # e^c and e^{c_L − c}: float64 exponents, each rounded once
+    ends[:, 0] = c
+    torch.sub(c[:, -1:], c, out=ends[:, 1])
+    read, to_end = ends.exp_().unbind(1)
     # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
     exp_neg_gk = torch.neg(gk).exp_()
-    a_shift = torch.mul(ab[..., 0, :], exp_neg_gk, out=rows[:, :, 0])
-    q_scaled = torch.mul(q, scale, out=rows[:, :, 1])
-    cols = q.new_empty(bt, length, 2, dk)  # the column operands: b and k
-    cols[:, :, 0] = ab[..., 1, :]
-    cols[:, :, 1] = k
-    products = halving_products(c, rows, cols)
+    a_shift = rows[:, 0].mul_(exp_neg_gk)
+    q_scaled = rows[:, 1].mul_(scale)
+    products = halving_products_by_operand(c, rows, cols, diagonal_from=1)
     a_ak = products[0, 1]
-    a_ak.diagonal(dim1=-2, dim2=-1).zero_()  # A_ak strictly below the diagonal
-    rhs = q.new_empty(bt, length, dk + v.shape[-1])
+    rhs = rows.new_empty(bt, length, dk + v.shape[-1])
     torch.mul(a_shift, read, out=rhs[..., :dk])  # A ⊙ e^{c − gk} = (A ⊙ e^{−gk}) ⊙ e^c
     torch.bmm(a_ak, v, out=rhs[..., dk:])
     neg_a_ab = products[0, 0].neg_()
@@ -84,9 +83,26 @@ def _forward_terms(q, k, v, ab, gk, scale: float) -> _Terms:
 def _backward_terms(q, k, v, ab, gk, scale: float, solve=None):
     """KDA's :class:`~..kda.parallel.BlockTerms` (2L pseudo-rows) of :func:`_forward_terms`, for KDA's
     backward driver with :func:`~.parallel.dplr_block_terms_backward` (``solve`` unused)."""
-    x = _forward_terms(q, k, v, ab, gk, scale)
+    x = _forward_terms(torch.stack([ab[..., 0, :], q], dim=1), torch.stack([ab[..., 1, :], k], dim=1), gk, v, scale)
     return block_terms_of(q, k, v, ab, x.read, x.to_end, x.neg_a_ab, torch.cat([x.a_qb, x.a_qk], dim=-1), x.wu,
                           x.saved, scale)
+
+
+#: Token-heads per group of the forward (C·N·H·chunks; KDA's driver, and the backward, take 64 chunk-heads):
+#: its transient tensors stay within a core's caches. Measured at B 1, T 2048, fp32, 1 thread (BENCHMARKS.md):
+#: 512 (C 32: 16 chunk-heads; C 16: 32) was fastest of 256 to 2048 at H 4, K = V = 64 and H 8, K = V = 128.
+GROUP_TOKENS = 512
+
+
+def _operands(q, k, ab, gk, chunk_size: int, c0: int, c1: int):
+    """Chunks ``c0 .. c1 − 1`` of the head-first inputs copied straight into :func:`_forward_terms`'s
+    operand-major buffers: ``(rows (a, q), cols (b, k), gk)``, each ``[Bt, ·, L, K]``."""
+    bt, dk = (c1 - c0) * q.shape[0] * q.shape[1], q.shape[-1]
+    rows, cols = q.new_empty(bt, 2, chunk_size, dk), q.new_empty(bt, 2, chunk_size, dk)
+    for buffer, pair in ((rows, (ab[..., 0, :], q)), (cols, (ab[..., 1, :], k))):
+        for j, t in enumerate(pair):
+            flat_chunks(t, chunk_size, c0, c1, out=buffer[:, j])
+    return rows, cols, flat_chunks(gk, chunk_size, c0, c1)
 
 
 def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_states: bool = True):
@@ -105,7 +121,8 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
     n, nh, t_len, dk = q.shape
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
-    groups = kda_chunk._groups(nc, rows)
+    per = max(1, GROUP_TOKENS // (rows * chunk_size))
+    groups = [(c0, min(c0 + per, nc)) for c0 in range(0, nc, per)]
     states = v.new_empty(nc if keep_states else 0, rows, dk, dv)
     buffer = None if keep_states or not groups else v.new_empty(groups[0][1], rows, dk, dv)
     out = chunk_buffer(v, n, nh, nc, chunk_size, (dv,))
@@ -114,11 +131,13 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
         return from_chunk_buffer(out, t_len), (h_final.zero_() if h0 is None else h0), states
     h, carry = (v.new_zeros(rows, dk, dv) if h0 is None else h0), v.new_empty(rows, dk, dv)
     for c0, c1 in groups:
-        qf, kf, vf, abf, gf = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, ab, gk))
-        read, to_end, q_scaled, a_qb, a_qk, wu, _, _ = _forward_terms(qf, kf, vf, abf, gf, scale)
+        a_q, b_k, gf = _operands(q, k, ab, gk, chunk_size, c0, c1)
+        vf = flat_chunks(v, chunk_size, c0, c1)
+        read, to_end, q_scaled, a_qb, a_qk, wu, _, _ = _forward_terms(a_q, b_k, gf, vf, scale)
         w, u0 = wu[..., :dk], wu[..., dk:]
-        b_write_t = (abf[..., 1, :] * to_end).transpose(-1, -2)  # [Bt, K, L]
-        from_v = torch.bmm((kf * to_end).transpose(-1, -2), vf)  # [Bt, K, V] (K ⊙ e^{c_L − c})ᵀ V
+        writes = (b_k * to_end.unsqueeze(1)).transpose(-1, -2)  # [Bt, 2, K, L]: (B ⊙ e^{c_L − c})ᵀ, (K ⊙ e^{c_L − c})ᵀ
+        b_write_t = writes[:, 0]
+        from_v = torch.bmm(writes[:, 1], vf)  # [Bt, K, V] (K ⊙ e^{c_L − c})ᵀ V
         last = read[:, -1].unsqueeze(-1)
         u = torch.empty_like(u0)
         entering = states[c0:c1] if keep_states else buffer[:c1 - c0]
