@@ -117,41 +117,65 @@ def _pair_blocks(out: torch.Tensor, level: int) -> torch.Tensor:
     return out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
 
 
-def halving_products_by_operand(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                                diagonal_from: int = 0) -> torch.Tensor:
-    """:func:`halving_products` with the operands operand-major: ``rows [Bt, nr, L, K]``,
-    ``cols [Bt, ny, L, K]`` (each operand a contiguous ``[L, K]`` per block). The row operands before
-    ``diagonal_from`` get strictly lower products (their diagonal stays 0, not computed); the others
-    include it. Returns ``[nr, ny, Bt, L, L]`` as :func:`halving_products`.
+def halving_products_by_operand(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, diagonal_from: int = 0):
+    """:func:`halving_products` from the log decays themselves, with the operands operand-major; also
+    returns the block's end factors.
 
-    Arranged for the CPU's caches: each level's factors are formed into one ``[Bt, L, K]`` buffer used
-    again by the next level (not all levels at once), and each level's scaled operands are written
-    operand-major, so that every elementwise product runs over contiguous spans of b·K numbers and
-    the level's one batched product reads them without a copy."""
+    Args:
+        g: ``[Bt, L, K]`` the per-token log decays (<= 0) of each block, c = cumsum(g), in the compute dtype.
+        rows: ``[Bt, nr, L, K]``, ``cols``: ``[Bt, ny, L, K]``, each operand a contiguous ``[L, K]`` per block.
+        diagonal_from: the row operands before it get strictly lower products (their diagonal stays 0,
+            not computed); the others include it.
+
+    Returns:
+        ``(products [nr, ny, Bt, L, L]`` as :func:`halving_products`, ``ends [Bt, 2, L, K]``: e^{c_r} and
+        e^{c_L − c_r})``.
+
+    Every exponent is a sum of g over its own span, formed without float64 and without a difference
+    of cumulative sums: with P_b(t) the sum of g from the start of t's aligned run of b tokens up to t
+    and S_b(t) the sum after t to the run's end, level ℓ's factors are e^{P_b} on every second half
+    (c_r − c_m) and e^{S_b} on every first half (c_m − c_i), and going up a level adds one half's
+    total to the other half's sums (P_2b = P_b + the first half's total on the second half,
+    S_2b = S_b + the second half's total on the first half). Every term has the sign of g, so each
+    exponent carries a relative rounding of at most log₂ L additions, as a product of decays in the
+    recurrence does; the top of the recursion gives e^{c_r} and e^{c_L − c_r} with no more work.
+
+    Arranged for the CPU's caches: one level's factors at a time in one buffer, each level's scaled
+    operands written operand-major (every elementwise product runs over contiguous spans of b·K
+    numbers; the level's one batched product reads them without a copy)."""
     bt, nr, length, dk = rows.shape
     ny = cols.shape[1]
     padded = 1 << max(0, (length - 1).bit_length())
     if padded != length:  # zero operands and no decay after the block: nothing changes inside it
         extra = padded - length
-        c = torch.cat([c, c[:, -1:].expand(bt, extra, dk)], dim=1)
-        rows, cols = F.pad(rows, (0, 0, 0, extra)), F.pad(cols, (0, 0, 0, extra))
+        g, rows, cols = F.pad(g, (0, 0, 0, extra)), F.pad(rows, (0, 0, 0, extra)), F.pad(cols, (0, 0, 0, extra))
     out = rows.new_zeros(nr, ny, bt, padded, padded)
     if diagonal_from < nr:  # i = r: factor 1
         diag = (rows[:, diagonal_from:].unsqueeze(2) * cols.unsqueeze(1)).sum(-1)  # [Bt, nr', ny, L]
         out[diagonal_from:].diagonal(dim1=-2, dim2=-1).copy_(diag.permute(1, 2, 0, 3))
+    sums = rows.new_empty(bt, 2, padded, dk)  # P_b and S_b, from b = 1: P_1 = g, S_1 = 0
+    sums[:, 0] = g
+    sums[:, 1].zero_()
     factors = rows.new_empty(bt, padded, dk)
-    for level in range(1, padded.bit_length()):
+    for level in range(padded.bit_length() - 1, 0, -1):  # the finest level (b = 1) first
         half, pairs = padded >> level, 1 << (level - 1)
-        f = _level_exponent(c, level, factors).exp_().view(bt, 1, pairs, 2, half, dk)
-        x = rows.new_empty(bt, pairs, nr, half, dk)  # rows of the second halves, e^{c_r − c_m}
+        prefix, suffix = (sums[:, j].view(bt, pairs, 2, half, dk) for j in (0, 1))
+        f = factors.view(bt, pairs, 2, half, dk)
+        torch.exp(prefix[:, :, 1], out=f[:, :, 1])  # e^{c_r − c_m}, r in the second half
+        torch.exp(suffix[:, :, 0], out=f[:, :, 0])  # e^{c_m − c_i}, i in the first half
+        suffix[:, :, 0] += prefix[:, :, 1, -1:]  # the second half's total (P_b at its end, before it grows)
+        prefix[:, :, 1] += prefix[:, :, 0, -1:]  # the first half's total
+        f = f.view(bt, 1, pairs, 2, half, dk)
+        x = rows.new_empty(bt, pairs, nr, half, dk)  # rows of the second halves, scaled
         torch.mul(rows.view(bt, nr, pairs, 2, half, dk)[:, :, :, 1], f[:, :, :, 1], out=x.permute(0, 2, 1, 3, 4))
-        y = rows.new_empty(bt, pairs, ny, half, dk)  # columns of the first halves, e^{c_m − c_i}
+        y = rows.new_empty(bt, pairs, ny, half, dk)  # columns of the first halves, scaled
         torch.mul(cols.view(bt, ny, pairs, 2, half, dk)[:, :, :, 0], f[:, :, :, 0], out=y.permute(0, 2, 1, 3, 4))
         block = torch.bmm(x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(-1, -2))
         _pair_blocks(out, level).copy_(block.view(bt, pairs, nr, half, ny, half).permute(2, 4, 0, 3, 5, 1))
+    ends = sums.exp_()  # P_L = c_r, S_L = c_L − c_r
     if padded != length:
-        out = out[..., :length, :length].contiguous()
-    return out
+        out, ends = out[..., :length, :length].contiguous(), ends[:, :, :length]
+    return out, ends
 
 
 def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, d_out: torch.Tensor):

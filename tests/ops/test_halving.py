@@ -64,15 +64,45 @@ def test_operand_major_products_equal_the_pairwise_sums(length, diagonal_from):
     ``diagonal_from`` strictly lower (their diagonal 0), L not a power of two padded inside."""
     gen = torch.Generator().manual_seed(length + 7 * diagonal_from)
     bt, dk = 3, 5
-    c = (-3 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)).cumsum(1)
+    g = -3 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)
+    c = g.cumsum(1)
     rows = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
     cols = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
     want = pairwise(c, rows, cols)
     want[:diagonal_from].diagonal(dim1=-2, dim2=-1).zero_()
-    got = halving_products_by_operand(c, rows.transpose(1, 2).contiguous(), cols.transpose(1, 2).contiguous(),
-                                      diagonal_from)
+    got, ends = halving_products_by_operand(g, rows.transpose(1, 2).contiguous(), cols.transpose(1, 2).contiguous(),
+                                            diagonal_from)
     assert got.shape == (2, 2, bt, length, length)
     assert rel_err(got, want) < 1e-14
+    assert rel_err(ends, torch.stack([c.exp(), (c[:, -1:] - c).exp()], dim=1)) < 1e-14
+
+
+def test_operand_major_products_fp32_exponents_with_strong_decays():
+    """The exponents formed in the compute dtype as sums over their own spans (no float64): with decays
+    down to e^{−80} per token the fp32 products and end factors stay finite and within a few fp32 roundings
+    of the float64 pairwise sums, entry by entry relative to each entry's own scale (where fp32 can hold it):
+    within 3x of the products whose exponents are float64 differences rounded once (a span's sum carries up
+    to log₂ L = 5 roundings, against one)."""
+    gen = torch.Generator().manual_seed(4)
+    bt, length, dk = 2, 32, 8
+    g = -80 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)
+    g[:, ::5] = 0.0
+    g[:, 1::7] *= 1e-3  # weak decays next to strong ones
+    c = g.cumsum(1)
+    rows = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    cols = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    want = pairwise(c, rows, cols)
+    scale = pairwise(c, rows.abs(), cols.abs())  # Σ |x y| e^{c_r − c_i}: each entry's own size
+    got, ends = halving_products_by_operand(g.float(), rows.float().transpose(1, 2).contiguous(),
+                                            cols.float().transpose(1, 2).contiguous())
+    assert torch.isfinite(got).all() and torch.isfinite(ends).all()
+    seen = scale > 1e-30  # entries fp32 can hold (smaller ones may underflow to 0, as the recurrence's do)
+    worst = ((got.double() - want).abs() / scale)[seen].max().item()
+    # the token-major products with float64 exponents, each rounded once: the baseline
+    base = ((halving_products(c, rows.float(), cols.float()).double() - want).abs() / scale)[seen].max().item()
+    print(f"fp32 products, worst error relative to each entry's scale: {worst:.2e} (float64 exponents {base:.2e})")
+    assert worst <= 3 * base
+    assert rel_err(ends[:, 0].double(), c.exp()) < 1e-6
 
 
 def test_halving_products_never_overflow_with_strong_decays():

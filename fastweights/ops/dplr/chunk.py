@@ -46,7 +46,9 @@ class _Terms(NamedTuple):
     a_qk: Tensor      # [Bt, L, L] scale·A_qk
     wu: Tensor        # [Bt, L, K + V] [W | U₀]
     neg_a_ab: Tensor  # [Bt, L, L] −A_ab (the diagonal is not −A_ab's: never read)
-    saved: DplrSaved  # what only the backward reads
+    exp_neg_gk: Tensor  # e^{−gk}
+    a_shift: Tensor   # a ⊙ e^{−gk}
+    a_ak: Tensor      # [Bt, L, L] A_ak, strictly lower
 
 
 def _forward_terms(rows: Tensor, cols: Tensor, gk: Tensor, v: Tensor, scale: float) -> _Terms:
@@ -60,32 +62,28 @@ def _forward_terms(rows: Tensor, cols: Tensor, gk: Tensor, v: Tensor, scale: flo
     strictly lower), and ``[W | U₀] = (I − A_ab)⁻¹ [A ⊙ e^{c − gk} | A_ak V]`` is one unit
     lower-triangular solve on −A_ab (LAPACK's substitution reads only the strict lower triangle)."""
     bt, _, length, dk = rows.shape
-    c = cumulative_decay(gk)
-    ends = gk.new_empty(bt, 2, length, dk)  # e^c and e^{c_L − c}: float64 exponents, each rounded once
-    ends[:, 0] = c
-    torch.sub(c[:, -1:], c, out=ends[:, 1])
-    read, to_end = ends.exp_().unbind(1)
     # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
     exp_neg_gk = torch.neg(gk).exp_()
     a_shift = rows[:, 0].mul_(exp_neg_gk)
     q_scaled = rows[:, 1].mul_(scale)
-    products = halving_products_by_operand(c, rows, cols, diagonal_from=1)
+    products, ends = halving_products_by_operand(gk, rows, cols, diagonal_from=1)
+    read, to_end = ends.unbind(1)
     a_ak = products[0, 1]
     rhs = rows.new_empty(bt, length, dk + v.shape[-1])
     torch.mul(a_shift, read, out=rhs[..., :dk])  # A ⊙ e^{c − gk} = (A ⊙ e^{−gk}) ⊙ e^c
     torch.bmm(a_ak, v, out=rhs[..., dk:])
     neg_a_ab = products[0, 0].neg_()
     wu = torch.linalg.solve_triangular(neg_a_ab, rhs, upper=False, unitriangular=True)
-    return _Terms(read, to_end, q_scaled, products[1, 0], products[1, 1], wu, neg_a_ab,
-                  DplrSaved(c, exp_neg_gk, a_shift, a_ak))
+    return _Terms(read, to_end, q_scaled, products[1, 0], products[1, 1], wu, neg_a_ab, exp_neg_gk, a_shift, a_ak)
 
 
 def _backward_terms(q, k, v, ab, gk, scale: float, solve=None):
     """KDA's :class:`~..kda.parallel.BlockTerms` (2L pseudo-rows) of :func:`_forward_terms`, for KDA's
     backward driver with :func:`~.parallel.dplr_block_terms_backward` (``solve`` unused)."""
     x = _forward_terms(torch.stack([ab[..., 0, :], q], dim=1), torch.stack([ab[..., 1, :], k], dim=1), gk, v, scale)
+    saved = DplrSaved(cumulative_decay(gk), x.exp_neg_gk, x.a_shift, x.a_ak)
     return block_terms_of(q, k, v, ab, x.read, x.to_end, x.neg_a_ab, torch.cat([x.a_qb, x.a_qk], dim=-1), x.wu,
-                          x.saved, scale)
+                          saved, scale)
 
 
 #: Token-heads per group of the forward (C·N·H·chunks; KDA's driver, and the backward, take 64 chunk-heads):
@@ -133,7 +131,7 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
     for c0, c1 in groups:
         a_q, b_k, gf = _operands(q, k, ab, gk, chunk_size, c0, c1)
         vf = flat_chunks(v, chunk_size, c0, c1)
-        read, to_end, q_scaled, a_qb, a_qk, wu, _, _ = _forward_terms(a_q, b_k, gf, vf, scale)
+        read, to_end, q_scaled, a_qb, a_qk, wu, *_ = _forward_terms(a_q, b_k, gf, vf, scale)
         w, u0 = wu[..., :dk], wu[..., dk:]
         writes = (b_k * to_end.unsqueeze(1)).transpose(-1, -2)  # [Bt, 2, K, L]: (B ⊙ e^{c_L − c})ᵀ, (K ⊙ e^{c_L − c})ᵀ
         b_write_t = writes[:, 0]
