@@ -114,7 +114,7 @@ def _pair_blocks(out: torch.Tensor, level: int) -> torch.Tensor:
     the second half and column i in the first half of each of the P pairs of halves of b tokens."""
     nr, ny, bt, padded, _ = out.shape
     half, pairs = padded >> level, 1 << (level - 1)
-    return out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
+    return out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6).select(3, 1).select(4, 0)
 
 
 def halving_products_by_operand(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, diagonal_from: int = 0):
@@ -157,20 +157,20 @@ def halving_products_by_operand(g: torch.Tensor, rows: torch.Tensor, cols: torch
     sums[:, 0] = g
     sums[:, 1].zero_()
     factors = rows.new_empty(bt, padded, dk)
+    # (views by select/unbind/narrow: at these sizes a Python slice costs about as much as the arithmetic)
     for level in range(padded.bit_length() - 1, 0, -1):  # the finest level (b = 1) first
         half, pairs = padded >> level, 1 << (level - 1)
-        prefix, suffix = (sums[:, j].view(bt, pairs, 2, half, dk) for j in (0, 1))
-        f = factors.view(bt, pairs, 2, half, dk)
-        torch.exp(prefix[:, :, 1], out=f[:, :, 1])  # e^{c_r − c_m}, r in the second half
-        torch.exp(suffix[:, :, 0], out=f[:, :, 0])  # e^{c_m − c_i}, i in the first half
-        suffix[:, :, 0] += prefix[:, :, 1, -1:]  # the second half's total (P_b at its end, before it grows)
-        prefix[:, :, 1] += prefix[:, :, 0, -1:]  # the first half's total
-        f = f.view(bt, 1, pairs, 2, half, dk)
+        (p_first, p_second), (s_first, _) = (t.unbind(2) for t in sums.view(bt, 2, pairs, 2, half, dk).unbind(1))
+        f_first, f_second = factors.view(bt, pairs, 2, half, dk).unbind(2)
+        torch.exp(p_second, out=f_second)  # e^{c_r − c_m}, r in the second half
+        torch.exp(s_first, out=f_first)  # e^{c_m − c_i}, i in the first half
+        s_first.add_(p_second.narrow(2, half - 1, 1))  # the second half's total (P_b at its end, before it grows)
+        p_second.add_(p_first.narrow(2, half - 1, 1))  # the first half's total
         x = rows.new_empty(bt, pairs, nr, half, dk)  # rows of the second halves, scaled
-        torch.mul(rows.view(bt, nr, pairs, 2, half, dk)[:, :, :, 1], f[:, :, :, 1], out=x.permute(0, 2, 1, 3, 4))
+        torch.mul(rows.view(bt, nr, pairs, 2, half, dk).select(3, 1), f_second.unsqueeze(1), out=x.transpose(1, 2))
         y = rows.new_empty(bt, pairs, ny, half, dk)  # columns of the first halves, scaled
-        torch.mul(cols.view(bt, ny, pairs, 2, half, dk)[:, :, :, 0], f[:, :, :, 0], out=y.permute(0, 2, 1, 3, 4))
-        block = torch.bmm(x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(-1, -2))
+        torch.mul(cols.view(bt, ny, pairs, 2, half, dk).select(3, 0), f_first.unsqueeze(1), out=y.transpose(1, 2))
+        block = torch.bmm(x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(1, 2))
         _pair_blocks(out, level).copy_(block.view(bt, pairs, nr, half, ny, half).permute(2, 4, 0, 3, 5, 1))
     ends = sums.exp_()  # P_L = c_r, S_L = c_L − c_r
     if padded != length:

@@ -1,12 +1,19 @@
 """The DPLR delta rule, chunk form: KDA's chunk structure with the DPLR block terms.
 
 Per chunk of C tokens, the block's state-free terms (:func:`_forward_terms`: the four decayed
-products by recursive halving, :func:`~.._halving.halving_products`, every exponential of a
-number <= 0; one unit-triangular solve), then one sequential loop across chunks and the outputs
+products by recursive halving, :func:`~.._halving.halving_products_by_operand`, every exponential
+of a number <= 0, each exponent a sum of gk over its own span formed in the compute dtype; one
+unit-triangular solve), then one sequential loop across chunks and the outputs
 (:func:`chunk_dplr_fwd`: KDA's loop with the state-free V pseudo-rows taken out of it; no chunk
-states kept without grad). No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``)
-reads and writes the state along one key per token, while the DPLR transition reads along a,
-writes along b and adds k vᵀ, two write paths that kernel's block algebra does not have.
+states kept without grad), group by group of :data:`GROUP_TOKENS` token-heads, the inputs copied
+straight into the products' operand-major buffers.
+
+No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``) reads and writes the state
+along one key per token, while the DPLR transition reads along a, writes along b and adds k vᵀ,
+two write paths that kernel's block algebra does not have. The PyTorch forward is measured
+against the recurrence in BENCHMARKS.md ("GDN-2, DeltaProduct and DPLR"): at B 1, T 2048,
+fp32, 1 thread, C 32, ≥ 3× at H 8, K = V = 128 and about 2.7–2.8× at H 4, K = V = 64, where the
+per-op costs of the small blocks (C·K = 2048 numbers per chunk-head) keep it short of 3×.
 
 The backward is written by hand end to end: KDA's adjoint loop across chunks (last chunk first,
 from the saved chunk-entry states; :func:`~fastweights.ops.kda.chunk.chunk_kda_bwd`) over each
@@ -92,15 +99,37 @@ def _backward_terms(q, k, v, ab, gk, scale: float, solve=None):
 GROUP_TOKENS = 512
 
 
-def _operands(q, k, ab, gk, chunk_size: int, c0: int, c1: int):
-    """Chunks ``c0 .. c1 − 1`` of the head-first inputs copied straight into :func:`_forward_terms`'s
-    operand-major buffers: ``(rows (a, q), cols (b, k), gk)``, each ``[Bt, ·, L, K]``."""
-    bt, dk = (c1 - c0) * q.shape[0] * q.shape[1], q.shape[-1]
-    rows, cols = q.new_empty(bt, 2, chunk_size, dk), q.new_empty(bt, 2, chunk_size, dk)
-    for buffer, pair in ((rows, (ab[..., 0, :], q)), (cols, (ab[..., 1, :], k))):
-        for j, t in enumerate(pair):
-            flat_chunks(t, chunk_size, c0, c1, out=buffer[:, j])
-    return rows, cols, flat_chunks(gk, chunk_size, c0, c1)
+class _Chunked:
+    """The head-first inputs ``[N, H, T, ·]`` seen chunk-major, ``[NC, N, H, C, ·]``, as views of their whole
+    chunks made once per call; :meth:`copy` copies a group of chunks (a partial last chunk zero-padded by
+    :func:`~.._chunk.flat_chunks`). Per group, one slice and one copy per input (the per-group slicing
+    and reshaping in Python cost about as much as the copies at the benchmark's sizes)."""
+
+    def __init__(self, inputs, chunk_size: int) -> None:
+        t_len = inputs[0].shape[2]
+        self.inputs, self.chunk_size, self.whole = inputs, chunk_size, t_len // chunk_size
+        self.views = [t.narrow(2, 0, self.whole * chunk_size).unflatten(2, (self.whole, chunk_size)).movedim(2, 0)
+                      for t in inputs]
+
+    def copy(self, i: int, c0: int, c1: int, out: Tensor) -> Tensor:
+        """Input ``i``'s chunks ``c0 .. c1 − 1`` into ``out [(c1 − c0)·N·H, C, ·]`` (a view, e.g. an operand's slot)."""
+        if c1 > self.whole:
+            return flat_chunks(self.inputs[i], self.chunk_size, c0, c1, out=out)
+        part = self.views[i].narrow(0, c0, c1 - c0)
+        out.view(part.shape).copy_(part)
+        return out
+
+
+def _operands(chunked: _Chunked, c0: int, c1: int):
+    """Chunks ``c0 .. c1 − 1`` of the inputs ``(a, q, b, k, gk, v)`` copied straight into :func:`_forward_terms`'s
+    operand-major buffers: ``(rows (a, q), cols (b, k), gk, v)``, ``[Bt, 2, L, K]``, ``[Bt, L, ·]``."""
+    q, v = chunked.inputs[1], chunked.inputs[5]
+    bt, dk, length = (c1 - c0) * q.shape[0] * q.shape[1], q.shape[-1], chunked.chunk_size
+    rows, cols = q.new_empty(bt, 2, length, dk), q.new_empty(bt, 2, length, dk)
+    for i, slot in enumerate((*rows.unbind(1), *cols.unbind(1))):
+        chunked.copy(i, c0, c1, slot)
+    return (rows, cols, chunked.copy(4, c0, c1, q.new_empty(bt, length, dk)),
+            chunked.copy(5, c0, c1, v.new_empty(bt, length, v.shape[-1])))
 
 
 def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_states: bool = True):
@@ -128,9 +157,9 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
     if nc == 0:
         return from_chunk_buffer(out, t_len), (h_final.zero_() if h0 is None else h0), states
     h, carry = (v.new_zeros(rows, dk, dv) if h0 is None else h0), v.new_empty(rows, dk, dv)
+    chunked = _Chunked((ab[..., 0, :], q, ab[..., 1, :], k, gk, v), chunk_size)
     for c0, c1 in groups:
-        a_q, b_k, gf = _operands(q, k, ab, gk, chunk_size, c0, c1)
-        vf = flat_chunks(v, chunk_size, c0, c1)
+        a_q, b_k, gf, vf = _operands(chunked, c0, c1)
         read, to_end, q_scaled, a_qb, a_qk, wu, *_ = _forward_terms(a_q, b_k, gf, vf, scale)
         w, u0 = wu[..., :dk], wu[..., dk:]
         writes = (b_k * to_end.unsqueeze(1)).transpose(-1, -2)  # [Bt, 2, K, L]: (B ⊙ e^{c_L − c})ᵀ, (K ⊙ e^{c_L − c})ᵀ
@@ -140,11 +169,13 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
         u = torch.empty_like(u0)
         entering = states[c0:c1] if keep_states else buffer[:c1 - c0]
         entering[0].copy_(h)
-        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk, written in place
-            r = slice(c * rows, (c + 1) * rows)
-            torch.baddbmm(u0[r], w[r], entering[c], out=u[r])
-            h = entering[c + 1] if c0 + c + 1 < c1 else (h_final if c1 == nc else carry)
-            torch.addcmul(from_v[r], last[r], entering[c], out=h).baddbmm_(b_write_t[r], u[r])
+        # the one sequential loop: two small products per chunk, written in place (each chunk's views made
+        # at once by unbind: per-chunk slicing in Python costs as much as the products at small sizes)
+        per_chunk = (t.unflatten(0, (c1 - c0, rows)).unbind(0) for t in (u0, w, u, from_v, last, b_write_t))
+        leaving = entering.unbind(0)[1:] + (h_final if c1 == nc else carry,)
+        for u0_c, w_c, u_c, from_v_c, last_c, b_write_c, h_in, h in zip(*per_chunk, entering.unbind(0), leaving):
+            torch.baddbmm(u0_c, w_c, h_in, out=u_c)
+            torch.addcmul(from_v_c, last_c, h_in, out=h).baddbmm_(b_write_c, u_c)
         o = torch.bmm(a_qk, vf).baddbmm_(a_qb, u)
         put_chunks(out, o.baddbmm_(q_scaled * read, entering.view(-1, dk, dv)), c0)
     return from_chunk_buffer(out, t_len), h_final, states
