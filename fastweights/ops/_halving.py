@@ -114,7 +114,9 @@ def _pair_blocks(out: torch.Tensor, level: int) -> torch.Tensor:
     the second half and column i in the first half of each of the P pairs of halves of b tokens."""
     nr, ny, bt, padded, _ = out.shape
     half, pairs = padded >> level, 1 << (level - 1)
-    return out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6).select(3, 1).select(4, 0)
+    s_x, s_y, s_b, s_r, s_i = out.stride()  # entry (r, i) = (2bp + b + r', 2bp + i'), one strided view
+    return out.as_strided((nr, ny, bt, half, half, pairs), (s_x, s_y, s_b, s_r, s_i, 2 * half * (s_r + s_i)),
+                          out.storage_offset() + half * s_r)
 
 
 def halving_products_by_operand(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, diagonal_from: int = 0):

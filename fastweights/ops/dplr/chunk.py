@@ -94,9 +94,10 @@ def _backward_terms(q, k, v, ab, gk, scale: float, solve=None):
 
 
 #: Token-heads per group of the forward (C·N·H·chunks; KDA's driver, and the backward, take 64 chunk-heads):
-#: its transient tensors stay within a core's caches. Measured at B 1, T 2048, fp32, 1 thread (BENCHMARKS.md):
-#: 512 (C 32: 16 chunk-heads; C 16: 32) was fastest of 256 to 2048 at H 4, K = V = 64 and H 8, K = V = 128.
-GROUP_TOKENS = 512
+#: its transient tensors stay within a core's caches, and there are few enough groups that the per-op
+#: costs do not dominate. Measured at B 1, T 2048, C 32, fp32, 1 thread (BENCHMARKS.md): 1024 (32
+#: chunk-heads) was fastest of 256 to 2048 at H 4, K = V = 64 and H 8, K = V = 128, 2048 clearly slower.
+GROUP_TOKENS = 1024
 
 
 class _Chunked:
