@@ -217,6 +217,32 @@ def test_chunk_gradients_equal_the_recurrence_to_1e12(shape, chunk_size):
                      want, 1e-12, 1e-12)
 
 
+@pytest.mark.parametrize("group_tokens", [40, 100, 1 << 20], ids=["1_chunk_a_group", "3_chunks_a_group", "1_group"])
+def test_chunk_forward_groups_equal_the_recurrence(group_tokens, monkeypatch):
+    """The forward works through the chunks group by group (``GROUP_TOKENS`` token-heads each): any
+    grouping, the last group and the last chunk partial, gives the recurrence's o and h_T (float64)."""
+    from fastweights.ops.dplr import chunk as dplr_chunk
+
+    monkeypatch.setattr(dplr_chunk, "GROUP_TOKENS", group_tokens)
+    x = dplr_inputs(2, 75, 2, 12, 10, seed=29)
+    with torch.no_grad():
+        o, h = ops.chunk_dplr_delta_rule(**x, output_final_state=True, chunk_size=8)
+    o_ref, h_ref = ops.recurrent_dplr_delta_rule(**x, output_final_state=True)
+    assert_close(f"groups of {group_tokens} o", o, o_ref, 1e-12)
+    assert_close(f"groups of {group_tokens} h_T", h, h_ref, 1e-12)
+
+
+def test_chunk_gradients_over_several_backward_groups(monkeypatch):
+    """The backward (KDA's driver) works through the chunks in groups of ``GROUP`` chunk-heads, last group
+    first; with 4 chunk-heads a group (1 chunk at B 2, H 2) every group boundary carries dh."""
+    from fastweights.ops.kda import chunk as kda_chunk
+
+    monkeypatch.setattr(kda_chunk, "GROUP", 4)
+    x = dplr_inputs(2, 75, 2, 12, 10, seed=31)
+    assert_all_close("chunk8 backward groups", run(ops.chunk_dplr_delta_rule, x, dict(chunk_size=8)),
+                     run(ops.recurrent_dplr_delta_rule, x), 1e-12, 1e-12)
+
+
 def test_chunk_gradients_fp32_within_3x_of_the_recurrence():
     x = dplr_inputs(2, 100, 2, 24, 16, seed=23)
     truth = run(ops.recurrent_dplr_delta_rule, x)

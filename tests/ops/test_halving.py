@@ -145,7 +145,10 @@ def test_gdn2_forward_without_states_equals_the_one_keeping_them(chunk_size):
 
 
 @pytest.mark.parametrize("chunk_size", [8, 16])
-def test_dplr_forward_without_states_equals_the_one_keeping_them(chunk_size):
+def test_dplr_forward_without_states_equals_the_one_keeping_them(chunk_size, monkeypatch):
+    """As GDN-2's, over several groups: 100 token-heads a group (C 8: 2 chunks of 6 chunk-heads, C 16: 1),
+    the last group partial and its last chunk zero-padded."""
+    monkeypatch.setattr(dplr_chunk, "GROUP_TOKENS", 100)
     gen = torch.Generator().manual_seed(2)
     n, nh, t_len, dk, dv = 2, 3, 150, 12, 7
     q, k = (torch.randn(n, nh, t_len, dk, dtype=torch.float64, generator=gen) for _ in range(2))
