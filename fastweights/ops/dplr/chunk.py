@@ -12,8 +12,9 @@ No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``) reads and writ
 along one key per token, while the DPLR transition reads along a, writes along b and adds k vᵀ,
 two write paths that kernel's block algebra does not have. The PyTorch forward is measured
 against the recurrence in BENCHMARKS.md ("GDN-2, DeltaProduct and DPLR"): at B 1, T 2048,
-fp32, 1 thread, C 32, ≥ 3× at H 8, K = V = 128 and about 2.7–2.8× at H 4, K = V = 64, where the
-per-op costs of the small blocks (C·K = 2048 numbers per chunk-head) keep it short of 3×.
+fp32, 1 thread, C 32, about 3× (2.8–3.1× at H 4, K = V = 64; 2.75–3.5× at H 8, K = V = 128, run
+to run on a shared machine); at H 4 about a third of a call is per-op cost (small blocks: C·K =
+2048 numbers per chunk-head), not arithmetic.
 
 The backward is written by hand end to end: KDA's adjoint loop across chunks (last chunk first,
 from the saved chunk-entry states; :func:`~fastweights.ops.kda.chunk.chunk_kda_bwd`) over each
