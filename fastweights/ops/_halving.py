@@ -30,6 +30,7 @@ Training", arXiv:2312.06635, secondary-level chunking), taken to every level wit
 point at each split.
 
 L that is not a power of two is padded (zero operands, no decay) and the result cut back.
+:func:`halving_products_backward` is the adjoint (to the operands and to the log decays).
 """
 
 from __future__ import annotations
@@ -52,29 +53,13 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
     """
     bt, length, nr, dk = rows.shape
     ny = cols.shape[2]
-    padded = 1 << max(0, (length - 1).bit_length())
-    if padded != length:  # zero operands and no decay after the block: nothing changes inside it
-        extra = padded - length
-        c = torch.cat([c, c[:, -1:].expand(bt, extra, dk)], dim=1)
-        rows = F.pad(rows, (0, 0, 0, 0, 0, extra))
-        cols = F.pad(cols, (0, 0, 0, 0, 0, extra))
+    c, rows, cols, padded = _pad_block(c, rows, cols)
     levels = padded.bit_length() - 1
     out = rows.new_zeros(nr, ny, bt, padded, padded)
     # the diagonal, i = r: factor 1
     out.diagonal(dim1=-2, dim2=-1).copy_(torch.matmul(rows, cols.transpose(-1, -2)).permute(2, 3, 0, 1))
     if levels:
-        # every level's exponent of every token, c_r − c_m for the rows after m and c_m − c_i for the
-        # columns up to m (both <= 0): float64 differences, each rounded once as it is written to the
-        # compute dtype; then one exponential for all levels
-        exponents = rows.new_empty(bt, levels, padded, dk)
-        for level in range(1, levels + 1):
-            half = padded >> level
-            halves = c.view(bt, 1 << (level - 1), 2, half, dk)
-            mid = halves[:, :, 0, -1:]  # [Bt, P, 1, K]: c at the last token of each first half
-            into = exponents[:, level - 1].view(halves.shape)
-            torch.sub(halves[:, :, 1], mid, out=into[:, :, 1])
-            torch.sub(mid, halves[:, :, 0], out=into[:, :, 0])
-        factors = exponents.exp_()  # [Bt, levels, L, K]
+        factors = _level_factors(c, levels, rows.dtype)  # [Bt, levels, L, K]
         for level in range(1, levels + 1):
             half = padded >> level
             pairs = 1 << (level - 1)
@@ -82,8 +67,163 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
             x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
             y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
             block = torch.bmm(x.view(bt * pairs, half * nr, dk), y.view(bt * pairs, half * ny, dk).transpose(-1, -2))
-            target = out.view(nr, ny, bt, pairs, 2, half, pairs, 2, half).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
-            target.copy_(block.view(bt, pairs, half, nr, half, ny).permute(3, 5, 0, 2, 4, 1))
+            _pair_blocks(out, level).copy_(block.view(bt, pairs, half, nr, half, ny).permute(3, 5, 0, 2, 4, 1))
     if padded != length:
         out = out[..., :length, :length].contiguous()
     return out
+
+
+def _pad_block(c, rows, cols):
+    """``(c, rows, cols, L')`` with L padded to the next power of two L' (zero operands, no decay after
+    the block: nothing changes inside it)."""
+    bt, length, _, dk = rows.shape
+    padded = 1 << max(0, (length - 1).bit_length())
+    if padded != length:
+        extra = padded - length
+        c = torch.cat([c, c[:, -1:].expand(bt, extra, dk)], dim=1)
+        rows = F.pad(rows, (0, 0, 0, 0, 0, extra))
+        cols = F.pad(cols, (0, 0, 0, 0, 0, extra))
+    return c, rows, cols, padded
+
+
+def _level_exponent(c: torch.Tensor, level: int, out: torch.Tensor) -> torch.Tensor:
+    """Level ℓ's exponents into ``out [Bt, L, K]``: c_r − c_m for the tokens r of every second half and
+    c_m − c_i for the tokens i of every first half (m the first half's last token; both <= 0), each
+    a float64 difference rounded once as it is written to ``out``'s dtype."""
+    bt, padded, dk = c.shape
+    half = padded >> level
+    halves = c.view(bt, 1 << (level - 1), 2, half, dk)
+    mid = halves[:, :, 0, -1:]  # [Bt, P, 1, K]: c at the last token of each first half
+    into = out.view(halves.shape)
+    torch.sub(halves[:, :, 1], mid, out=into[:, :, 1])
+    torch.sub(mid, halves[:, :, 0], out=into[:, :, 0])
+    return out
+
+
+def _level_factors(c: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[Bt, levels, L, K]``: every level's factors, the exponentials of :func:`_level_exponent`."""
+    bt, padded, dk = c.shape
+    exponents = torch.empty(bt, levels, padded, dk, dtype=dtype, device=c.device)
+    for level in range(1, levels + 1):
+        _level_exponent(c, level, exponents[:, level - 1])
+    return exponents.exp_()
+
+
+def _pair_blocks(out: torch.Tensor, level: int) -> torch.Tensor:
+    """The view of ``out [nr, ny, Bt, L, L]`` that level ℓ writes: ``[nr, ny, Bt, b(r), b(i), P]``, row r in
+    the second half and column i in the first half of each of the P pairs of halves of b tokens."""
+    nr, ny, bt, padded, _ = out.shape
+    half, pairs = padded >> level, 1 << (level - 1)
+    s_x, s_y, s_b, s_r, s_i = out.stride()  # entry (r, i) = (2bp + b + r', 2bp + i'), one strided view
+    return out.as_strided((nr, ny, bt, half, half, pairs), (s_x, s_y, s_b, s_r, s_i, 2 * half * (s_r + s_i)),
+                          out.storage_offset() + half * s_r)
+
+
+def halving_products_by_operand(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, diagonal_from: int = 0):
+    """:func:`halving_products` from the log decays themselves, with the operands operand-major; also
+    returns the block's end factors.
+
+    Args:
+        g: ``[Bt, L, K]`` the per-token log decays (<= 0) of each block, c = cumsum(g), in the compute dtype.
+        rows: ``[Bt, nr, L, K]``, ``cols``: ``[Bt, ny, L, K]``, each operand a contiguous ``[L, K]`` per block.
+        diagonal_from: the row operands before it get strictly lower products (their diagonal stays 0,
+            not computed); the others include it.
+
+    Returns:
+        ``(products [nr, ny, Bt, L, L]`` as :func:`halving_products`, ``ends [Bt, 2, L, K]``: e^{c_r} and
+        e^{c_L − c_r})``.
+
+    Every exponent is a sum of g over its own span, formed without float64 and without a difference
+    of cumulative sums: with P_b(t) the sum of g from the start of t's aligned run of b tokens up to t
+    and S_b(t) the sum after t to the run's end, level ℓ's factors are e^{P_b} on every second half
+    (c_r − c_m) and e^{S_b} on every first half (c_m − c_i), and going up a level adds one half's
+    total to the other half's sums (P_2b = P_b + the first half's total on the second half,
+    S_2b = S_b + the second half's total on the first half). Every term has the sign of g, so each
+    exponent carries a relative rounding of at most log₂ L additions, as a product of decays in the
+    recurrence does; the top of the recursion gives e^{c_r} and e^{c_L − c_r} with no more work.
+
+    Arranged for the CPU's caches: one level's factors at a time in one buffer, each level's scaled
+    operands written operand-major (every elementwise product runs over contiguous spans of b·K
+    numbers; the level's one batched product reads them without a copy)."""
+    bt, nr, length, dk = rows.shape
+    ny = cols.shape[1]
+    padded = 1 << max(0, (length - 1).bit_length())
+    if padded != length:  # zero operands and no decay after the block: nothing changes inside it
+        extra = padded - length
+        g, rows, cols = F.pad(g, (0, 0, 0, extra)), F.pad(rows, (0, 0, 0, extra)), F.pad(cols, (0, 0, 0, extra))
+    out = rows.new_zeros(nr, ny, bt, padded, padded)
+    if diagonal_from < nr:  # i = r: factor 1
+        diag = (rows[:, diagonal_from:].unsqueeze(2) * cols.unsqueeze(1)).sum(-1)  # [Bt, nr', ny, L]
+        out[diagonal_from:].diagonal(dim1=-2, dim2=-1).copy_(diag.permute(1, 2, 0, 3))
+    sums = rows.new_empty(bt, 2, padded, dk)  # P_b and S_b, from b = 1: P_1 = g, S_1 = 0
+    sums[:, 0] = g
+    sums[:, 1].zero_()
+    factors = rows.new_empty(bt, padded, dk)
+    # (views by select/unbind/narrow: at these sizes a Python slice costs about as much as the arithmetic)
+    for level in range(padded.bit_length() - 1, 0, -1):  # the finest level (b = 1) first
+        half, pairs = padded >> level, 1 << (level - 1)
+        (p_first, p_second), (s_first, _) = (t.unbind(2) for t in sums.view(bt, 2, pairs, 2, half, dk).unbind(1))
+        f_first, f_second = factors.view(bt, pairs, 2, half, dk).unbind(2)
+        torch.exp(p_second, out=f_second)  # e^{c_r − c_m}, r in the second half
+        torch.exp(s_first, out=f_first)  # e^{c_m − c_i}, i in the first half
+        s_first.add_(p_second.narrow(2, half - 1, 1))  # the second half's total (P_b at its end, before it grows)
+        p_second.add_(p_first.narrow(2, half - 1, 1))  # the first half's total
+        x = rows.new_empty(bt, pairs, nr, half, dk)  # rows of the second halves, scaled
+        torch.mul(rows.view(bt, nr, pairs, 2, half, dk).select(3, 1), f_second.unsqueeze(1), out=x.transpose(1, 2))
+        y = rows.new_empty(bt, pairs, ny, half, dk)  # columns of the first halves, scaled
+        torch.mul(cols.view(bt, ny, pairs, 2, half, dk).select(3, 0), f_first.unsqueeze(1), out=y.transpose(1, 2))
+        block = torch.bmm(x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(1, 2))
+        _pair_blocks(out, level).copy_(block.view(bt, pairs, nr, half, ny, half).permute(2, 4, 0, 3, 5, 1))
+    ends = sums.exp_()  # P_L = c_r, S_L = c_L − c_r
+    if padded != length:
+        out, ends = out[..., :length, :length].contiguous(), ends[:, :, :length]
+    return out, ends
+
+
+def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, d_out: torch.Tensor):
+    """The adjoint of :func:`halving_products`: ``d_out [nr, ny, Bt, L, L]`` (only the diagonal and the
+    strict lower triangle are read; zero a strict product's diagonal first) -> ``(d_rows [Bt, L, nr, K],
+    d_cols [Bt, L, ny, K], dgk [Bt, L, K])``, dgk the gradient to the log decays g whose cumulative
+    sums are ``c`` (c_r = g_1 + … + g_r).
+
+    The forward's products are recomputed level by level. At level ℓ a block is x̃ ỹᵀ with
+    x̃ = x ⊙ e^{c_r − c_m} and ỹ = y ⊙ e^{c_m − c_i}: d x̃ = dB ỹ, d ỹ = dBᵀ x̃. A factor e^{c_r − c_m}
+    depends on g_t for t in (m, r] with derivative the factor itself, so g_t collects Σ_x d x̃ ⊙ x̃ of
+    the rows r >= t of its own second half (a suffix sum inside that half); e^{c_m − c_i} depends on
+    g_t for t in (i, m]: g_t collects the columns i < t of its own first half (a prefix sum, t
+    excluded). Each span is summed directly, never as a difference of two cumulative sums (with
+    strong decays those would cancel and leave the rounding of larger terms behind, as KDA's
+    :meth:`~.kda.parallel.RelativeDecay.products_backward` notes)."""
+    bt, length, nr, dk = rows.shape
+    ny = cols.shape[2]
+    c, rows, cols, padded = _pad_block(c, rows, cols)
+    if padded != length:
+        d_out = F.pad(d_out, (0, padded - length, 0, padded - length))
+    # the diagonal, factor 1: D [Bt, L, nr, ny]
+    diag = d_out.diagonal(dim1=-2, dim2=-1).permute(2, 3, 0, 1)
+    d_rows = torch.matmul(diag, cols)
+    d_cols = torch.matmul(diag.transpose(-1, -2), rows)
+    dgk = rows.new_zeros(bt, padded, dk)
+    levels = padded.bit_length() - 1
+    if levels:
+        factors = _level_factors(c, levels, rows.dtype)
+        for level in range(1, levels + 1):
+            half = padded >> level
+            pairs = 1 << (level - 1)
+            f = factors[:, level - 1].view(bt, pairs, 2, half, 1, dk)
+            x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
+            y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
+            d_block = _pair_blocks(d_out, level).permute(2, 5, 3, 0, 4, 1).reshape(bt * pairs, half * nr, half * ny)
+            d_x = torch.bmm(d_block, y.view(bt * pairs, half * ny, dk)).view(bt, pairs, half, nr, dk)
+            d_y = torch.bmm(d_block.transpose(-1, -2), x.view(bt * pairs, half * nr, dk)).view(bt, pairs, half, ny, dk)
+            d_rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1].addcmul_(d_x, f[:, :, 1])
+            d_cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0].addcmul_(d_y, f[:, :, 0])
+            spans = dgk.view(bt, pairs, 2, half, dk)
+            # rows: the suffix sums inside the second half (t <= r); columns: the prefix sums inside the
+            # first half, t excluded (i < t)
+            spans[:, :, 1] += d_x.mul_(x).sum(3).flip(2).cumsum(2).flip(2)
+            from_cols = d_y.mul_(y).sum(3)
+            spans[:, :, 0, 1:] += from_cols[:, :, :-1].cumsum(2)
+    if padded != length:
+        return d_rows[:, :length], d_cols[:, :length], dgk[:, :length]
+    return d_rows, d_cols, dgk

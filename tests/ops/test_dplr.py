@@ -148,6 +148,138 @@ def test_gradcheck_chunk_and_parallel():
         assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-8)
 
 
+def _block_inputs(bt, length, dk, dv, *, strong, seed):
+    """One group of blocks, ``[Bt, L, ·]``, as the chunk form hands them to its block terms."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    kappa = F.normalize(rand(bt, length, dk), dim=-1)
+    ab = torch.stack([-kappa, kappa * torch.sigmoid(rand(bt, length, dk))], dim=-2)
+    gk = -(6.9 if strong else 0.6065) * torch.rand(bt, length, dk, generator=gen, dtype=F64)
+    return rand(bt, length, dk), rand(bt, length, dk) * 0.5, rand(bt, length, dv), ab, gk
+
+
+def autograd_block_terms_backward(q, k, v, ab, gk, cotangents, scale):
+    """The test oracle: the adjoint of ``dplr_block_terms`` by autograd on the block's inputs, for the
+    cotangents of ``(wu, scores, q_read, k_write, last)``; returns ``(dq, dk, dv, dab, dgk)``."""
+    from fastweights.ops.dplr.parallel import dplr_block_terms
+
+    inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v, ab, gk)]
+    x = dplr_block_terms(*inputs, scale)
+    return torch.autograd.grad((x.wu, x.scores, x.q_read, x.k_write, x.last), inputs, cotangents)
+
+
+BLOCKS = {"L16": (3, 16, 5, 3, False), "L32_strong": (2, 32, 12, 7, True), "L24_strong": (2, 24, 6, 4, True),
+          "L64_K60": (1, 64, 60, 20, False), "L1": (2, 1, 3, 2, False)}
+
+
+@pytest.mark.parametrize("block", list(BLOCKS), ids=list(BLOCKS))
+def test_hand_written_block_adjoint_equals_autograd(block):
+    """``dplr_block_terms_backward`` against autograd through ``dplr_block_terms`` (float64, random
+    cotangents of every term, the upper triangles of the scores' cotangent included: they must be
+    ignored), for the terms of the parallel form (sub-block factors) and of the chunk form's
+    backward (recursive halving; L = 24 is padded to 32 inside it)."""
+    from fastweights.ops.dplr.chunk import _backward_terms
+    from fastweights.ops.dplr.parallel import dplr_block_terms, dplr_block_terms_backward
+
+    bt, length, dk, dv, strong = BLOCKS[block]
+    q, k, v, ab, gk = _block_inputs(bt, length, dk, dv, strong=strong, seed=length + dk)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(bt, 2 * length, dk + dv), (bt, length, 2 * length), (bt, length, dk), (bt, 2 * length, dk), (bt, dk)]
+    cotangents = [torch.randn(*shape, generator=gen, dtype=F64) for shape in shapes]
+    want = autograd_block_terms_backward(q, k, v, ab, gk, cotangents, 0.37)
+    for label, terms in (("parallel terms", dplr_block_terms), ("chunk terms", _backward_terms)):
+        got = dplr_block_terms_backward(q, k, v, ab, terms(q, k, v, ab, gk, 0.37), *cotangents, 0.37)
+        for name, g, w in zip(("q", "k", "v", "ab", "gk"), got, want):
+            assert w.abs().max() > 0
+            assert_close(f"{block} {label} d{name}", g, w, 1e-12)
+
+
+GRAD_SHAPES = {"T1": (2, 1, 2, 8, 4, None), "T63_K60": (1, 63, 2, 60, 20, None), "T100_KneV": (2, 100, 2, 12, 10, None),
+               "T1000": (1, 1000, 1, 8, 6, None), "T100_uneven_cu_seqlens": (1, 100, 2, 12, 6, [0, 5, 37, 100])}
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+@pytest.mark.parametrize("shape", list(GRAD_SHAPES), ids=list(GRAD_SHAPES))
+def test_chunk_gradients_equal_the_recurrence_to_1e12(shape, chunk_size):
+    """Every gradient of the chunk form (its hand-written backward, end to end) against autograd through
+    the float64 recurrence, initial state included."""
+    *dims, cu = GRAD_SHAPES[shape]
+    x = dplr_inputs(*dims, seed=21, initial_state=cu is None)
+    options = {}
+    if cu is not None:
+        options["cu_seqlens"] = torch.tensor(cu)
+        x["initial_state"] = torch.randn(len(cu) - 1, dims[2], dims[3], dims[4], dtype=F64)
+    want = run(ops.recurrent_dplr_delta_rule, x, options)
+    assert_all_close(f"chunk{chunk_size} {shape}", run(ops.chunk_dplr_delta_rule, x, dict(options, chunk_size=chunk_size)),
+                     want, 1e-12, 1e-12)
+
+
+@pytest.mark.parametrize("group_tokens", [40, 100, 1 << 20], ids=["1_chunk_a_group", "3_chunks_a_group", "1_group"])
+def test_chunk_forward_groups_equal_the_recurrence(group_tokens, monkeypatch):
+    """The forward works through the chunks group by group (``GROUP_TOKENS`` token-heads each): any
+    grouping, the last group and the last chunk partial, gives the recurrence's o and h_T (float64)."""
+    from fastweights.ops.dplr import chunk as dplr_chunk
+
+    monkeypatch.setattr(dplr_chunk, "GROUP_TOKENS", group_tokens)
+    x = dplr_inputs(2, 75, 2, 12, 10, seed=29)
+    with torch.no_grad():
+        o, h = ops.chunk_dplr_delta_rule(**x, output_final_state=True, chunk_size=8)
+    o_ref, h_ref = ops.recurrent_dplr_delta_rule(**x, output_final_state=True)
+    assert_close(f"groups of {group_tokens} o", o, o_ref, 1e-12)
+    assert_close(f"groups of {group_tokens} h_T", h, h_ref, 1e-12)
+
+
+def test_chunk_gradients_over_several_backward_groups(monkeypatch):
+    """The backward (KDA's driver) works through the chunks in groups of ``GROUP`` chunk-heads, last group
+    first; with 4 chunk-heads a group (1 chunk at B 2, H 2) every group boundary carries dh."""
+    from fastweights.ops.kda import chunk as kda_chunk
+
+    monkeypatch.setattr(kda_chunk, "GROUP", 4)
+    x = dplr_inputs(2, 75, 2, 12, 10, seed=31)
+    assert_all_close("chunk8 backward groups", run(ops.chunk_dplr_delta_rule, x, dict(chunk_size=8)),
+                     run(ops.recurrent_dplr_delta_rule, x), 1e-12, 1e-12)
+
+
+def test_chunk_gradients_fp32_within_3x_of_the_recurrence():
+    x = dplr_inputs(2, 100, 2, 24, 16, seed=23)
+    truth = run(ops.recurrent_dplr_delta_rule, x)
+    x32 = {n: t.float() for n, t in x.items()}
+    got, base = run(ops.chunk_dplr_delta_rule, x32, dict(chunk_size=32)), run(ops.recurrent_dplr_delta_rule, x32)
+    for name in truth[2]:
+        err, base_err = rel_err(got[2][name], truth[2][name]), rel_err(base[2][name], truth[2][name])
+        print(f"fp32 d{name}: chunk {err:.2e}, recurrent {base_err:.2e}")
+        assert err <= 3 * base_err, (name, err, base_err)
+
+
+def test_gradcheck_chunk_with_a_chunk_not_a_power_of_two():
+    """C = 3: the halving products and their adjoint pad each block to 4 tokens."""
+    x = dplr_inputs(1, 7, 2, 3, 2, seed=25)
+    names = list(x)
+
+    def f(*tensors):
+        return ops.chunk_dplr_delta_rule(**dict(zip(names, tensors)), output_final_state=True, chunk_size=3)
+
+    assert torch.autograd.gradcheck(f, [x[n].clone().requires_grad_(True) for n in names], eps=1e-6, atol=1e-8)
+
+
+def test_forward_and_backward_are_registered_custom_ops():
+    """The backward is a custom op of its own (``fastweights::chunk_dplr_bwd``) registered as the forward's
+    autograd formula; opcheck: schema and fake tensors (shapes, dtypes, strides) of both."""
+    x = dplr_inputs(1, 20, 2, 6, 5, seed=27)
+    q, k, v, a, b, gk = (x[n].transpose(1, 2).contiguous() for n in NAMES)
+    ab = torch.stack([a, b], dim=-2)
+    h0 = x["initial_state"]
+    fwd, bwd = torch.ops.fastweights.chunk_dplr_fwd, torch.ops.fastweights.chunk_dplr_bwd
+    o, h_final, states = fwd(q, k, v, ab, gk, h0, 0.4, 8, True)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(fwd, (q, k, v, ab, gk, h0, 0.4, 8, True), test_utils=checks)
+    torch.library.opcheck(bwd, (q, k, v, ab, gk, states, torch.randn_like(o), torch.randn_like(h_final), 0.4, 8, True),
+                          test_utils=checks)
+
+
 def test_step_equals_the_recurrence():
     x = dplr_inputs(2, 7, 2, 5, 4, seed=10)
     o_ref, h_ref = ops.recurrent_dplr_delta_rule(**x, output_final_state=True)

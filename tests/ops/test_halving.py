@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights import ops
-from fastweights.ops._halving import halving_products
+from fastweights.ops._halving import halving_products, halving_products_backward, halving_products_by_operand
 from fastweights.ops.dplr import chunk as dplr_chunk
 from fastweights.ops.gdn2 import chunk as gdn2_chunk
 
@@ -37,6 +37,72 @@ def test_halving_products_equal_the_pairwise_sums(length, nr, ny):
     assert got.shape == (nr, ny, bt, length, length)
     assert all(got[x, y].is_contiguous() for x in range(nr) for y in range(ny))
     assert rel_err(got, pairwise(c, rows, cols)) < 1e-14
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 16, 24, 32])
+def test_halving_products_backward_equals_autograd_of_the_pairwise_sums(length):
+    """The adjoint to both operands and to the log decays g (c = cumsum g), float64, strong decays; the
+    cotangent's upper triangle is random too (it must be ignored)."""
+    gen = torch.Generator().manual_seed(length + 40)
+    bt, dk, nr, ny = 2, 5, 2, 2
+    g = (-6.9 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)).requires_grad_(True)
+    rows = torch.randn(bt, length, nr, dk, dtype=torch.float64, generator=gen, requires_grad=True)
+    cols = torch.randn(bt, length, ny, dk, dtype=torch.float64, generator=gen, requires_grad=True)
+    d_out = torch.randn(nr, ny, bt, length, length, dtype=torch.float64, generator=gen)
+    want = torch.autograd.grad((pairwise(g.cumsum(1), rows, cols) * d_out).sum(), (rows, cols, g))
+    got = halving_products_backward(g.detach().cumsum(1), rows.detach(), cols.detach(), d_out)
+    for name, a, b in zip(("rows", "cols", "g"), got, want):
+        err = rel_err(a, b) if b.abs().max() > 0 else a.abs().max().item()
+        print(f"L {length} d{name}: {err:.2e}")
+        assert err < 1e-13
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 16, 24, 32])
+@pytest.mark.parametrize("diagonal_from", [0, 1, 2])
+def test_operand_major_products_equal_the_pairwise_sums(length, diagonal_from):
+    """The operand-major arrangement (the DPLR forward's): the same products, the rows before
+    ``diagonal_from`` strictly lower (their diagonal 0), L not a power of two padded inside."""
+    gen = torch.Generator().manual_seed(length + 7 * diagonal_from)
+    bt, dk = 3, 5
+    g = -3 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)
+    c = g.cumsum(1)
+    rows = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    cols = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    want = pairwise(c, rows, cols)
+    want[:diagonal_from].diagonal(dim1=-2, dim2=-1).zero_()
+    got, ends = halving_products_by_operand(g, rows.transpose(1, 2).contiguous(), cols.transpose(1, 2).contiguous(),
+                                            diagonal_from)
+    assert got.shape == (2, 2, bt, length, length)
+    assert rel_err(got, want) < 1e-14
+    assert rel_err(ends, torch.stack([c.exp(), (c[:, -1:] - c).exp()], dim=1)) < 1e-14
+
+
+def test_operand_major_products_fp32_exponents_with_strong_decays():
+    """The exponents formed in the compute dtype as sums over their own spans (no float64): with decays
+    down to e^{−80} per token the fp32 products and end factors stay finite and within a few fp32 roundings
+    of the float64 pairwise sums, entry by entry relative to each entry's own scale (where fp32 can hold it):
+    within 3x of the products whose exponents are float64 differences rounded once (a span's sum carries up
+    to log₂ L = 5 roundings, against one)."""
+    gen = torch.Generator().manual_seed(4)
+    bt, length, dk = 2, 32, 8
+    g = -80 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)
+    g[:, ::5] = 0.0
+    g[:, 1::7] *= 1e-3  # weak decays next to strong ones
+    c = g.cumsum(1)
+    rows = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    cols = torch.randn(bt, length, 2, dk, dtype=torch.float64, generator=gen)
+    want = pairwise(c, rows, cols)
+    scale = pairwise(c, rows.abs(), cols.abs())  # Σ |x y| e^{c_r − c_i}: each entry's own size
+    got, ends = halving_products_by_operand(g.float(), rows.float().transpose(1, 2).contiguous(),
+                                            cols.float().transpose(1, 2).contiguous())
+    assert torch.isfinite(got).all() and torch.isfinite(ends).all()
+    seen = scale > 1e-30  # entries fp32 can hold (smaller ones may underflow to 0, as the recurrence's do)
+    worst = ((got.double() - want).abs() / scale)[seen].max().item()
+    # the token-major products with float64 exponents, each rounded once: the baseline
+    base = ((halving_products(c, rows.float(), cols.float()).double() - want).abs() / scale)[seen].max().item()
+    print(f"fp32 products, worst error relative to each entry's scale: {worst:.2e} (float64 exponents {base:.2e})")
+    assert worst <= 3 * base
+    assert rel_err(ends[:, 0].double(), c.exp()) < 1e-6
 
 
 def test_halving_products_never_overflow_with_strong_decays():
@@ -79,7 +145,10 @@ def test_gdn2_forward_without_states_equals_the_one_keeping_them(chunk_size):
 
 
 @pytest.mark.parametrize("chunk_size", [8, 16])
-def test_dplr_forward_without_states_equals_the_one_keeping_them(chunk_size):
+def test_dplr_forward_without_states_equals_the_one_keeping_them(chunk_size, monkeypatch):
+    """As GDN-2's, over several groups: 100 token-heads a group (C 8: 2 chunks of 6 chunk-heads, C 16: 1),
+    the last group partial and its last chunk zero-padded."""
+    monkeypatch.setattr(dplr_chunk, "GROUP_TOKENS", 100)
     gen = torch.Generator().manual_seed(2)
     n, nh, t_len, dk, dv = 2, 3, 150, 12, 7
     q, k = (torch.randn(n, nh, t_len, dk, dtype=torch.float64, generator=gen) for _ in range(2))

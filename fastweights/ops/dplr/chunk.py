@@ -1,77 +1,137 @@
 """The DPLR delta rule, chunk form: KDA's chunk structure with the DPLR block terms.
 
 Per chunk of C tokens, the block's state-free terms (:func:`_forward_terms`: the four decayed
-products by recursive halving, :func:`~.._halving.halving_products`, every exponential of a
-number <= 0; one unit-triangular solve), then one sequential loop across chunks and the outputs
+products by recursive halving, :func:`~.._halving.halving_products_by_operand`, every exponential
+of a number <= 0, each exponent a sum of gk over its own span formed in the compute dtype; one
+unit-triangular solve), then one sequential loop across chunks and the outputs
 (:func:`chunk_dplr_fwd`: KDA's loop with the state-free V pseudo-rows taken out of it; no chunk
-states kept without grad). No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``)
-reads and writes the state along one key per token, while the DPLR transition reads along a,
-writes along b and adds k vᵀ, two write paths that kernel's block algebra does not have. The
-backward is KDA's hand-written adjoint loop (last chunk first, from the saved chunk-entry
-states); the adjoint of each group of chunks' state-free terms is taken by autograd on
-their recomputation (:func:`dplr_block_terms_backward`), not written out by hand as KDA's,
-GDN-2's and DeltaProduct's are. The forward is a ``torch.library`` custom op; the backward
-is its registered autograd formula, not a custom op of its own (autograd does not run below
-a custom op's dispatch).
+states kept without grad), group by group of :data:`GROUP_TOKENS` token-heads, the inputs copied
+straight into the products' operand-major buffers.
+
+No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``) reads and writes the state
+along one key per token, while the DPLR transition reads along a, writes along b and adds k vᵀ,
+two write paths that kernel's block algebra does not have. The PyTorch forward is measured
+against the recurrence in BENCHMARKS.md ("GDN-2, DeltaProduct and DPLR"): at B 1, T 2048,
+fp32, 1 thread, C 32, about 3× (2.8–3.1× at H 4, K = V = 64; 2.75–3.5× at H 8, K = V = 128, run
+to run on a shared machine); at H 4 about a third of a call is per-op cost (small blocks: C·K =
+2048 numbers per chunk-head), not arithmetic.
+
+The backward is written by hand end to end: KDA's adjoint loop across chunks (last chunk first,
+from the saved chunk-entry states; :func:`~fastweights.ops.kda.chunk.chunk_kda_bwd`) over each
+group's terms recomputed in KDA's 2L-pseudo-row shape (:func:`_backward_terms`), and their
+adjoint :func:`~.parallel.dplr_block_terms_backward` (the solve's adjoint, then the halving
+products' adjoint :func:`~.._halving.halving_products_backward`, the decay factors span by span).
+Forward and backward are ``torch.library`` custom ops (``fastweights::chunk_dplr_fwd`` /
+``_bwd``), the backward registered as the forward's autograd formula as KDA's, GDN-2's and
+DeltaProduct's are; opaque to ``torch.compile``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
+from .._chunk import chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from ..precision import autocast_off
 from ..kda import chunk as kda_chunk
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from .recurrent import dplr_step
-from .parallel import dplr_block_terms
-from .._halving import halving_products
+from .parallel import DplrSaved, block_terms_of, dplr_block_terms_backward
+from .._halving import halving_products_by_operand
 from ..kda.parallel import cumulative_decay
 
 
-def dplr_block_terms_backward(q, k, v, ab, terms, d_wu, d_scores, d_q_read, d_k_write, d_last, scale, solve_adjoint):
-    """The adjoint of :func:`~.parallel.dplr_block_terms` by autograd on its recomputation from
-    the inputs it kept; returns ``(dq, dk, dv, dab, dgk)``."""
-    inputs = [t.detach().requires_grad_(True) for t in terms.solver]
-    with torch.enable_grad():
-        x = dplr_block_terms(*inputs, scale)
-        grads = torch.autograd.grad((x.wu, x.scores, x.q_read, x.k_write, x.last), inputs,
-                                    (d_wu, d_scores, d_q_read, d_k_write, d_last), allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads))
+class _Terms(NamedTuple):
+    """A group of blocks' state-free terms, as :func:`_forward_terms` forms them."""
+
+    read: Tensor      # e^c
+    to_end: Tensor    # e^{c_L − c}
+    q_scaled: Tensor  # scale·q
+    a_qb: Tensor      # [Bt, L, L] scale·A_qb (diagonal included)
+    a_qk: Tensor      # [Bt, L, L] scale·A_qk
+    wu: Tensor        # [Bt, L, K + V] [W | U₀]
+    neg_a_ab: Tensor  # [Bt, L, L] −A_ab (the diagonal is not −A_ab's: never read)
+    exp_neg_gk: Tensor  # e^{−gk}
+    a_shift: Tensor   # a ⊙ e^{−gk}
+    a_ak: Tensor      # [Bt, L, L] A_ak, strictly lower
 
 
-def _forward_terms(q, k, v, ab, gk, scale: float):
-    """What the forward needs of blocks ``q, k, gk [Bt, L, K]``, ``v [Bt, L, V]``, ``ab [Bt, L, 2, K]``:
-    ``(e^c, e^{c_L − c}, A_qb, A_qk, W, U₀)``, the scores scaled (:func:`~.parallel.dplr_block_core`'s
-    algebra, module docstring of ``parallel.py``).
+def _forward_terms(rows: Tensor, cols: Tensor, gk: Tensor, v: Tensor, scale: float) -> _Terms:
+    """The state-free terms of blocks given operand-major: ``rows [Bt, 2, L, K]`` holding (a, q) (written
+    over: they become the row operands a ⊙ e^{−gk} and scale·q), ``cols [Bt, 2, L, K]`` holding (b, k),
+    ``gk [Bt, L, K]``, ``v [Bt, L, V]`` (:func:`~.parallel.dplr_block_core`'s algebra, module docstring of
+    ``parallel.py``).
 
-    The four decayed products (rows a ⊙ e^{−gk} and scale·q, columns b and k) are formed together by
-    recursive halving (:func:`~.._halving.halving_products`: every exponential of a number <= 0), and
-    ``[W | U₀] = (I − A_ab)⁻¹ [A ⊙ e^{c − gk} | A_ak V]`` is one unit lower-triangular solve on −A_ab
-    (LAPACK's substitution reads only the strict lower triangle)."""
-    bt, length, dk = q.shape
-    c = cumulative_decay(gk)
-    read = c.to(q.dtype, copy=True).exp_()  # (a copy: c itself when the inputs are float64)
-    to_end = torch.sub(c[:, -1:], c, out=torch.empty_like(q)).exp_()  # the float64 difference, rounded once
-    rows = q.new_empty(bt, length, 2, dk)  # the row operands: a ⊙ e^{−gk} and scale·q
+    The four decayed products are formed together by recursive halving
+    (:func:`~.._halving.halving_products_by_operand`: every exponential of a number <= 0; A_ab and A_ak
+    strictly lower), and ``[W | U₀] = (I − A_ab)⁻¹ [A ⊙ e^{c − gk} | A_ak V]`` is one unit
+    lower-triangular solve on −A_ab (LAPACK's substitution reads only the strict lower triangle)."""
+    bt, _, length, dk = rows.shape
     # a_i e^{c_{i−1} − c_j} = (a_i e^{−gk_i}) e^{c_i − c_j}
-    a_shift = torch.mul(ab[..., 0, :], torch.neg(gk).exp_(), out=rows[:, :, 0])
-    torch.mul(q, scale, out=rows[:, :, 1])
-    cols = q.new_empty(bt, length, 2, dk)  # the column operands: b and k
-    cols[:, :, 0] = ab[..., 1, :]
-    cols[:, :, 1] = k
-    products = halving_products(c, rows, cols)
+    exp_neg_gk = torch.neg(gk).exp_()
+    a_shift = rows[:, 0].mul_(exp_neg_gk)
+    q_scaled = rows[:, 1].mul_(scale)
+    products, ends = halving_products_by_operand(gk, rows, cols, diagonal_from=1)
+    read, to_end = ends.unbind(1)
     a_ak = products[0, 1]
-    a_ak.diagonal(dim1=-2, dim2=-1).zero_()  # A_ak strictly below the diagonal
-    rhs = q.new_empty(bt, length, dk + v.shape[-1])
+    rhs = rows.new_empty(bt, length, dk + v.shape[-1])
     torch.mul(a_shift, read, out=rhs[..., :dk])  # A ⊙ e^{c − gk} = (A ⊙ e^{−gk}) ⊙ e^c
     torch.bmm(a_ak, v, out=rhs[..., dk:])
-    wu = torch.linalg.solve_triangular(products[0, 0].neg_(), rhs, upper=False, unitriangular=True)
-    return read, to_end, rows[:, :, 1], products[1, 0], products[1, 1], wu
+    neg_a_ab = products[0, 0].neg_()
+    wu = torch.linalg.solve_triangular(neg_a_ab, rhs, upper=False, unitriangular=True)
+    return _Terms(read, to_end, q_scaled, products[1, 0], products[1, 1], wu, neg_a_ab, exp_neg_gk, a_shift, a_ak)
+
+
+def _backward_terms(q, k, v, ab, gk, scale: float, solve=None):
+    """KDA's :class:`~..kda.parallel.BlockTerms` (2L pseudo-rows) of :func:`_forward_terms`, for KDA's
+    backward driver with :func:`~.parallel.dplr_block_terms_backward` (``solve`` unused)."""
+    x = _forward_terms(torch.stack([ab[..., 0, :], q], dim=1), torch.stack([ab[..., 1, :], k], dim=1), gk, v, scale)
+    saved = DplrSaved(cumulative_decay(gk), x.exp_neg_gk, x.a_shift, x.a_ak)
+    return block_terms_of(q, k, v, ab, x.read, x.to_end, x.neg_a_ab, torch.cat([x.a_qb, x.a_qk], dim=-1), x.wu,
+                          saved, scale)
+
+
+#: Token-heads per group of the forward (C·N·H·chunks; KDA's driver, and the backward, take 64 chunk-heads):
+#: its transient tensors stay within a core's caches, and there are few enough groups that the per-op
+#: costs do not dominate. Measured at B 1, T 2048, C 32, fp32, 1 thread (BENCHMARKS.md): 1024 (32
+#: chunk-heads) was fastest of 256 to 2048 at H 4, K = V = 64 and H 8, K = V = 128, 2048 clearly slower.
+GROUP_TOKENS = 1024
+
+
+class _Chunked:
+    """The head-first inputs ``[N, H, T, ·]`` seen chunk-major, ``[NC, N, H, C, ·]``, as views of their whole
+    chunks made once per call; :meth:`copy` copies a group of chunks (a partial last chunk zero-padded by
+    :func:`~.._chunk.flat_chunks`). Per group, one slice and one copy per input (the per-group slicing
+    and reshaping in Python cost about as much as the copies at the benchmark's sizes)."""
+
+    def __init__(self, inputs, chunk_size: int) -> None:
+        t_len = inputs[0].shape[2]
+        self.inputs, self.chunk_size, self.whole = inputs, chunk_size, t_len // chunk_size
+        self.views = [t.narrow(2, 0, self.whole * chunk_size).unflatten(2, (self.whole, chunk_size)).movedim(2, 0)
+                      for t in inputs]
+
+    def copy(self, i: int, c0: int, c1: int, out: Tensor) -> Tensor:
+        """Input ``i``'s chunks ``c0 .. c1 − 1`` into ``out [(c1 − c0)·N·H, C, ·]`` (a view, e.g. an operand's slot)."""
+        if c1 > self.whole:
+            return flat_chunks(self.inputs[i], self.chunk_size, c0, c1, out=out)
+        part = self.views[i].narrow(0, c0, c1 - c0)
+        out.view(part.shape).copy_(part)
+        return out
+
+
+def _operands(chunked: _Chunked, c0: int, c1: int):
+    """Chunks ``c0 .. c1 − 1`` of the inputs ``(a, q, b, k, gk, v)`` copied straight into :func:`_forward_terms`'s
+    operand-major buffers: ``(rows (a, q), cols (b, k), gk, v)``, ``[Bt, 2, L, K]``, ``[Bt, L, ·]``."""
+    q, v = chunked.inputs[1], chunked.inputs[5]
+    bt, dk, length = (c1 - c0) * q.shape[0] * q.shape[1], q.shape[-1], chunked.chunk_size
+    rows, cols = q.new_empty(bt, 2, length, dk), q.new_empty(bt, 2, length, dk)
+    for i, slot in enumerate((*rows.unbind(1), *cols.unbind(1))):
+        chunked.copy(i, c0, c1, slot)
+    return (rows, cols, chunked.copy(4, c0, c1, q.new_empty(bt, length, dk)),
+            chunked.copy(5, c0, c1, v.new_empty(bt, length, v.shape[-1])))
 
 
 def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_states: bool = True):
@@ -90,7 +150,8 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
     n, nh, t_len, dk = q.shape
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
-    groups = kda_chunk._groups(nc, rows)
+    per = max(1, GROUP_TOKENS // (rows * chunk_size))
+    groups = [(c0, min(c0 + per, nc)) for c0 in range(0, nc, per)]
     states = v.new_empty(nc if keep_states else 0, rows, dk, dv)
     buffer = None if keep_states or not groups else v.new_empty(groups[0][1], rows, dk, dv)
     out = chunk_buffer(v, n, nh, nc, chunk_size, (dv,))
@@ -98,21 +159,25 @@ def chunk_dplr_fwd(q, k, v, ab, gk, h0, scale: float, chunk_size: int, keep_stat
     if nc == 0:
         return from_chunk_buffer(out, t_len), (h_final.zero_() if h0 is None else h0), states
     h, carry = (v.new_zeros(rows, dk, dv) if h0 is None else h0), v.new_empty(rows, dk, dv)
+    chunked = _Chunked((ab[..., 0, :], q, ab[..., 1, :], k, gk, v), chunk_size)
     for c0, c1 in groups:
-        qf, kf, vf, abf, gf = (flat_chunks(t, chunk_size, c0, c1) for t in (q, k, v, ab, gk))
-        read, to_end, q_scaled, a_qb, a_qk, wu = _forward_terms(qf, kf, vf, abf, gf, scale)
+        a_q, b_k, gf, vf = _operands(chunked, c0, c1)
+        read, to_end, q_scaled, a_qb, a_qk, wu, *_ = _forward_terms(a_q, b_k, gf, vf, scale)
         w, u0 = wu[..., :dk], wu[..., dk:]
-        b_write_t = (abf[..., 1, :] * to_end).transpose(-1, -2)  # [Bt, K, L]
-        from_v = torch.bmm((kf * to_end).transpose(-1, -2), vf)  # [Bt, K, V] (K ⊙ e^{c_L − c})ᵀ V
+        writes = (b_k * to_end.unsqueeze(1)).transpose(-1, -2)  # [Bt, 2, K, L]: (B ⊙ e^{c_L − c})ᵀ, (K ⊙ e^{c_L − c})ᵀ
+        b_write_t = writes[:, 0]
+        from_v = torch.bmm(writes[:, 1], vf)  # [Bt, K, V] (K ⊙ e^{c_L − c})ᵀ V
         last = read[:, -1].unsqueeze(-1)
         u = torch.empty_like(u0)
         entering = states[c0:c1] if keep_states else buffer[:c1 - c0]
         entering[0].copy_(h)
-        for c in range(c1 - c0):  # the one sequential loop: two small products per chunk, written in place
-            r = slice(c * rows, (c + 1) * rows)
-            torch.baddbmm(u0[r], w[r], entering[c], out=u[r])
-            h = entering[c + 1] if c0 + c + 1 < c1 else (h_final if c1 == nc else carry)
-            torch.addcmul(from_v[r], last[r], entering[c], out=h).baddbmm_(b_write_t[r], u[r])
+        # the one sequential loop: two small products per chunk, written in place (each chunk's views made
+        # at once by unbind: per-chunk slicing in Python costs as much as the products at small sizes)
+        per_chunk = (t.unflatten(0, (c1 - c0, rows)).unbind(0) for t in (u0, w, u, from_v, last, b_write_t))
+        leaving = entering.unbind(0)[1:] + (h_final if c1 == nc else carry,)
+        for u0_c, w_c, u_c, from_v_c, last_c, b_write_c, h_in, h in zip(*per_chunk, entering.unbind(0), leaving):
+            torch.baddbmm(u0_c, w_c, h_in, out=u_c)
+            torch.addcmul(from_v_c, last_c, h_in, out=h).baddbmm_(b_write_c, u_c)
         o = torch.bmm(a_qk, vf).baddbmm_(a_qb, u)
         put_chunks(out, o.baddbmm_(q_scaled * read, entering.view(-1, dk, dv)), c0)
     return from_chunk_buffer(out, t_len), h_final, states
@@ -133,29 +198,21 @@ def _fwd_fake(q, k, v, ab, gk, h0, scale, chunk_size, keep_states=True):
     return o, h_final, (states if keep_states else states.new_empty((0,) + tuple(states.shape[1:])))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, ab, gk, h0, scale, chunk_size, *_ = inputs
-    states = output[2]
-    ctx.save_for_backward(q, k, v, ab, gk, states)
-    backward_only(ctx, states)
-    ctx.scale, ctx.chunk_size, ctx.h0_shape = scale, chunk_size, None if h0 is None else h0.shape
+@torch.library.custom_op("fastweights::chunk_dplr_bwd", mutates_args=())
+def _bwd_op(q: Tensor, k: Tensor, v: Tensor, ab: Tensor, gk: Tensor, states: Tensor, do: Tensor,
+            dh_final: Tensor, scale: float, chunk_size: int, keep_states: bool = True,
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with autocast_off(do.device):
+        return kda_chunk.chunk_kda_bwd(q, k, v, ab, gk, states, do, dh_final, scale, chunk_size,
+                                       terms=_backward_terms, terms_backward=dplr_block_terms_backward)
 
 
-def _backward(ctx, do, dh_final, _states):
-    q, k, v, ab, gk, states = ctx.saved_tensors
-    if dh_final is None:
-        dh_final = states.new_zeros(states.shape[1:])
-    if do is None:  # only h_T was used
-        do = v.new_zeros(v.shape)
-    with autocast_off(do.device), torch.no_grad():  # no custom op here: the terms' adjoint needs autograd
-        dq, dk, dv, dab, dgk, dh0 = kda_chunk.chunk_kda_bwd(
-            q, k, v, ab, gk, states, do, dh_final, ctx.scale, ctx.chunk_size, terms=dplr_block_terms,
-            terms_backward=dplr_block_terms_backward)
-    dh0 = None if ctx.h0_shape is None else dh0.reshape(ctx.h0_shape)
-    return dq, dk, dv, dab, dgk, dh0, None, None, None
+@_bwd_op.register_fake
+def _bwd_fake(q, k, v, ab, gk, states, do, dh_final, scale, chunk_size, keep_states=True):
+    return kda_chunk._bwd_fake(q, k, v, ab, gk, states, do, dh_final, scale, chunk_size)
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+kda_chunk.register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, ab, gk: v.new_zeros(v.shape))
 
 
 def dplr_chunk(q, k, v, beta, gk, h0, scale, chunk_size, *, a, b) -> Tuple[torch.Tensor, torch.Tensor]:
