@@ -75,18 +75,28 @@ def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms=block_terms
     return flat, terms(*flat, scale, solve=_solve_blocks)
 
 
-def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True):
+def _unit_last(*tensors):
+    """The tensors with a unit last stride, as the kernels read them (None stays None)."""
+    return tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True, *, erase=None):
     """:func:`chunk_kda_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the
     same algebra and sub-block reference points, one (sequence, head) per task), or None where it
     does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the inputs.
-    ``keep=False`` (no gradient asked for): the chunk states are not kept (``states`` is empty)."""
+    ``keep=False`` (no gradient asked for): the chunk states are not kept (``states`` is empty).
+
+    GDN-2 (``ops/gdn2/chunk.py``) runs on the same kernel: ``erase`` its erase keys ``b ⊙ k``
+    ``[N, H, T, K]`` (the kernel's erase side, where KDA has β k), ``v`` its written values
+    ``w ⊙ v`` and ``beta`` None (β = 1)."""
     if k.shape[2] == 0:
         return None
-    mod = kernels_for(q, k, v, beta, gk, h0)
+    mod = kernels_for(q, k, v, beta, gk, h0, erase)
     if mod is None:
         return None
-    q, k, v, gk = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk))
-    o, h, states = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size), keep)
+    q, k, v, gk, erase = _unit_last(q, k, v, gk, erase)
+    o, h, states = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size), keep,
+                                     erase)
     return from_chunk_buffer(o, k.shape[2]), h, states
 
 
@@ -126,18 +136,22 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=bl
     return from_chunk_buffer(out, t_len), h, states
 
 
-def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
+def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size, *, erase=None):
     """:func:`chunk_kda_bwd` by the compiled CPU kernel (one (sequence, head) per task, last chunk
-    first, the state-free terms recomputed per chunk), or None where it does not apply."""
+    first, the state-free terms recomputed per chunk), or None where it does not apply.
+    ``erase`` (GDN-2, as in :func:`_native_forward`, ``beta`` None): the erase keys' gradient is
+    returned in β's place, ``(dq, dk, dv, d_erase, dgk, dh0)``."""
     if k.shape[2] == 0:
         return None
-    mod = kernels_for(q, k, v, beta, gk, states, do, dh_final)
+    mod = kernels_for(q, k, v, beta, gk, states, do, dh_final, erase)
     if mod is None:
         return None
     t_len = k.shape[2]
-    q, k, v, gk, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk, do))
-    grads = mod.chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, float(scale), int(chunk_size), sub_block(chunk_size))
-    return (*(from_chunk_buffer(g, t_len) for g in grads[:5]), grads[5])
+    q, k, v, gk, do, erase = _unit_last(q, k, v, gk, do, erase)
+    grads = mod.chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, float(scale), int(chunk_size), sub_block(chunk_size),
+                              erase)
+    dq, dk, dv, dbeta, dgk, dh0, d_erase = grads
+    return (*(from_chunk_buffer(g, t_len) for g in (dq, dk, dv, dbeta if erase is None else d_erase, dgk)), dh0)
 
 
 def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int,
