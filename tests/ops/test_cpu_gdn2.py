@@ -109,10 +109,11 @@ def test_float64_kernel_equals_the_recurrence(kernels, gdn2_calls, B, T, H, K, V
     assert gdn2_calls == [("forward", True), ("backward", None)]
 
 
-@pytest.mark.parametrize("decay,C", [(12.0, 64), (12.0, 100), (80.0, 64)], ids=["g12-C64", "g12-C100", "g80-C64"])
+@pytest.mark.parametrize("decay,C", [(12.0, 64), (12.0, 100), (200.0, 64)], ids=["g12-C64", "g12-C100", "g200-C64"])
 def test_float64_kernel_with_strong_decays(kernels, gdn2_calls, decay, C):
-    """α down to e^{-12} (and e^{-80}) per token and channel: the sub-blocks' own pairs pass the
-    kernel's e^{±60} (fp32) / e^{±600} (fp64) limit and are summed pair by pair; still ~1e-12."""
+    """α down to e^{-12} per token and channel (a sub-block of 8 or 10 tokens spans up to e^{-96} or
+    e^{-120}: its own pairs by the split factors, one of them that large), and down to e^{-200} (the
+    span passes the float64 kernel's e^{±600} limit: those pairs are summed one by one); ~1e-12."""
     x = gdn2_inputs(1, 150, 2, 16, 20, seed=6, decay=decay)
     got = _run(ops.chunk_gdn2, x, chunk_size=C)
     want = _run(ops.recurrent_gdn2, x, kernels_on=False)
