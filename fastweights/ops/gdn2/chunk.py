@@ -29,9 +29,8 @@ two products, and their gradients to b, k, w and v, are ordinary autograd around
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import functools
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
