@@ -268,6 +268,11 @@ HeadInputs<T> head_inputs(const T* q, const int64_t* q_s, const T* k, const int6
                        q_s[2], k_s[2], v_s[2], beta_s[2], gk_s[2], e_s[2]};
 }
 
+// The forward also makes the ops' input checks on the rows each chunk gathers anyway (in cache), in
+// place of the front end's passes over the inputs: q, k, v finite (chunk_common.h's FiniteCheck,
+// which raises the ops' ValueError), and for the log decay gk, per task, its non-finite and NaN
+// counts and its largest entry NaN aside (decay_stats [N·H, 3], float64; Python raises the ops'
+// messages from them, fastweights/ops/_checks.py's check_decay_stats).
 template <typename T>
 struct Forward : Grid {
   const T *q, *k, *v, *beta, *gk, *e, *h0;  // head-first [N, H, T, ·] (beta [N, H, T]), unit last stride
@@ -276,6 +281,8 @@ struct Forward : Grid {
   int64_t s;                            // the sub-block size (C a multiple of it)
   T scale;
   bool keep;
+  FiniteCheck* finite;                  // q, k, v (off: an empty op name)
+  double* decay_stats;                  // [N·H, 3] or null (no check of gk)
 
   int64_t scratch_size() const { return Terms<T>::size(C, K, V, s) + round16(K * V); }
 
@@ -288,10 +295,33 @@ struct Forward : Grid {
     const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, e, e_s, n, hh);
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
+    int64_t decay_bad = 0, decay_nan = 0;
+    T decay_high = -std::numeric_limits<T>::infinity();
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       in.prefetch(t0 + C, C, L, K, V);
       x.compute(in, t0, L);
+      const int64_t rows = std::min(C, L - t0);
+      if (finite->on() && (any_nonfinite(x.Q, rows * K) || any_nonfinite(x.Km, rows * K) ||
+                           any_nonfinite(x.Vm, rows * V))) {
+        const int64_t bad[3] = {count_nonfinite(x.Q, rows * K), count_nonfinite(x.Km, rows * K),
+                                count_nonfinite(x.Vm, rows * V)};
+        finite->add(bad);
+      }
+      if (decay_stats != nullptr) {
+        const T* gin = x.gin;
+        if (any_nonfinite(gin, rows * K))
+          for (int64_t i = 0; i < rows * K; ++i) {
+            decay_bad += !std::isfinite(gin[i]);
+            decay_nan += std::isnan(gin[i]);
+          }
+        // the largest entry, as one vectorised reduction (what it makes of a NaN does not matter:
+        // with any NaN the check reads the largest entry as NaN, as amax gives it)
+        T high = decay_high;
+#pragma omp simd reduction(max : high)
+        for (int64_t i = 0; i < rows * K; ++i) high = gin[i] > high ? gin[i] : high;
+        decay_high = high;
+      }
       // U' = U − W h;  O = Q_r h + P U' (straight into the token-major output);  h ← diag(e^{b_C}) h + K_wᵀ U'
       if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
       T* O = o + (n * NC * C + t0) * ldo + hh * V;
@@ -303,6 +333,11 @@ struct Forward : Grid {
       mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
+    if (decay_stats != nullptr) {
+      decay_stats[3 * nh] = double(decay_bad);
+      decay_stats[3 * nh + 1] = double(decay_nan);
+      decay_stats[3 * nh + 2] = double(decay_high);
+    }
   }
 };
 
@@ -521,12 +556,15 @@ void check_beta_erase(const char* op, const torch::Tensor& k, const c10::optiona
               ": erase must have k's shape [N, H, T, K] and a unit-stride last dim");
 }
 
-// Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V] (empty unless keep)). `beta`
-// absent: β = 1; `erase` given: GDN-2's erase keys in the place of k on the erase side (file comment).
+// Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V] (empty unless keep), decay_stats
+// [N·H, 3] float64 (empty unless check_decay)). `beta` absent: β = 1; `erase` given: GDN-2's erase keys
+// in the place of k on the erase side (file comment). `check_finite`: an op's name for the finite check
+// of q, k, v ("" none); `check_decay`: gk's counts for its checks (Forward's comment).
 std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                          const c10::optional<torch::Tensor>& beta, const torch::Tensor& gk,
                                          const c10::optional<torch::Tensor>& h0, double scale, int64_t C, int64_t s,
-                                         bool keep, const c10::optional<torch::Tensor>& erase) {
+                                         bool keep, const c10::optional<torch::Tensor>& erase,
+                                         const std::string& check_finite, bool check_decay) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && gk.dim() == 4,
               "chunk_kda_fwd: q, k, v, gk must be [N, H, T, ·]");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && gk.stride(3) == 1,
@@ -538,6 +576,8 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
   torch::Tensor o = torch::empty({N, NC * C, H, V}, opts), h_out = torch::empty({N * H, K, V}, opts);
   torch::Tensor states = keep ? torch::empty({NC, N * H, K, V}, opts) : torch::empty({0}, opts);
   torch::Tensor h0c = h0.has_value() ? h0->contiguous() : torch::Tensor();
+  torch::Tensor stats = torch::empty({check_decay ? N * H : 0, 3}, opts.dtype(torch::kDouble));
+  FiniteCheck finite(check_finite);
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Forward<T> f;
@@ -555,10 +595,13 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
     f.states = data_if<T>(keep, states);
     f.scale = T(scale);
     f.keep = keep;
+    f.finite = &finite;
+    f.decay_stats = data_if<double>(check_decay, stats);
     per_head(f);
   };
   fp32_or_fp64(v.scalar_type(), "chunk_kda_fwd", run);
-  return {o, h_out, states};
+  finite.raise_if_any();
+  return {o, h_out, states, stats};
 }
 
 // Returns (dq, dk, dv, dbeta, dgk [N, NC·C, H, ·] (dbeta [N, NC·C, H], empty without beta), dh0 [N·H, K, V],
@@ -685,7 +728,11 @@ std::vector<torch::Tensor> kda_step(const torch::Tensor& q, const torch::Tensor&
 }  // namespace
 
 void register_chunk_kda(pybind11::module& m) {  // called by module.cpp's PYBIND11_MODULE
-  m.def("chunk_kda_fwd", &chunk_kda_fwd, "KDA's (and GDN-2's, given `erase`) chunk forward, one task per (sequence, head)");
+  m.def("chunk_kda_fwd", &chunk_kda_fwd, "KDA's (and GDN-2's, given `erase`) chunk forward, one task per (sequence, head)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("beta"), pybind11::arg("gk"),
+        pybind11::arg("h0"), pybind11::arg("scale"), pybind11::arg("chunk_size"), pybind11::arg("sub_block"),
+        pybind11::arg("keep"), pybind11::arg("erase") = pybind11::none(), pybind11::arg("check_finite") = "",
+        pybind11::arg("check_decay") = false);
   m.def("chunk_kda_bwd", &chunk_kda_bwd, "its backward, one task per (sequence, head), last chunk first");
   m.def("kda_step", &kda_step, "one decode token of KDA, one task per head");
 }

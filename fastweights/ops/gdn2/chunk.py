@@ -80,7 +80,7 @@ def _forward_terms(q, k, e, x, g, scale: float, chunk_size: int):
 
 
 def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states: bool = True,
-                   native: bool = False):
+                   native: bool = False, decay_check=None):
     """Forward on head-first ``[N, H, T, ·]`` tensors (e = b ⊙ k, x = w ⊙ v), ``h0 [N·H, K, V]``
     or None; returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])`` as KDA's
     :func:`~fastweights.ops.kda.chunk.chunk_kda_fwd` with GDN-2's terms, ``states[c]`` the state
@@ -93,15 +93,19 @@ def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states
     of fresh memory per call, faulted in page by page).
 
     ``native``: the compiled CPU kernel runs it where it applies (module docstring; it then keeps
-    no states at all without ``keep_states``)."""
+    no states at all without ``keep_states``). ``decay_check``: ``(op, the caller's name for g)`` when
+    the front end left g's checks (finite, <= 0) to the solver: the kernel's counts, else the
+    front end's function (:func:`~fastweights.ops.kda.chunk.python_checks`)."""
     n, nh, t_len, dk = q.shape
     dv = x.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
     if native:
-        compiled = kda_chunk._native_forward(q, k, x, None, g, h0, scale, chunk_size, keep_states, erase=e)
+        compiled = kda_chunk._native_forward(q, k, x, None, g, h0, scale, chunk_size, keep_states, erase=e,
+                                             decay_check=decay_check)
         if compiled is not None:
             o, h_final, states = compiled
             return o, h_final, (states if keep_states else x.new_empty(0, rows, dk, dv))
+    kda_chunk.python_checks(q, k, x, g, decay_check=decay_check)
     per = max(1, GROUP // rows)
     states = x.new_empty(nc if keep_states else 0, rows, dk, dv)
     out = chunk_buffer(x, n, nh, nc, chunk_size, (dv,))
@@ -129,16 +133,17 @@ def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states
 
 @torch.library.custom_op("fastweights::chunk_gdn2_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, e: Tensor, x: Tensor, g: Tensor, h0: Optional[Tensor],
-            scale: float, chunk_size: int, keep_states: bool = True, native: bool = False,
-            ) -> Tuple[Tensor, Tensor, Tensor]:
+            scale: float, chunk_size: int, keep_states: bool = True, native: bool = False, check_decay: str = "",
+            decay_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, x.shape[-1])
     with autocast_off(q.device):
-        return gdn2_chunk_fwd(q, k, e, x, g, h0_, scale, chunk_size, keep_states, native)
+        return gdn2_chunk_fwd(q, k, e, x, g, h0_, scale, chunk_size, keep_states, native,
+                              (check_decay, decay_name) if check_decay else None)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, e, x, g, h0, scale, chunk_size, keep_states=True, native=False):
+def _fwd_fake(q, k, e, x, g, h0, scale, chunk_size, keep_states=True, native=False, check_decay="", decay_name=""):
     o, h_final, states = kda_chunk._fwd_fake(q, k, x, e, g, h0, scale, chunk_size)
     return o, h_final, (states if keep_states else states.new_empty((0,) + tuple(states.shape[1:])))
 
@@ -146,7 +151,7 @@ def _fwd_fake(q, k, e, x, g, h0, scale, chunk_size, keep_states=True, native=Fal
 @torch.library.custom_op("fastweights::chunk_gdn2_bwd", mutates_args=())
 def _bwd_op(q: Tensor, k: Tensor, e: Tensor, x: Tensor, g: Tensor, states: Tensor, do: Tensor,
             dh_final: Tensor, scale: float, chunk_size: int, keep_states: bool = True, native: bool = False,
-            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            check_decay: str = "", decay_name: str = "") -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with autocast_off(do.device):
         compiled = (kda_chunk._native_backward(q, k, x, None, g, states, do, dh_final, scale, chunk_size, erase=e)
                     if native else None)
@@ -160,7 +165,8 @@ def _bwd_op(q: Tensor, k: Tensor, e: Tensor, x: Tensor, g: Tensor, states: Tenso
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, e, x, g, states, do, dh_final, scale, chunk_size, keep_states=True, native=False):
+def _bwd_fake(q, k, e, x, g, states, do, dh_final, scale, chunk_size, keep_states=True, native=False, check_decay="",
+              decay_name=""):
     dq, dk, dx, de, dg, dh0 = kda_chunk._bwd_fake(q, k, x, e, g, states, do, dh_final, scale, chunk_size)
     return dq, dk, de, dx, dg, dh0
 
@@ -168,18 +174,22 @@ def _bwd_fake(q, k, e, x, g, states, do, dh_final, scale, chunk_size, keep_state
 kda_chunk.register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, e, x, g: x.new_zeros(x.shape))
 
 
-def gdn2_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, b, w, native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def gdn2_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, b, w, native: bool = True, check_decay: str = "",
+               decay_name: str = "g") -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk form on head-first compute-dtype tensors; returns ``(o, h_T)`` (``beta`` unused).
-    ``native``: whether the compiled CPU kernels may run forward and backward."""
+    ``native``: whether the compiled CPU kernels may run forward and backward. ``check_decay`` (the
+    op's name) and ``decay_name``: g's checks, left to the solver by the front end
+    (:attr:`~.._spec.OpSpec.fused_decay_check`)."""
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, b, w, h0))
-    o, h_final, _ = _fwd_op(q, k, b * k, w * v, g, h0, float(scale), int(chunk_size), keep, native)  # states: backward only
+    o, h_final, _ = _fwd_op(q, k, b * k, w * v, g, h0, float(scale), int(chunk_size), keep, native,  # states: backward only
+                            str(check_decay), str(decay_name))
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``): :func:`gdn2_chunk` without and with the compiled
 #: CPU kernels.
 CHUNK_GDN2 = OpSpec("chunk_gdn2", Rule.DELTA, Form.CHUNK, torch=functools.partial(gdn2_chunk, native=False),
-                    cpu=gdn2_chunk, step=gdn2_step)
+                    cpu=gdn2_chunk, fused_decay_check=True, step=gdn2_step)
 
 
 #: The public function moved to api.py (the old path still works, with a DeprecationWarning).
