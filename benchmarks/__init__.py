@@ -28,6 +28,8 @@ REGISTRY = {
     "form_errors": "how far each fast form is from the float64 recurrence",
     "kda_speed": "Kimi Delta Attention: chunk vs recurrent speed, every form's errors",
     "family_speed": "GDN-2, DeltaProduct and the DPLR rule: chunk vs recurrent speed",
+    "gdn2_speed": "GDN-2's compiled CPU chunk forward against the recurrence, the PyTorch chunk form and the fp32 "
+                  "matmul rate",
     "gpu_chunk_delta": "the Triton chunk kernels and decode step on a GPU",
     "triton_resources": "every Triton kernel config compiled for sm_90 fits the hardware",
     "speculative": "verify windows: the chunk/recurrent crossover k; prompt lookup vs greedy",

@@ -9,10 +9,12 @@ Non-finite inputs (NaN/Inf) are refused by default, because one NaN token
 poisons the recurrent state for every later token. The check costs one pass
 over the inputs; switch it off with ``fastweights.ops.finite_checks(False)``
 (a context manager and a setter). Where the compiled CPU chunk kernels of the
-delta rules and of linear attention run (``OpSpec.fused_finite_check``), q, k
+delta rules, of linear attention and of KDA run (``OpSpec.fused_finite_check``), q, k
 and v are not read in a pass of their own: the kernel counts their NaN/Inf
 entries in the rows it reads anyway, and raises this module's ``ValueError``
-(same text, same count) after the call; see :func:`check_qkv_finite`.
+(same text, same count) after the call; see :func:`check_qkv_finite`. KDA's and
+GDN-2's per-channel log decay is checked the same way where their kernel runs
+(``OpSpec.fused_decay_check``: finite and <= 0, :func:`check_decay_stats`).
 
 - CPU tensors: checked on the spot; a bad input raises ``ValueError`` naming it.
 - CUDA (any non-CPU) tensors: checked asynchronously with ``torch._assert_async``,
@@ -58,7 +60,7 @@ import functools
 import math
 import os
 import weakref
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -101,6 +103,11 @@ class finite_checks(_Switch):
 def finite_checks_on() -> bool:
     """Whether the NaN/Inf check of op inputs is on (:class:`finite_checks`)."""
     return _CHECK_FINITE
+
+
+def value_checks_on() -> bool:
+    """Whether the range checks of op inputs are on (:class:`value_checks`)."""
+    return _CHECK_VALUES
 
 
 class value_checks(_Switch):
@@ -156,12 +163,15 @@ def _check_finite(op: str, name: str, t: torch.Tensor) -> None:
     if bool(torch.isfinite(t.sum())):
         return
     if not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise ValueError(
-            f"{op}: `{name}` contains {bad} non-finite value(s) (NaN or Inf); they would poison "
-            f"the recurrent state. Clean the input, or disable this check with "
-            f"fastweights.ops.finite_checks(False)."
-        )
+        _raise_nonfinite(op, name, int((~torch.isfinite(t)).sum()))
+
+
+def _raise_nonfinite(op: str, name: str, bad: int) -> None:
+    raise ValueError(
+        f"{op}: `{name}` contains {bad} non-finite value(s) (NaN or Inf); they would poison "
+        f"the recurrent state. Clean the input, or disable this check with "
+        f"fastweights.ops.finite_checks(False)."
+    )
 
 
 def check_qkv_finite(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -183,7 +193,12 @@ def _check_range(op: str, t: torch.Tensor, low: Optional[float], high: float, ru
     if not _checked_on_host(t):  # no device->host sync on the hot path
         torch._assert_async(hi <= high if lo is None else (lo >= low) & (hi <= high), f"{op}: {rule}{hint}")
         return
-    lo, hi = None if lo is None else float(lo), float(hi)
+    _raise_outside(op, None if lo is None else float(lo), float(hi), low, high, rule, hint)
+
+
+def _raise_outside(op: str, lo: Optional[float], hi: float, low: Optional[float], high: float, rule: str,
+                   hint: str) -> None:
+    """:func:`_check_range`'s error for the extremes ``lo`` (None: not asked for) and ``hi``, if they are out."""
     if hi > high:
         found = f"values up to {hi:g}"
     elif lo is not None and lo < low:
@@ -389,6 +404,34 @@ def _state_v_first() -> bool:
 _DECAY_KIND = {"[B, T, H, K]": "a per-key-channel log decay", "[B, T, H, V]": "a per-value-channel log decay"}
 
 
+def _decay_rule(name: str, layout: str) -> Tuple[str, str]:
+    """The range rule of a per-channel log decay and its hint, as the checks word them."""
+    return (f"`{name}` ({_DECAY_KIND[layout]}) must be <= 0",
+            f"; a decay exp({name}) above 1 makes the state grow. If that is intended, disable this "
+            "check with fastweights.ops.value_checks(False)")
+
+
+def check_decay(op: str, name: str, t: torch.Tensor, layout: str = "[B, T, H, K]") -> None:
+    """A per-channel log decay's checks (the switches apply): finite, then <= 0. :func:`check_inputs`
+    makes them, unless the solver will (``decay_by_solver``: a compiled kernel counts what it needs
+    while it reads the decays, :func:`check_decay_stats`, or the solver calls this)."""
+    _check_finite(op, name, t)
+    _check_range(op, t, None, 0.0, *_decay_rule(name, layout))
+
+
+def check_decay_stats(op: str, name: str, stats: torch.Tensor, layout: str = "[B, T, H, K]") -> None:
+    """:func:`check_decay` from a kernel's counts: ``stats [tasks, 3]`` (float64) holds each task's
+    non-finite entries, NaN entries and largest entry NaN aside; the same errors, with the same
+    numbers (the largest entry is NaN when any is, as ``amax`` gives it, and then none is out)."""
+    if stats.numel() == 0:
+        return
+    bad, nan, high = stats[:, 0].sum(), stats[:, 1].sum(), stats[:, 2].max()
+    if _CHECK_FINITE and bool(bad > 0):
+        _raise_nonfinite(op, name, int(bad))
+    if _CHECK_VALUES:
+        _raise_outside(op, None, float("nan") if bool(nan > 0) else float(high), None, 0.0, *_decay_rule(name, layout))
+
+
 def _check_state_shape(op: str, initial_state: torch.Tensor, n: int, heads: int, sk: int, sv: int) -> None:
     """``initial_state`` must be ``[N, H, K, V]``, or ``[N, H, V, K]`` as the caller passed it under ``state_v_first``."""
     if tuple(initial_state.shape) == (n, heads, sk, sv):
@@ -423,6 +466,7 @@ def check_inputs(
     gv: Optional[torch.Tensor] = None,
     gk_name: str = "gk",
     finite_qkv: bool = True,
+    decay_by_solver: bool = False,
 ) -> int:
     """Check the arguments of an op; return N, the number of sequences.
 
@@ -433,6 +477,8 @@ def check_inputs(
     ``cu_seqlens`` must end at, when it is not T (context parallelism: the global length).
     ``gk`` [B, T, H, K] and ``gv`` [B, T, H, V] are per-channel log decays (``gk_name``: the
     name the caller gave the key gate, ``g`` in fla's KDA call form), checked like ``g``.
+    ``finite_qkv=False`` / ``decay_by_solver=True``: the solver makes the finite check of q, k, v /
+    the checks of ``gk`` itself (:func:`check_qkv_finite`, :func:`check_decay`, or a compiled kernel).
     """
     _check_tensor(op, "q", q, 4, "[B, T, H, K]")
     _check_tensor(op, "k", k, 4, "[B, T, H, K]")
@@ -499,15 +545,14 @@ def check_inputs(
             raise ValueError(f"{op}: `initial_state` is on {initial_state.device}, expected the device of `q` ({q.device})")
     if finite_qkv:  # else the solver checks them (check_qkv_finite, or a compiled kernel's gather)
         check_qkv_finite(op, q, k, v)
-    for name, t in (("beta", beta), ("g", g), (gk_name, gk), ("gv", gv), ("initial_state", initial_state)):
+    checked_gk = None if decay_by_solver else gk
+    for name, t in (("beta", beta), ("g", g), (gk_name, checked_gk), ("gv", gv), ("initial_state", initial_state)):
         if t is not None:
             _check_finite(op, name, t)
     check_values(op, beta, g, allow_neg_eigval)
-    for name, t, layout in ((gk_name, gk, "[B, T, H, K]"), ("gv", gv, "[B, T, H, V]")):
+    for name, t, layout in ((gk_name, checked_gk, "[B, T, H, K]"), ("gv", gv, "[B, T, H, V]")):
         if t is not None:
-            _check_range(op, t, None, 0.0, f"`{name}` ({_DECAY_KIND[layout]}) must be <= 0",
-                         f"; a decay exp({name}) above 1 makes the state grow. If that is intended, disable this "
-                         "check with fastweights.ops.value_checks(False)")
+            _check_range(op, t, None, 0.0, *_decay_rule(name, layout))
     return n
 
 

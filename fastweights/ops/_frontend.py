@@ -43,7 +43,7 @@ import torch
 
 from ..config import check_int
 from ._checks import (NO_CHUNKS, check_inputs, check_score_memory, compute_dtype, effective_chunk_size,
-                      finite_checks_on, resolve_scale, state_dtype)
+                      finite_checks_on, resolve_scale, state_dtype, value_checks_on)
 from ._backend import backward_can_follow
 from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map, normalize_qk
 from ._spec import Form, OpSpec, Rule
@@ -131,13 +131,15 @@ def check_op_args(
     gv=None,
     gk_name: str = "gk",
     finite_qkv: bool = True,
+    decay_by_solver: bool = False,
 ) -> FeatureMap:
     """Every check a linear/delta op makes on its arguments; returns the resolved feature map.
     ``chunk_size`` is checked in a chunk form only (the others leave it at ``NO_CHUNKS``).
 
     Shared by :func:`run_op` and the Triton front end, so both refuse the same
     inputs with the same messages. ``finite_qkv=False``: the solver checks q, k, v for NaN/Inf
-    itself (:attr:`~._spec.OpSpec.fused_finite_check`).
+    itself (:attr:`~._spec.OpSpec.fused_finite_check`); ``decay_by_solver=True``: the solver checks
+    ``gk`` (finite, <= 0) itself (:attr:`~._spec.OpSpec.fused_decay_check`).
     """
     if requires_beta and beta is None:
         raise TypeError(f"{op}: `beta` is required (a [B, T, H] tensor of write strengths)")
@@ -152,7 +154,7 @@ def check_op_args(
         op, q, k, v, beta=beta, g=g, initial_state=initial_state, state_key_dim=key_dim,
         state_value_dim=value_dim, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
         allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len,
-        gk=gk, gv=gv, gk_name=gk_name, finite_qkv=finite_qkv,
+        gk=gk, gv=gv, gk_name=gk_name, finite_qkv=finite_qkv, decay_by_solver=decay_by_solver,
     )
     check_autocast(op, q.device, **{"q": q, "k": k, "v": v, "beta": beta, "g": g, gk_name: gk if gk is not None else g,
                                     "gv": gv})
@@ -288,9 +290,17 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
     # gathers the rows (one pass over the inputs fewer): only where the solver sees them as given,
     # and not while compiling (there the check is an assert the compiler keeps and fuses).
     fused_finite = (spec.fused_finite_check and finite_checks_on() and backend == "cpu" and cp_group is None
-                    and not torch.compiler.is_compiling()
+                    and every is None and not torch.compiler.is_compiling()
                     and feature_map is None
                     and qk_norm is None and not normalize and isinstance(q, torch.Tensor) and q.device.type == "cpu")
+    # The same for a per-channel log decay's checks (finite, <= 0), made where the kernel reads the
+    # decays: gk reaches the solver as given (only cast to the compute dtype, so only when it has
+    # that dtype already: a cast could turn a tiny positive decay into 0 or a huge one into Inf),
+    # once per call (not block by block for intermediate states).
+    fused_decay = (spec.fused_decay_check and (finite_checks_on() or value_checks_on()) and backend == "cpu"
+                   and cp_group is None and every is None and not torch.compiler.is_compiling()
+                   and isinstance(gk, torch.Tensor) and isinstance(q, torch.Tensor) and q.device.type == "cpu"
+                   and gk.dtype == compute_dtype(q.dtype))
 
     def check(seq_len=None):
         return check_op_args(
@@ -298,7 +308,7 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
             chunk_size=chunk_size if spec.form is Form.CHUNK else NO_CHUNKS, scale=scale, feature_map=feature_map, qk_norm=qk_norm, normalize=normalize,
             requires_beta=requires_beta, requires_g=requires_g, allow_neg_eigval=allow_neg_eigval,
             cu_seqlens_cpu=cu_seqlens_cpu, max_seqlen=max_seqlen, seq_len=seq_len, gk=gk, gv=gv, gk_name=gk_name,
-            finite_qkv=not fused_finite,
+            finite_qkv=not fused_finite, decay_by_solver=fused_decay,
         )
 
     segments = None
@@ -396,7 +406,8 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
                       **({} if gv is None else {"gv": head_first(gv)}),
                       **{name: head_first(t) for name, t in extra.items()},
                       **({} if low is None else {"low": low}),
-                      **({"check_finite": op} if fused_finite else {}))
+                      **({"check_finite": op} if fused_finite else {}),
+                      **({"check_decay": op, "decay_name": gk_name} if fused_decay else {}))
         return o.transpose(1, 2), h_t  # [N, T, H, V]
 
     # bf16 operands for the products (fastweights.ops.precision): only for cores that take

@@ -55,6 +55,10 @@ class OpSpec:
         fused_finite_check: the CPU solver takes ``check_finite=<op name>`` and makes the finite
             check of q, k and v itself (the compiled kernel while it gathers the rows, else the
             same Python check), so the front end skips its separate passes over them.
+        fused_decay_check: the CPU solver takes ``check_decay=<op name>`` and ``decay_name=<the
+            caller's name for gk>`` and makes the checks of the per-channel log decay gk (finite,
+            <= 0) itself (the compiled kernel as it reads the decays, else ``_checks.check_decay``),
+            so the front end skips its passes over gk.
         step: the public one-token step of the rule (the decoding path), or None.
     """
 
@@ -69,6 +73,7 @@ class OpSpec:
     single_backward: bool = False
     fused_finite_check: bool = False
     step: Optional[Callable] = None
+    fused_decay_check: bool = False
 
     def backends(self) -> tuple:
         """The explicit backend choices this op runs (``"auto"`` always does)."""

@@ -21,6 +21,13 @@
 // working precision only as a result (the PyTorch form rounds the exponent itself).
 //
 // The forward keeps the chunk-entry states; the backward recomputes the rest from the inputs.
+//
+// Gated DeltaNet-2 (ops/gdn2) runs on the same kernels: its step h ← (I − k eᵀ) diag(e^g) h + k xᵀ,
+// with the erase key e = b ⊙ k and the written value x = w ⊙ v, is KDA's with e in the place of
+// β k and x in the place of β v. Given `erase` (e) and no `beta` (β = 1), and x passed as v, every
+// line above holds with e on the erase side (the rows of S, the left side of [W | U]) and k on
+// the write side (the columns of S and P, the state's update Kᵀ U'); the backward then returns
+// de beside dk. Without `erase` the kernels are KDA's, operation for operation.
 #include "chunk_rows.h"
 
 #if defined(__AVX512F__)
@@ -73,11 +80,12 @@ inline void exp_of(const double* x, T* out, int64_t n) {
 
 // Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
 
-// One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides.
+// One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides;
+// beta null: β = 1; e (GDN-2's erase keys, [N, H, T, K]) null: the erase keys are k (KDA).
 template <typename T>
 struct HeadInputs {
-  const T *q, *k, *v, *beta, *gk;
-  int64_t q_t, k_t, v_t, beta_t, gk_t;
+  const T *q, *k, *v, *beta, *gk, *e;
+  int64_t q_t, k_t, v_t, beta_t, gk_t, e_t;
 
   // Asks for the rows of the chunk at t0 (nothing past L or before 0) while another computes: one
   // token's rows are a page apart in a token-major input, which no hardware prefetcher follows.
@@ -88,28 +96,31 @@ struct HeadInputs {
     prefetch_rows(k, k_t, t0, rows, K);
     prefetch_rows(v, v_t, t0, rows, V);
     prefetch_rows(gk, gk_t, t0, rows, K);
+    if (e != nullptr) prefetch_rows(e, e_t, t0, rows, K);
   }
 };
 
 // Every per-chunk quantity that does not need the state, in one task's scratch (the forward and the
 // backward share it). `compute` takes chunk t0 of one head and leaves:
-//   Q, Km, Vm, bvec: the gathered chunk (rows past the end zero); bd: b = cumsum(gk) in float64;
+//   Q, Km, Vm, bvec: the gathered chunk (rows past the end zero); Em: the erase keys (Km itself for
+//   KDA, GDN-2's e gathered otherwise); bd: b = cumsum(gk) in float64;
 //   fac = e^b, Qr = scale · Q ⊙ e^b, Kw = K ⊙ e^{b_C − b}, last = e^{b_C};
 //   eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i}, kr[i] = k_i ⊙ tosub[i];
-//   S, P (relative form, file comment), Tm = (I + diag(β) S)⁻¹, R = diag(β) [K ⊙ e^b | V], WU = Tm R.
+//   S, P (relative form, file comment; S's rows from Em), Tm = (I + diag(β) S)⁻¹, R = diag(β) [Em ⊙ e^b | V],
+//   WU = Tm R.
 template <typename T>
 struct Terms {
   static constexpr int64_t kDoubles = int64_t(sizeof(double) / sizeof(T));  // T elements per double
   int64_t C, K, V, s;
   T scale;
   T *Q, *Km, *Vm, *eleft, *kr, *tosub, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P, *Tm, *R,
-      *WU, *bvec, *last;
+      *WU, *bvec, *last, *Eg, *Em;
   double *bd, *ex, *exr;
 
   static int64_t size(int64_t C, int64_t K, int64_t V, int64_t s) {
     const int64_t CK = round16(C * K);
     return 13 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
-           round16(2 * s * C) + 3 * round16(C * C) + 2 * round16(C * (K + V)) + round16(C) + round16(K);
+           round16(2 * s * C) + 3 * round16(C * C) + 2 * round16(C * (K + V)) + round16(C) + round16(K) + CK;
   }
 
   Terms(Carve<T>& sc, int64_t C_, int64_t K_, int64_t V_, int64_t s_, T scale_)
@@ -124,6 +135,8 @@ struct Terms {
     Lf = sc.take(2 * s * K); M = sc.take(2 * s * C);
     S = sc.take(C * C); P = sc.take(C * C); Tm = sc.take(C * C);
     R = sc.take(C * (K + V)); WU = sc.take(C * (K + V)); bvec = sc.take(C); last = sc.take(K);
+    Eg = sc.take(C * K);  // GDN-2's erase keys, gathered (Em points here or at Km)
+    Em = Km;
   }
 
   double bm(int64_t m, int64_t d) const { return m < 0 ? 0.0 : bd[m * K + d]; }  // b_{−1} = 0
@@ -151,7 +164,13 @@ struct Terms {
     gather_rows(in.k, in.k_t, t0, L, C, K, Km, K);
     gather_rows(in.v, in.v_t, t0, L, C, V, Vm, V);
     gather_rows(in.gk, in.gk_t, t0, L, C, K, gin, K);
-    for (int64_t i = 0; i < C; ++i) bvec[i] = t0 + i < L ? in.beta[(t0 + i) * in.beta_t] : T(0);
+    Em = Km;
+    if (in.e != nullptr) {
+      gather_rows(in.e, in.e_t, t0, L, C, K, Eg, K);
+      Em = Eg;
+    }
+    for (int64_t i = 0; i < C; ++i)
+      bvec[i] = t0 + i < L ? (in.beta != nullptr ? in.beta[(t0 + i) * in.beta_t] : T(1)) : T(0);
     for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
     for (int64_t i = 1; i < C; ++i)
       for (int64_t j = 0; j < K; ++j) bd[i * K + j] = bd[(i - 1) * K + j] + double(gin[i * K + j]);
@@ -167,7 +186,7 @@ struct Terms {
     }
     std::memcpy(last, fac + (C - 1) * K, sizeof(T) * K);
     for (int64_t i = 0; i < C; ++i) {
-      for (int64_t j = 0; j < K; ++j) R[i * KV + j] = bvec[i] * Km[i * K + j] * fac[i * K + j];
+      for (int64_t j = 0; j < K; ++j) R[i * KV + j] = bvec[i] * Em[i * K + j] * fac[i * K + j];
       for (int64_t j = 0; j < V; ++j) R[i * KV + K + j] = bvec[i] * Vm[i * V + j];
     }
     // the sub-block factors: eleft, kr, and inside[i] = e^{b_m(i) − b_i} ≥ 1 (used only where finite)
@@ -185,10 +204,10 @@ struct Terms {
     }
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t r0 = j * s, m = r0 - 1;
-      for (int64_t r = 0; r < s; ++r)  // rows [K ⊙ e_left ; scale · Q ⊙ e_left]
+      for (int64_t r = 0; r < s; ++r)  // rows [E ⊙ e_left ; scale · Q ⊙ e_left]
         for (int64_t d = 0; d < K; ++d) {
           const T e = eleft[(r0 + r) * K + d];
-          Lf[r * K + d] = Km[(r0 + r) * K + d] * e;
+          Lf[r * K + d] = Em[(r0 + r) * K + d] * e;
           Lf[(s + r) * K + d] = Q[(r0 + r) * K + d] * e * scale;
         }
       right_before(j, nullptr);
@@ -215,13 +234,13 @@ struct Terms {
           if (split) {
             sv = M[r * C + i];
             pv = M[(s + r) * C + i];
-          } else {  // exactly: Σ_d x_r y_i e^{b_r − b_i}
+          } else {  // exactly: Σ_d x_r y_i e^{b_r − b_i} (x = e or q, y = k)
             for (int64_t d = 0; d < K; ++d) exr[d] = bd[rr * K + d] - bd[i * K + d];
             exp_of(exr, across, K);
             sv = pv = T(0);
             for (int64_t d = 0; d < K; ++d) {
               const T ky = Km[i * K + d] * across[d];
-              sv += Km[rr * K + d] * ky;
+              sv += Em[rr * K + d] * ky;
               pv += Q[rr * K + d] * ky;
             }
             pv *= scale;
@@ -238,23 +257,32 @@ struct Terms {
   }
 };
 
+// (beta and e may be null: absent.)
 template <typename T>
 HeadInputs<T> head_inputs(const T* q, const int64_t* q_s, const T* k, const int64_t* k_s, const T* v,
                           const int64_t* v_s, const T* beta, const int64_t* beta_s, const T* gk, const int64_t* gk_s,
-                          int64_t n, int64_t hh) {
+                          const T* e, const int64_t* e_s, int64_t n, int64_t hh) {
   return HeadInputs<T>{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
-                       beta + n * beta_s[0] + hh * beta_s[1], gk + n * gk_s[0] + hh * gk_s[1],
-                       q_s[2], k_s[2], v_s[2], beta_s[2], gk_s[2]};
+                       beta == nullptr ? nullptr : beta + n * beta_s[0] + hh * beta_s[1], gk + n * gk_s[0] + hh * gk_s[1],
+                       e == nullptr ? nullptr : e + n * e_s[0] + hh * e_s[1],
+                       q_s[2], k_s[2], v_s[2], beta_s[2], gk_s[2], e_s[2]};
 }
 
+// The forward also makes the ops' input checks on the rows each chunk gathers anyway (in cache), in
+// place of the front end's passes over the inputs: q, k, v finite (chunk_common.h's FiniteCheck,
+// which raises the ops' ValueError), and for the log decay gk, per task, its non-finite and NaN
+// counts and its largest entry NaN aside (decay_stats [N·H, 3], float64; Python raises the ops'
+// messages from them, fastweights/ops/_checks.py's check_decay_stats).
 template <typename T>
 struct Forward : Grid {
-  const T *q, *k, *v, *beta, *gk, *h0;  // head-first [N, H, T, ·] (beta [N, H, T]), unit last stride
-  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {};
+  const T *q, *k, *v, *beta, *gk, *e, *h0;  // head-first [N, H, T, ·] (beta [N, H, T]), unit last stride
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, e_s[3] = {};
   T *o, *h_out, *states;                // [N, NC·C, H, V], [N·H, K, V], [NC, N·H, K, V] (keep only)
   int64_t s;                            // the sub-block size (C a multiple of it)
   T scale;
   bool keep;
+  FiniteCheck* finite;                  // q, k, v (off: an empty op name)
+  double* decay_stats;                  // [N·H, 3] or null (no check of gk)
 
   int64_t scratch_size() const { return Terms<T>::size(C, K, V, s) + round16(K * V); }
 
@@ -264,13 +292,36 @@ struct Forward : Grid {
     Terms<T> x(sc, C, K, V, s, scale);
     T* h = sc.take(K * V);
     T* Up = x.WU + K;  // U' in place of U
-    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, n, hh);
+    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, e, e_s, n, hh);
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
+    int64_t decay_bad = 0, decay_nan = 0;
+    T decay_high = -std::numeric_limits<T>::infinity();
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       in.prefetch(t0 + C, C, L, K, V);
       x.compute(in, t0, L);
+      const int64_t rows = std::min(C, L - t0);
+      if (finite->on() && (any_nonfinite(x.Q, rows * K) || any_nonfinite(x.Km, rows * K) ||
+                           any_nonfinite(x.Vm, rows * V))) {
+        const int64_t bad[3] = {count_nonfinite(x.Q, rows * K), count_nonfinite(x.Km, rows * K),
+                                count_nonfinite(x.Vm, rows * V)};
+        finite->add(bad);
+      }
+      if (decay_stats != nullptr) {
+        const T* gin = x.gin;
+        if (any_nonfinite(gin, rows * K))
+          for (int64_t i = 0; i < rows * K; ++i) {
+            decay_bad += !std::isfinite(gin[i]);
+            decay_nan += std::isnan(gin[i]);
+          }
+        // the largest entry, as one vectorised reduction (what it makes of a NaN does not matter:
+        // with any NaN the check reads the largest entry as NaN, as amax gives it)
+        T high = decay_high;
+#pragma omp simd reduction(max : high)
+        for (int64_t i = 0; i < rows * K; ++i) high = gin[i] > high ? gin[i] : high;
+        decay_high = high;
+      }
       // U' = U − W h;  O = Q_r h + P U' (straight into the token-major output);  h ← diag(e^{b_C}) h + K_wᵀ U'
       if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
       T* O = o + (n * NC * C + t0) * ldo + hh * V;
@@ -282,6 +333,11 @@ struct Forward : Grid {
       mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
+    if (decay_stats != nullptr) {
+      decay_stats[3 * nh] = double(decay_bad);
+      decay_stats[3 * nh + 1] = double(decay_nan);
+      decay_stats[3 * nh + 2] = double(decay_high);
+    }
   }
 };
 
@@ -296,18 +352,20 @@ struct Forward : Grid {
 // and S, P's adjoints in the relative form: across sub-blocks one BLAS call each way per sub-block
 // (dLeft = dM Right, dRight = dMᵀ Left), inside a sub-block pair by pair. Every gk_t gradient is
 // a sum over the spans of the factors that hold it (never a difference of cumulative sums).
+// With GDN-2's erase keys E (file comment): β = 1 (no dβ), and what the erase side of S and of
+// [W | U] pulls goes to dE instead of dK.
 template <typename T>
 struct Backward : Grid {
-  const T *q, *k, *v, *beta, *gk, *states, *dout, *dh_final;
-  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, do_s[3] = {};
-  T *dq, *dk, *dv, *dbeta, *dgk, *dh0;  // [N, NC·C, H, ·] (dbeta [N, NC·C, H]); dh0 [N·H, K, V]
+  const T *q, *k, *v, *beta, *gk, *e, *states, *dout, *dh_final;  // beta, e: null where absent
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, e_s[3] = {}, do_s[3] = {};
+  T *dq, *dk, *dv, *dbeta, *dgk, *de, *dh0;  // [N, NC·C, H, ·] (dbeta [N, NC·C, H]); dh0 [N·H, K, V]
   int64_t s;
   T scale;
 
   int64_t scratch_size() const {
     const int64_t CK = round16(C * K), KV = K + V;
     return Terms<T>::size(C, K, V, s) + 3 * round16(C * V) + 2 * round16(C * KV) + 2 * round16(C * C) + 8 * CK +
-           2 * round16(K * V) + round16(2 * s * K) + round16(2 * s * C) + round16(s * s * K) + round16(C);
+           2 * round16(K * V) + round16(2 * s * K) + round16(2 * s * C) + round16(s * s * K) + round16(C) + CK;
   }
 
   void head(int64_t nh, T* scratch) const {
@@ -320,7 +378,8 @@ struct Backward : Grid {
     T *F = sc.take(C * K), *dR = sc.take(C * K), *span = sc.take(C * K);
     T *dh = sc.take(K * V), *dh_new = sc.take(K * V), *dL = sc.take(2 * s * K), *dM = sc.take(2 * s * C);
     T *Z = sc.take(s * s * K), *dbc = sc.take(C);
-    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, n, hh);
+    T* dec = e != nullptr ? sc.take(C * K) : dkc;  // the erase keys' gradient: dK itself for KDA
+    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, e, e_s, n, hh);
     const T* doh = dout + n * do_s[0] + hh * do_s[1];
     std::memcpy(dh, dh_final + nh * K * V, sizeof(T) * K * V);
     for (int64_t c = NC - 1; c >= 0; --c) {
@@ -351,26 +410,33 @@ struct Backward : Grid {
       mm<T>(true, false, C, KV, C, T(1), x.Tm, C, dwu, KV, T(0), dz, KV);
       mm<T>(false, true, C, C, KV, T(-1), dz, KV, x.WU, KV, T(0), dA, C);
       for (int64_t i = 0; i < C; ++i) {
-        T acc_a = T(0);
-        for (int64_t j = 0; j < i; ++j) acc_a += dA[i * C + j] * x.S[i * C + j];
-        // dβ = Σ dZ ⊙ [K e^b | V] + Σ dA ⊙ S
-        T acc_k = T(0);
-        for (int64_t j = 0; j < K; ++j) acc_k += dz[i * KV + j] * x.Km[i * K + j] * x.fac[i * K + j];
-        T acc_v = T(0);
-        for (int64_t j = 0; j < V; ++j) acc_v += dz[i * KV + K + j] * x.Vm[i * V + j];
-        dbc[i] = acc_k + acc_v + acc_a;
+        if (beta != nullptr) {
+          T acc_a = T(0);
+          for (int64_t j = 0; j < i; ++j) acc_a += dA[i * C + j] * x.S[i * C + j];
+          // dβ = Σ dZ ⊙ [K e^b | V] + Σ dA ⊙ S
+          T acc_k = T(0);
+          for (int64_t j = 0; j < K; ++j) acc_k += dz[i * KV + j] * x.Em[i * K + j] * x.fac[i * K + j];
+          T acc_v = T(0);
+          for (int64_t j = 0; j < V; ++j) acc_v += dz[i * KV + K + j] * x.Vm[i * V + j];
+          dbc[i] = acc_k + acc_v + acc_a;
+        }
         for (int64_t j = 0; j < i; ++j) dA[i * C + j] *= x.bvec[i];  // dS = diag(β) dA
         std::fill(dA + i * C + i, dA + (i + 1) * C, T(0));
         for (int64_t j = 0; j < C; ++j) dP[i * C + j] = j <= i ? dP[i * C + j] * scale : T(0);  // d(QKᵀ-decayed) = scale dP
       }
-      // dK ⊙ e^b part (dR_K = β dZ_K), dQ, dK, dgk of the reads and writes
+      // dE ⊙ e^b part (dR_K = β dZ_K; E = K for KDA), dQ, dK, dgk of the reads and writes
       for (int64_t i = 0; i < C; ++i) {
         const T bi = x.bvec[i];
         for (int64_t j = 0; j < K; ++j) {
           const T fr = x.fac[i * K + j], dkr = bi * dz[i * KV + j];
           dqc[i * K + j] = dQr[i * K + j] * fr * scale;
-          dkc[i * K + j] = dkr * fr + dKw[i * K + j] * x.erow[i * K + j];
-          span[i * K + j] = dkr * x.Km[i * K + j] * fr + dQr[i * K + j] * x.Qr[i * K + j];  // reverse cumsum below
+          if (dec != dkc) {
+            dec[i * K + j] = dkr * fr;
+            dkc[i * K + j] = dKw[i * K + j] * x.erow[i * K + j];
+          } else {
+            dkc[i * K + j] = dkr * fr + dKw[i * K + j] * x.erow[i * K + j];
+          }
+          span[i * K + j] = dkr * x.Em[i * K + j] * fr + dQr[i * K + j] * x.Qr[i * K + j];  // reverse cumsum below
           dgc[i * K + j] = T(0);
         }
         for (int64_t j = 0; j < V; ++j) dz[i * KV + K + j] *= bi;  // dV
@@ -396,13 +462,13 @@ struct Backward : Grid {
           for (int64_t i = 0; i < C; ++i) dgc[i * K + j] += dl;
         }
       }
-      // S (x = k, dM = dS) and P (x = q, dM = scale dP), y = k, both at once per sub-block
+      // S (x = E, dM = dS) and P (x = q, dM = scale dP), y = k, both at once per sub-block
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t r0 = j * s, m = r0 - 1;
         for (int64_t r = 0; r < s; ++r)
           for (int64_t d = 0; d < K; ++d) {
             const T e = x.eleft[(r0 + r) * K + d];
-            x.Lf[r * K + d] = x.Km[(r0 + r) * K + d] * e;
+            x.Lf[r * K + d] = x.Em[(r0 + r) * K + d] * e;
             x.Lf[(s + r) * K + d] = x.Q[(r0 + r) * K + d] * e;
           }
         if (r0 > 0) {  // columns before the sub-block: M = Left Rightᵀ
@@ -419,7 +485,7 @@ struct Backward : Grid {
             for (int64_t r = s - 1; r >= 0; --r) {
               const int64_t rr = r0 + r;
               const T e = x.eleft[rr * K + d], a = dL[r * K + d], b = dL[(s + r) * K + d];
-              dkc[rr * K + d] += a * e;
+              dec[rr * K + d] += a * e;
               dqc[rr * K + d] += b * e;
               run += a * x.Lf[r * K + d] + b * x.Lf[(s + r) * K + d];
               dgc[rr * K + d] += run;
@@ -447,9 +513,9 @@ struct Backward : Grid {
             exp_of(x.exr, x.across, K);
             T* z = Z + (r * s + i) * K;
             for (int64_t d = 0; d < K; ++d) {
-              const T e = x.across[d], ws = ds * e, wp = dp * e, kr_ = x.Km[rr * K + d], qr_ = x.Q[rr * K + d],
+              const T e = x.across[d], ws = ds * e, wp = dp * e, kr_ = x.Em[rr * K + d], qr_ = x.Q[rr * K + d],
                       ki = x.Km[ii * K + d];
-              dkc[rr * K + d] += ws * ki;
+              dec[rr * K + d] += ws * ki;
               dqc[rr * K + d] += wp * ki;
               dkc[ii * K + d] += ws * kr_ + wp * qr_;
               z[d] = (ws * kr_ + wp * qr_) * ki;
@@ -472,7 +538,8 @@ struct Backward : Grid {
         std::memcpy(dk + o_row * K, dkc + i * K, sizeof(T) * K);
         std::memcpy(dgk + o_row * K, dgc + i * K, sizeof(T) * K);
         std::memcpy(dv + o_row * V, dz + i * KV + K, sizeof(T) * V);
-        dbeta[o_row] = dbc[i];
+        if (dbeta != nullptr) dbeta[o_row] = dbc[i];
+        if (de != nullptr) std::memcpy(de + o_row * K, dec + i * K, sizeof(T) * K);
       }
       std::swap(dh, dh_new);
     }
@@ -480,21 +547,37 @@ struct Backward : Grid {
   }
 };
 
-// Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V] (empty unless keep)).
+// Shared by the forward and the backward: beta absent (β = 1) or [N, H, T]; erase absent (KDA) or
+// k's shape with a unit last stride (GDN-2).
+void check_beta_erase(const char* op, const torch::Tensor& k, const c10::optional<torch::Tensor>& beta,
+                      const c10::optional<torch::Tensor>& erase) {
+  TORCH_CHECK(!beta.has_value() || beta->dim() == 3, op, ": beta must be [N, H, T]");
+  TORCH_CHECK(!erase.has_value() || (erase->sizes() == k.sizes() && erase->stride(3) == 1), op,
+              ": erase must have k's shape [N, H, T, K] and a unit-stride last dim");
+}
+
+// Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V] (empty unless keep), decay_stats
+// [N·H, 3] float64 (empty unless check_decay)). `beta` absent: β = 1; `erase` given: GDN-2's erase keys
+// in the place of k on the erase side (file comment). `check_finite`: an op's name for the finite check
+// of q, k, v ("" none); `check_decay`: gk's counts for its checks (Forward's comment).
 std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                         const torch::Tensor& beta, const torch::Tensor& gk,
+                                         const c10::optional<torch::Tensor>& beta, const torch::Tensor& gk,
                                          const c10::optional<torch::Tensor>& h0, double scale, int64_t C, int64_t s,
-                                         bool keep) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && gk.dim() == 4 && beta.dim() == 3,
-              "chunk_kda_fwd: q, k, v, gk must be [N, H, T, ·] and beta [N, H, T]");
+                                         bool keep, const c10::optional<torch::Tensor>& erase,
+                                         const std::string& check_finite, bool check_decay) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && gk.dim() == 4,
+              "chunk_kda_fwd: q, k, v, gk must be [N, H, T, ·]");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && gk.stride(3) == 1,
               "chunk_kda_fwd: last dims must be unit-stride");
+  check_beta_erase("chunk_kda_fwd", k, beta, erase);
   TORCH_CHECK(C > 0 && s > 0 && C % s == 0, "chunk_kda_fwd: the chunk size must be a multiple of the sub-block size");
   const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = (L + C - 1) / C;
   auto opts = v.options();
   torch::Tensor o = torch::empty({N, NC * C, H, V}, opts), h_out = torch::empty({N * H, K, V}, opts);
   torch::Tensor states = keep ? torch::empty({NC, N * H, K, V}, opts) : torch::empty({0}, opts);
   torch::Tensor h0c = h0.has_value() ? h0->contiguous() : torch::Tensor();
+  torch::Tensor stats = torch::empty({check_decay ? N * H : 0, 3}, opts.dtype(torch::kDouble));
+  FiniteCheck finite(check_finite);
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Forward<T> f;
@@ -505,34 +588,43 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
     f.v = rows_of<T>(v, f.v_s);
     f.beta = rows_of<T>(beta, f.beta_s);
     f.gk = rows_of<T>(gk, f.gk_s);
+    f.e = rows_of<T>(erase, f.e_s);
     f.h0 = data_if<T>(h0.has_value(), h0c);
     f.o = o.data_ptr<T>();
     f.h_out = h_out.data_ptr<T>();
     f.states = data_if<T>(keep, states);
     f.scale = T(scale);
     f.keep = keep;
+    f.finite = &finite;
+    f.decay_stats = data_if<double>(check_decay, stats);
     per_head(f);
   };
   fp32_or_fp64(v.scalar_type(), "chunk_kda_fwd", run);
-  return {o, h_out, states};
+  finite.raise_if_any();
+  return {o, h_out, states, stats};
 }
 
-// Returns (dq, dk, dv, dbeta, dgk [N, NC·C, H, ·] (dbeta [N, NC·C, H]), dh0 [N·H, K, V]) from the forward's
-// inputs, its chunk-entry states [NC, N·H, K, V], do [N, H, T, V] and the final state's gradient.
+// Returns (dq, dk, dv, dbeta, dgk [N, NC·C, H, ·] (dbeta [N, NC·C, H], empty without beta), dh0 [N·H, K, V],
+// de [N, NC·C, H, K] (empty without erase)) from the forward's inputs, its chunk-entry states
+// [NC, N·H, K, V], do [N, H, T, V] and the final state's gradient.
 std::vector<torch::Tensor> chunk_kda_bwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                         const torch::Tensor& beta, const torch::Tensor& gk,
+                                         const c10::optional<torch::Tensor>& beta, const torch::Tensor& gk,
                                          const torch::Tensor& states, const torch::Tensor& dout,
-                                         const torch::Tensor& dh_final, double scale, int64_t C, int64_t s) {
+                                         const torch::Tensor& dh_final, double scale, int64_t C, int64_t s,
+                                         const c10::optional<torch::Tensor>& erase) {
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && gk.stride(3) == 1 && dout.stride(3) == 1,
               "chunk_kda_bwd: last dims must be unit-stride");
+  check_beta_erase("chunk_kda_bwd", k, beta, erase);
   TORCH_CHECK(states.is_contiguous() && states.dim() == 4, "chunk_kda_bwd: states must be a contiguous [NC, N·H, K, V]");
   TORCH_CHECK(C > 0 && s > 0 && C % s == 0, "chunk_kda_bwd: the chunk size must be a multiple of the sub-block size");
   const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = states.size(0);
   TORCH_CHECK(NC == (L + C - 1) / C, "chunk_kda_bwd: states do not match T / C");
   auto opts = states.options();
   torch::Tensor dq = torch::empty({N, NC * C, H, K}, opts), dk = torch::empty({N, NC * C, H, K}, opts);
-  torch::Tensor dv = torch::empty({N, NC * C, H, V}, opts), dbeta = torch::empty({N, NC * C, H}, opts);
+  torch::Tensor dv = torch::empty({N, NC * C, H, V}, opts);
+  torch::Tensor dbeta = beta.has_value() ? torch::empty({N, NC * C, H}, opts) : torch::empty({0}, opts);
   torch::Tensor dgk = torch::empty({N, NC * C, H, K}, opts), dh0 = torch::empty({N * H, K, V}, opts);
+  torch::Tensor de = erase.has_value() ? torch::empty({N, NC * C, H, K}, opts) : torch::empty({0}, opts);
   torch::Tensor dhf = dh_final.contiguous();
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -544,20 +636,22 @@ std::vector<torch::Tensor> chunk_kda_bwd(const torch::Tensor& q, const torch::Te
     b.v = rows_of<T>(v, b.v_s);
     b.beta = rows_of<T>(beta, b.beta_s);
     b.gk = rows_of<T>(gk, b.gk_s);
+    b.e = rows_of<T>(erase, b.e_s);
     b.dout = rows_of<T>(dout, b.do_s);
     b.states = states.data_ptr<T>();
     b.dh_final = dhf.data_ptr<T>();
     b.dq = dq.data_ptr<T>();
     b.dk = dk.data_ptr<T>();
     b.dv = dv.data_ptr<T>();
-    b.dbeta = dbeta.data_ptr<T>();
+    b.dbeta = data_if<T>(beta.has_value(), dbeta);
     b.dgk = dgk.data_ptr<T>();
+    b.de = data_if<T>(erase.has_value(), de);
     b.dh0 = dh0.data_ptr<T>();
     b.scale = T(scale);
     per_head(b);
   };
   fp32_or_fp64(states.scalar_type(), "chunk_kda_bwd", run);
-  return {dq, dk, dv, dbeta, dgk, dh0};
+  return {dq, dk, dv, dbeta, dgk, dh0, de};
 }
 
 // One decode token of KDA per head: h' = diag(α) h, u = β (v − h'ᵀ k), h' += k uᵀ, o = scale · h'ᵀ q,
@@ -634,7 +728,11 @@ std::vector<torch::Tensor> kda_step(const torch::Tensor& q, const torch::Tensor&
 }  // namespace
 
 void register_chunk_kda(pybind11::module& m) {  // called by module.cpp's PYBIND11_MODULE
-  m.def("chunk_kda_fwd", &chunk_kda_fwd, "KDA's chunk forward, one task per (sequence, head)");
+  m.def("chunk_kda_fwd", &chunk_kda_fwd, "KDA's (and GDN-2's, given `erase`) chunk forward, one task per (sequence, head)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("beta"), pybind11::arg("gk"),
+        pybind11::arg("h0"), pybind11::arg("scale"), pybind11::arg("chunk_size"), pybind11::arg("sub_block"),
+        pybind11::arg("keep"), pybind11::arg("erase") = pybind11::none(), pybind11::arg("check_finite") = "",
+        pybind11::arg("check_decay") = false);
   m.def("chunk_kda_bwd", &chunk_kda_bwd, "its backward, one task per (sequence, head), last chunk first");
   m.def("kda_step", &kda_step, "one decode token of KDA, one task per head");
 }

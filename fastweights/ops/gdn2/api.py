@@ -110,6 +110,8 @@ chunk_gdn2 = gdn2_form(CHUNK_GDN2, doc="""
 
     Args beyond the reference's:
         chunk_size: C, tokens per chunk (any positive int; fla's kernel requires 64).
+        backend: ``"auto"`` (the compiled CPU kernels for CPU tensors, PyTorch elsewhere),
+            ``"torch"`` (the PyTorch code) or ``"cpu"``, as in :func:`~fastweights.ops.chunk_kda`.
 
     Gradients reach q, k, v, g, b, w and initial_state through KDA's hand-written chunk
     backward (inputs and the T/C chunk-entry states kept, the rest recomputed); double

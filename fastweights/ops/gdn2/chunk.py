@@ -12,10 +12,16 @@ grad); float64 agrees with that driver to rounding. The backward is KDA's hand-w
 (the adjoint loop, last chunk first) with :func:`~.parallel.gdn2_block_terms_backward`; both
 are ``torch.library`` custom ops, opaque to ``torch.compile``.
 
-No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``) has one key per token for
-both the erase and the write, scaled by a scalar β, and GDN-2's erase key b ⊙ k differs from
-its write key k channel by channel, so that kernel's block algebra does not cover it. The
-PyTorch forward is measured against the recurrence in BENCHMARKS.md.
+On the CPU (backend ``"cpu"``, and ``"auto"`` there) the forward and the backward run on KDA's
+compiled kernels (``ops/cpu/chunk_kda.cpp``). GDN-2's step
+``h ← (I − k eᵀ) diag(e^g) h + k xᵀ`` is KDA's ``h ← (I − k (β k)ᵀ) diag(e^g) h + k (β v)ᵀ`` with
+the erase key e in the place of β k and the written value x in the place of β v: the kernels take
+e as an optional ``erase`` input (the rows of S and the left side of [W | U]; k stays the write
+key: the columns of S and P, the state's update) with β = 1 and x as the values, and their
+backward returns de beside dk. Without ``erase`` they are KDA's, bit for bit. The kernels keep
+KDA's sub-block reference points (every exponential of a number <= 0). Backend ``"torch"`` (or
+the kernels off or unbuilt, ``FASTWEIGHTS_CPU_KERNELS=0``) runs the PyTorch code below; both are
+measured against the recurrence in BENCHMARKS.md.
 
 The custom ops take the erase keys ``e = b ⊙ k`` and the gated values ``x = w ⊙ v``; those
 two products, and their gradients to b, k, w and v, are ordinary autograd around them.
@@ -23,6 +29,7 @@ two products, and their gradients to b, k, w and v, are ordinary autograd around
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -72,7 +79,8 @@ def _forward_terms(q, k, e, x, g, scale: float, chunk_size: int):
     return wu[..., :dk], wu[..., dk:], products[1, 0], q_scaled * read, k * to_end, read[:, -1]
 
 
-def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states: bool = True):
+def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states: bool = True,
+                   native: bool = False, decay_check=None):
     """Forward on head-first ``[N, H, T, ·]`` tensors (e = b ⊙ k, x = w ⊙ v), ``h0 [N·H, K, V]``
     or None; returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])`` as KDA's
     :func:`~fastweights.ops.kda.chunk.chunk_kda_fwd` with GDN-2's terms, ``states[c]`` the state
@@ -82,10 +90,22 @@ def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states
     ``keep_states=False`` (a forward no backward will follow) returns ``states`` with no chunks
     (``[0, N·H, K, V]``): the group's entry states go to one group-sized buffer used again by every
     group, instead of T/C states written once each (at B = 1, H = 8, K = V = 128, T = 2048: 32 MiB
-    of fresh memory per call, faulted in page by page)."""
+    of fresh memory per call, faulted in page by page).
+
+    ``native``: the compiled CPU kernel runs it where it applies (module docstring; it then keeps
+    no states at all without ``keep_states``). ``decay_check``: ``(op, the caller's name for g)`` when
+    the front end left g's checks (finite, <= 0) to the solver: the kernel's counts, else the
+    front end's function (:func:`~fastweights.ops.kda.chunk.python_checks`)."""
     n, nh, t_len, dk = q.shape
     dv = x.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
+    if native:
+        compiled = kda_chunk._native_forward(q, k, x, None, g, h0, scale, chunk_size, keep_states, erase=e,
+                                             decay_check=decay_check)
+        if compiled is not None:
+            o, h_final, states = compiled
+            return o, h_final, (states if keep_states else x.new_empty(0, rows, dk, dv))
+    kda_chunk.python_checks(q, k, x, g, decay_check=decay_check)
     per = max(1, GROUP // rows)
     states = x.new_empty(nc if keep_states else 0, rows, dk, dv)
     out = chunk_buffer(x, n, nh, nc, chunk_size, (dv,))
@@ -113,32 +133,40 @@ def gdn2_chunk_fwd(q, k, e, x, g, h0, scale: float, chunk_size: int, keep_states
 
 @torch.library.custom_op("fastweights::chunk_gdn2_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, e: Tensor, x: Tensor, g: Tensor, h0: Optional[Tensor],
-            scale: float, chunk_size: int, keep_states: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+            scale: float, chunk_size: int, keep_states: bool = True, native: bool = False, check_decay: str = "",
+            decay_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, x.shape[-1])
     with autocast_off(q.device):
-        return gdn2_chunk_fwd(q, k, e, x, g, h0_, scale, chunk_size, keep_states)
+        return gdn2_chunk_fwd(q, k, e, x, g, h0_, scale, chunk_size, keep_states, native,
+                              (check_decay, decay_name) if check_decay else None)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, e, x, g, h0, scale, chunk_size, keep_states=True):
+def _fwd_fake(q, k, e, x, g, h0, scale, chunk_size, keep_states=True, native=False, check_decay="", decay_name=""):
     o, h_final, states = kda_chunk._fwd_fake(q, k, x, e, g, h0, scale, chunk_size)
     return o, h_final, (states if keep_states else states.new_empty((0,) + tuple(states.shape[1:])))
 
 
 @torch.library.custom_op("fastweights::chunk_gdn2_bwd", mutates_args=())
 def _bwd_op(q: Tensor, k: Tensor, e: Tensor, x: Tensor, g: Tensor, states: Tensor, do: Tensor,
-            dh_final: Tensor, scale: float, chunk_size: int, keep_states: bool = True,
-            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            dh_final: Tensor, scale: float, chunk_size: int, keep_states: bool = True, native: bool = False,
+            check_decay: str = "", decay_name: str = "") -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with autocast_off(do.device):
-        dq, dk, dx, de, dg, dh0 = kda_chunk.chunk_kda_bwd(q, k, x, e, g, states, do, dh_final, scale, chunk_size,
-                                                          terms=gdn2_block_terms,
-                                                          terms_backward=gdn2_block_terms_backward)
+        compiled = (kda_chunk._native_backward(q, k, x, None, g, states, do, dh_final, scale, chunk_size, erase=e)
+                    if native else None)
+        if compiled is not None:
+            dq, dk, dx, de, dg, dh0 = compiled
+        else:
+            dq, dk, dx, de, dg, dh0 = kda_chunk.chunk_kda_bwd(q, k, x, e, g, states, do, dh_final, scale, chunk_size,
+                                                              terms=gdn2_block_terms,
+                                                              terms_backward=gdn2_block_terms_backward)
     return dq, dk, de, dx, dg, dh0
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, e, x, g, states, do, dh_final, scale, chunk_size, keep_states=True):
+def _bwd_fake(q, k, e, x, g, states, do, dh_final, scale, chunk_size, keep_states=True, native=False, check_decay="",
+              decay_name=""):
     dq, dk, dx, de, dg, dh0 = kda_chunk._bwd_fake(q, k, x, e, g, states, do, dh_final, scale, chunk_size)
     return dq, dk, de, dx, dg, dh0
 
@@ -146,15 +174,22 @@ def _bwd_fake(q, k, e, x, g, states, do, dh_final, scale, chunk_size, keep_state
 kda_chunk.register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, e, x, g: x.new_zeros(x.shape))
 
 
-def gdn2_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, b, w) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The chunk form on head-first compute-dtype tensors; returns ``(o, h_T)`` (``beta`` unused)."""
+def gdn2_chunk(q, k, v, beta, g, h0, scale, chunk_size, *, b, w, native: bool = True, check_decay: str = "",
+               decay_name: str = "g") -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk form on head-first compute-dtype tensors; returns ``(o, h_T)`` (``beta`` unused).
+    ``native``: whether the compiled CPU kernels may run forward and backward. ``check_decay`` (the
+    op's name) and ``decay_name``: g's checks, left to the solver by the front end
+    (:attr:`~.._spec.OpSpec.fused_decay_check`)."""
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, b, w, h0))
-    o, h_final, _ = _fwd_op(q, k, b * k, w * v, g, h0, float(scale), int(chunk_size), keep)  # states: backward only
+    o, h_final, _ = _fwd_op(q, k, b * k, w * v, g, h0, float(scale), int(chunk_size), keep, native,  # states: backward only
+                            str(check_decay), str(decay_name))
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
-#: The op, declared once (``fastweights/ops/_spec.py``).
-CHUNK_GDN2 = OpSpec("chunk_gdn2", Rule.DELTA, Form.CHUNK, torch=gdn2_chunk, step=gdn2_step)
+#: The op, declared once (``fastweights/ops/_spec.py``): :func:`gdn2_chunk` without and with the compiled
+#: CPU kernels.
+CHUNK_GDN2 = OpSpec("chunk_gdn2", Rule.DELTA, Form.CHUNK, torch=functools.partial(gdn2_chunk, native=False),
+                    cpu=gdn2_chunk, fused_decay_check=True, step=gdn2_step)
 
 
 #: The public function moved to api.py (the old path still works, with a DeprecationWarning).

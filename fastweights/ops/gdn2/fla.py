@@ -86,11 +86,14 @@ def run_gdn2(
     chunk_size: Optional[int] = None,
     qk_norm: Optional[str] = None,
     max_seqlen: Optional[int] = None,
+    backend: str = "auto",
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The body of every GDN-2 form (:func:`gdn2_form`): fla's options (KDA's, :func:`~..kda.fla.kda_inputs`,
     with ``b``/``w`` for β), the gates' checks, then the dispatcher (:func:`~fastweights.ops._dispatch.run`)
-    with the form's spec, whose solver receives ``b`` and ``w`` head-first as keywords."""
+    with the form's spec, whose solver receives ``b`` and ``w`` head-first as keywords. ``backend`` as in
+    ``chunk_kda``: ``"auto"``, ``"torch"`` (the PyTorch code), or ``"cpu"`` (the chunk form only: KDA's
+    compiled kernels with GDN-2's erase keys)."""
     op = spec.name
 
     q, k, _, g, _, initial_state, cu_seqlens, _ = kda_inputs(
@@ -101,7 +104,7 @@ def run_gdn2(
     if isinstance(v, torch.Tensor) and v.dim() == 4 and isinstance(q, torch.Tensor) and q.dim() == 4:
         g = resolve_decay(g, v.shape[:3] + (q.shape[-1],), state_dtype(q.dtype), q.device)
     return run(
-        spec, q, k, v, gk=g, gk_name="g", scale=scale, initial_state=initial_state,
+        spec, q, k, v, backend=backend, gk=g, gk_name="g", scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         max_seqlen=max_seqlen, chunk_size=chunk_size, qk_norm="l2" if use_qk_l2norm_in_kernel else qk_norm,
         extra=dict(b=b, w=w), return_intermediate_states=return_intermediate_states,

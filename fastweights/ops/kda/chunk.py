@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._checks import check_decay, check_decay_stats, check_qkv_finite
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from ..precision import autocast_off
 from ..cpu import kernels_for
@@ -75,22 +76,54 @@ def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms=block_terms
     return flat, terms(*flat, scale, solve=_solve_blocks)
 
 
-def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True):
+def _unit_last(*tensors):
+    """The tensors with a unit last stride, as the kernels read them (None stays None)."""
+    return tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True, *, erase=None, check_finite="",
+                    decay_check=None):
     """:func:`chunk_kda_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the
     same algebra and sub-block reference points, one (sequence, head) per task), or None where it
     does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the inputs.
-    ``keep=False`` (no gradient asked for): the chunk states are not kept (``states`` is empty)."""
+    ``keep=False`` (no gradient asked for): the chunk states are not kept (``states`` is empty).
+
+    GDN-2 (``ops/gdn2/chunk.py``) runs on the same kernel: ``erase`` its erase keys ``b ⊙ k``
+    ``[N, H, T, K]`` (the kernel's erase side, where KDA has β k), ``v`` its written values
+    ``w ⊙ v`` and ``beta`` None (β = 1).
+
+    The kernel makes the ops' input checks on the rows it reads: ``check_finite`` (the op's name)
+    the finite check of q, k, v; ``decay_check`` (``(op, the caller's name for gk)``) the checks of
+    gk (finite, <= 0: :func:`~.._checks.check_decay_stats` on the kernel's counts)."""
     if k.shape[2] == 0:
         return None
-    mod = kernels_for(q, k, v, beta, gk, h0)
+    mod = kernels_for(q, k, v, beta, gk, h0, erase)
     if mod is None:
         return None
-    q, k, v, gk = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk))
-    o, h, states = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size), keep)
+    q, k, v, gk, erase = _unit_last(q, k, v, gk, erase)
+    o, h, states, stats = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size),
+                                            keep, erase, check_finite, decay_check is not None)
+    if decay_check is not None:
+        check_decay_stats(*decay_check, stats)
     return from_chunk_buffer(o, k.shape[2]), h, states
 
 
-def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=block_terms, native: bool = True):
+def _check_args(check_finite: str, check_decay: str, decay_name: str):
+    """The custom ops' check arguments as :func:`_native_forward` takes them: ``(check_finite, decay_check)``."""
+    return check_finite, ((check_decay, decay_name) if check_decay else None)
+
+
+def python_checks(q, k, v, gk, check_finite: str = "", decay_check=None) -> None:
+    """The checks the front end left to the solver, where the compiled kernel does not make them:
+    the same functions the front end calls (:func:`~.._checks.check_qkv_finite`, :func:`~.._checks.check_decay`)."""
+    if check_finite:
+        check_qkv_finite(check_finite, q, k, v)
+    if decay_check is not None:
+        check_decay(*decay_check, gk)
+
+
+def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=block_terms, native: bool = True,
+                  check_finite: str = "", decay_check=None):
     """Forward on head-first ``[N, H, T, ·]`` tensors, ``h0 [N·H, K, V]`` or None.
 
     ``terms`` computes a block's :class:`~.parallel.BlockTerms` from the five per-token
@@ -99,12 +132,15 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=bl
     Returns ``(o [N, H, T, V], h_T [N·H, K, V], states [NC, N·H, K, V])``, ``states[c]`` the
     state entering chunk c. Group by group (:data:`GROUP`): the group's block terms, its part
     of the loop, its outputs. On the CPU the compiled kernel runs it where it applies, unless
-    ``native`` is False (backend ``"torch"``).
+    ``native`` is False (backend ``"torch"``). ``check_finite``, ``decay_check``: the input checks
+    the front end left to the solver (:func:`_native_forward`; else :func:`python_checks`).
     """
     # the compiled kernel is KDA's own block terms (another rule's terms run the PyTorch code below)
-    compiled = _native_forward(q, k, v, beta, gk, h0, scale, chunk_size) if native and terms is block_terms else None
+    compiled = (_native_forward(q, k, v, beta, gk, h0, scale, chunk_size, check_finite=check_finite,
+                                decay_check=decay_check) if native and terms is block_terms else None)
     if compiled is not None:
         return compiled
+    python_checks(q, k, v, gk, check_finite, decay_check)
     n, nh, t_len, dk = q.shape  # (k may carry more per token: DeltaProduct's sub-steps)
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
@@ -126,18 +162,22 @@ def chunk_kda_fwd(q, k, v, beta, gk, h0, scale: float, chunk_size: int, terms=bl
     return from_chunk_buffer(out, t_len), h, states
 
 
-def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size):
+def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size, *, erase=None):
     """:func:`chunk_kda_bwd` by the compiled CPU kernel (one (sequence, head) per task, last chunk
-    first, the state-free terms recomputed per chunk), or None where it does not apply."""
+    first, the state-free terms recomputed per chunk), or None where it does not apply.
+    ``erase`` (GDN-2, as in :func:`_native_forward`, ``beta`` None): the erase keys' gradient is
+    returned in β's place, ``(dq, dk, dv, d_erase, dgk, dh0)``."""
     if k.shape[2] == 0:
         return None
-    mod = kernels_for(q, k, v, beta, gk, states, do, dh_final)
+    mod = kernels_for(q, k, v, beta, gk, states, do, dh_final, erase)
     if mod is None:
         return None
     t_len = k.shape[2]
-    q, k, v, gk, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, gk, do))
-    grads = mod.chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, float(scale), int(chunk_size), sub_block(chunk_size))
-    return (*(from_chunk_buffer(g, t_len) for g in grads[:5]), grads[5])
+    q, k, v, gk, do, erase = _unit_last(q, k, v, gk, do, erase)
+    grads = mod.chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, float(scale), int(chunk_size), sub_block(chunk_size),
+                              erase)
+    dq, dk, dv, dbeta, dgk, dh0, d_erase = grads
+    return (*(from_chunk_buffer(g, t_len) for g in (dq, dk, dv, dbeta if erase is None else d_erase, dgk)), dh0)
 
 
 def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_size: int,
@@ -189,11 +229,14 @@ def chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale: float, chunk_s
 
 @torch.library.custom_op("fastweights::chunk_kda_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor],
-            scale: float, chunk_size: int, native: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+            scale: float, chunk_size: int, native: bool = True, check_finite: str = "", check_decay: str = "",
+            decay_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+    finite, decay = _check_args(check_finite, check_decay, decay_name)
     with autocast_off(q.device):
-        return chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=native)
+        return chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=native, check_finite=finite,
+                             decay_check=decay)
 
 
 def _like_chunks(x, n, nh, nc, chunk_size, t_len, tail=None):
@@ -201,7 +244,7 @@ def _like_chunks(x, n, nh, nc, chunk_size, t_len, tail=None):
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True):
+def _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True, check_finite="", check_decay="", decay_name=""):
     n, nh, t_len, dk = k.shape
     dv, nc = v.shape[-1], -(-t_len // chunk_size)
     return _like_chunks(v, n, nh, nc, chunk_size, t_len), v.new_empty(n * nh, dk, dv), v.new_empty(nc, n * nh, dk, dv)
@@ -209,14 +252,15 @@ def _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True):
 
 @torch.library.custom_op("fastweights::chunk_kda_bwd", mutates_args=())
 def _bwd_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, states: Tensor, do: Tensor,
-            dh_final: Tensor, scale: float, chunk_size: int, native: bool = True,
-            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            dh_final: Tensor, scale: float, chunk_size: int, native: bool = True, check_finite: str = "",
+            check_decay: str = "", decay_name: str = "") -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with autocast_off(do.device):
         return chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size, native=native)
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size, native=True):
+def _bwd_fake(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size, native=True, check_finite="", check_decay="",
+              decay_name=""):
     n, nh, t_len, dk = k.shape
     nc = states.shape[0]
     grads = tuple(_like_chunks(t, n, nh, nc, chunk_size, t_len) for t in (q, k, v, beta, gk))
@@ -228,7 +272,7 @@ def register_chunk_autograd(fwd_op, bwd_op, zero_output) -> None:
     ``fwd_op(*five inputs, h0, scale, chunk_size, *flags) -> (o, h_T, states)`` and ``bwd_op(*five
     inputs, states, do, dh_final, scale, chunk_size, *flags) -> (the five inputs' gradients, dh0)``;
     only the chunk states are kept beside the inputs. ``flags``: non-tensor options the backward
-    takes as the forward did (KDA's ``native``). ``zero_output(*five inputs)``: a zero ``o`` for a
+    takes as the forward did (KDA's ``native`` and the input checks left to the forward). ``zero_output(*five inputs)``: a zero ``o`` for a
     loss that used only ``h_T``."""
 
     def setup_context(ctx, inputs, output):
@@ -258,39 +302,47 @@ register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, beta, gk: v.new_zeros(
 
 @torch.library.custom_op("fastweights::chunk_kda_infer", mutates_args=())
 def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor],
-              scale: float, chunk_size: int, native: bool = True) -> Tuple[Tensor, Tensor]:
+              scale: float, chunk_size: int, native: bool = True, check_finite: str = "", check_decay: str = "",
+              decay_name: str = "") -> Tuple[Tensor, Tensor]:
     """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no gradient is asked for (the chunk
     states, which only the backward reads, are not kept)."""
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
+    finite, decay = _check_args(check_finite, check_decay, decay_name)
     with autocast_off(q.device):
-        compiled = _native_forward(q, k, v, beta, gk, h0_, scale, chunk_size, False) if native else None
+        compiled = (_native_forward(q, k, v, beta, gk, h0_, scale, chunk_size, False, check_finite=finite,
+                                    decay_check=decay) if native else None)
         if compiled is not None:
             return compiled[0], compiled[1]
-        o, h, _ = chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=False)
+        o, h, _ = chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=False, check_finite=finite,
+                                decay_check=decay)
         return o, h
 
 
 @_infer_op.register_fake
-def _infer_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True):
+def _infer_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True, check_finite="", check_decay="", decay_name=""):
     o, h, _ = _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size, native)
     return o, h
 
 
-def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True, check_finite: str = "",
+              check_decay: str = "", decay_name: str = "gk") -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk form with its hand-written backward on head-first compute-dtype tensors; returns ``(o, h_T)``.
-    ``native``: whether the compiled CPU kernels may run forward and backward."""
+    ``native``: whether the compiled CPU kernels may run forward and backward. ``check_finite``,
+    ``check_decay`` (the op's name) and ``decay_name``: the input checks the front end left to the
+    solver (:attr:`~.._spec.OpSpec.fused_finite_check`, ``fused_decay_check``)."""
+    checks = (str(check_finite), str(check_decay), str(decay_name))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, gk, h0)):
-        o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native)
+        o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native, *checks)
     else:  # inference: no chunk states kept for a backward
-        o, h_final = _infer_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native)
+        o, h_final = _infer_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native, *checks)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
 #: KDA's chunk op, declared once (``fastweights/ops/_spec.py``): :func:`kda_chunk` without and with
 #: the compiled CPU kernels.
 CHUNK_KDA = OpSpec("chunk_kda", Rule.DELTA, Form.CHUNK, torch=functools.partial(kda_chunk, native=False), cpu=kda_chunk,
-                   step=kda_step)
+                   fused_finite_check=True, fused_decay_check=True, step=kda_step)
 
 
 #: The public function moved to api.py (the old path still works, with a DeprecationWarning).
