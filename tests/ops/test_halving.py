@@ -78,11 +78,11 @@ def test_operand_major_products_equal_the_pairwise_sums(length, diagonal_from):
 
 
 def test_operand_major_products_fp32_exponents_with_strong_decays():
-    """The exponents formed in the compute dtype as sums over their own spans (no float64): with decays
-    down to e^{−80} per token the fp32 products and end factors stay finite and within a few fp32 roundings
-    of the float64 pairwise sums, entry by entry relative to each entry's own scale (where fp32 can hold it):
-    within 3x of the products whose exponents are float64 differences rounded once (a span's sum carries up
-    to log₂ L = 5 roundings, against one)."""
+    """The factors formed in the compute dtype as products of the tokens' decays over their spans (no
+    float64): with decays down to e^{−80} per token the fp32 products and end factors stay finite and within
+    a few fp32 roundings of the float64 pairwise sums, entry by entry relative to each entry's own scale
+    (where fp32 can hold it): within 3x of the products whose exponents are float64 differences rounded once
+    (a factor carries up to log₂ L + 1 = 6 roundings; measured 1.7e-6 against their 2.5e-6)."""
     gen = torch.Generator().manual_seed(4)
     bt, length, dk = 2, 32, 8
     g = -80 * torch.rand(bt, length, dk, dtype=torch.float64, generator=gen)

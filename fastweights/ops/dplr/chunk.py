@@ -2,7 +2,7 @@
 
 Per chunk of C tokens, the block's state-free terms (:func:`_forward_terms`: the four decayed
 products by recursive halving, :func:`~.._halving.halving_products_by_operand`, every exponential
-of a number <= 0, each exponent a sum of gk over its own span formed in the compute dtype; one
+of a number <= 0, each factor a product of the tokens' e^{gk} over its own span in the compute dtype; one
 unit-triangular solve), then one sequential loop across chunks and the outputs
 (:func:`chunk_dplr_fwd`: KDA's loop with the state-free V pseudo-rows taken out of it; no chunk
 states kept without grad), group by group of :data:`GROUP_TOKENS` token-heads, the inputs copied
