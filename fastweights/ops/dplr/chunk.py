@@ -98,11 +98,14 @@ def _backward_terms(q, k, v, ab, gk, scale: float, solve=None):
                           saved, scale)
 
 
-#: Token-heads per group of the forward (C·N·H·chunks; KDA's driver, and the backward, take 64 chunk-heads):
-#: its transient tensors stay within a core's caches, and there are few enough groups that the per-op
-#: costs do not dominate. Measured at B 1, T 2048, C 32, fp32, 1 thread (BENCHMARKS.md): 1024 (32
-#: chunk-heads) was fastest of 256 to 2048 at H 4, K = V = 64 and H 8, K = V = 128, 2048 clearly slower.
+#: Token-heads per group of the forward (C·N·H·chunks; KDA's driver, and the backward, take 64 chunk-heads)
+#: at K <= :data:`GROUP_KEYS`, fewer in proportion above it (a group's transients grow as its tokens times K):
+#: they stay within a core's caches, and there are few enough groups that the per-op costs do not dominate.
+#: Measured at B 1, T 2048, C 32, fp32, 1 thread (BENCHMARKS.md): 1024 (32 chunk-heads) was fastest of 256
+#: to 2048 at H 4, K = V = 64, 2048 clearly slower; at H 8, K = V = 128 groups of 512 were ~8 % faster than
+#: of 1024 and 256.
 GROUP_TOKENS = 1024
+GROUP_KEYS = 64
 
 
 class _Chunked:
@@ -172,7 +175,7 @@ def chunk_dplr_fwd_pair(q, k, v, a, b, gk, h0, scale: float, chunk_size: int, ke
     n, nh, t_len, dk = q.shape
     dv = v.shape[-1]
     nc, rows = -(-t_len // chunk_size), n * nh
-    per = max(1, GROUP_TOKENS // (rows * chunk_size))
+    per = max(1, (GROUP_TOKENS if dk <= GROUP_KEYS else GROUP_TOKENS * GROUP_KEYS // dk) // (rows * chunk_size))
     groups = [(c0, min(c0 + per, nc)) for c0 in range(0, nc, per)]
     states = v.new_empty(nc if keep_states else 0, rows, dk, dv)
     buffer = None if keep_states or not groups else v.new_empty(groups[0][1], rows, dk, dv)
