@@ -226,3 +226,61 @@ def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.T
     if padded != length:
         return d_rows[:, :length], d_cols[:, :length], dgk[:, :length]
     return d_rows, d_cols, dgk
+
+
+class OperandPlan:
+    """:func:`halving_products_by_operand` for one block shape used again and again (the chunk forward's groups):
+    every buffer and every view its levels read or write made once, so that :meth:`run` only computes (at the
+    chunk forms' sizes the views and allocations of each call cost about a tenth of the forward).
+
+    ``rows [Bt, nr, L, K]`` and ``cols [Bt, ny, L, K]`` are the plan's operand buffers, filled before each
+    :meth:`run`; L a power of two. :meth:`run` returns the plan's own ``(products, ends)`` buffers, as
+    :func:`halving_products_by_operand` would: valid until the next run. The products' entries above the
+    diagonal (and the diagonal of the row operands before ``diagonal_from``) are zeroed once and never
+    written; a caller may negate the products in place (zeros stay zeros), nothing else."""
+
+    def __init__(self, like: torch.Tensor, bt: int, nr: int, ny: int, length: int, dk: int, diagonal_from: int = 0):
+        if length & (length - 1):
+            raise ValueError(f"OperandPlan: `length` must be a power of two, got {length}")
+        self.rows, self.cols = like.new_empty(bt, nr, length, dk), like.new_empty(bt, ny, length, dk)
+        self.out = like.new_zeros(nr, ny, bt, length, length)
+        self.ends = like.new_empty(bt, 2, length, dk)
+        self.first_sums, self.last_sums = self.ends.unbind(1)
+        self.diagonal = None
+        if diagonal_from < nr:  # i = r: factor 1
+            products = like.new_empty(bt, nr - diagonal_from, ny, length, dk)
+            self.diagonal = (self.rows[:, diagonal_from:].unsqueeze(2), self.cols.unsqueeze(1), products,
+                             like.new_empty(bt, nr - diagonal_from, ny, length),
+                             self.out[diagonal_from:].diagonal(dim1=-2, dim2=-1))
+        x_all, y_all = like.new_empty(bt * nr * (length // 2) * dk), like.new_empty(bt * ny * (length // 2) * dk)
+        block_all = like.new_empty(bt * nr * ny * (length // 2) * (length // 2))  # the top level's is the largest
+        self.levels = []
+        for level in range(length.bit_length() - 1, 0, -1):  # the finest level (b = 1) first
+            half, pairs = length >> level, 1 << (level - 1)
+            (p_first, p_second), (s_first, _) = (t.unbind(2) for t in self.ends.view(bt, 2, pairs, 2, half, dk).unbind(1))
+            x, y = x_all.view(bt, pairs, nr, half, dk), y_all.view(bt, pairs, ny, half, dk)
+            block = block_all[:bt * pairs * nr * half * ny * half].view(bt * pairs, nr * half, ny * half)
+            self.levels.append((
+                (self.rows.view(bt, nr, pairs, 2, half, dk).select(3, 1), p_second.unsqueeze(1), x.transpose(1, 2)),
+                (self.cols.view(bt, ny, pairs, 2, half, dk).select(3, 0), s_first.unsqueeze(1), y.transpose(1, 2)),
+                (x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(1, 2), block),
+                (_pair_blocks(self.out, level), block.view(bt, pairs, nr, half, ny, half).permute(2, 4, 0, 3, 5, 1)),
+                (s_first, p_second.narrow(2, half - 1, 1)), (p_second, p_first.narrow(2, half - 1, 1))))
+
+    def run(self, g: torch.Tensor):
+        """``(products, ends)`` of the operands in :attr:`rows` and :attr:`cols` with log decays ``g [Bt, L, K]``
+        (:func:`halving_products_by_operand`'s results and arithmetic, operation for operation)."""
+        if self.diagonal is not None:
+            rows, cols, products, sums, out = self.diagonal
+            torch.sum(torch.mul(rows, cols, out=products), -1, out=sums)
+            out.copy_(sums.permute(1, 2, 0, 3))
+        torch.exp(g, out=self.first_sums)
+        self.last_sums.fill_(1.0)
+        for x_args, y_args, bmm_args, (dest, block), s_update, p_update in self.levels:
+            torch.mul(*x_args[:2], out=x_args[2])
+            torch.mul(*y_args[:2], out=y_args[2])
+            torch.bmm(*bmm_args[:2], out=bmm_args[2])
+            dest.copy_(block)
+            s_update[0].mul_(s_update[1])
+            p_update[0].mul_(p_update[1])
+        return self.out, self.ends

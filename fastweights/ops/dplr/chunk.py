@@ -40,7 +40,7 @@ from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from .recurrent import dplr_step
 from .parallel import DplrSaved, block_terms_of, dplr_block_terms_backward
-from .._halving import halving_products_by_operand
+from .._halving import OperandPlan, halving_products_by_operand
 from ..kda.parallel import cumulative_decay
 
 
@@ -60,12 +60,13 @@ class _Terms(NamedTuple):
 
 
 def _forward_terms(rows: Tensor, cols: Tensor, gk: Tensor, v: Tensor, scale: float,
-                   exp_neg_gk: Optional[Tensor] = None) -> _Terms:
+                   exp_neg_gk: Optional[Tensor] = None, plan: Optional[OperandPlan] = None) -> _Terms:
     """The state-free terms of blocks given operand-major: ``rows [Bt, 2, L, K]`` holding (a, q) (written
     over: they become the row operands a ⊙ e^{−gk} and scale·q), ``cols [Bt, 2, L, K]`` holding (b, k),
     ``gk [Bt, L, K]``, ``v [Bt, L, V]`` (:func:`~.parallel.dplr_block_core`'s algebra, module docstring of
     ``parallel.py``). Given ``exp_neg_gk`` (e^{−gk}), ``rows`` already hold the row operands
-    (a ⊙ e^{−gk}, scale·q), as :func:`_operands` writes them.
+    (a ⊙ e^{−gk}, scale·q), as :func:`_operands` writes them. Given ``plan`` (whose operand buffers
+    ``rows`` and ``cols`` are), its buffers hold the products: the terms are valid until its next run.
 
     The four decayed products are formed together by recursive halving
     (:func:`~.._halving.halving_products_by_operand`: every exponential of a number <= 0; A_ab and A_ak
@@ -78,7 +79,7 @@ def _forward_terms(rows: Tensor, cols: Tensor, gk: Tensor, v: Tensor, scale: flo
         a_shift, q_scaled = rows[:, 0].mul_(exp_neg_gk), rows[:, 1].mul_(scale)
     else:
         a_shift, q_scaled = rows.unbind(1)
-    products, ends = halving_products_by_operand(gk, rows, cols, diagonal_from=1)
+    products, ends = halving_products_by_operand(gk, rows, cols, diagonal_from=1) if plan is None else plan.run(gk)
     read, to_end = ends.unbind(1)
     a_ak = products[0, 1]
     rhs = rows.new_empty(bt, length, dk + v.shape[-1])
@@ -137,13 +138,13 @@ class _Chunked:
         return out
 
 
-def _operands(chunked: _Chunked, c0: int, c1: int, scale: float):
+def _operands(chunked: _Chunked, c0: int, c1: int, scale: float, plan: Optional[OperandPlan] = None):
     """Chunks ``c0 .. c1 − 1`` of the inputs ``(a, q, b, k, gk, v)`` written straight into :func:`_forward_terms`'s
     operand-major buffers, the row operands scaled as they are copied: ``(rows (a ⊙ e^{−gk}, scale·q),
-    cols (b, k), gk, v, e^{−gk})``, ``[Bt, 2, L, K]``, ``[Bt, L, ·]``."""
+    cols (b, k), gk, v, e^{−gk})``, ``[Bt, 2, L, K]``, ``[Bt, L, ·]``; rows and cols into ``plan``'s buffers if given."""
     q, v = chunked.inputs[1], chunked.inputs[5]
     bt, dk, length = (c1 - c0) * q.shape[0] * q.shape[1], q.shape[-1], chunked.chunk_size
-    rows, cols = q.new_empty(bt, 2, length, dk), q.new_empty(bt, 2, length, dk)
+    rows, cols = (q.new_empty(bt, 2, length, dk), q.new_empty(bt, 2, length, dk)) if plan is None else (plan.rows, plan.cols)
     gk = chunked.copy(4, c0, c1, q.new_empty(bt, length, dk))
     exp_neg_gk = torch.neg(gk).exp_()
     a_slot, q_slot = rows.unbind(1)
@@ -185,9 +186,14 @@ def chunk_dplr_fwd_pair(q, k, v, a, b, gk, h0, scale: float, chunk_size: int, ke
         return from_chunk_buffer(out, t_len), (h_final.zero_() if h0 is None else h0), states
     h, carry = (v.new_zeros(rows, dk, dv) if h0 is None else h0), v.new_empty(rows, dk, dv)
     chunked = _Chunked((a, q, b, k, gk, v), chunk_size)
+    plans = {}  # the halving products' buffers and views, one plan per group size (at most two), a power-of-two C
     for c0, c1 in groups:
-        a_q, b_k, gf, vf, exp_neg_gk = _operands(chunked, c0, c1, scale)
-        read, to_end, q_scaled, a_qb, a_qk, wu, *_ = _forward_terms(a_q, b_k, gf, vf, scale, exp_neg_gk)
+        plan = None
+        if chunk_size & (chunk_size - 1) == 0:
+            bt = (c1 - c0) * rows
+            plan = plans.get(bt) or plans.setdefault(bt, OperandPlan(q, bt, 2, 2, chunk_size, dk, diagonal_from=1))
+        a_q, b_k, gf, vf, exp_neg_gk = _operands(chunked, c0, c1, scale, plan)
+        read, to_end, q_scaled, a_qb, a_qk, wu, *_ = _forward_terms(a_q, b_k, gf, vf, scale, exp_neg_gk, plan)
         w, u0 = wu[..., :dk], wu[..., dk:]
         writes = (b_k * to_end.unsqueeze(1)).transpose(-1, -2)  # [Bt, 2, K, L]: (B ⊙ e^{c_L − c})ᵀ, (K ⊙ e^{c_L − c})ᵀ
         b_write_t = writes[:, 0]
