@@ -5,16 +5,20 @@ products by recursive halving, :func:`~.._halving.halving_products_by_operand`, 
 of a number <= 0, each factor a product of the tokens' e^{gk} over its own span in the compute dtype; one
 unit-triangular solve), then one sequential loop across chunks and the outputs
 (:func:`chunk_dplr_fwd`: KDA's loop with the state-free V pseudo-rows taken out of it; no chunk
-states kept without grad), group by group of :data:`GROUP_TOKENS` token-heads, the inputs copied
-straight into the products' operand-major buffers.
+states kept without grad), group by group of :data:`GROUP_TOKENS` token-heads (fewer above K = 64),
+the inputs copied straight into the products' operand-major buffers (the row operands scaled as
+they are copied), one :class:`~.._halving.OperandPlan` per group size holding those buffers and
+every view the halving levels use, made once per call.
 
 No compiled CPU kernel runs it: KDA's (``ops/cpu/chunk_kda.cpp``) reads and writes the state
 along one key per token, while the DPLR transition reads along a, writes along b and adds k vᵀ,
 two write paths that kernel's block algebra does not have. The PyTorch forward is measured
 against the recurrence in BENCHMARKS.md ("GDN-2, DeltaProduct and DPLR"): at B 1, T 2048,
-fp32, 1 thread, C 32, about 3× (2.8–3.1× at H 4, K = V = 64; 2.75–3.5× at H 8, K = V = 128, run
-to run on a shared machine); at H 4 about a third of a call is per-op cost (small blocks: C·K =
-2048 numbers per chunk-head), not arithmetic.
+fp32, 1 thread, C 32, 3.7–3.8× at H 4, K = V = 64 and 4.3–4.4× at H 8, K = V = 128 (medians of
+interleaved runs on a shared machine; 2.9–3.1× and 3.1–3.5× before the last round); at H 4 about a
+quarter of a call is still per-op cost (small blocks: C·K = 2048 numbers per chunk-head), not
+arithmetic. Without a gradient the forward runs as its own custom op
+(``fastweights::chunk_dplr_infer``), which takes a and b as they come instead of stacked.
 
 The backward is written by hand end to end: KDA's adjoint loop across chunks (last chunk first,
 from the saved chunk-entry states; :func:`~fastweights.ops.kda.chunk.chunk_kda_bwd`) over each
