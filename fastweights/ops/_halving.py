@@ -133,18 +133,21 @@ def halving_products_by_operand(g: torch.Tensor, rows: torch.Tensor, cols: torch
         ``(products [nr, ny, Bt, L, L]`` as :func:`halving_products`, ``ends [Bt, 2, L, K]``: e^{c_r} and
         e^{c_L − c_r})``.
 
-    Every exponent is a sum of g over its own span, formed without float64 and without a difference
-    of cumulative sums: with P_b(t) the sum of g from the start of t's aligned run of b tokens up to t
-    and S_b(t) the sum after t to the run's end, level ℓ's factors are e^{P_b} on every second half
-    (c_r − c_m) and e^{S_b} on every first half (c_m − c_i), and going up a level adds one half's
-    total to the other half's sums (P_2b = P_b + the first half's total on the second half,
-    S_2b = S_b + the second half's total on the first half). Every term has the sign of g, so each
-    exponent carries a relative rounding of at most log₂ L additions, as a product of decays in the
-    recurrence does; the top of the recursion gives e^{c_r} and e^{c_L − c_r} with no more work.
+    Every factor is a product of the tokens' own decays over its span, formed without float64 and
+    without a difference of cumulative sums: with P_b(t) the sum of g from the start of t's aligned
+    run of b tokens up to t and S_b(t) the sum after t to the run's end, level ℓ's factors are e^{P_b}
+    on every second half (c_r − c_m) and e^{S_b} on every first half (c_m − c_i), and going up a level
+    multiplies one half's factors by the other half's total (e^{P_2b} = e^{P_b} · e^{the first half's
+    total} on the second half, e^{S_2b} = e^{S_b} · e^{the second half's total} on the first half). So
+    only e^g is an exponential (one per token and channel, of a number <= 0); every factor lies in
+    (0, 1] and is a product of at most log₂ L + 1 correctly rounded numbers in (0, 1], so its relative
+    rounding is at most about (log₂ L + 1) roundings whatever the size of its exponent (a sum of
+    exponents, exponentiated, would carry |exponent| times its relative rounding instead); the top of
+    the recursion gives e^{c_r} and e^{c_L − c_r} with no more work.
 
-    Arranged for the CPU's caches: one level's factors at a time in one buffer, each level's scaled
-    operands written operand-major (every elementwise product runs over contiguous spans of b·K
-    numbers; the level's one batched product reads them without a copy)."""
+    Arranged for the CPU's caches: each level's factors used in place, each level's scaled operands
+    written operand-major (every elementwise product runs over contiguous spans of b·K numbers; the
+    level's one batched product reads them without a copy)."""
     bt, nr, length, dk = rows.shape
     ny = cols.shape[1]
     padded = 1 << max(0, (length - 1).bit_length())
@@ -155,26 +158,22 @@ def halving_products_by_operand(g: torch.Tensor, rows: torch.Tensor, cols: torch
     if diagonal_from < nr:  # i = r: factor 1
         diag = (rows[:, diagonal_from:].unsqueeze(2) * cols.unsqueeze(1)).sum(-1)  # [Bt, nr', ny, L]
         out[diagonal_from:].diagonal(dim1=-2, dim2=-1).copy_(diag.permute(1, 2, 0, 3))
-    sums = rows.new_empty(bt, 2, padded, dk)  # P_b and S_b, from b = 1: P_1 = g, S_1 = 0
-    sums[:, 0] = g
-    sums[:, 1].zero_()
-    factors = rows.new_empty(bt, padded, dk)
+    ends = rows.new_empty(bt, 2, padded, dk)  # e^{P_b} and e^{S_b}, from b = 1: e^{P_1} = e^g, e^{S_1} = 1
+    torch.exp(g, out=ends[:, 0])
+    ends[:, 1].fill_(1.0)
     # (views by select/unbind/narrow: at these sizes a Python slice costs about as much as the arithmetic)
     for level in range(padded.bit_length() - 1, 0, -1):  # the finest level (b = 1) first
         half, pairs = padded >> level, 1 << (level - 1)
-        (p_first, p_second), (s_first, _) = (t.unbind(2) for t in sums.view(bt, 2, pairs, 2, half, dk).unbind(1))
-        f_first, f_second = factors.view(bt, pairs, 2, half, dk).unbind(2)
-        torch.exp(p_second, out=f_second)  # e^{c_r − c_m}, r in the second half
-        torch.exp(s_first, out=f_first)  # e^{c_m − c_i}, i in the first half
-        s_first.add_(p_second.narrow(2, half - 1, 1))  # the second half's total (P_b at its end, before it grows)
-        p_second.add_(p_first.narrow(2, half - 1, 1))  # the first half's total
-        x = rows.new_empty(bt, pairs, nr, half, dk)  # rows of the second halves, scaled
-        torch.mul(rows.view(bt, nr, pairs, 2, half, dk).select(3, 1), f_second.unsqueeze(1), out=x.transpose(1, 2))
-        y = rows.new_empty(bt, pairs, ny, half, dk)  # columns of the first halves, scaled
-        torch.mul(cols.view(bt, ny, pairs, 2, half, dk).select(3, 0), f_first.unsqueeze(1), out=y.transpose(1, 2))
+        (p_first, p_second), (s_first, _) = (t.unbind(2) for t in ends.view(bt, 2, pairs, 2, half, dk).unbind(1))
+        x = rows.new_empty(bt, pairs, nr, half, dk)  # rows of the second halves, scaled by e^{c_r − c_m} = e^{P_b}
+        torch.mul(rows.view(bt, nr, pairs, 2, half, dk).select(3, 1), p_second.unsqueeze(1), out=x.transpose(1, 2))
+        y = rows.new_empty(bt, pairs, ny, half, dk)  # columns of the first halves, scaled by e^{c_m − c_i} = e^{S_b}
+        torch.mul(cols.view(bt, ny, pairs, 2, half, dk).select(3, 0), s_first.unsqueeze(1), out=y.transpose(1, 2))
         block = torch.bmm(x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(1, 2))
         _pair_blocks(out, level).copy_(block.view(bt, pairs, nr, half, ny, half).permute(2, 4, 0, 3, 5, 1))
-    ends = sums.exp_()  # P_L = c_r, S_L = c_L − c_r
+        # up a level: times the second half's total (e^{P_b} at its end, before it grows), resp. the first half's
+        s_first.mul_(p_second.narrow(2, half - 1, 1))
+        p_second.mul_(p_first.narrow(2, half - 1, 1))
     if padded != length:
         out, ends = out[..., :length, :length].contiguous(), ends[:, :, :length]
     return out, ends
@@ -227,3 +226,61 @@ def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.T
     if padded != length:
         return d_rows[:, :length], d_cols[:, :length], dgk[:, :length]
     return d_rows, d_cols, dgk
+
+
+class OperandPlan:
+    """:func:`halving_products_by_operand` for one block shape used again and again (the chunk forward's groups):
+    every buffer and every view its levels read or write made once, so that :meth:`run` only computes (at the
+    chunk forms' sizes the views and allocations of each call cost about a tenth of the forward).
+
+    ``rows [Bt, nr, L, K]`` and ``cols [Bt, ny, L, K]`` are the plan's operand buffers, filled before each
+    :meth:`run`; L a power of two. :meth:`run` returns the plan's own ``(products, ends)`` buffers, as
+    :func:`halving_products_by_operand` would: valid until the next run. The products' entries above the
+    diagonal (and the diagonal of the row operands before ``diagonal_from``) are zeroed once and never
+    written; a caller may negate the products in place (zeros stay zeros), nothing else."""
+
+    def __init__(self, like: torch.Tensor, bt: int, nr: int, ny: int, length: int, dk: int, diagonal_from: int = 0):
+        if length & (length - 1):
+            raise ValueError(f"OperandPlan: `length` must be a power of two, got {length}")
+        self.rows, self.cols = like.new_empty(bt, nr, length, dk), like.new_empty(bt, ny, length, dk)
+        self.out = like.new_zeros(nr, ny, bt, length, length)
+        self.ends = like.new_empty(bt, 2, length, dk)
+        self.first_sums, self.last_sums = self.ends.unbind(1)
+        self.diagonal = None
+        if diagonal_from < nr:  # i = r: factor 1
+            products = like.new_empty(bt, nr - diagonal_from, ny, length, dk)
+            self.diagonal = (self.rows[:, diagonal_from:].unsqueeze(2), self.cols.unsqueeze(1), products,
+                             like.new_empty(bt, nr - diagonal_from, ny, length),
+                             self.out[diagonal_from:].diagonal(dim1=-2, dim2=-1))
+        x_all, y_all = like.new_empty(bt * nr * (length // 2) * dk), like.new_empty(bt * ny * (length // 2) * dk)
+        block_all = like.new_empty(bt * nr * ny * (length // 2) * (length // 2))  # the top level's is the largest
+        self.levels = []
+        for level in range(length.bit_length() - 1, 0, -1):  # the finest level (b = 1) first
+            half, pairs = length >> level, 1 << (level - 1)
+            (p_first, p_second), (s_first, _) = (t.unbind(2) for t in self.ends.view(bt, 2, pairs, 2, half, dk).unbind(1))
+            x, y = x_all.view(bt, pairs, nr, half, dk), y_all.view(bt, pairs, ny, half, dk)
+            block = block_all[:bt * pairs * nr * half * ny * half].view(bt * pairs, nr * half, ny * half)
+            self.levels.append((
+                (self.rows.view(bt, nr, pairs, 2, half, dk).select(3, 1), p_second.unsqueeze(1), x.transpose(1, 2)),
+                (self.cols.view(bt, ny, pairs, 2, half, dk).select(3, 0), s_first.unsqueeze(1), y.transpose(1, 2)),
+                (x.view(bt * pairs, nr * half, dk), y.view(bt * pairs, ny * half, dk).transpose(1, 2), block),
+                (_pair_blocks(self.out, level), block.view(bt, pairs, nr, half, ny, half).permute(2, 4, 0, 3, 5, 1)),
+                (s_first, p_second.narrow(2, half - 1, 1)), (p_second, p_first.narrow(2, half - 1, 1))))
+
+    def run(self, g: torch.Tensor):
+        """``(products, ends)`` of the operands in :attr:`rows` and :attr:`cols` with log decays ``g [Bt, L, K]``
+        (:func:`halving_products_by_operand`'s results and arithmetic, operation for operation)."""
+        if self.diagonal is not None:
+            rows, cols, products, sums, out = self.diagonal
+            torch.sum(torch.mul(rows, cols, out=products), -1, out=sums)
+            out.copy_(sums.permute(1, 2, 0, 3))
+        torch.exp(g, out=self.first_sums)
+        self.last_sums.fill_(1.0)
+        for x_args, y_args, bmm_args, (dest, block), s_update, p_update in self.levels:
+            torch.mul(*x_args[:2], out=x_args[2])
+            torch.mul(*y_args[:2], out=y_args[2])
+            torch.bmm(*bmm_args[:2], out=bmm_args[2])
+            dest.copy_(block)
+            s_update[0].mul_(s_update[1])
+            p_update[0].mul_(p_update[1])
+        return self.out, self.ends

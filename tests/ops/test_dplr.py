@@ -280,6 +280,19 @@ def test_forward_and_backward_are_registered_custom_ops():
                           test_utils=checks)
 
 
+def test_inference_op_is_a_registered_custom_op_equal_to_the_forward_op():
+    """Without a gradient the chunk form runs ``fastweights::chunk_dplr_infer`` (a and b as they come, no
+    chunk states): opcheck (schema, fake tensors), and the same o and h_T as the forward op, bit for bit."""
+    x = dplr_inputs(1, 20, 2, 6, 5, seed=33)
+    q, k, v, a, b, gk = (x[n].transpose(1, 2).contiguous() for n in NAMES)
+    h0 = x["initial_state"]
+    infer = torch.ops.fastweights.chunk_dplr_infer
+    torch.library.opcheck(infer, (q, k, v, a, b, gk, h0, 0.4, 8), test_utils=("test_schema", "test_faketensor"))
+    o, h_final = infer(q, k, v, a, b, gk, h0, 0.4, 8)
+    o_ref, h_ref, _ = torch.ops.fastweights.chunk_dplr_fwd(q, k, v, torch.stack([a, b], dim=-2), gk, h0, 0.4, 8, True)
+    assert torch.equal(o, o_ref) and torch.equal(h_final, h_ref)
+
+
 def test_step_equals_the_recurrence():
     x = dplr_inputs(2, 7, 2, 5, 4, seed=10)
     o_ref, h_ref = ops.recurrent_dplr_delta_rule(**x, output_final_state=True)
