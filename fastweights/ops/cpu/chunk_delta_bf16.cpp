@@ -1,5 +1,6 @@
 // The (gated) delta rule's chunk forward with bf16 products, on the CPU, one (sequence, head)
-// per task (inference: nothing kept for a backward). The products run on whatever gemm_bf16.h's
+// per task, a thread's tasks worked on in groups chunk by chunk (inference: nothing kept for a
+// backward). The products run on whatever gemm_bf16.h's
 // ISA path is (AMX, AVX512-BF16, or widened to fp32); the shared pieces are chunk_common.h.
 #include "chunk_common.h"
 
@@ -203,9 +204,10 @@ struct ForwardBf16 {
   float scale;
   FiniteCheck* finite;  // the fused finite check of q, k, v (chunk_common.h)
 
-  // The scratch one head takes, in floats; head() carves it in this order.
+  // The scratch one task takes, in floats, as run() and chunk() carve it: the shared rows, then
+  // each head of a group its own [−W h; O; h].
   struct Layout {
-    int64_t R, Ah, Tb, PK, tmp, Kw, Rw, Vw, hw, Uw, SP, Tm, WU, X, vec, total;
+    int64_t R, Ah, Tb, PK, tmp, Kw, Rw, Vw, hw, Uw, SP, Tm, WU, vec, X, total;
   };
   Layout layout() const {
     using fastweights::cpu::packed_b_words;
@@ -227,14 +229,52 @@ struct ForwardBf16 {
     put(s.SP, 2 * C * C);                              // [P; S]
     put(s.Tm, C * C);                                  // T
     put(s.WU, C * KV);                                 // [W | U]
-    put(s.X, (2 * C + K) * V);                         // [−W h; O; h], ld V
     put(s.vec, 5 * round16(C));                        // β, b, e^b, e^{b_C − b}, β e^b
-    s.total = at;
+    s.X = at;                                          // per head of a group: [−W h; O; h], ld V
+    s.total = at + group() * x_floats();
     return s;
   }
   int64_t scratch_size() const { return layout().total; }
+  int64_t x_floats() const { return round16((2 * C + K) * V); }
+  // Heads worked on side by side, chunk by chunk (each keeps its state and its [−W h; O] rows):
+  // the heads of one token are adjacent in memory, so a group reads each chunk's input rows as
+  // longer runs than one head's row; as many as keep the group's states within about 1 MiB.
+  int64_t group() const { return std::max<int64_t>(1, std::min<int64_t>(kMaxGroup, (int64_t(1) << 18) / x_floats())); }
+  static constexpr int64_t kMaxGroup = 8;
 
-  void head(int64_t nh, float* scratch) const {
+  // Tasks begin .. end (sequence·H + head), in groups of group() heads, chunk by chunk.
+  void run(int64_t begin, int64_t end, float* scratch) const {
+    const Layout s = layout();
+    const int64_t G = group();
+    fastweights::cpu::Workspace ws;
+    HeadRows<B16, float> in[kMaxGroup];
+    int64_t bad[kMaxGroup][3];
+    for (int64_t first = begin; first < end; first += G) {
+      const int64_t heads = std::min(G, end - first);
+      for (int64_t j = 0; j < heads; ++j) {
+        const int64_t nh = first + j, n = nh / H, hh = nh % H;
+        float* h = scratch + s.X + j * x_floats() + 2 * C * V;
+        if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(float) * K * V);
+        else std::fill(h, h + K * V, 0.f);
+        in[j] = HeadRows<B16, float>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
+        std::fill(bad[j], bad[j] + 3, int64_t(0));
+      }
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t j = 0; j < heads; ++j)
+          chunk(first + j, c, in[j], scratch, scratch + s.X + j * x_floats(), ws, finite->on() ? bad[j] : nullptr);
+      fastweights::cpu::store_fence();
+      fastweights::cpu::gemm_bf16_release();
+      for (int64_t j = 0; j < heads; ++j) {
+        std::memcpy(h_out + (first + j) * K * V, scratch + s.X + j * x_floats() + 2 * C * V, sizeof(float) * K * V);
+        if (finite->on()) finite->add(bad[j]);
+      }
+    }
+  }
+
+  // Chunk c of head nh: X is the head's own [−W h; O; h] rows (h its state), the rest of the
+  // scratch shared; count (nullptr: no check) its non-finite counts of q, k, v.
+  void chunk(int64_t nh, int64_t c, const HeadRows<B16, float>& in, float* scratch, float* X,
+             fastweights::cpu::Workspace& ws, int64_t* count) const {
     using fastweights::cpu::gemm_bf16_packed;
     using fastweights::cpu::pack_b;
     using fastweights::cpu::to_bf16;
@@ -245,7 +285,7 @@ struct ForwardBf16 {
     auto b16 = [scratch](int64_t at) { return reinterpret_cast<B16*>(scratch + at); };
     auto w32 = [scratch](int64_t at) { return reinterpret_cast<uint32_t*>(scratch + at); };
     B16* Wr = b16(s.R);     // −W (columns 0..K)
-    B16* Qr = Wr + C * KV;  // Q (columns past K zero)
+    B16* Qr = Wr + C * KV;  // Q (columns 0..K)
     B16* KVr = Qr + C * KV; // K | V
     B16* Ah = b16(s.Ah);
     B16* Tb = b16(s.Tb);
@@ -256,7 +296,7 @@ struct ForwardBf16 {
     float* S = P + C * C;
     float* Tm = scratch + s.Tm;
     float* WU = scratch + s.WU;
-    float* WH = scratch + s.X;  // [−W h; O; h] with one leading dimension V
+    float* WH = X;  // [−W h; O; h] with one leading dimension V
     float* O = WH + C * V;
     float* h = O + C * V;
     float* bvec = scratch + s.vec;
@@ -264,65 +304,50 @@ struct ForwardBf16 {
     float* rd = bcum + round16(C);
     float* te = rd + round16(C);
     float* wk = te + round16(C);
-    fastweights::cpu::Workspace ws;
-
-    if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(float) * K * V);
-    else std::fill(h, h + K * V, 0.f);
-    std::fill(Wr, KVr, B16(0.f));  // the columns past K of −W's and Q's rows stay zero
-    const auto in = HeadRows<B16, float>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
     const bool gated = g != nullptr;
-    int64_t bad[3] = {0, 0, 0};
-    int64_t* count = finite->on() ? bad : nullptr;
-
-    for (int64_t c = 0; c < NC; ++c) {
-      const int64_t t0 = c * C;
-      gather(in, t0, Qr, KVr, bvec, bcum, count);
-      int64_t part = 0;
-      auto ahead = [&]() { in.prefetch_part(t0 + C, part++, kAheadParts); };
-      if (gated) chunk_decays(C, bcum, rd, te);
-      // [P; S] = [Q; K] Kᵀ (P unscaled), masked
-      gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, KVr, KV, w32(s.Kw)), 0.f, P, C, ws);
-      ahead();
-      mask_scores<float>(C, gated ? bcum : nullptr, S, P, nullptr);
-      unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
-      // [W | U] = T diag(β) [K e^b | V] = [(T diag(β e^b)) K | (T diag(β)) V]
-      for (int64_t i = 0; i < C; ++i) wk[i] = gated ? bvec[i] * rd[i] : bvec[i];
-      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, wk, Ah + i * C, C);
-      if (gated) {
-        for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Tb + i * C, C);
-        gemm_bf16_packed(false, C, K, C, 1.f, Ah, C, pack_b(false, C, K, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
-        gemm_bf16_packed(false, C, V, C, 1.f, Tb, C, pack_b(false, C, V, KVr + K, KV, w32(s.Vw)), 0.f, WU + K, KV, ws);
-      } else {
-        gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
-      }
-      ahead();
-      // [−W h; O] = [−W; Q] h, and h ← e^{b_C} h for the state's update; U' = U + (−W h)
-      const auto hp = pack_state(K, V, h, gated ? rd[C - 1] : 1.f, w32(s.hw));
-      for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
-      gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
-      ahead();
-      const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
-      // [O; h] += [P; K̄ᵀ] U', after O ← diag(e^b) O
-      if (gated) {
-        for (int64_t i = 0; i < C; ++i) {
-          const float r = rd[i];
-          float* row = O + i * V;
-#pragma omp simd
-          for (int64_t j = 0; j < V; ++j) row[j] *= r;
-        }
-      }
-      for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
-      transpose_keys(C, K, KVr, KV, gated ? te : nullptr, PK + C * ldt, ldt, tmp16, tmpw);
-      ahead();
-      gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
-      ahead();
-      for (int64_t i = 0; i < C; ++i)
-        fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
+    const int64_t t0 = c * C;
+    gather(in, t0, Qr, KVr, bvec, bcum, count);
+    int64_t part = 0;
+    auto ahead = [&]() { in.prefetch_part(t0 + C, part++, kAheadParts); };
+    if (gated) chunk_decays(C, bcum, rd, te);
+    // [P; S] = [Q; K] Kᵀ (P unscaled), masked
+    gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, KVr, KV, w32(s.Kw)), 0.f, P, C, ws);
+    ahead();
+    mask_scores<float>(C, gated ? bcum : nullptr, S, P, nullptr);
+    unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
+    // [W | U] = T diag(β) [K e^b | V] = [(T diag(β e^b)) K | (T diag(β)) V]
+    for (int64_t i = 0; i < C; ++i) wk[i] = gated ? bvec[i] * rd[i] : bvec[i];
+    for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, wk, Ah + i * C, C);
+    if (gated) {
+      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Tb + i * C, C);
+      gemm_bf16_packed(false, C, K, C, 1.f, Ah, C, pack_b(false, C, K, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
+      gemm_bf16_packed(false, C, V, C, 1.f, Tb, C, pack_b(false, C, V, KVr + K, KV, w32(s.Vw)), 0.f, WU + K, KV, ws);
+    } else {
+      gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
     }
-    fastweights::cpu::store_fence();
-    fastweights::cpu::gemm_bf16_release();
-    std::memcpy(h_out + nh * K * V, h, sizeof(float) * K * V);
-    if (count != nullptr) finite->add(count);
+    ahead();
+    // [−W h; O] = [−W; Q] h, and h ← e^{b_C} h for the state's update; U' = U + (−W h)
+    const auto hp = pack_state(K, V, h, gated ? rd[C - 1] : 1.f, w32(s.hw));
+    for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
+    gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
+    ahead();
+    const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
+    // [O; h] += [P; K̄ᵀ] U', after O ← diag(e^b) O
+    if (gated) {
+      for (int64_t i = 0; i < C; ++i) {
+        const float r = rd[i];
+        float* row = O + i * V;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) row[j] *= r;
+      }
+    }
+    for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
+    transpose_keys(C, K, KVr, KV, gated ? te : nullptr, PK + C * ldt, ldt, tmp16, tmpw);
+    ahead();
+    gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
+    ahead();
+    for (int64_t i = 0; i < C; ++i)
+      fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
   }
 
   // The chunk at t0 into Qr (q, ld K + V) and KVr (k | v), rows past the end zero; β and g into
@@ -346,8 +371,10 @@ struct ForwardBf16 {
         bcum[i] = 0.f;
       }
     }
-    // the finite check once every row is in (Q's rows are zero past K, so whole rows are checked)
-    if (bad != nullptr && rows > 0 && (any_nonfinite(Qr, rows * KV) || any_nonfinite(KVr, rows * KV))) {
+    // the finite check once every row is in (K | V's rows in one run; Q's rows, K of each K + V, apart)
+    bool any = bad != nullptr && rows > 0 && any_nonfinite(KVr, rows * KV);
+    for (int64_t i = 0; bad != nullptr && i < rows && !any; ++i) any = any_nonfinite(Qr + i * KV, K);
+    if (any) {
       bad[0] += rows_nonfinite(Qr, KV, rows, K);
       bad[1] += rows_nonfinite(KVr, KV, rows, K);
       bad[2] += rows_nonfinite(KVr + K, KV, rows, V);
@@ -389,7 +416,12 @@ std::vector<torch::Tensor> chunk_delta_fwd_bf16(const torch::Tensor& q, const to
   f.scale = float(scale);
   FiniteCheck finite(check_finite);
   f.finite = &finite;
-  per_head(f);
+  const int64_t size = f.scratch_size();
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    const fastweights::cpu::OneThreadBlas one_core;  // one core per task, whatever the caller's threads
+    fastweights::cpu::Workspace scratch;
+    f.run(begin, end, static_cast<float*>(scratch.get(sizeof(float) * size_t(size))));
+  });
   finite.raise_if_any();
   return {o, h_out};
 }
