@@ -194,6 +194,29 @@ inline void unit_lower_inverse_bf16fwd(int64_t C, const float* S, const float* b
   unit_lower_inverse<float>(C, S, beta, Tm);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// dst[0 .. n) = src[0 .. n) (bf16), 32 entries a vector, and low = the lane-wise minimum of low
+// and each entry's inverted exponent bits (~x & 0x7f80: zero only for NaN or ±Inf; the masked
+// tail's missing lanes read as zero, a finite value).
+inline void copy_row_checked(const B16* src, B16* dst, int64_t n, __m512i& low) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  const __m512i exponent = _mm512_set1_epi16(0x7f80);
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512i x = _mm512_loadu_si512(s + j);
+    _mm512_storeu_si512(d + j, x);
+    low = _mm512_min_epu16(low, _mm512_andnot_si512(x, exponent));
+  }
+  if (j < n) {
+    const __mmask32 live = __mmask32((uint64_t(1) << (n - j)) - 1);
+    const __m512i x = _mm512_maskz_loadu_epi16(live, s + j);
+    _mm512_mask_storeu_epi16(d + j, live, x);
+    low = _mm512_min_epu16(low, _mm512_andnot_si512(x, exponent));
+  }
+}
+#endif
+
 struct ForwardBf16 {
   const B16 *q, *k, *v;
   const float *beta, *g, *h0;
@@ -354,27 +377,47 @@ struct ForwardBf16 {
   // bvec / bcum; bad (nullptr: no check) counts q's, k's and v's NaN/Inf entries.
   void gather(const HeadRows<B16, float>& in, int64_t t0, B16* Qr, B16* KVr, float* bvec, float* bcum,
               int64_t* bad) const {
-    const int64_t rows = std::min(C, L - t0), KV = K + V;
-    const B16 zero(0.f);
-    for (int64_t i = 0; i < C; ++i) {
-      if (i < rows) {
+    const int64_t rows = std::max<int64_t>(0, std::min(C, L - t0)), KV = K + V;
+    bool any = false, copied = false;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+      // the finite check on the way: each entry's exponent bits, inverted, into a running minimum
+      // (zero only for NaN/±Inf), while the rows are in registers anyway
+      __m512i low = _mm512_set1_epi16(0x7f80);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = t0 + i;
+        copy_row_checked(in.q + t * in.q_t, Qr + i * KV, K, low);
+        copy_row_checked(in.k + t * in.k_t, KVr + i * KV, K, low);
+        copy_row_checked(in.v + t * in.v_t, KVr + i * KV + K, V, low);
+      }
+      any = _mm512_cmpeq_epi16_mask(low, _mm512_setzero_si512()) != 0;
+      copied = true;
+    }
+#endif
+    if (!copied) {
+      for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = t0 + i;
         std::memcpy(Qr + i * KV, in.q + t * in.q_t, sizeof(B16) * K);
         std::memcpy(KVr + i * KV, in.k + t * in.k_t, sizeof(B16) * K);
         std::memcpy(KVr + i * KV + K, in.v + t * in.v_t, sizeof(B16) * V);
-        bvec[i] = in.beta[t * in.beta_t];
-        bcum[i] = in.g != nullptr ? in.g[t * in.g_t] : 0.f;
-      } else {
-        std::fill(Qr + i * KV, Qr + i * KV + K, zero);
-        std::fill(KVr + i * KV, KVr + (i + 1) * KV, zero);
-        bvec[i] = 0.f;
-        bcum[i] = 0.f;
       }
+      // the finite check once every row is in (K | V's rows in one run; Q's rows, K of each K + V, apart)
+      any = bad != nullptr && rows > 0 && any_nonfinite(KVr, rows * KV);
+      for (int64_t i = 0; bad != nullptr && i < rows && !any; ++i) any = any_nonfinite(Qr + i * KV, K);
     }
-    // the finite check once every row is in (K | V's rows in one run; Q's rows, K of each K + V, apart)
-    bool any = bad != nullptr && rows > 0 && any_nonfinite(KVr, rows * KV);
-    for (int64_t i = 0; bad != nullptr && i < rows && !any; ++i) any = any_nonfinite(Qr + i * KV, K);
-    if (any) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = t0 + i;
+      bvec[i] = in.beta[t * in.beta_t];
+      bcum[i] = in.g != nullptr ? in.g[t * in.g_t] : 0.f;
+    }
+    const B16 zero(0.f);
+    for (int64_t i = rows; i < C; ++i) {
+      std::fill(Qr + i * KV, Qr + i * KV + K, zero);
+      std::fill(KVr + i * KV, KVr + (i + 1) * KV, zero);
+      bvec[i] = 0.f;
+      bcum[i] = 0.f;
+    }
+    if (bad != nullptr && any) {  // the exact counts, only where there is something to count
       bad[0] += rows_nonfinite(Qr, KV, rows, K);
       bad[1] += rows_nonfinite(KVr, KV, rows, K);
       bad[2] += rows_nonfinite(KVr + K, KV, rows, V);
