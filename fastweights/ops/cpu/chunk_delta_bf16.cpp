@@ -1,7 +1,7 @@
 // The (gated) delta rule's chunk forward with bf16 products, on the CPU, one (sequence, head)
 // per task, a thread's tasks worked on in groups chunk by chunk (inference: nothing kept for a
-// backward). The products run on whatever gemm_bf16.h's
-// ISA path is (AMX, AVX512-BF16, or widened to fp32); the shared pieces are chunk_common.h.
+// backward). The products run on whatever gemm_bf16.h's ISA path is (AMX, AVX512-BF16, or
+// widened to fp32); the shared pieces are chunk_common.h.
 #include "chunk_common.h"
 
 namespace {
