@@ -35,3 +35,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The compiled CPU kernels' module; skips where no C++ compiler exists (the PyTorch path
+    runs there, and its own tests cover it) and fails if a compiler exists but the build does not."""
+    from fastweights.ops import cpu as cpu_kernels
+    from helpers import HAS_COMPILER
+
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the PyTorch path runs")
+    assert cpu_kernels.available(), cpu_kernels.status()
+    return cpu_kernels.kernels()
+
+
+@pytest.fixture
+def kernels_on():
+    """Skips where the compiled CPU kernels are unavailable; restores their default switch after."""
+    from fastweights.ops import cpu as cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip(f"compiled CPU kernels unavailable: {cpu_kernels.status()}")
+    yield
+    cpu_kernels.set_enabled(None)

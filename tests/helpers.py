@@ -8,6 +8,8 @@ keyword arguments, so one test body covers every rule and form.
 from __future__ import annotations
 
 import inspect
+import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple
 
@@ -15,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from fastweights import ops
+
+#: Whether this machine can build the compiled CPU kernels (a C++ compiler on the path).
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ tracing is what is under test, and compile time on 2 cores stays small (tiny sha
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -27,9 +25,8 @@ from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.cpu import library
 from fastweights.ops.delta_rule.chunk import UT_BLOCKS
 from fastweights.ops.delta_rule.wy import row_blocks
-from helpers import RULES, make_inputs, rel_err
+from helpers import HAS_COMPILER, RULES, make_inputs, rel_err
 
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: no compiled kernels to see (the PyTorch path compiles: test_compile.py)"),

@@ -26,13 +26,6 @@ FAST_CASES, LONG_CASES = 150, 1500
 COTANGENTS = ("sum", "broadcast_weight", "strided_slice", "random")
 
 
-@pytest.fixture
-def kernels_on():
-    if cpu_kernels.kernels() is None:
-        pytest.skip(f"compiled CPU kernels unavailable: {cpu_kernels.status()}")
-    yield
-    cpu_kernels.set_enabled(None)
-
 
 def _view_of(x: torch.Tensor, layout: str) -> torch.Tensor:
     """``x`` (values unchanged) as a tensor of another layout: a transpose of a copy, or a stride-2 slice."""

@@ -15,13 +15,6 @@ from helpers import assert_close, rel_err
 SHAPES = [(1, 1, 60, 20), (3, 1, 60, 60), (1, 3, 16, 24), (2, 3, 128, 128), (2, 2, 130, 72)]  # (N, H, K, V)
 
 
-@pytest.fixture
-def kernels_on():
-    if cpu_kernels.kernels() is None:
-        pytest.skip(f"compiled CPU kernels unavailable: {cpu_kernels.status()}")
-    yield
-    cpu_kernels.set_enabled(None)
-
 
 def _token(n, h, dk, dv, dtype=torch.float64, seed=0, gated=True):
     """One token's inputs ``[N, H, ·]`` and a state ``[N, H, K, V]``: unit keys, β in (0, 1), g in (-1, 0)."""

@@ -8,8 +8,6 @@ silently ran the PyTorch path fails.
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -24,15 +22,7 @@ from helpers import rel_err
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 F64 = torch.float64
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 
-
-@pytest.fixture(scope="module")
-def kernels():
-    if not HAS_COMPILER:
-        pytest.skip("no C++ compiler: the PyTorch path runs")
-    assert cpu_kernels.available(), cpu_kernels.status()
-    return cpu_kernels.kernels()
 
 
 @pytest.fixture

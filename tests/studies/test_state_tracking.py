@@ -112,8 +112,8 @@ def test_study_figures(tmp_path):
     for name in ("state_tracking.png", "state_tracking_grid.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert any(f.endswith(name) for f in result["files"])
-    one_arm = run_state_tracking(StateTrackingConfig(**{**cfg.__dict__, "arms": ("linear",)}),
-                                 out_dir=str(tmp_path / "one"), progress=False, plots=True)
+    run_state_tracking(StateTrackingConfig(**{**cfg.__dict__, "arms": ("linear",)}),
+                       out_dir=str(tmp_path / "one"), progress=False, plots=True)
     assert not (tmp_path / "one" / "state_tracking_grid.png").exists() and (tmp_path / "one" / "state_tracking.png").exists()
 
 
