@@ -59,13 +59,7 @@ def halving_products(c: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
     # the diagonal, i = r: factor 1
     out.diagonal(dim1=-2, dim2=-1).copy_(torch.matmul(rows, cols.transpose(-1, -2)).permute(2, 3, 0, 1))
     if levels:
-        factors = _level_factors(c, levels, rows.dtype)  # [Bt, levels, L, K]
-        for level in range(1, levels + 1):
-            half = padded >> level
-            pairs = 1 << (level - 1)
-            f = factors[:, level - 1].view(bt, pairs, 2, half, 1, dk)
-            x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
-            y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
+        for level, half, pairs, _, x, y in _level_operands(c, rows, cols, padded, levels):
             block = torch.bmm(x.view(bt * pairs, half * nr, dk), y.view(bt * pairs, half * ny, dk).transpose(-1, -2))
             _pair_blocks(out, level).copy_(block.view(bt, pairs, half, nr, half, ny).permute(3, 5, 0, 2, 4, 1))
     if padded != length:
@@ -107,6 +101,23 @@ def _level_factors(c: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Te
     for level in range(1, levels + 1):
         _level_exponent(c, level, exponents[:, level - 1])
     return exponents.exp_()
+
+
+def _level_operands(c, rows, cols, padded: int, levels: int):
+    """For each halving level of a padded block (``rows [Bt, L, nr, K]``, ``cols [Bt, L, ny, K]``):
+    ``(level, half, pairs, f, x, y)`` with the level's decay factors ``f [Bt, P, 2, b, 1, K]`` and the
+    scaled operands ``x`` (the pairs' second halves of ``rows``) and ``y`` (their first halves of
+    ``cols``), ``[Bt, P, b, n, K]``; shared by :func:`halving_products` and its adjoint."""
+    bt, _, nr, dk = rows.shape
+    ny = cols.shape[2]
+    factors = _level_factors(c, levels, rows.dtype)  # [Bt, levels, L, K]
+    for level in range(1, levels + 1):
+        half = padded >> level
+        pairs = 1 << (level - 1)
+        f = factors[:, level - 1].view(bt, pairs, 2, half, 1, dk)
+        x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
+        y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
+        yield level, half, pairs, f, x, y
 
 
 def _pair_blocks(out: torch.Tensor, level: int) -> torch.Tensor:
@@ -205,13 +216,7 @@ def halving_products_backward(c: torch.Tensor, rows: torch.Tensor, cols: torch.T
     dgk = rows.new_zeros(bt, padded, dk)
     levels = padded.bit_length() - 1
     if levels:
-        factors = _level_factors(c, levels, rows.dtype)
-        for level in range(1, levels + 1):
-            half = padded >> level
-            pairs = 1 << (level - 1)
-            f = factors[:, level - 1].view(bt, pairs, 2, half, 1, dk)
-            x = rows.view(bt, pairs, 2, half, nr, dk)[:, :, 1] * f[:, :, 1]  # [Bt, P, b, nr, K]
-            y = cols.view(bt, pairs, 2, half, ny, dk)[:, :, 0] * f[:, :, 0]  # [Bt, P, b, ny, K]
+        for level, half, pairs, f, x, y in _level_operands(c, rows, cols, padded, levels):
             d_block = _pair_blocks(d_out, level).permute(2, 5, 3, 0, 4, 1).reshape(bt * pairs, half * nr, half * ny)
             d_x = torch.bmm(d_block, y.view(bt * pairs, half * ny, dk)).view(bt, pairs, half, nr, dk)
             d_y = torch.bmm(d_block.transpose(-1, -2), x.view(bt * pairs, half * nr, dk)).view(bt, pairs, half, ny, dk)
