@@ -179,3 +179,21 @@ def assert_all_close(label: str, got, want, tol: float, grad_tol: float) -> None
     assert_close(f"{label} h_T", h, h_ref, tol)
     for name in g_ref:
         assert_close(f"{label} d{name}", grads[name], g_ref[name], grad_tol)
+
+
+def thread_and_batch_runs(op: Callable, x: Dict[str, torch.Tensor]):
+    """``(one, two, alone)``: ``op(**x, output_final_state=True)`` without grad on one torch thread,
+    on two, and on the first batch row alone (one thread); the caller's thread count is restored.
+    For bitwise thread- and batch-invariance checks of a compiled kernel."""
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = op(**x, output_final_state=True)
+            torch.set_num_threads(2)
+            two = op(**x, output_final_state=True)
+            torch.set_num_threads(1)
+            alone = op(**{n: t[:1] for n, t in x.items()}, output_final_state=True)
+    finally:
+        torch.set_num_threads(threads)
+    return one, two, alone

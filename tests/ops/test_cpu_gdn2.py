@@ -17,7 +17,7 @@ from fastweights import ops
 from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.kda import chunk as kda_chunk_module
 
-from helpers import rel_err
+from helpers import rel_err, thread_and_batch_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -188,16 +188,7 @@ def test_kernel_with_b_and_w_equal_to_beta_is_kdas_kernel(kernels, gdn2_calls):
 
 def test_kernel_is_bitwise_the_same_on_one_and_two_threads_and_in_a_batch(kernels, gdn2_calls):
     x = {n: t.float() for n, t in gdn2_inputs(3, 130, 3, 32, 32, seed=2).items()}
-    threads = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)
-            one = ops.chunk_gdn2(**x, output_final_state=True)
-            torch.set_num_threads(2)
-            two = ops.chunk_gdn2(**x, output_final_state=True)
-            alone = ops.chunk_gdn2(**{n: t[:1] for n, t in x.items()}, output_final_state=True)
-    finally:
-        torch.set_num_threads(threads)
+    one, two, alone = thread_and_batch_runs(ops.chunk_gdn2, x)
     assert len(gdn2_calls) == 3
     assert all(torch.equal(a, b) for a, b in zip(one, two))
     assert torch.equal(alone[0], one[0][:1]) and torch.equal(alone[1], one[1][:1])

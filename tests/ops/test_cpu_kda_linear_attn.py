@@ -15,7 +15,7 @@ from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.kda import chunk as kda_chunk_module
 from fastweights.ops.step import kda_update
 from fastweights.ops.linear_attn import chunk as linear_chunk_module
-from helpers import RULES, call, make_inputs, rel_err
+from helpers import RULES, call, make_inputs, rel_err, thread_and_batch_runs
 
 LINEAR_RULES = ["linear", "linear_decay", "linear_elu_normalized"]
 
@@ -211,16 +211,7 @@ def test_kda_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, one_
 
 def test_kda_kernel_is_bitwise_the_same_on_one_and_two_threads_and_in_a_batch(kernels):
     x = _kda_inputs(3, 130, 3, 32, 32, seed=2, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)
-            one = ops.chunk_kda(**x, output_final_state=True)
-            torch.set_num_threads(2)
-            two = ops.chunk_kda(**x, output_final_state=True)
-            alone = ops.chunk_kda(**{n: t[:1] for n, t in x.items()}, output_final_state=True)
-    finally:
-        torch.set_num_threads(threads)
+    one, two, alone = thread_and_batch_runs(ops.chunk_kda, x)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
     assert torch.equal(alone[0], one[0][:1]) and torch.equal(alone[1], one[1][:1])
 
