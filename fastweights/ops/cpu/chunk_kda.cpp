@@ -257,16 +257,32 @@ struct Terms {
   }
 };
 
-// (beta and e may be null: absent.)
+// The kernels' inputs as the tensors give them (head-first [N, H, T, ·], unit last stride; beta
+// [N, H, T]) with their strides; beta and e null where absent. The forward and the backward bind
+// them alike (`bind`) and take one head's rows from them (`head_rows`).
 template <typename T>
-HeadInputs<T> head_inputs(const T* q, const int64_t* q_s, const T* k, const int64_t* k_s, const T* v,
-                          const int64_t* v_s, const T* beta, const int64_t* beta_s, const T* gk, const int64_t* gk_s,
-                          const T* e, const int64_t* e_s, int64_t n, int64_t hh) {
-  return HeadInputs<T>{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
-                       beta == nullptr ? nullptr : beta + n * beta_s[0] + hh * beta_s[1], gk + n * gk_s[0] + hh * gk_s[1],
-                       e == nullptr ? nullptr : e + n * e_s[0] + hh * e_s[1],
-                       q_s[2], k_s[2], v_s[2], beta_s[2], gk_s[2], e_s[2]};
-}
+struct KdaInputs {
+  const T *q, *k, *v, *beta, *gk, *e;
+  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, e_s[3] = {};
+
+  void bind(const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_,
+            const c10::optional<torch::Tensor>& beta_, const torch::Tensor& gk_,
+            const c10::optional<torch::Tensor>& e_) {
+    q = rows_of<T>(q_, q_s);
+    k = rows_of<T>(k_, k_s);
+    v = rows_of<T>(v_, v_s);
+    beta = rows_of<T>(beta_, beta_s);
+    gk = rows_of<T>(gk_, gk_s);
+    e = rows_of<T>(e_, e_s);
+  }
+
+  HeadInputs<T> head_rows(int64_t n, int64_t hh) const {
+    return HeadInputs<T>{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
+                         beta == nullptr ? nullptr : beta + n * beta_s[0] + hh * beta_s[1],
+                         gk + n * gk_s[0] + hh * gk_s[1], e == nullptr ? nullptr : e + n * e_s[0] + hh * e_s[1],
+                         q_s[2], k_s[2], v_s[2], beta_s[2], gk_s[2], e_s[2]};
+  }
+};
 
 // The forward also makes the ops' input checks on the rows each chunk gathers anyway (in cache), in
 // place of the front end's passes over the inputs: q, k, v finite (chunk_common.h's FiniteCheck,
@@ -274,9 +290,9 @@ HeadInputs<T> head_inputs(const T* q, const int64_t* q_s, const T* k, const int6
 // counts and its largest entry NaN aside (decay_stats [N·H, 3], float64; Python raises the ops'
 // messages from them, fastweights/ops/_checks.py's check_decay_stats).
 template <typename T>
-struct Forward : Grid {
-  const T *q, *k, *v, *beta, *gk, *e, *h0;  // head-first [N, H, T, ·] (beta [N, H, T]), unit last stride
-  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, e_s[3] = {};
+struct Forward : Grid, KdaInputs<T> {
+  using KdaInputs<T>::q, KdaInputs<T>::k, KdaInputs<T>::v, KdaInputs<T>::beta, KdaInputs<T>::gk, KdaInputs<T>::e;
+  const T* h0;
   T *o, *h_out, *states;                // [N, NC·C, H, V], [N·H, K, V], [NC, N·H, K, V] (keep only)
   int64_t s;                            // the sub-block size (C a multiple of it)
   T scale;
@@ -292,7 +308,7 @@ struct Forward : Grid {
     Terms<T> x(sc, C, K, V, s, scale);
     T* h = sc.take(K * V);
     T* Up = x.WU + K;  // U' in place of U
-    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, e, e_s, n, hh);
+    const auto in = this->head_rows(n, hh);
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
     else std::fill(h, h + K * V, T(0));
     int64_t decay_bad = 0, decay_nan = 0;
@@ -355,9 +371,10 @@ struct Forward : Grid {
 // With GDN-2's erase keys E (file comment): β = 1 (no dβ), and what the erase side of S and of
 // [W | U] pulls goes to dE instead of dK.
 template <typename T>
-struct Backward : Grid {
-  const T *q, *k, *v, *beta, *gk, *e, *states, *dout, *dh_final;  // beta, e: null where absent
-  int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, e_s[3] = {}, do_s[3] = {};
+struct Backward : Grid, KdaInputs<T> {
+  using KdaInputs<T>::q, KdaInputs<T>::k, KdaInputs<T>::v, KdaInputs<T>::beta, KdaInputs<T>::gk, KdaInputs<T>::e;
+  const T *states, *dout, *dh_final;
+  int64_t do_s[3] = {};
   T *dq, *dk, *dv, *dbeta, *dgk, *de, *dh0;  // [N, NC·C, H, ·] (dbeta [N, NC·C, H]); dh0 [N·H, K, V]
   int64_t s;
   T scale;
@@ -379,7 +396,7 @@ struct Backward : Grid {
     T *dh = sc.take(K * V), *dh_new = sc.take(K * V), *dL = sc.take(2 * s * K), *dM = sc.take(2 * s * C);
     T *Z = sc.take(s * s * K), *dbc = sc.take(C);
     T* dec = e != nullptr ? sc.take(C * K) : dkc;  // the erase keys' gradient: dK itself for KDA
-    const auto in = head_inputs(q, q_s, k, k_s, v, v_s, beta, beta_s, gk, gk_s, e, e_s, n, hh);
+    const auto in = this->head_rows(n, hh);
     const T* doh = dout + n * do_s[0] + hh * do_s[1];
     std::memcpy(dh, dh_final + nh * K * V, sizeof(T) * K * V);
     for (int64_t c = NC - 1; c >= 0; --c) {
@@ -583,12 +600,7 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
     Forward<T> f;
     static_cast<Grid&>(f) = Grid{N, H, L, K, V, C, NC};
     f.s = s;
-    f.q = rows_of<T>(q, f.q_s);
-    f.k = rows_of<T>(k, f.k_s);
-    f.v = rows_of<T>(v, f.v_s);
-    f.beta = rows_of<T>(beta, f.beta_s);
-    f.gk = rows_of<T>(gk, f.gk_s);
-    f.e = rows_of<T>(erase, f.e_s);
+    f.bind(q, k, v, beta, gk, erase);
     f.h0 = data_if<T>(h0.has_value(), h0c);
     f.o = o.data_ptr<T>();
     f.h_out = h_out.data_ptr<T>();
@@ -631,12 +643,7 @@ std::vector<torch::Tensor> chunk_kda_bwd(const torch::Tensor& q, const torch::Te
     Backward<T> b;
     static_cast<Grid&>(b) = Grid{N, H, L, K, V, C, NC};
     b.s = s;
-    b.q = rows_of<T>(q, b.q_s);
-    b.k = rows_of<T>(k, b.k_s);
-    b.v = rows_of<T>(v, b.v_s);
-    b.beta = rows_of<T>(beta, b.beta_s);
-    b.gk = rows_of<T>(gk, b.gk_s);
-    b.e = rows_of<T>(erase, b.e_s);
+    b.bind(q, k, v, beta, gk, erase);
     b.dout = rows_of<T>(dout, b.do_s);
     b.states = states.data_ptr<T>();
     b.dh_final = dhf.data_ptr<T>();
