@@ -73,7 +73,9 @@ def test_bad_values_are_refused_by_name():
 def test_every_kernel_is_reported_on_every_path():
     for level in range(len(isa.LEVELS)):
         report = isa.kernel_paths(level, flags=AMD_EPYC)
-        assert {"chunk_delta_fwd_bf16 (bf16 products)", "delta_step (decode)"} <= set(report)
+        assert {"chunk_delta_fwd_bf16 (bf16 products)", "delta_step (decode)", "kda_step (decode)"} <= set(report)
+        assert any(name.startswith("chunk_kda_fwd") for name in report)
+        assert any(name.startswith("chunk_linear_attn_fwd") for name in report)
         assert all(isinstance(v, str) and v for v in report.values())
     assert "AMX" in isa.kernel_paths(3)["chunk_delta_fwd_bf16 (bf16 products)"]
     assert "vdpbf16ps" in isa.kernel_paths(2)["chunk_delta_fwd_bf16 (bf16 products)"]

@@ -66,6 +66,13 @@ def _probes():
         o, _ = ops.chunk_kda(q, torch.nn.functional.normalize(k, dim=-1), v, gk, torch.rand(1, 40, 2, generator=g))
         o.sum().backward()
 
+    def gdn2():
+        q, k, v = x(1, 40, 2, 16), x(1, 40, 2, 16), x(1, 40, 2, 16)
+        gk = -torch.rand(1, 40, 2, 16, generator=g)
+        b, w = (torch.rand(1, 40, 2, 16, generator=g) for _ in range(2))
+        o, _ = ops.chunk_gdn2(q, torch.nn.functional.normalize(k, dim=-1), v, gk, b=b, w=w)
+        o.sum().backward()
+
     def linear():
         q, k, v = x(1, 40, 2, 16), x(1, 40, 2, 16), x(1, 40, 2, 16)
         ops.chunk_linear_attn(q, k, v, normalize=False)[0].sum().backward()
@@ -86,6 +93,7 @@ def _probes():
         ("delta_rule_step", lambda: step(False)),
         ("gated_delta_rule_step", lambda: step(True)),
         ("chunk_kda (forward + backward)", kda),
+        ("chunk_gdn2 (forward + backward)", gdn2),
         ("chunk_linear_attn (forward + backward)", linear),
         ("kda_step", kda_decode),
         ("causal_conv1d (the layers' short convolution)", conv),

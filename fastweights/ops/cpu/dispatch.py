@@ -139,7 +139,11 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
     return {
         "chunk_delta_fwd / chunk_delta_bwd (fp32, fp64)": f"products: {fp_products}; triangular inverse: {inverse}",
         "chunk_delta_fwd_bf16 (bf16 products)": f"products: {bf16}; solve and state fp32",
+        "chunk_kda_fwd / chunk_kda_bwd (KDA, GDN-2; fp32, fp64)": (
+            f"products: {fp_products}; per-channel decay factors and triangular inverse: {loops}"),
+        "chunk_linear_attn_fwd / _bwd (fp32, fp64)": f"products: {fp_products}; decays and masks: {loops}",
         "delta_step (decode)": loops,
+        "kda_step (decode)": loops,
         "short_conv_fwd / _bwd": loops,
         "l2norm_fwd / _bwd": loops,
     }
