@@ -7,7 +7,12 @@
 //   T = (I + diag(β) S)⁻¹,  [W | U] = T diag(β) [K ⊙ e^b | V]
 //   U' = U − W h,  O = scale · (Q ⊙ e^b) h + P U',  h ← diag(e^{b_C}) h + (K ⊙ e^{b_C − b})ᵀ U'
 //
-// S and P are computed in the relative form of kda/parallel.py, with the same reference points:
+// Where every channel's cumulative decay stays within e^{±60} over the chunk (e^{±600} in float64;
+// the common case: a chunk of 64 tokens at −0.05 per token spans e^{−3}), S and P are one product
+// over the whole chunk, [E ⊙ e^b ; Q_r] (K ⊙ e^{−b})ᵀ: no factor over- or underflows, each entry
+// Σ_d x_r y_i e^{b_r} e^{−b_i} carries a few ulp per term as the relative form below does, and the
+// chunk needs one exponential per element (e^b; e^{−b} = 1 / e^b, e^{b_C − b} = e^{b_C} e^{−b}).
+// Otherwise S and P are computed in the relative form of kda/parallel.py, with the same reference points:
 // rows in sub-blocks of s tokens, sub-block j measured from m = js − 1 (b_{−1} = 0), so the
 // factors e^{b_r − b_m} of its rows and e^{b_m − b_i} of earlier columns are both ≤ 1 and
 // nothing overflows however strong the decay. The earlier columns' factor is taken as
@@ -113,13 +118,14 @@ struct Terms {
   static constexpr int64_t kDoubles = int64_t(sizeof(double) / sizeof(T));  // T elements per double
   int64_t C, K, V, s;
   T scale;
-  T *Q, *Km, *Vm, *eleft, *kr, *tosub, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P, *Tm, *R,
-      *WU, *bvec, *last, *Eg, *Em;
+  T *Q, *Km, *Vm, *eleft, *kr, *tosub, *LQ, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P,
+      *Tm, *R, *WU, *bvec, *last, *Eg, *Em;
   double *bd, *ex, *exr;
+  bool whole = false;  // this chunk's S and P by one product over the whole chunk (every |b| ≤ limit())
 
   static int64_t size(int64_t C, int64_t K, int64_t V, int64_t s) {
     const int64_t CK = round16(C * K);
-    return 13 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
+    return 14 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
            round16(2 * s * C) + 3 * round16(C * C) + 2 * round16(C * (K + V)) + round16(C) + round16(K) + CK;
   }
 
@@ -129,11 +135,12 @@ struct Terms {
     bd = reinterpret_cast<double*>(sc.take(kDoubles * C * K));
     ex = reinterpret_cast<double*>(sc.take(kDoubles * C * K));
     exr = reinterpret_cast<double*>(sc.take(kDoubles * K));
-    eleft = sc.take(C * K); kr = sc.take(C * K); tosub = sc.take(C * K); Qr = sc.take(C * K); Kw = sc.take(C * K);
+    eleft = sc.take(C * K); kr = sc.take(C * K); tosub = sc.take(C * K); Kw = sc.take(C * K);
+    LQ = sc.take(2 * C * K); Qr = LQ + C * K;  // [E ⊙ e^b ; Q_r]
     inside = sc.take(C * K); Right = sc.take(C * K); across = sc.take(C * K); fac = sc.take(C * K);
     gin = sc.take(C * K); erow = sc.take(C * K);
     Lf = sc.take(2 * s * K); M = sc.take(2 * s * C);
-    S = sc.take(C * C); P = sc.take(C * C); Tm = sc.take(C * C);
+    S = sc.take(2 * C * C); P = S + C * C; Tm = sc.take(C * C);  // S and P adjacent: one product fills both
     R = sc.take(C * (K + V)); WU = sc.take(C * (K + V)); bvec = sc.take(C); last = sc.take(K);
     Eg = sc.take(C * K);  // GDN-2's erase keys, gathered (Em points here or at Km)
     Em = Km;
@@ -157,39 +164,12 @@ struct Terms {
     }
   }
 
-  void compute(const HeadInputs<T>& in, int64_t t0, int64_t L) {
-    const int64_t KV = K + V, nb = C / s;
-    const double limit = std::is_same_v<T, float> ? 60.0 : 600.0;  // e^{±limit} stays finite in T
-    gather_rows(in.q, in.q_t, t0, L, C, K, Q, K);
-    gather_rows(in.k, in.k_t, t0, L, C, K, Km, K);
-    gather_rows(in.v, in.v_t, t0, L, C, V, Vm, V);
-    gather_rows(in.gk, in.gk_t, t0, L, C, K, gin, K);
-    Em = Km;
-    if (in.e != nullptr) {
-      gather_rows(in.e, in.e_t, t0, L, C, K, Eg, K);
-      Em = Eg;
-    }
-    for (int64_t i = 0; i < C; ++i)
-      bvec[i] = t0 + i < L ? (in.beta != nullptr ? in.beta[(t0 + i) * in.beta_t] : T(1)) : T(0);
-    for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
-    for (int64_t i = 1; i < C; ++i)
-      for (int64_t j = 0; j < K; ++j) bd[i * K + j] = bd[(i - 1) * K + j] + double(gin[i * K + j]);
-    const double* bC = bd + (C - 1) * K;
-    // e^b (the state's reads), e^{b_C − b} (its writes), e^{b_C}
-    exp_of(bd, fac, C * K);
-    for (int64_t i = 0; i < C; ++i)
-      for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
-    exp_of(ex, erow, C * K);
-    for (int64_t i = 0; i < C * K; ++i) {
-      Qr[i] = Q[i] * fac[i] * scale;
-      Kw[i] = Km[i] * erow[i];
-    }
-    std::memcpy(last, fac + (C - 1) * K, sizeof(T) * K);
-    for (int64_t i = 0; i < C; ++i) {
-      for (int64_t j = 0; j < K; ++j) R[i * KV + j] = bvec[i] * Em[i * K + j] * fac[i * K + j];
-      for (int64_t j = 0; j < V; ++j) R[i * KV + K + j] = bvec[i] * Vm[i * V + j];
-    }
-    // the sub-block factors: eleft, kr, and inside[i] = e^{b_m(i) − b_i} ≥ 1 (used only where finite)
+  // e^{±limit} stays finite (and normal) in T: the bound on |b| for the whole-chunk products
+  static constexpr double limit() { return std::is_same_v<T, float> ? 60.0 : 600.0; }
+
+  // The sub-block factors: eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i},
+  // kr = K ⊙ tosub, and inside[i] = e^{b_m(i) − b_i} ≥ 1 (used only where finite).
+  void sub_block_factors() {
     for (int64_t i = 0; i < C; ++i) {
       const int64_t m = (i / s) * s - 1, e = (i / s) * s + s - 1;
       for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bd[i * K + j] - bm(m, j);
@@ -202,14 +182,24 @@ struct Terms {
       }
       exp_of(exr, inside + i * K, K);
     }
+  }
+
+  // S and P sub-block by sub-block (the file comment's relative form), from sub_block_factors'.
+  void sub_block_products() {
+    const int64_t nb = C / s;
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t r0 = j * s, m = r0 - 1;
-      for (int64_t r = 0; r < s; ++r)  // rows [E ⊙ e_left ; scale · Q ⊙ e_left]
+      const T sc = scale;
+      for (int64_t r = 0; r < s; ++r) {  // rows [E ⊙ e_left ; scale · Q ⊙ e_left]
+        const T *__restrict el = eleft + (r0 + r) * K, *__restrict er = Em + (r0 + r) * K,
+                            *__restrict qr = Q + (r0 + r) * K;
+        T *__restrict le = Lf + r * K, *__restrict lq = Lf + (s + r) * K;
+#pragma omp simd
         for (int64_t d = 0; d < K; ++d) {
-          const T e = eleft[(r0 + r) * K + d];
-          Lf[r * K + d] = Em[(r0 + r) * K + d] * e;
-          Lf[(s + r) * K + d] = Q[(r0 + r) * K + d] * e * scale;
+          le[d] = er[d] * el[d];
+          lq[d] = qr[d] * el[d] * sc;
         }
+      }
       right_before(j, nullptr);
       // the sub-block's own pairs by the split factors when every channel stays finite (one
       // reduction the compiler vectorises: the decay's span from the reference point, at most)
@@ -219,7 +209,7 @@ struct Terms {
 #pragma omp simd reduction(max : span)
         for (int64_t d = 0; d < K; ++d) span = std::max(span, std::abs((m < 0 ? 0.0 : bd[m * K + d]) - bi[d]));
       }
-      const bool split = span <= limit;
+      const bool split = span <= limit();
       const int64_t cols = split ? r0 + s : r0;
       if (split)
         for (int64_t i = r0; i < r0 + s; ++i)
@@ -251,6 +241,89 @@ struct Terms {
         std::fill(S + rr * C + rr + 1, S + (rr + 1) * C, T(0));
         std::fill(P + rr * C + rr + 1, P + (rr + 1) * C, T(0));
       }
+    }
+  }
+
+  // The chunk's terms (the struct comment). `factors`: also the sub-block factors (eleft, tosub,
+  // kr, inside) that the backward's adjoint of S and P reads; the forward asks for them only when
+  // the chunk takes the sub-block path.
+  void compute(const HeadInputs<T>& in, int64_t t0, int64_t L, bool factors) {
+    const int64_t KV = K + V;
+    gather_rows(in.q, in.q_t, t0, L, C, K, Q, K);
+    gather_rows(in.k, in.k_t, t0, L, C, K, Km, K);
+    gather_rows(in.v, in.v_t, t0, L, C, V, Vm, V);
+    gather_rows(in.gk, in.gk_t, t0, L, C, K, gin, K);
+    Em = Km;
+    if (in.e != nullptr) {
+      gather_rows(in.e, in.e_t, t0, L, C, K, Eg, K);
+      Em = Eg;
+    }
+    for (int64_t i = 0; i < C; ++i)
+      bvec[i] = t0 + i < L ? (in.beta != nullptr ? in.beta[(t0 + i) * in.beta_t] : T(1)) : T(0);
+    // b = cumsum(gk) in float64, and its largest magnitude over the chunk (one vectorised reduction)
+    double high = 0.0;
+    for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
+    for (int64_t i = 1; i < C; ++i) {
+      double* bi = bd + i * K;
+      const double* bp = bi - K;
+      const T* gi = gin + i * K;
+#pragma omp simd
+      for (int64_t j = 0; j < K; ++j) bi[j] = bp[j] + double(gi[j]);
+    }
+#pragma omp simd reduction(max : high)
+    for (int64_t i = 0; i < C * K; ++i) high = std::max(high, std::abs(bd[i]));
+    whole = high <= limit();
+    exp_of(bd, fac, C * K);  // e^b (the state's reads)
+    std::memcpy(last, fac + (C - 1) * K, sizeof(T) * K);
+    T* EF = LQ;  // [E ⊙ e^b ; scale · Q ⊙ e^b] (Qr = its lower half)
+    if (whole) {
+      // every |b| ≤ limit: e^{−b} = 1 / e^b is finite, and e^{b_C − b} = e^{b_C} · e^{−b} (a product
+      // of two finite factors, each to an ulp or two)
+      for (int64_t i = 0; i < C; ++i) {
+        const T* __restrict f = fac + i * K;
+        const T *__restrict qi = Q + i * K, *__restrict ki = Km + i * K, *__restrict ei = Em + i * K;
+        const T* __restrict lst = last;
+        T *__restrict er = erow + i * K, *__restrict rt = Right + i * K, *__restrict ef = EF + i * K,
+                      *__restrict qr = Qr + i * K, *__restrict kw = Kw + i * K;
+        const T sc = scale;
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) {
+          const T inv = T(1) / f[j];
+          er[j] = lst[j] * inv;
+          rt[j] = ki[j] * inv;
+          ef[j] = ei[j] * f[j];
+          qr[j] = qi[j] * f[j] * sc;
+          kw[j] = ki[j] * er[j];
+        }
+      }
+    } else {
+      const double* bC = bd + (C - 1) * K;
+      for (int64_t i = 0; i < C; ++i)
+        for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
+      exp_of(ex, erow, C * K);  // e^{b_C − b} (the state's writes)
+      for (int64_t i = 0; i < C * K; ++i) {
+        EF[i] = Em[i] * fac[i];
+        Qr[i] = Q[i] * fac[i] * scale;
+        Kw[i] = Km[i] * erow[i];
+      }
+    }
+    for (int64_t i = 0; i < C; ++i) {
+      const T bi = bvec[i];
+      for (int64_t j = 0; j < K; ++j) R[i * KV + j] = bi * EF[i * K + j];
+      for (int64_t j = 0; j < V; ++j) R[i * KV + K + j] = bi * Vm[i * V + j];
+    }
+    if (factors || !whole) sub_block_factors();
+    if (whole) {
+      // S and P in one product over the whole chunk: [E ⊙ e^b ; Q_r] (K ⊙ e^{−b})ᵀ, the rows of S
+      // then those of P (S and P are adjacent), each entry Σ_d x_r y_i e^{b_r − b_i} with factors
+      // that neither overflow nor underflow; then the masks.
+      mm<T>(false, true, 2 * C, C, K, T(1), EF, K, Right, K, T(0), S, C);
+      for (int64_t r = 0; r < C; ++r) {
+        std::fill(S + r * C + r, S + (r + 1) * C, T(0));
+        std::fill(P + r * C + r + 1, P + (r + 1) * C, T(0));
+      }
+    } else {
+      sub_block_products();
     }
     unit_lower_inverse<T>(C, S, bvec, Tm);
     mm<T>(false, false, C, KV, C, T(1), Tm, C, R, KV, T(0), WU, KV);  // [W | U] = T R
@@ -316,7 +389,7 @@ struct Forward : Grid, KdaInputs<T> {
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       in.prefetch(t0 + C, C, L, K, V);
-      x.compute(in, t0, L);
+      x.compute(in, t0, L, false);
       const int64_t rows = std::min(C, L - t0);
       if (finite->on() && (any_nonfinite(x.Q, rows * K) || any_nonfinite(x.Km, rows * K) ||
                            any_nonfinite(x.Vm, rows * V))) {
@@ -404,7 +477,7 @@ struct Backward : Grid, KdaInputs<T> {
       const T* h = states + row * K * V;
       in.prefetch(t0 - C, C, L, K, V);
       if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);
-      x.compute(in, t0, L);
+      x.compute(in, t0, L, true);
       gather_rows(doh, do_s[2], t0, L, C, V, dO, V);
       // U' = U − W h
       for (int64_t i = 0; i < C; ++i) std::memcpy(Up + i * V, x.WU + i * KV + K, sizeof(T) * V);
