@@ -94,14 +94,16 @@ struct HeadInputs {
 
   // Asks for the rows of the chunk at t0 (nothing past L or before 0) while another computes: one
   // token's rows are a page apart in a token-major input, which no hardware prefetcher follows.
-  void prefetch(int64_t t0, int64_t C, int64_t L, int64_t K, int64_t V) const {
+  // Part `part` of `parts` of those rows: issued all at once, the requests of a whole chunk stall
+  // on the fill buffers, so the kernels spread them over the chunk's work.
+  void prefetch(int64_t t0, int64_t C, int64_t L, int64_t K, int64_t V, int64_t part = 0, int64_t parts = 1) const {
     if (t0 < 0 || t0 >= L) return;
-    const int64_t rows = std::min(C, L - t0);
-    prefetch_rows(q, q_t, t0, rows, K);
-    prefetch_rows(k, k_t, t0, rows, K);
-    prefetch_rows(v, v_t, t0, rows, V);
-    prefetch_rows(gk, gk_t, t0, rows, K);
-    if (e != nullptr) prefetch_rows(e, e_t, t0, rows, K);
+    const int64_t rows = std::min(C, L - t0), begin = t0 + rows * part / parts, n = rows * (part + 1) / parts - rows * part / parts;
+    prefetch_rows(q, q_t, begin, n, K);
+    prefetch_rows(k, k_t, begin, n, K);
+    prefetch_rows(v, v_t, begin, n, V);
+    prefetch_rows(gk, gk_t, begin, n, K);
+    if (e != nullptr) prefetch_rows(e, e_t, begin, n, K);
   }
 };
 
@@ -388,8 +390,9 @@ struct Forward : Grid, KdaInputs<T> {
     T decay_high = -std::numeric_limits<T>::infinity();
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
-      in.prefetch(t0 + C, C, L, K, V);
+      in.prefetch(t0 + C, C, L, K, V, 0, 4);  // the next chunk's rows, in four parts over this one's work
       x.compute(in, t0, L, false);
+      in.prefetch(t0 + C, C, L, K, V, 1, 4);
       const int64_t rows = std::min(C, L - t0);
       if (finite->on() && (any_nonfinite(x.Q, rows * K) || any_nonfinite(x.Km, rows * K) ||
                            any_nonfinite(x.Vm, rows * V))) {
@@ -415,8 +418,10 @@ struct Forward : Grid, KdaInputs<T> {
       if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
       T* O = o + (n * NC * C + t0) * ldo + hh * V;
       mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, KV);
+      in.prefetch(t0 + C, C, L, K, V, 2, 4);
       mm<T>(false, false, C, V, K, T(1), x.Qr, K, h, V, T(0), O, ldo);
       mm<T>(false, false, C, V, C, T(1), x.P, C, Up, KV, T(1), O, ldo);
+      in.prefetch(t0 + C, C, L, K, V, 3, 4);
       for (int64_t i = 0; i < K; ++i)
         for (int64_t j = 0; j < V; ++j) h[i * V + j] *= x.last[i];
       mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
@@ -455,7 +460,7 @@ struct Backward : Grid, KdaInputs<T> {
   int64_t scratch_size() const {
     const int64_t CK = round16(C * K), KV = K + V;
     return Terms<T>::size(C, K, V, s) + 3 * round16(C * V) + 2 * round16(C * KV) + 2 * round16(C * C) + 8 * CK +
-           2 * round16(K * V) + round16(2 * s * K) + round16(2 * s * C) + round16(s * s * K) + round16(C) + CK;
+           2 * round16(K * V) + round16(2 * s * K) + round16(2 * s * C) + round16(s * s * K) + round16(C) + round16(K) + CK;
   }
 
   void head(int64_t nh, T* scratch) const {
@@ -467,7 +472,7 @@ struct Backward : Grid, KdaInputs<T> {
     T *dqc = sc.take(C * K), *dkc = sc.take(C * K), *dgc = sc.take(C * K), *dQr = sc.take(C * K), *dKw = sc.take(C * K);
     T *F = sc.take(C * K), *dR = sc.take(C * K), *span = sc.take(C * K);
     T *dh = sc.take(K * V), *dh_new = sc.take(K * V), *dL = sc.take(2 * s * K), *dM = sc.take(2 * s * C);
-    T *Z = sc.take(s * s * K), *dbc = sc.take(C);
+    T *Z = sc.take(s * s * K), *dbc = sc.take(C), *run = sc.take(K);
     T* dec = e != nullptr ? sc.take(C * K) : dkc;  // the erase keys' gradient: dK itself for KDA
     const auto in = this->head_rows(n, hh);
     const T* doh = dout + n * do_s[0] + hh * do_s[1];
@@ -516,20 +521,33 @@ struct Backward : Grid, KdaInputs<T> {
       }
       // dE ⊙ e^b part (dR_K = β dZ_K; E = K for KDA), dQ, dK, dgk of the reads and writes
       for (int64_t i = 0; i < C; ++i) {
-        const T bi = x.bvec[i];
+        const T bi = x.bvec[i], sc = scale;
+        const T *__restrict fr = x.fac + i * K, *__restrict dzk = dz + i * KV, *__restrict dqr = dQr + i * K,
+                            *__restrict dkw = dKw + i * K, *__restrict er = x.erow + i * K, *__restrict em = x.Em + i * K,
+                            *__restrict qr = x.Qr + i * K;
+        T *__restrict dq_ = dqc + i * K, *__restrict dk_ = dkc + i * K, *__restrict sp = span + i * K,
+                      *__restrict dg = dgc + i * K;
+#pragma omp simd
         for (int64_t j = 0; j < K; ++j) {
-          const T fr = x.fac[i * K + j], dkr = bi * dz[i * KV + j];
-          dqc[i * K + j] = dQr[i * K + j] * fr * scale;
-          if (dec != dkc) {
-            dec[i * K + j] = dkr * fr;
-            dkc[i * K + j] = dKw[i * K + j] * x.erow[i * K + j];
-          } else {
-            dkc[i * K + j] = dkr * fr + dKw[i * K + j] * x.erow[i * K + j];
-          }
-          span[i * K + j] = dkr * x.Em[i * K + j] * fr + dQr[i * K + j] * x.Qr[i * K + j];  // reverse cumsum below
-          dgc[i * K + j] = T(0);
+          const T dkr = bi * dzk[j];
+          dq_[j] = dqr[j] * fr[j] * sc;
+          sp[j] = dkr * em[j] * fr[j] + dqr[j] * qr[j];  // reverse cumsum below
+          dg[j] = T(0);
         }
-        for (int64_t j = 0; j < V; ++j) dz[i * KV + K + j] *= bi;  // dV
+        if (dec != dkc) {
+          T* __restrict de_ = dec + i * K;
+#pragma omp simd
+          for (int64_t j = 0; j < K; ++j) {
+            de_[j] = bi * dzk[j] * fr[j];
+            dk_[j] = dkw[j] * er[j];
+          }
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < K; ++j) dk_[j] = bi * dzk[j] * fr[j] + dkw[j] * er[j];
+        }
+        T* __restrict dvv = dz + i * KV + K;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) dvv[j] *= bi;  // dV
       }
       // e^{b_C}: every row; the reads (span [t, C)): reverse cumsum; the writes K_w (span (r, C)): exclusive
       {
@@ -555,12 +573,16 @@ struct Backward : Grid, KdaInputs<T> {
       // S (x = E, dM = dS) and P (x = q, dM = scale dP), y = k, both at once per sub-block
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t r0 = j * s, m = r0 - 1;
-        for (int64_t r = 0; r < s; ++r)
+        for (int64_t r = 0; r < s; ++r) {
+          const T *__restrict el = x.eleft + (r0 + r) * K, *__restrict em = x.Em + (r0 + r) * K,
+                              *__restrict qr = x.Q + (r0 + r) * K;
+          T *__restrict le = x.Lf + r * K, *__restrict lq = x.Lf + (s + r) * K;
+#pragma omp simd
           for (int64_t d = 0; d < K; ++d) {
-            const T e = x.eleft[(r0 + r) * K + d];
-            x.Lf[r * K + d] = x.Em[(r0 + r) * K + d] * e;
-            x.Lf[(s + r) * K + d] = x.Q[(r0 + r) * K + d] * e;
+            le[d] = em[d] * el[d];
+            lq[d] = qr[d] * el[d];
           }
+        }
         if (r0 > 0) {  // columns before the sub-block: M = Left Rightᵀ
           x.right_before(j, F);
           for (int64_t r = 0; r < s; ++r) {
@@ -569,29 +591,46 @@ struct Backward : Grid, KdaInputs<T> {
           }
           mm<T>(false, false, 2 * s, K, r0, T(1), dM, C, x.Right, K, T(0), dL, K);
           mm<T>(true, false, r0, K, 2 * s, T(1), dM, C, x.Lf, K, T(0), dR, K);
-          // left: dx_r += dL ⊙ e_left, dgk over (m, r]: a reverse cumsum inside the sub-block
-          for (int64_t d = 0; d < K; ++d) {
-            T run = T(0);
-            for (int64_t r = s - 1; r >= 0; --r) {
-              const int64_t rr = r0 + r;
-              const T e = x.eleft[rr * K + d], a = dL[r * K + d], b = dL[(s + r) * K + d];
-              dec[rr * K + d] += a * e;
-              dqc[rr * K + d] += b * e;
-              run += a * x.Lf[r * K + d] + b * x.Lf[(s + r) * K + d];
-              dgc[rr * K + d] += run;
+          // left: dx_r += dL ⊙ e_left, dgk over (m, r]: a reverse cumsum inside the sub-block (row by
+          // row, the running sums one per channel)
+          std::fill(run, run + K, T(0));
+          for (int64_t r = s - 1; r >= 0; --r) {
+            const int64_t rr = r0 + r;
+            const T *__restrict el = x.eleft + rr * K, *__restrict a = dL + r * K, *__restrict b = dL + (s + r) * K,
+                                *__restrict la = x.Lf + r * K, *__restrict lb = x.Lf + (s + r) * K;
+            T *__restrict de_ = dec + rr * K, *__restrict dq_ = dqc + rr * K, *__restrict dg = dgc + rr * K,
+                          *__restrict rn = run;
+#pragma omp simd
+            for (int64_t d = 0; d < K; ++d) {
+              de_[d] += a[d] * el[d];
+              dq_[d] += b[d] * el[d];
+              rn[d] += a[d] * la[d] + b[d] * lb[d];
+              dg[d] += rn[d];
             }
           }
           // right: dy_i += dR ⊙ e^{b_m − b_i}, dgk over (i, m]: an exclusive cumsum over i < js
-          for (int64_t d = 0; d < K; ++d) {
-            T run = T(0);
-            for (int64_t i = 0; i < r0; ++i) {
-              dgc[i * K + d] += run;
-              dkc[i * K + d] += dR[i * K + d] * F[i * K + d];
-              run += dR[i * K + d] * x.Right[i * K + d];
+          std::fill(run, run + K, T(0));
+          for (int64_t i = 0; i < r0; ++i) {
+            const T *__restrict dr = dR + i * K, *__restrict f = F + i * K, *__restrict rt = x.Right + i * K;
+            T *__restrict dg = dgc + i * K, *__restrict dk_ = dkc + i * K, *__restrict rn = run;
+#pragma omp simd
+            for (int64_t d = 0; d < K; ++d) {
+              dg[d] += rn[d];
+              dk_[d] += dr[d] * f[d];
+              rn[d] += dr[d] * rt[d];
             }
           }
         }
-        // inside the sub-block, pair by pair (i ≤ r): w = dM[r, i] e^{b_r − b_i}; span (i, r]
+        // inside the sub-block, pair by pair (i ≤ r): w = dM[r, i] e^{b_r − b_i}; span (i, r]. The
+        // factor e^{b_r − b_i} is e^{b_r − b_m} e^{b_m − b_i} where every channel's span from the
+        // reference point stays within the limit (as in the forward), else its own exponential.
+        double span_max = 0.0;
+        for (int64_t i = r0; i < r0 + s; ++i) {
+          const double* bi = x.bd + i * K;
+#pragma omp simd reduction(max : span_max)
+          for (int64_t d = 0; d < K; ++d) span_max = std::max(span_max, std::abs(x.bm(m, d) - bi[d]));
+        }
+        const bool split = span_max <= x.limit();
         std::fill(Z, Z + s * s * K, T(0));
         for (int64_t r = 0; r < s; ++r) {
           const int64_t rr = r0 + r;
@@ -599,16 +638,37 @@ struct Backward : Grid, KdaInputs<T> {
             const int64_t ii = r0 + i;
             const T ds = i < r ? dA[rr * C + ii] : T(0), dp = dP[rr * C + ii];
             if (ds == T(0) && dp == T(0)) continue;
-            for (int64_t d = 0; d < K; ++d) x.exr[d] = x.bd[rr * K + d] - x.bd[ii * K + d];
-            exp_of(x.exr, x.across, K);
-            T* z = Z + (r * s + i) * K;
-            for (int64_t d = 0; d < K; ++d) {
-              const T e = x.across[d], ws = ds * e, wp = dp * e, kr_ = x.Em[rr * K + d], qr_ = x.Q[rr * K + d],
-                      ki = x.Km[ii * K + d];
-              dec[rr * K + d] += ws * ki;
-              dqc[rr * K + d] += wp * ki;
-              dkc[ii * K + d] += ws * kr_ + wp * qr_;
-              z[d] = (ws * kr_ + wp * qr_) * ki;
+            if (split) {  // e^{b_r − b_m} · e^{b_m − b_i}, both finite (as the forward's sub-block products)
+              const T *__restrict el = x.eleft + rr * K, *__restrict in_ = x.inside + ii * K;
+              T* __restrict ac = x.across;
+#pragma omp simd
+              for (int64_t d = 0; d < K; ++d) ac[d] = el[d] * in_[d];
+            } else {
+              for (int64_t d = 0; d < K; ++d) x.exr[d] = x.bd[rr * K + d] - x.bd[ii * K + d];
+              exp_of(x.exr, x.across, K);
+            }
+            const T *__restrict ac = x.across, *__restrict em = x.Em + rr * K, *__restrict qv = x.Q + rr * K,
+                                *__restrict kv = x.Km + ii * K;
+            T *__restrict z = Z + (r * s + i) * K, *__restrict de_ = dec + rr * K, *__restrict dq_ = dqc + rr * K;
+            T* dk_ = dkc + ii * K;  // dec == dkc for KDA: the same rows when i = r
+            if (i < r || dec != dkc) {
+              T* __restrict dkr = dk_;
+#pragma omp simd
+              for (int64_t d = 0; d < K; ++d) {
+                const T ws = ds * ac[d], wp = dp * ac[d], w = ws * em[d] + wp * qv[d];
+                de_[d] += ws * kv[d];
+                dq_[d] += wp * kv[d];
+                dkr[d] += w;
+                z[d] = w * kv[d];
+              }
+            } else {
+              for (int64_t d = 0; d < K; ++d) {
+                const T e = ac[d], ws = ds * e, wp = dp * e;
+                dec[rr * K + d] += ws * kv[d];
+                dq_[d] += wp * kv[d];
+                dk_[d] += ws * em[d] + wp * qv[d];
+                z[d] = (ws * em[d] + wp * qv[d]) * kv[d];
+              }
             }
           }
         }
