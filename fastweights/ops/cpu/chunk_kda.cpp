@@ -111,23 +111,25 @@ struct HeadInputs {
 // backward share it). `compute` takes chunk t0 of one head and leaves:
 //   Q, Km, Vm, bvec: the gathered chunk (rows past the end zero); Em: the erase keys (Km itself for
 //   KDA, GDN-2's e gathered otherwise); bd: b = cumsum(gk) in float64;
-//   fac = e^b, Qr = scale · Q ⊙ e^b, Kw = K ⊙ e^{b_C − b}, last = e^{b_C};
-//   eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i}, kr[i] = k_i ⊙ tosub[i];
-//   S, P (relative form, file comment; S's rows from Em), Tm = (I + diag(β) S)⁻¹, R = diag(β) [Em ⊙ e^b | V],
+//   fac = e^b, Qr = scale · Q ⊙ e^b, Kw = K ⊙ e^{b_C − b}, last = e^{b_C}; `whole` (file comment) and,
+//   where it holds, inv = e^{−b};
+//   eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i}, kr[i] = k_i ⊙ tosub[i] (the backward's,
+//   and the forward's where not `whole`);
+//   S, P (file comment; S's rows from Em), Tm = (I + diag(β) S)⁻¹, R = diag(β) [Em ⊙ e^b | V],
 //   WU = Tm R.
 template <typename T>
 struct Terms {
   static constexpr int64_t kDoubles = int64_t(sizeof(double) / sizeof(T));  // T elements per double
   int64_t C, K, V, s;
   T scale;
-  T *Q, *Km, *Vm, *eleft, *kr, *tosub, *LQ, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P,
+  T *Q, *Km, *Vm, *eleft, *kr, *tosub, *inv, *LQ, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P,
       *Tm, *R, *WU, *bvec, *last, *Eg, *Em;
   double *bd, *ex, *exr;
   bool whole = false;  // this chunk's S and P by one product over the whole chunk (every |b| ≤ limit())
 
   static int64_t size(int64_t C, int64_t K, int64_t V, int64_t s) {
     const int64_t CK = round16(C * K);
-    return 14 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
+    return 15 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
            round16(2 * s * C) + 3 * round16(C * C) + 2 * round16(C * (K + V)) + round16(C) + round16(K) + CK;
   }
 
@@ -139,6 +141,7 @@ struct Terms {
     exr = reinterpret_cast<double*>(sc.take(kDoubles * K));
     eleft = sc.take(C * K); kr = sc.take(C * K); tosub = sc.take(C * K); Kw = sc.take(C * K);
     LQ = sc.take(2 * C * K); Qr = LQ + C * K;  // [E ⊙ e^b ; Q_r]
+    inv = sc.take(C * K);  // e^{−b} (whole chunks only)
     inside = sc.take(C * K); Right = sc.take(C * K); across = sc.take(C * K); fac = sc.take(C * K);
     gin = sc.take(C * K); erow = sc.take(C * K);
     Lf = sc.take(2 * s * K); M = sc.take(2 * s * C);
@@ -171,7 +174,35 @@ struct Terms {
 
   // The sub-block factors: eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i},
   // kr = K ⊙ tosub, and inside[i] = e^{b_m(i) − b_i} ≥ 1 (used only where finite).
+  // From e^b and e^{−b} (`inv`) where the chunk is `whole` (every factor finite: products of two,
+  // each to an ulp or two), else each its own exponential of a float64 difference.
   void sub_block_factors() {
+    if (whole) {
+      for (int64_t i = 0; i < C; ++i) {
+        const int64_t m = (i / s) * s - 1, e = (i / s) * s + s - 1;
+        const T *__restrict fi = fac + i * K, *__restrict ii = inv + i * K, *__restrict fe = fac + e * K,
+                            *__restrict ki = Km + i * K;
+        T *__restrict el = eleft + i * K, *__restrict in_ = inside + i * K, *__restrict ts = tosub + i * K,
+                      *__restrict kk = kr + i * K;
+        if (m < 0) {
+          std::memcpy(el, fi, sizeof(T) * K);
+          std::memcpy(in_, ii, sizeof(T) * K);
+        } else {
+          const T *__restrict fm = fac + m * K, *__restrict im = inv + m * K;
+#pragma omp simd
+          for (int64_t j = 0; j < K; ++j) {
+            el[j] = fi[j] * im[j];
+            in_[j] = fm[j] * ii[j];
+          }
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) {
+          ts[j] = fe[j] * ii[j];
+          kk[j] = ki[j] * ts[j];
+        }
+      }
+      return;
+    }
     for (int64_t i = 0; i < C; ++i) {
       const int64_t m = (i / s) * s - 1, e = (i / s) * s + s - 1;
       for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bd[i * K + j] - bm(m, j);
@@ -286,13 +317,13 @@ struct Terms {
         const T *__restrict qi = Q + i * K, *__restrict ki = Km + i * K, *__restrict ei = Em + i * K;
         const T* __restrict lst = last;
         T *__restrict er = erow + i * K, *__restrict rt = Right + i * K, *__restrict ef = EF + i * K,
-                      *__restrict qr = Qr + i * K, *__restrict kw = Kw + i * K;
+                      *__restrict qr = Qr + i * K, *__restrict kw = Kw + i * K, *__restrict iv = inv + i * K;
         const T sc = scale;
 #pragma omp simd
         for (int64_t j = 0; j < K; ++j) {
-          const T inv = T(1) / f[j];
-          er[j] = lst[j] * inv;
-          rt[j] = ki[j] * inv;
+          iv[j] = T(1) / f[j];
+          er[j] = lst[j] * iv[j];
+          rt[j] = ki[j] * iv[j];
           ef[j] = ei[j] * f[j];
           qr[j] = qi[j] * f[j] * sc;
           kw[j] = ki[j] * er[j];
@@ -480,9 +511,9 @@ struct Backward : Grid, KdaInputs<T> {
     for (int64_t c = NC - 1; c >= 0; --c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       const T* h = states + row * K * V;
-      in.prefetch(t0 - C, C, L, K, V);
-      if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);
+      in.prefetch(t0 - C, C, L, K, V, 0, 2);  // the previous chunk's rows, spread over this one's work
       x.compute(in, t0, L, true);
+      in.prefetch(t0 - C, C, L, K, V, 1, 2);
       gather_rows(doh, do_s[2], t0, L, C, V, dO, V);
       // U' = U − W h
       for (int64_t i = 0; i < C; ++i) std::memcpy(Up + i * V, x.WU + i * KV + K, sizeof(T) * V);
@@ -501,6 +532,7 @@ struct Backward : Grid, KdaInputs<T> {
       mm<T>(false, true, C, C, V, T(1), dO, V, Up, V, T(0), dP, C);
       mm<T>(false, true, C, K, V, T(1), dO, V, h, V, T(0), dQr, K);
       mm<T>(false, true, C, K, V, T(1), Up, V, dh, V, T(0), dKw, K);
+      if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);
       // through the solve: dZ = Tᵀ d[W | U]; dA = −tril(dZ [W | U]ᵀ, −1)
       mm<T>(true, false, C, KV, C, T(1), x.Tm, C, dwu, KV, T(0), dz, KV);
       mm<T>(false, true, C, C, KV, T(-1), dz, KV, x.WU, KV, T(0), dA, C);
@@ -650,9 +682,8 @@ struct Backward : Grid, KdaInputs<T> {
             const T *__restrict ac = x.across, *__restrict em = x.Em + rr * K, *__restrict qv = x.Q + rr * K,
                                 *__restrict kv = x.Km + ii * K;
             T *__restrict z = Z + (r * s + i) * K, *__restrict de_ = dec + rr * K, *__restrict dq_ = dqc + rr * K;
-            T* dk_ = dkc + ii * K;  // dec == dkc for KDA: the same rows when i = r
-            if (i < r || dec != dkc) {
-              T* __restrict dkr = dk_;
+            T* __restrict dkr = dkc + ii * K;  // (for KDA dec == dkc: row r of it is dkr's own when i = r)
+            if (i < r) {
 #pragma omp simd
               for (int64_t d = 0; d < K; ++d) {
                 const T ws = ds * ac[d], wp = dp * ac[d], w = ws * em[d] + wp * qv[d];
@@ -661,13 +692,13 @@ struct Backward : Grid, KdaInputs<T> {
                 dkr[d] += w;
                 z[d] = w * kv[d];
               }
-            } else {
+            } else {  // the diagonal (P's only: ds = 0, nothing for the erase side)
+#pragma omp simd
               for (int64_t d = 0; d < K; ++d) {
-                const T e = ac[d], ws = ds * e, wp = dp * e;
-                dec[rr * K + d] += ws * kv[d];
+                const T wp = dp * ac[d], w = wp * qv[d];
                 dq_[d] += wp * kv[d];
-                dk_[d] += ws * em[d] + wp * qv[d];
-                z[d] = (ws * em[d] + wp * qv[d]) * kv[d];
+                dkr[d] += w;
+                z[d] = w * kv[d];
               }
             }
           }
