@@ -85,6 +85,23 @@ inline void exp_of(const double* x, T* out, int64_t n) {
 
 // Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
 
+// n elements of src to an output row that nothing reads again in the kernel (the backward's
+// gradients, in fresh token-major buffers): above the portable level, a 64-byte-aligned fp32 row
+// of whole cache lines is streamed past the cache (no read of the line first); else a copy. The
+// caller fences (_mm_sfence) before its task ends.
+template <typename T>
+inline void store_once(const T* src, T* dst, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (::fastweights::cpu::isa() > ::fastweights::cpu::kPortable && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % 16 == 0) {
+      for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
+      return;
+    }
+  }
+#endif
+  std::memcpy(dst, src, sizeof(T) * n);
+}
+
 // One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides;
 // beta null: β = 1; e (GDN-2's erase keys, [N, H, T, K]) null: the erase keys are k (KDA).
 template <typename T>
@@ -715,16 +732,19 @@ struct Backward : Grid, KdaInputs<T> {
       // write the chunk's gradients (rows past the end are padding: the buffers have NC·C rows)
       for (int64_t i = 0; i < C; ++i) {
         const int64_t o_row = (n * NC * C + t0 + i) * H + hh;
-        std::memcpy(dq + o_row * K, dqc + i * K, sizeof(T) * K);
-        std::memcpy(dk + o_row * K, dkc + i * K, sizeof(T) * K);
-        std::memcpy(dgk + o_row * K, dgc + i * K, sizeof(T) * K);
-        std::memcpy(dv + o_row * V, dz + i * KV + K, sizeof(T) * V);
+        store_once(dqc + i * K, dq + o_row * K, K);
+        store_once(dkc + i * K, dk + o_row * K, K);
+        store_once(dgc + i * K, dgk + o_row * K, K);
+        store_once(dz + i * KV + K, dv + o_row * V, V);
         if (dbeta != nullptr) dbeta[o_row] = dbc[i];
-        if (de != nullptr) std::memcpy(de + o_row * K, dec + i * K, sizeof(T) * K);
+        if (de != nullptr) store_once(dec + i * K, de + o_row * K, K);
       }
       std::swap(dh, dh_new);
     }
     std::memcpy(dh0 + nh * K * V, dh, sizeof(T) * K * V);
+#if defined(__AVX512F__)
+    _mm_sfence();  // the streamed rows (store_once) visible before the task ends
+#endif
   }
 };
 
