@@ -86,7 +86,7 @@ inline void exp_of(const double* x, T* out, int64_t n) {
 // Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
 
 // n elements of src to an output row that nothing reads again in the kernel (the backward's
-// gradients, in fresh token-major buffers): above the portable level, a 64-byte-aligned fp32 row
+// gradients, in fresh token-major buffers; the forward's chunk states): above the portable level, a 64-byte-aligned fp32 row
 // of whole cache lines is streamed past the cache (no read of the line first); else a copy. The
 // caller fences (_mm_sfence) before its task ends.
 template <typename T>
@@ -463,7 +463,7 @@ struct Forward : Grid, KdaInputs<T> {
         decay_high = high;
       }
       // U' = U − W h;  O = Q_r h + P U' (straight into the token-major output);  h ← diag(e^{b_C}) h + K_wᵀ U'
-      if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
+      if (keep) store_once(h, states + row * K * V, K * V);  // read only by the backward
       T* O = o + (n * NC * C + t0) * ldo + hh * V;
       mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, KV);
       in.prefetch(t0 + C, C, L, K, V, 2, 4);
@@ -475,6 +475,9 @@ struct Forward : Grid, KdaInputs<T> {
       mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
+#if defined(__AVX512F__)
+    if (keep) _mm_sfence();  // the streamed states (store_once) visible before the task ends
+#endif
     if (decay_stats != nullptr) {
       decay_stats[3 * nh] = double(decay_bad);
       decay_stats[3 * nh + 1] = double(decay_nan);
