@@ -176,8 +176,9 @@ def test_kda_float64_kernel_equals_the_recurrence(kernels, native_calls, T, K, V
 
 @pytest.mark.parametrize("decay,C", [(0.05, 64), (7.0, 64), (7.0, 128)])
 def test_kda_float64_kernel_with_mild_and_strong_decays(kernels, native_calls, decay, C, one_thread):
-    """α down to 1e-3 per token and channel: across a sub-block of 8 the decay passes e^{-60}, so the
-    sub-blocks' own pairs are summed exactly (the other branch of the kernel); still ~1e-12."""
+    """α down to 1e-3 per token and channel (|b| up to about 450 over a chunk of 128: in float64 still
+    within the whole-chunk products' e^{±600}); still ~1e-12. The sub-block and pair-by-pair forms:
+    test_kda_kernel_across_its_three_forms_of_s_and_p."""
     x = _kda_inputs(1, 150, 2, 16, 20, decay=decay, seed=6)
     got = _run(ops.chunk_kda, x, chunk_size=C)
     want = _run(ops.recurrent_kda, x, kernels_on=False)
