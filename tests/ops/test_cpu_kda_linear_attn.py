@@ -176,8 +176,9 @@ def test_kda_float64_kernel_equals_the_recurrence(kernels, native_calls, T, K, V
 
 @pytest.mark.parametrize("decay,C", [(0.05, 64), (7.0, 64), (7.0, 128)])
 def test_kda_float64_kernel_with_mild_and_strong_decays(kernels, native_calls, decay, C, one_thread):
-    """α down to 1e-3 per token and channel: across a sub-block of 8 the decay passes e^{-60}, so the
-    sub-blocks' own pairs are summed exactly (the other branch of the kernel); still ~1e-12."""
+    """α down to 1e-3 per token and channel (|b| up to about 450 over a chunk of 128: in float64 still
+    within the whole-chunk products' e^{±600}); still ~1e-12. The sub-block and pair-by-pair forms:
+    test_kda_kernel_across_its_three_forms_of_s_and_p."""
     x = _kda_inputs(1, 150, 2, 16, 20, decay=decay, seed=6)
     got = _run(ops.chunk_kda, x, chunk_size=C)
     want = _run(ops.recurrent_kda, x, kernels_on=False)
@@ -196,6 +197,35 @@ def test_kda_fp32_kernel_error_within_2x_of_the_fp32_recurrence(kernels, decay, 
     for i, (name, a, r, e) in enumerate(zip(_names(x64), got, ref32, exact)):
         bound = (2.0 if i < 2 else 3.0) * max(rel_err(r, e), 1e-7)
         assert rel_err(a, e) <= bound, f"{name}: {rel_err(a, e):.2e} vs the recurrence's {rel_err(r, e):.2e}"
+
+
+@pytest.mark.parametrize("dtype,strong", [(torch.float64, 25.0), (torch.float64, 400.0), (torch.float32, 4.0),
+                                          (torch.float32, 40.0)], ids=["f64-d25", "f64-d400", "f32-d4", "f32-d40"])
+def test_kda_kernel_across_its_three_forms_of_s_and_p(kernels, native_calls, dtype, strong, one_thread):
+    """The kernel forms a chunk's S and P in one of three ways, by its decays (chunk_kda.cpp): one
+    product over the whole chunk where every |b| stays within 60 (600 in float64), else sub-block
+    products, and pair by pair inside a sub-block whose span passes that limit. Log decays in
+    (−1, 0) per token (|b| ≤ 64 over a chunk, about 32: the whole chunk at once) except the second
+    chunk's, in (−strong, 0): float64 25 (|b| ≈ 800 over the chunk, ≈ 100 over a sub-block of 8: the
+    sub-block products) and 400 (≈ 1600 over a sub-block: pair by pair); float32 4 (|b| ≈ 128, ≈ 16
+    over a sub-block) and 40 (≈ 160 over a sub-block). So one sequence passes from one form to the
+    other and back, forward and backward: float64 ~1e-12 of the recurrence, float32 within 2×
+    (gradients 3×) of the float32 recurrence's error."""
+    x64 = _kda_inputs(2, 200, 2, 32, 20, decay=1.0, seed=11)
+    x64["g"][:, 64:128] *= strong
+    exact = _run(ops.recurrent_kda, x64, kernels_on=False)
+    if dtype == torch.float64:
+        got = _run(ops.chunk_kda, x64, chunk_size=64)
+        for name, a, b in zip(_names(x64), got, exact):
+            assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    else:
+        x32 = {n: t.float() for n, t in x64.items()}
+        ref32 = _run(ops.recurrent_kda, x32, kernels_on=False)
+        got = _run(ops.chunk_kda, x32, chunk_size=64)
+        for i, (name, a, r, e) in enumerate(zip(_names(x64), got, ref32, exact)):
+            bound = (2.0 if i < 2 else 3.0) * max(rel_err(r, e), 1e-7)
+            assert rel_err(a, e) <= bound, f"{name}: {rel_err(a, e):.2e} vs the recurrence's {rel_err(r, e):.2e}"
+    assert {"fastweights.ops.kda.chunk._native_forward", "fastweights.ops.kda.chunk._native_backward"} <= set(native_calls)
 
 
 def test_kda_kernel_matches_the_pytorch_path_with_packed_sequences(kernels, one_thread):

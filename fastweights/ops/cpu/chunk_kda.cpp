@@ -7,7 +7,12 @@
 //   T = (I + diag(β) S)⁻¹,  [W | U] = T diag(β) [K ⊙ e^b | V]
 //   U' = U − W h,  O = scale · (Q ⊙ e^b) h + P U',  h ← diag(e^{b_C}) h + (K ⊙ e^{b_C − b})ᵀ U'
 //
-// S and P are computed in the relative form of kda/parallel.py, with the same reference points:
+// Where every channel's cumulative decay stays within e^{±60} over the chunk (e^{±600} in float64;
+// the common case: a chunk of 64 tokens at −0.05 per token spans e^{−3}), S and P are one product
+// over the whole chunk, [E ⊙ e^b ; Q_r] (K ⊙ e^{−b})ᵀ: no factor over- or underflows, each entry
+// Σ_d x_r y_i e^{b_r} e^{−b_i} carries a few ulp per term as the relative form below does, and the
+// chunk needs one exponential per element (e^b; e^{−b} = 1 / e^b, e^{b_C − b} = e^{b_C} e^{−b}).
+// Otherwise S and P are computed in the relative form of kda/parallel.py, with the same reference points:
 // rows in sub-blocks of s tokens, sub-block j measured from m = js − 1 (b_{−1} = 0), so the
 // factors e^{b_r − b_m} of its rows and e^{b_m − b_i} of earlier columns are both ≤ 1 and
 // nothing overflows however strong the decay. The earlier columns' factor is taken as
@@ -80,6 +85,23 @@ inline void exp_of(const double* x, T* out, int64_t n) {
 
 // Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
 
+// n elements of src to an output row that nothing reads again in the kernel (the backward's
+// gradients, in fresh token-major buffers; the forward's chunk states): above the portable level, a 64-byte-aligned fp32 row
+// of whole cache lines is streamed past the cache (no read of the line first); else a copy. The
+// caller fences (_mm_sfence) before its task ends.
+template <typename T>
+inline void store_once(const T* src, T* dst, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (::fastweights::cpu::isa() > ::fastweights::cpu::kPortable && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % 16 == 0) {
+      for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
+      return;
+    }
+  }
+#endif
+  std::memcpy(dst, src, sizeof(T) * n);
+}
+
 // One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides;
 // beta null: β = 1; e (GDN-2's erase keys, [N, H, T, K]) null: the erase keys are k (KDA).
 template <typename T>
@@ -89,14 +111,16 @@ struct HeadInputs {
 
   // Asks for the rows of the chunk at t0 (nothing past L or before 0) while another computes: one
   // token's rows are a page apart in a token-major input, which no hardware prefetcher follows.
-  void prefetch(int64_t t0, int64_t C, int64_t L, int64_t K, int64_t V) const {
+  // Part `part` of `parts` of those rows: issued all at once, the requests of a whole chunk stall
+  // on the fill buffers, so the kernels spread them over the chunk's work.
+  void prefetch(int64_t t0, int64_t C, int64_t L, int64_t K, int64_t V, int64_t part = 0, int64_t parts = 1) const {
     if (t0 < 0 || t0 >= L) return;
-    const int64_t rows = std::min(C, L - t0);
-    prefetch_rows(q, q_t, t0, rows, K);
-    prefetch_rows(k, k_t, t0, rows, K);
-    prefetch_rows(v, v_t, t0, rows, V);
-    prefetch_rows(gk, gk_t, t0, rows, K);
-    if (e != nullptr) prefetch_rows(e, e_t, t0, rows, K);
+    const int64_t rows = std::min(C, L - t0), begin = t0 + rows * part / parts, n = rows * (part + 1) / parts - rows * part / parts;
+    prefetch_rows(q, q_t, begin, n, K);
+    prefetch_rows(k, k_t, begin, n, K);
+    prefetch_rows(v, v_t, begin, n, V);
+    prefetch_rows(gk, gk_t, begin, n, K);
+    if (e != nullptr) prefetch_rows(e, e_t, begin, n, K);
   }
 };
 
@@ -104,22 +128,25 @@ struct HeadInputs {
 // backward share it). `compute` takes chunk t0 of one head and leaves:
 //   Q, Km, Vm, bvec: the gathered chunk (rows past the end zero); Em: the erase keys (Km itself for
 //   KDA, GDN-2's e gathered otherwise); bd: b = cumsum(gk) in float64;
-//   fac = e^b, Qr = scale · Q ⊙ e^b, Kw = K ⊙ e^{b_C − b}, last = e^{b_C};
-//   eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i}, kr[i] = k_i ⊙ tosub[i];
-//   S, P (relative form, file comment; S's rows from Em), Tm = (I + diag(β) S)⁻¹, R = diag(β) [Em ⊙ e^b | V],
+//   fac = e^b, Qr = scale · Q ⊙ e^b, Kw = K ⊙ e^{b_C − b}, last = e^{b_C}; `whole` (file comment) and,
+//   where it holds, inv = e^{−b};
+//   eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i}, kr[i] = k_i ⊙ tosub[i] (the backward's,
+//   and the forward's where not `whole`);
+//   S, P (file comment; S's rows from Em), Tm = (I + diag(β) S)⁻¹, R = diag(β) [Em ⊙ e^b | V],
 //   WU = Tm R.
 template <typename T>
 struct Terms {
   static constexpr int64_t kDoubles = int64_t(sizeof(double) / sizeof(T));  // T elements per double
   int64_t C, K, V, s;
   T scale;
-  T *Q, *Km, *Vm, *eleft, *kr, *tosub, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P, *Tm, *R,
-      *WU, *bvec, *last, *Eg, *Em;
+  T *Q, *Km, *Vm, *eleft, *kr, *tosub, *inv, *LQ, *Qr, *Kw, *inside, *Right, *across, *fac, *gin, *erow, *Lf, *M, *S, *P,
+      *Tm, *R, *WU, *bvec, *last, *Eg, *Em;
   double *bd, *ex, *exr;
+  bool whole = false;  // this chunk's S and P by one product over the whole chunk (every |b| ≤ limit())
 
   static int64_t size(int64_t C, int64_t K, int64_t V, int64_t s) {
     const int64_t CK = round16(C * K);
-    return 13 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
+    return 15 * CK + round16(C * V) + 2 * kDoubles * CK + kDoubles * round16(K) + round16(2 * s * K) +
            round16(2 * s * C) + 3 * round16(C * C) + 2 * round16(C * (K + V)) + round16(C) + round16(K) + CK;
   }
 
@@ -129,11 +156,13 @@ struct Terms {
     bd = reinterpret_cast<double*>(sc.take(kDoubles * C * K));
     ex = reinterpret_cast<double*>(sc.take(kDoubles * C * K));
     exr = reinterpret_cast<double*>(sc.take(kDoubles * K));
-    eleft = sc.take(C * K); kr = sc.take(C * K); tosub = sc.take(C * K); Qr = sc.take(C * K); Kw = sc.take(C * K);
+    eleft = sc.take(C * K); kr = sc.take(C * K); tosub = sc.take(C * K); Kw = sc.take(C * K);
+    LQ = sc.take(2 * C * K); Qr = LQ + C * K;  // [E ⊙ e^b ; Q_r]
+    inv = sc.take(C * K);  // e^{−b} (whole chunks only)
     inside = sc.take(C * K); Right = sc.take(C * K); across = sc.take(C * K); fac = sc.take(C * K);
     gin = sc.take(C * K); erow = sc.take(C * K);
     Lf = sc.take(2 * s * K); M = sc.take(2 * s * C);
-    S = sc.take(C * C); P = sc.take(C * C); Tm = sc.take(C * C);
+    S = sc.take(2 * C * C); P = S + C * C; Tm = sc.take(C * C);  // S and P adjacent: one product fills both
     R = sc.take(C * (K + V)); WU = sc.take(C * (K + V)); bvec = sc.take(C); last = sc.take(K);
     Eg = sc.take(C * K);  // GDN-2's erase keys, gathered (Em points here or at Km)
     Em = Km;
@@ -157,39 +186,40 @@ struct Terms {
     }
   }
 
-  void compute(const HeadInputs<T>& in, int64_t t0, int64_t L) {
-    const int64_t KV = K + V, nb = C / s;
-    const double limit = std::is_same_v<T, float> ? 60.0 : 600.0;  // e^{±limit} stays finite in T
-    gather_rows(in.q, in.q_t, t0, L, C, K, Q, K);
-    gather_rows(in.k, in.k_t, t0, L, C, K, Km, K);
-    gather_rows(in.v, in.v_t, t0, L, C, V, Vm, V);
-    gather_rows(in.gk, in.gk_t, t0, L, C, K, gin, K);
-    Em = Km;
-    if (in.e != nullptr) {
-      gather_rows(in.e, in.e_t, t0, L, C, K, Eg, K);
-      Em = Eg;
+  // e^{±limit} stays finite (and normal) in T: the bound on |b| for the whole-chunk products
+  static constexpr double limit() { return std::is_same_v<T, float> ? 60.0 : 600.0; }
+
+  // The sub-block factors: eleft[r] = e^{b_r − b_m(r)}, tosub[i] = e^{b_e(i) − b_i},
+  // kr = K ⊙ tosub, and inside[i] = e^{b_m(i) − b_i} ≥ 1 (used only where finite).
+  // From e^b and e^{−b} (`inv`) where the chunk is `whole` (every factor finite: products of two,
+  // each to an ulp or two), else each its own exponential of a float64 difference.
+  void sub_block_factors() {
+    if (whole) {
+      for (int64_t i = 0; i < C; ++i) {
+        const int64_t m = (i / s) * s - 1, e = (i / s) * s + s - 1;
+        const T *__restrict fi = fac + i * K, *__restrict ii = inv + i * K, *__restrict fe = fac + e * K,
+                            *__restrict ki = Km + i * K;
+        T *__restrict el = eleft + i * K, *__restrict in_ = inside + i * K, *__restrict ts = tosub + i * K,
+                      *__restrict kk = kr + i * K;
+        if (m < 0) {
+          std::memcpy(el, fi, sizeof(T) * K);
+          std::memcpy(in_, ii, sizeof(T) * K);
+        } else {
+          const T *__restrict fm = fac + m * K, *__restrict im = inv + m * K;
+#pragma omp simd
+          for (int64_t j = 0; j < K; ++j) {
+            el[j] = fi[j] * im[j];
+            in_[j] = fm[j] * ii[j];
+          }
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) {
+          ts[j] = fe[j] * ii[j];
+          kk[j] = ki[j] * ts[j];
+        }
+      }
+      return;
     }
-    for (int64_t i = 0; i < C; ++i)
-      bvec[i] = t0 + i < L ? (in.beta != nullptr ? in.beta[(t0 + i) * in.beta_t] : T(1)) : T(0);
-    for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
-    for (int64_t i = 1; i < C; ++i)
-      for (int64_t j = 0; j < K; ++j) bd[i * K + j] = bd[(i - 1) * K + j] + double(gin[i * K + j]);
-    const double* bC = bd + (C - 1) * K;
-    // e^b (the state's reads), e^{b_C − b} (its writes), e^{b_C}
-    exp_of(bd, fac, C * K);
-    for (int64_t i = 0; i < C; ++i)
-      for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
-    exp_of(ex, erow, C * K);
-    for (int64_t i = 0; i < C * K; ++i) {
-      Qr[i] = Q[i] * fac[i] * scale;
-      Kw[i] = Km[i] * erow[i];
-    }
-    std::memcpy(last, fac + (C - 1) * K, sizeof(T) * K);
-    for (int64_t i = 0; i < C; ++i) {
-      for (int64_t j = 0; j < K; ++j) R[i * KV + j] = bvec[i] * Em[i * K + j] * fac[i * K + j];
-      for (int64_t j = 0; j < V; ++j) R[i * KV + K + j] = bvec[i] * Vm[i * V + j];
-    }
-    // the sub-block factors: eleft, kr, and inside[i] = e^{b_m(i) − b_i} ≥ 1 (used only where finite)
     for (int64_t i = 0; i < C; ++i) {
       const int64_t m = (i / s) * s - 1, e = (i / s) * s + s - 1;
       for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bd[i * K + j] - bm(m, j);
@@ -202,14 +232,24 @@ struct Terms {
       }
       exp_of(exr, inside + i * K, K);
     }
+  }
+
+  // S and P sub-block by sub-block (the file comment's relative form), from sub_block_factors'.
+  void sub_block_products() {
+    const int64_t nb = C / s;
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t r0 = j * s, m = r0 - 1;
-      for (int64_t r = 0; r < s; ++r)  // rows [E ⊙ e_left ; scale · Q ⊙ e_left]
+      const T sc = scale;
+      for (int64_t r = 0; r < s; ++r) {  // rows [E ⊙ e_left ; scale · Q ⊙ e_left]
+        const T *__restrict el = eleft + (r0 + r) * K, *__restrict er = Em + (r0 + r) * K,
+                            *__restrict qr = Q + (r0 + r) * K;
+        T *__restrict le = Lf + r * K, *__restrict lq = Lf + (s + r) * K;
+#pragma omp simd
         for (int64_t d = 0; d < K; ++d) {
-          const T e = eleft[(r0 + r) * K + d];
-          Lf[r * K + d] = Em[(r0 + r) * K + d] * e;
-          Lf[(s + r) * K + d] = Q[(r0 + r) * K + d] * e * scale;
+          le[d] = er[d] * el[d];
+          lq[d] = qr[d] * el[d] * sc;
         }
+      }
       right_before(j, nullptr);
       // the sub-block's own pairs by the split factors when every channel stays finite (one
       // reduction the compiler vectorises: the decay's span from the reference point, at most)
@@ -219,7 +259,7 @@ struct Terms {
 #pragma omp simd reduction(max : span)
         for (int64_t d = 0; d < K; ++d) span = std::max(span, std::abs((m < 0 ? 0.0 : bd[m * K + d]) - bi[d]));
       }
-      const bool split = span <= limit;
+      const bool split = span <= limit();
       const int64_t cols = split ? r0 + s : r0;
       if (split)
         for (int64_t i = r0; i < r0 + s; ++i)
@@ -251,6 +291,89 @@ struct Terms {
         std::fill(S + rr * C + rr + 1, S + (rr + 1) * C, T(0));
         std::fill(P + rr * C + rr + 1, P + (rr + 1) * C, T(0));
       }
+    }
+  }
+
+  // The chunk's terms (the struct comment). `factors`: also the sub-block factors (eleft, tosub,
+  // kr, inside) that the backward's adjoint of S and P reads; the forward asks for them only when
+  // the chunk takes the sub-block path.
+  void compute(const HeadInputs<T>& in, int64_t t0, int64_t L, bool factors) {
+    const int64_t KV = K + V;
+    gather_rows(in.q, in.q_t, t0, L, C, K, Q, K);
+    gather_rows(in.k, in.k_t, t0, L, C, K, Km, K);
+    gather_rows(in.v, in.v_t, t0, L, C, V, Vm, V);
+    gather_rows(in.gk, in.gk_t, t0, L, C, K, gin, K);
+    Em = Km;
+    if (in.e != nullptr) {
+      gather_rows(in.e, in.e_t, t0, L, C, K, Eg, K);
+      Em = Eg;
+    }
+    for (int64_t i = 0; i < C; ++i)
+      bvec[i] = t0 + i < L ? (in.beta != nullptr ? in.beta[(t0 + i) * in.beta_t] : T(1)) : T(0);
+    // b = cumsum(gk) in float64, and its largest magnitude over the chunk (one vectorised reduction)
+    double high = 0.0;
+    for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
+    for (int64_t i = 1; i < C; ++i) {
+      double* bi = bd + i * K;
+      const double* bp = bi - K;
+      const T* gi = gin + i * K;
+#pragma omp simd
+      for (int64_t j = 0; j < K; ++j) bi[j] = bp[j] + double(gi[j]);
+    }
+#pragma omp simd reduction(max : high)
+    for (int64_t i = 0; i < C * K; ++i) high = std::max(high, std::abs(bd[i]));
+    whole = high <= limit();
+    exp_of(bd, fac, C * K);  // e^b (the state's reads)
+    std::memcpy(last, fac + (C - 1) * K, sizeof(T) * K);
+    T* EF = LQ;  // [E ⊙ e^b ; scale · Q ⊙ e^b] (Qr = its lower half)
+    if (whole) {
+      // every |b| ≤ limit: e^{−b} = 1 / e^b is finite, and e^{b_C − b} = e^{b_C} · e^{−b} (a product
+      // of two finite factors, each to an ulp or two)
+      for (int64_t i = 0; i < C; ++i) {
+        const T* __restrict f = fac + i * K;
+        const T *__restrict qi = Q + i * K, *__restrict ki = Km + i * K, *__restrict ei = Em + i * K;
+        const T* __restrict lst = last;
+        T *__restrict er = erow + i * K, *__restrict rt = Right + i * K, *__restrict ef = EF + i * K,
+                      *__restrict qr = Qr + i * K, *__restrict kw = Kw + i * K, *__restrict iv = inv + i * K;
+        const T sc = scale;
+#pragma omp simd
+        for (int64_t j = 0; j < K; ++j) {
+          iv[j] = T(1) / f[j];
+          er[j] = lst[j] * iv[j];
+          rt[j] = ki[j] * iv[j];
+          ef[j] = ei[j] * f[j];
+          qr[j] = qi[j] * f[j] * sc;
+          kw[j] = ki[j] * er[j];
+        }
+      }
+    } else {
+      const double* bC = bd + (C - 1) * K;
+      for (int64_t i = 0; i < C; ++i)
+        for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
+      exp_of(ex, erow, C * K);  // e^{b_C − b} (the state's writes)
+      for (int64_t i = 0; i < C * K; ++i) {
+        EF[i] = Em[i] * fac[i];
+        Qr[i] = Q[i] * fac[i] * scale;
+        Kw[i] = Km[i] * erow[i];
+      }
+    }
+    for (int64_t i = 0; i < C; ++i) {
+      const T bi = bvec[i];
+      for (int64_t j = 0; j < K; ++j) R[i * KV + j] = bi * EF[i * K + j];
+      for (int64_t j = 0; j < V; ++j) R[i * KV + K + j] = bi * Vm[i * V + j];
+    }
+    if (factors || !whole) sub_block_factors();
+    if (whole) {
+      // S and P in one product over the whole chunk: [E ⊙ e^b ; Q_r] (K ⊙ e^{−b})ᵀ, the rows of S
+      // then those of P (S and P are adjacent), each entry Σ_d x_r y_i e^{b_r − b_i} with factors
+      // that neither overflow nor underflow; then the masks.
+      mm<T>(false, true, 2 * C, C, K, T(1), EF, K, Right, K, T(0), S, C);
+      for (int64_t r = 0; r < C; ++r) {
+        std::fill(S + r * C + r, S + (r + 1) * C, T(0));
+        std::fill(P + r * C + r + 1, P + (r + 1) * C, T(0));
+      }
+    } else {
+      sub_block_products();
     }
     unit_lower_inverse<T>(C, S, bvec, Tm);
     mm<T>(false, false, C, KV, C, T(1), Tm, C, R, KV, T(0), WU, KV);  // [W | U] = T R
@@ -315,8 +438,9 @@ struct Forward : Grid, KdaInputs<T> {
     T decay_high = -std::numeric_limits<T>::infinity();
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, row = c * NH + nh;
-      in.prefetch(t0 + C, C, L, K, V);
-      x.compute(in, t0, L);
+      in.prefetch(t0 + C, C, L, K, V, 0, 4);  // the next chunk's rows, in four parts over this one's work
+      x.compute(in, t0, L, false);
+      in.prefetch(t0 + C, C, L, K, V, 1, 4);
       const int64_t rows = std::min(C, L - t0);
       if (finite->on() && (any_nonfinite(x.Q, rows * K) || any_nonfinite(x.Km, rows * K) ||
                            any_nonfinite(x.Vm, rows * V))) {
@@ -339,16 +463,21 @@ struct Forward : Grid, KdaInputs<T> {
         decay_high = high;
       }
       // U' = U − W h;  O = Q_r h + P U' (straight into the token-major output);  h ← diag(e^{b_C}) h + K_wᵀ U'
-      if (keep) std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
+      if (keep) store_once(h, states + row * K * V, K * V);  // read only by the backward
       T* O = o + (n * NC * C + t0) * ldo + hh * V;
       mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, KV);
+      in.prefetch(t0 + C, C, L, K, V, 2, 4);
       mm<T>(false, false, C, V, K, T(1), x.Qr, K, h, V, T(0), O, ldo);
       mm<T>(false, false, C, V, C, T(1), x.P, C, Up, KV, T(1), O, ldo);
+      in.prefetch(t0 + C, C, L, K, V, 3, 4);
       for (int64_t i = 0; i < K; ++i)
         for (int64_t j = 0; j < V; ++j) h[i * V + j] *= x.last[i];
       mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
+#if defined(__AVX512F__)
+    if (keep) _mm_sfence();  // the streamed states (store_once) visible before the task ends
+#endif
     if (decay_stats != nullptr) {
       decay_stats[3 * nh] = double(decay_bad);
       decay_stats[3 * nh + 1] = double(decay_nan);
@@ -382,7 +511,7 @@ struct Backward : Grid, KdaInputs<T> {
   int64_t scratch_size() const {
     const int64_t CK = round16(C * K), KV = K + V;
     return Terms<T>::size(C, K, V, s) + 3 * round16(C * V) + 2 * round16(C * KV) + 2 * round16(C * C) + 8 * CK +
-           2 * round16(K * V) + round16(2 * s * K) + round16(2 * s * C) + round16(s * s * K) + round16(C) + CK;
+           2 * round16(K * V) + round16(2 * s * K) + round16(2 * s * C) + round16(s * s * K) + round16(C) + round16(K) + CK;
   }
 
   void head(int64_t nh, T* scratch) const {
@@ -394,7 +523,7 @@ struct Backward : Grid, KdaInputs<T> {
     T *dqc = sc.take(C * K), *dkc = sc.take(C * K), *dgc = sc.take(C * K), *dQr = sc.take(C * K), *dKw = sc.take(C * K);
     T *F = sc.take(C * K), *dR = sc.take(C * K), *span = sc.take(C * K);
     T *dh = sc.take(K * V), *dh_new = sc.take(K * V), *dL = sc.take(2 * s * K), *dM = sc.take(2 * s * C);
-    T *Z = sc.take(s * s * K), *dbc = sc.take(C);
+    T *Z = sc.take(s * s * K), *dbc = sc.take(C), *run = sc.take(K);
     T* dec = e != nullptr ? sc.take(C * K) : dkc;  // the erase keys' gradient: dK itself for KDA
     const auto in = this->head_rows(n, hh);
     const T* doh = dout + n * do_s[0] + hh * do_s[1];
@@ -402,9 +531,9 @@ struct Backward : Grid, KdaInputs<T> {
     for (int64_t c = NC - 1; c >= 0; --c) {
       const int64_t t0 = c * C, row = c * NH + nh;
       const T* h = states + row * K * V;
-      in.prefetch(t0 - C, C, L, K, V);
-      if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);
-      x.compute(in, t0, L);
+      in.prefetch(t0 - C, C, L, K, V, 0, 2);  // the previous chunk's rows, spread over this one's work
+      x.compute(in, t0, L, true);
+      in.prefetch(t0 - C, C, L, K, V, 1, 2);
       gather_rows(doh, do_s[2], t0, L, C, V, dO, V);
       // U' = U − W h
       for (int64_t i = 0; i < C; ++i) std::memcpy(Up + i * V, x.WU + i * KV + K, sizeof(T) * V);
@@ -423,6 +552,7 @@ struct Backward : Grid, KdaInputs<T> {
       mm<T>(false, true, C, C, V, T(1), dO, V, Up, V, T(0), dP, C);
       mm<T>(false, true, C, K, V, T(1), dO, V, h, V, T(0), dQr, K);
       mm<T>(false, true, C, K, V, T(1), Up, V, dh, V, T(0), dKw, K);
+      if (c > 0) prefetch_rows(doh, do_s[2], t0 - C, C, V);
       // through the solve: dZ = Tᵀ d[W | U]; dA = −tril(dZ [W | U]ᵀ, −1)
       mm<T>(true, false, C, KV, C, T(1), x.Tm, C, dwu, KV, T(0), dz, KV);
       mm<T>(false, true, C, C, KV, T(-1), dz, KV, x.WU, KV, T(0), dA, C);
@@ -443,20 +573,33 @@ struct Backward : Grid, KdaInputs<T> {
       }
       // dE ⊙ e^b part (dR_K = β dZ_K; E = K for KDA), dQ, dK, dgk of the reads and writes
       for (int64_t i = 0; i < C; ++i) {
-        const T bi = x.bvec[i];
+        const T bi = x.bvec[i], sc = scale;
+        const T *__restrict fr = x.fac + i * K, *__restrict dzk = dz + i * KV, *__restrict dqr = dQr + i * K,
+                            *__restrict dkw = dKw + i * K, *__restrict er = x.erow + i * K, *__restrict em = x.Em + i * K,
+                            *__restrict qr = x.Qr + i * K;
+        T *__restrict dq_ = dqc + i * K, *__restrict dk_ = dkc + i * K, *__restrict sp = span + i * K,
+                      *__restrict dg = dgc + i * K;
+#pragma omp simd
         for (int64_t j = 0; j < K; ++j) {
-          const T fr = x.fac[i * K + j], dkr = bi * dz[i * KV + j];
-          dqc[i * K + j] = dQr[i * K + j] * fr * scale;
-          if (dec != dkc) {
-            dec[i * K + j] = dkr * fr;
-            dkc[i * K + j] = dKw[i * K + j] * x.erow[i * K + j];
-          } else {
-            dkc[i * K + j] = dkr * fr + dKw[i * K + j] * x.erow[i * K + j];
-          }
-          span[i * K + j] = dkr * x.Em[i * K + j] * fr + dQr[i * K + j] * x.Qr[i * K + j];  // reverse cumsum below
-          dgc[i * K + j] = T(0);
+          const T dkr = bi * dzk[j];
+          dq_[j] = dqr[j] * fr[j] * sc;
+          sp[j] = dkr * em[j] * fr[j] + dqr[j] * qr[j];  // reverse cumsum below
+          dg[j] = T(0);
         }
-        for (int64_t j = 0; j < V; ++j) dz[i * KV + K + j] *= bi;  // dV
+        if (dec != dkc) {
+          T* __restrict de_ = dec + i * K;
+#pragma omp simd
+          for (int64_t j = 0; j < K; ++j) {
+            de_[j] = bi * dzk[j] * fr[j];
+            dk_[j] = dkw[j] * er[j];
+          }
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < K; ++j) dk_[j] = bi * dzk[j] * fr[j] + dkw[j] * er[j];
+        }
+        T* __restrict dvv = dz + i * KV + K;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) dvv[j] *= bi;  // dV
       }
       // e^{b_C}: every row; the reads (span [t, C)): reverse cumsum; the writes K_w (span (r, C)): exclusive
       {
@@ -482,12 +625,16 @@ struct Backward : Grid, KdaInputs<T> {
       // S (x = E, dM = dS) and P (x = q, dM = scale dP), y = k, both at once per sub-block
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t r0 = j * s, m = r0 - 1;
-        for (int64_t r = 0; r < s; ++r)
+        for (int64_t r = 0; r < s; ++r) {
+          const T *__restrict el = x.eleft + (r0 + r) * K, *__restrict em = x.Em + (r0 + r) * K,
+                              *__restrict qr = x.Q + (r0 + r) * K;
+          T *__restrict le = x.Lf + r * K, *__restrict lq = x.Lf + (s + r) * K;
+#pragma omp simd
           for (int64_t d = 0; d < K; ++d) {
-            const T e = x.eleft[(r0 + r) * K + d];
-            x.Lf[r * K + d] = x.Em[(r0 + r) * K + d] * e;
-            x.Lf[(s + r) * K + d] = x.Q[(r0 + r) * K + d] * e;
+            le[d] = em[d] * el[d];
+            lq[d] = qr[d] * el[d];
           }
+        }
         if (r0 > 0) {  // columns before the sub-block: M = Left Rightᵀ
           x.right_before(j, F);
           for (int64_t r = 0; r < s; ++r) {
@@ -496,29 +643,46 @@ struct Backward : Grid, KdaInputs<T> {
           }
           mm<T>(false, false, 2 * s, K, r0, T(1), dM, C, x.Right, K, T(0), dL, K);
           mm<T>(true, false, r0, K, 2 * s, T(1), dM, C, x.Lf, K, T(0), dR, K);
-          // left: dx_r += dL ⊙ e_left, dgk over (m, r]: a reverse cumsum inside the sub-block
-          for (int64_t d = 0; d < K; ++d) {
-            T run = T(0);
-            for (int64_t r = s - 1; r >= 0; --r) {
-              const int64_t rr = r0 + r;
-              const T e = x.eleft[rr * K + d], a = dL[r * K + d], b = dL[(s + r) * K + d];
-              dec[rr * K + d] += a * e;
-              dqc[rr * K + d] += b * e;
-              run += a * x.Lf[r * K + d] + b * x.Lf[(s + r) * K + d];
-              dgc[rr * K + d] += run;
+          // left: dx_r += dL ⊙ e_left, dgk over (m, r]: a reverse cumsum inside the sub-block (row by
+          // row, the running sums one per channel)
+          std::fill(run, run + K, T(0));
+          for (int64_t r = s - 1; r >= 0; --r) {
+            const int64_t rr = r0 + r;
+            const T *__restrict el = x.eleft + rr * K, *__restrict a = dL + r * K, *__restrict b = dL + (s + r) * K,
+                                *__restrict la = x.Lf + r * K, *__restrict lb = x.Lf + (s + r) * K;
+            T *__restrict de_ = dec + rr * K, *__restrict dq_ = dqc + rr * K, *__restrict dg = dgc + rr * K,
+                          *__restrict rn = run;
+#pragma omp simd
+            for (int64_t d = 0; d < K; ++d) {
+              de_[d] += a[d] * el[d];
+              dq_[d] += b[d] * el[d];
+              rn[d] += a[d] * la[d] + b[d] * lb[d];
+              dg[d] += rn[d];
             }
           }
           // right: dy_i += dR ⊙ e^{b_m − b_i}, dgk over (i, m]: an exclusive cumsum over i < js
-          for (int64_t d = 0; d < K; ++d) {
-            T run = T(0);
-            for (int64_t i = 0; i < r0; ++i) {
-              dgc[i * K + d] += run;
-              dkc[i * K + d] += dR[i * K + d] * F[i * K + d];
-              run += dR[i * K + d] * x.Right[i * K + d];
+          std::fill(run, run + K, T(0));
+          for (int64_t i = 0; i < r0; ++i) {
+            const T *__restrict dr = dR + i * K, *__restrict f = F + i * K, *__restrict rt = x.Right + i * K;
+            T *__restrict dg = dgc + i * K, *__restrict dk_ = dkc + i * K, *__restrict rn = run;
+#pragma omp simd
+            for (int64_t d = 0; d < K; ++d) {
+              dg[d] += rn[d];
+              dk_[d] += dr[d] * f[d];
+              rn[d] += dr[d] * rt[d];
             }
           }
         }
-        // inside the sub-block, pair by pair (i ≤ r): w = dM[r, i] e^{b_r − b_i}; span (i, r]
+        // inside the sub-block, pair by pair (i ≤ r): w = dM[r, i] e^{b_r − b_i}; span (i, r]. The
+        // factor e^{b_r − b_i} is e^{b_r − b_m} e^{b_m − b_i} where every channel's span from the
+        // reference point stays within the limit (as in the forward), else its own exponential.
+        double span_max = 0.0;
+        for (int64_t i = r0; i < r0 + s; ++i) {
+          const double* bi = x.bd + i * K;
+#pragma omp simd reduction(max : span_max)
+          for (int64_t d = 0; d < K; ++d) span_max = std::max(span_max, std::abs(x.bm(m, d) - bi[d]));
+        }
+        const bool split = span_max <= x.limit();
         std::fill(Z, Z + s * s * K, T(0));
         for (int64_t r = 0; r < s; ++r) {
           const int64_t rr = r0 + r;
@@ -526,16 +690,36 @@ struct Backward : Grid, KdaInputs<T> {
             const int64_t ii = r0 + i;
             const T ds = i < r ? dA[rr * C + ii] : T(0), dp = dP[rr * C + ii];
             if (ds == T(0) && dp == T(0)) continue;
-            for (int64_t d = 0; d < K; ++d) x.exr[d] = x.bd[rr * K + d] - x.bd[ii * K + d];
-            exp_of(x.exr, x.across, K);
-            T* z = Z + (r * s + i) * K;
-            for (int64_t d = 0; d < K; ++d) {
-              const T e = x.across[d], ws = ds * e, wp = dp * e, kr_ = x.Em[rr * K + d], qr_ = x.Q[rr * K + d],
-                      ki = x.Km[ii * K + d];
-              dec[rr * K + d] += ws * ki;
-              dqc[rr * K + d] += wp * ki;
-              dkc[ii * K + d] += ws * kr_ + wp * qr_;
-              z[d] = (ws * kr_ + wp * qr_) * ki;
+            if (split) {  // e^{b_r − b_m} · e^{b_m − b_i}, both finite (as the forward's sub-block products)
+              const T *__restrict el = x.eleft + rr * K, *__restrict in_ = x.inside + ii * K;
+              T* __restrict ac = x.across;
+#pragma omp simd
+              for (int64_t d = 0; d < K; ++d) ac[d] = el[d] * in_[d];
+            } else {
+              for (int64_t d = 0; d < K; ++d) x.exr[d] = x.bd[rr * K + d] - x.bd[ii * K + d];
+              exp_of(x.exr, x.across, K);
+            }
+            const T *__restrict ac = x.across, *__restrict em = x.Em + rr * K, *__restrict qv = x.Q + rr * K,
+                                *__restrict kv = x.Km + ii * K;
+            T *__restrict z = Z + (r * s + i) * K, *__restrict de_ = dec + rr * K, *__restrict dq_ = dqc + rr * K;
+            T* __restrict dkr = dkc + ii * K;  // (for KDA dec == dkc: row r of it is dkr's own when i = r)
+            if (i < r) {
+#pragma omp simd
+              for (int64_t d = 0; d < K; ++d) {
+                const T ws = ds * ac[d], wp = dp * ac[d], w = ws * em[d] + wp * qv[d];
+                de_[d] += ws * kv[d];
+                dq_[d] += wp * kv[d];
+                dkr[d] += w;
+                z[d] = w * kv[d];
+              }
+            } else {  // the diagonal (P's only: ds = 0, nothing for the erase side)
+#pragma omp simd
+              for (int64_t d = 0; d < K; ++d) {
+                const T wp = dp * ac[d], w = wp * qv[d];
+                dq_[d] += wp * kv[d];
+                dkr[d] += w;
+                z[d] = w * kv[d];
+              }
             }
           }
         }
@@ -551,16 +735,19 @@ struct Backward : Grid, KdaInputs<T> {
       // write the chunk's gradients (rows past the end are padding: the buffers have NC·C rows)
       for (int64_t i = 0; i < C; ++i) {
         const int64_t o_row = (n * NC * C + t0 + i) * H + hh;
-        std::memcpy(dq + o_row * K, dqc + i * K, sizeof(T) * K);
-        std::memcpy(dk + o_row * K, dkc + i * K, sizeof(T) * K);
-        std::memcpy(dgk + o_row * K, dgc + i * K, sizeof(T) * K);
-        std::memcpy(dv + o_row * V, dz + i * KV + K, sizeof(T) * V);
+        store_once(dqc + i * K, dq + o_row * K, K);
+        store_once(dkc + i * K, dk + o_row * K, K);
+        store_once(dgc + i * K, dgk + o_row * K, K);
+        store_once(dz + i * KV + K, dv + o_row * V, V);
         if (dbeta != nullptr) dbeta[o_row] = dbc[i];
-        if (de != nullptr) std::memcpy(de + o_row * K, dec + i * K, sizeof(T) * K);
+        if (de != nullptr) store_once(dec + i * K, de + o_row * K, K);
       }
       std::swap(dh, dh_new);
     }
     std::memcpy(dh0 + nh * K * V, dh, sizeof(T) * K * V);
+#if defined(__AVX512F__)
+    _mm_sfence();  // the streamed rows (store_once) visible before the task ends
+#endif
   }
 };
 
