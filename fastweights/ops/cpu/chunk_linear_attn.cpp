@@ -106,13 +106,49 @@ struct Forward : Grid {
   bool keep;
   FiniteCheck* finite;  // the fused finite check of q, k, v (chunk_common.h)
 
-  // Z, one head's [C + K, C + V] block: [P | O] over [K̄ᵀ | h] (see head), then Q and V of a chunk
-  // gathered where they cannot be read in place, and the chunk's decays.
-  int64_t scratch_size() const {
-    return round16((C + K) * (C + V)) + round16(C * K) + round16(C * V) + 4 * round16(C);
+  // Heads worked on side by side, chunk by chunk, each with its own Z (see chunk): the heads of one
+  // token are adjacent in the token-major input, so a group reads a chunk's rows as runs G times
+  // longer than one head's row, and touches each page of them once. At most as many as keep the
+  // group's Z blocks within about 1.25 MiB (8 at K = V = 128, C = 64; at that shape, 1 thread,
+  // groups of 1, 2, 4, 8 took 16.1, 14.9, 14.3, 14.2 ms). A head's arithmetic is the same in any
+  // group: every Z block is 64-byte aligned with one leading dimension.
+  int64_t group() const { return std::clamp<int64_t>((int64_t(5) << 16) / z_size(), 1, kMaxGroup); }
+  static constexpr int64_t kMaxGroup = 8;
+  int64_t z_size() const { return round16((C + K) * (C + V)); }
+
+  // A group's Z blocks, then Q and V of a chunk gathered where they cannot be read in place, and
+  // the chunk's decays (shared by the group's heads, one after the other).
+  int64_t scratch_size() const { return group() * z_size() + round16(C * K) + round16(C * V) + 4 * round16(C); }
+
+  // Tasks begin .. end (sequence·H + head), in groups of group() heads, chunk by chunk.
+  void run(int64_t begin, int64_t end, T* scratch) const {
+    const int64_t ldz = C + V, groups = (end - begin + group() - 1) / group();
+    const int64_t G = (end - begin + groups - 1) / groups;  // the range in groups of even size
+    T* shared = scratch + group() * z_size();
+    int64_t bad[kMaxGroup][3] = {};
+    for (int64_t first = begin; first < end; first += G) {
+      const int64_t heads = std::min(G, end - first);
+      for (int64_t j = 0; j < heads; ++j) {  // h, Z's bottom-right [K, V] block, from h0 or zero
+        T* h = scratch + j * z_size() + C * ldz + C;
+        for (int64_t r = 0; r < K; ++r) {
+          if (h0 != nullptr) std::memcpy(h + r * ldz, h0 + ((first + j) * K + r) * V, sizeof(T) * V);
+          else std::fill(h + r * ldz, h + r * ldz + V, T(0));
+        }
+        std::fill(bad[j], bad[j] + 3, int64_t(0));
+      }
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t j = 0; j < heads; ++j) chunk(first + j, c, scratch + j * z_size(), shared, bad[j]);
+      fastweights::cpu::store_fence();
+      for (int64_t j = 0; j < heads; ++j) {
+        const T* h = scratch + j * z_size() + C * ldz + C;
+        for (int64_t r = 0; r < K; ++r) std::memcpy(h_out + ((first + j) * K + r) * V, h + r * ldz, sizeof(T) * V);
+        if (finite->on()) finite->add(bad[j]);
+      }
+    }
   }
 
-  // Two products per chunk, each on operands stacked so that one call does the work of two:
+  // Chunk c of head nh, in two products, each on operands stacked so that one call does the work
+  // of two. Z is the head's [C + K, C + V] block, [X | Y] over [K̄ᵀ | h] (h the state):
   //   [X | Y] = Q [K̄ᵀ | h]                       (Z's top rows from its bottom rows)
   //   [Y; h] ← e^{b_C} [Y; h] + [lower(X); K̄ᵀ] V    (one call: beta = e^{b_C})
   //   O = scale · diag(e^{b − b_C}) Y                (as O is copied out)
@@ -120,17 +156,17 @@ struct Forward : Grid {
   // with its decays moved onto row and column factors: row r of Y is e^{b_C} (Q h)_r +
   // Σ_{i≤r} e^{b_C − b_i} (q_r·k_i) v_i, which e^{b_r − b_C} turns into e^{b_r} (Q h)_r + Σ_{i≤r}
   // Γ[r, i] (q_r·k_i) v_i. So P is never decayed, nor O or h in passes of their own. Where the
-  // chunk's decay spans more than e^{±60} (factors that fp32 under- or overflows) the plain form
-  // runs instead: Kᵀ goes in unscaled, P takes Γ itself, Kᵀ is scaled in Z after the first product
+  // chunk's cumulative decay b leaves [−40, 40] (ratios of e^b that fp32 could under- or overflow)
+  // the plain form runs instead: Kᵀ goes in unscaled, P takes Γ itself, Kᵀ is scaled in Z after the first product
   // and O and h are decayed before the second. The products read a whole chunk's rows where they
   // lie in the input (rows `stride` apart, BLAS's leading dimension); the kept buffers when keeping,
-  // and zero-padded scratch for the last partial chunk.
-  void head(int64_t nh, T* scratch) const {
+  // and zero-padded scratch for the last partial chunk. `bad`: the head's non-finite counts of q, k, v.
+  void chunk(int64_t nh, int64_t c, T* Z, T* shared, int64_t* bad) const {
     const int64_t n = nh / H, hh = nh % H, NH = N * H, ldo = H * V, ldz = C + V;
-    Carve<T> s{scratch};
-    T *Z = s.take((C + K) * (C + V)), *Qs = s.take(C * K), *Vs = s.take(C * V);
+    Carve<T> s{shared};
+    T *Qs = s.take(C * K), *Vs = s.take(C * V);
     T *b = s.take(C), *rd = s.take(C), *te = s.take(C), *pr = s.take(C);
-    T* O = Z + C;           // [C, V] at ld ldz
+    T* O = Z + C;           // [C, V] at ld ldz: Y, then O before its scaling
     T* KT = Z + C * ldz;    // [K, C]: K̄ᵀ
     T* h = KT + C;          // [K, V]: the state
     const T* qh = q + n * q_s[0] + hh * q_s[1];
@@ -138,99 +174,102 @@ struct Forward : Grid {
     const T* vh = v + n * v_s[0] + hh * v_s[1];
     const T* gh = g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1];
     const bool in_place = q_s[2] >= K && v_s[2] >= V;  // rows apart (not broadcast)
-    for (int64_t r = 0; r < K; ++r) {
-      if (h0 != nullptr) std::memcpy(h + r * ldz, h0 + (nh * K + r) * V, sizeof(T) * V);
-      else std::fill(h + r * ldz, h + r * ldz + V, T(0));
+    const int64_t t0 = c * C, row = c * NH + nh, rows = std::min(C, L - t0);
+    // the next chunk's rows, a page apart per token, asked for in parts between the steps: all at
+    // once, the requests stall on the fill buffers
+    const int64_t ahead = std::clamp<int64_t>(L - t0 - C, 0, C);
+    auto prefetch = [&](int part) {
+      const int64_t r0 = ahead * part / 3, r1 = ahead * (part + 1) / 3;
+      prefetch_rows(qh, q_s[2], t0 + C + r0, r1 - r0, K);
+      prefetch_rows(kh, k_s[2], t0 + C + r0, r1 - r0, K);
+      prefetch_rows(vh, v_s[2], t0 + C + r0, r1 - r0, V);
+    };
+    prefetch(0);
+    const T *Q, *Km, *Vm;
+    int64_t ldq = K, ldk = K, ldv = V;
+    if (keep) {
+      T *qd = qc + row * C * K, *kd = kc + row * C * K, *vd = vc + row * C * V;
+      gather_rows(qh, q_s[2], t0, L, C, K, qd, K);
+      gather_rows(kh, k_s[2], t0, L, C, K, kd, K);
+      gather_rows(vh, v_s[2], t0, L, C, V, vd, V);
+      T* st = states + row * K * V;
+      for (int64_t r = 0; r < K; ++r) std::memcpy(st + r * V, h + r * ldz, sizeof(T) * V);
+      Q = qd; Km = kd; Vm = vd;
+    } else if (in_place && t0 + C <= L) {
+      Q = qh + t0 * q_s[2]; Km = kh + t0 * k_s[2]; Vm = vh + t0 * v_s[2];
+      ldq = q_s[2]; ldk = k_s[2]; ldv = v_s[2];
+    } else {
+      gather_rows(qh, q_s[2], t0, L, C, K, Qs, K);
+      gather_rows(vh, v_s[2], t0, L, C, V, Vs, V);
+      Q = Qs; Km = kh + t0 * k_s[2]; Vm = Vs;
+      ldk = k_s[2];
     }
-    int64_t bad[3] = {0, 0, 0};
-    for (int64_t c = 0; c < NC; ++c) {
-      const int64_t t0 = c * C, row = c * NH + nh, rows = std::min(C, L - t0);
-      // the next chunk's rows, a page apart per token (no hardware prefetcher follows them), asked
-      // for in parts between the steps: all at once, the requests stall on the fill buffers
-      const int64_t ahead = std::clamp<int64_t>(L - t0 - C, 0, C);
-      auto prefetch = [&](int part) {
-        const int64_t r0 = ahead * part / 3, r1 = ahead * (part + 1) / 3;
-        prefetch_rows(qh, q_s[2], t0 + C + r0, r1 - r0, K);
-        prefetch_rows(kh, k_s[2], t0 + C + r0, r1 - r0, K);
-        prefetch_rows(vh, v_s[2], t0 + C + r0, r1 - r0, V);
-      };
-      prefetch(0);
-      const T *Q, *Km, *Vm;
-      int64_t ldq = K, ldk = K, ldv = V;
-      if (keep) {
-        T *qd = qc + row * C * K, *kd = kc + row * C * K, *vd = vc + row * C * V;
-        gather_rows(qh, q_s[2], t0, L, C, K, qd, K);
-        gather_rows(kh, k_s[2], t0, L, C, K, kd, K);
-        gather_rows(vh, v_s[2], t0, L, C, V, vd, V);
-        T* st = states + row * K * V;
-        for (int64_t r = 0; r < K; ++r) std::memcpy(st + r * V, h + r * ldz, sizeof(T) * V);
-        Q = qd; Km = kd; Vm = vd;
-      } else if (in_place && t0 + C <= L) {
-        Q = qh + t0 * q_s[2]; Km = kh + t0 * k_s[2]; Vm = vh + t0 * v_s[2];
-        ldq = q_s[2]; ldk = k_s[2]; ldv = v_s[2];
-      } else {
-        gather_rows(qh, q_s[2], t0, L, C, K, Qs, K);
-        gather_rows(vh, v_s[2], t0, L, C, V, Vs, V);
-        Q = Qs; Km = kh + t0 * k_s[2]; Vm = Vs;
-        ldk = k_s[2];
+    const int64_t krows = keep ? C : rows;  // the kept chunk is zero-padded already
+    // the decays: b = cumsum(g) and e^b, summed and exponentiated in float64 and rounded once (an
+    // fp32 running sum carries up to ~|b| · 2^-24 · √C of rounding into every e^b); where every
+    // |b_r| ≤ 40 (so every ratio below stays inside fp32's range, e^{±80}; NaN never folds) the
+    // column factors e^{b_C − b} and O's row factors e^{b_r − b_C} as ratios of e^b (an exponential
+    // of the rounded difference would carry up to |b_C − b_r| ulp); else the plain form
+    bool fold = gh == nullptr;
+    T last = T(1);
+    if (gh != nullptr) {
+      for (int64_t i = 0; i < C; ++i) b[i] = t0 + i < L ? gh[(t0 + i) * g_s[2]] : T(0);
+      if (keep) std::memcpy(gc + row * C, b, sizeof(T) * C);
+      fold = true;
+      double sum = 0.0;
+      for (int64_t i = 0; i < C; ++i) {
+        sum += double(b[i]);
+        b[i] = T(sum);
+        rd[i] = T(std::exp(sum));
+        fold = fold && std::abs(sum) <= 40.0;
       }
-      const int64_t krows = keep ? C : rows;  // the kept chunk is zero-padded already
-      // the decays: b = cumsum(g), e^b, e^{b_C − b}; O's row factors e^{b_r − b_C} where e^{b_C} and
-      // every |b_C − b_r| stay within e^{±60}, well inside fp32's range (NaN never folds)
-      bool fold = gh == nullptr;
-      T last = T(1);
-      if (gh != nullptr) {
-        for (int64_t i = 0; i < C; ++i) b[i] = t0 + i < L ? gh[(t0 + i) * g_s[2]] : T(0);
-        if (keep) std::memcpy(gc + row * C, b, sizeof(T) * C);
-        chunk_decays(C, b, rd, te);
-        fold = std::abs(b[C - 1]) <= T(60);
-        for (int64_t i = 0; i < C; ++i) fold = fold && std::abs(b[C - 1] - b[i]) <= T(60);
-        if (fold) {
-          for (int64_t i = 0; i < C; ++i) pr[i] = scale * std::exp(b[i] - b[C - 1]);
-          last = rd[C - 1];
-        }
-      }
-      transpose_rows(Km, ldk, krows, C, K, gh != nullptr && fold ? te : static_cast<const T*>(nullptr), KT, ldz);
-      // [X | Y] = Q [K̄ᵀ | h]
-      mm<T>(false, false, C, C + V, K, T(1), Q, ldq, KT, ldz, T(0), Z, ldz);
-      prefetch(1);
-      if (fold) {  // P = lower(X)
-        for (int64_t i = 0; i < C; ++i) std::fill(Z + i * ldz + i + 1, Z + i * ldz + C, T(0));
-      } else {  // the plain form: P = lower(X ⊙ Γ), K̄ᵀ = Kᵀ diag(e^{b_C − b}), O = diag(e^b) Y, h ← e^{b_C} h
-        mask_block(b, Z, ldz);
-        for (int64_t r = 0; r < K; ++r) {
-          T* kt = KT + r * ldz;
-#pragma omp simd
-          for (int64_t i = 0; i < C; ++i) kt[i] *= te[i];
-        }
+      if (fold) {
+        last = rd[C - 1];
         for (int64_t i = 0; i < C; ++i) {
-          T* oi = O + i * ldz;
-          const T f = rd[i];
-#pragma omp simd
-          for (int64_t j = 0; j < V; ++j) oi[j] *= f;
+          te[i] = last / rd[i];
+          pr[i] = scale * (rd[i] / last);
         }
-        const T decay = rd[C - 1];
-        for (int64_t r = 0; r < K; ++r) {
-          T* hr = h + r * ldz;
-#pragma omp simd
-          for (int64_t j = 0; j < V; ++j) hr[j] *= decay;
-        }
-      }
-      // [Y; h] ← e^{b_C} [Y; h] + [P; K̄ᵀ] V (folded; else the decays are in already and beta is 1)
-      mm<T>(false, false, C + K, V, C, T(1), Z, ldz, Vm, ldv, last, O, ldz);
-      prefetch(2);
-      T* out = o + (n * NC * C + t0) * ldo + hh * V;
-      for (int64_t i = 0; i < C; ++i)
-        store_scaled_stream(O + i * ldz, gh != nullptr && fold ? pr[i] : scale, out + i * ldo, V);
-      if (finite->on()) {  // the chunk's rows, still in cache after its products
-        bad[0] += rows_nonfinite(Q, ldq, rows, K);
-        bad[1] += rows_nonfinite(Km, ldk, rows, K);
-        bad[2] += rows_nonfinite(Vm, ldv, rows, V);
+      } else {
+        for (int64_t i = 0; i < C; ++i) te[i] = std::exp(b[C - 1] - b[i]);
       }
     }
-    fastweights::cpu::store_fence();
-    for (int64_t r = 0; r < K; ++r) std::memcpy(h_out + (nh * K + r) * V, h + r * ldz, sizeof(T) * V);
-    if (finite->on()) finite->add(bad);
+    transpose_rows(Km, ldk, krows, C, K, gh != nullptr && fold ? te : static_cast<const T*>(nullptr), KT, ldz);
+    // [X | Y] = Q [K̄ᵀ | h]
+    mm<T>(false, false, C, C + V, K, T(1), Q, ldq, KT, ldz, T(0), Z, ldz);
+    prefetch(1);
+    if (fold) {  // P = lower(X)
+      for (int64_t i = 0; i < C; ++i) std::fill(Z + i * ldz + i + 1, Z + i * ldz + C, T(0));
+    } else {  // the plain form: P = lower(X ⊙ Γ), K̄ᵀ = Kᵀ diag(e^{b_C − b}), O = diag(e^b) Y, h ← e^{b_C} h
+      mask_block(b, Z, ldz);
+      for (int64_t r = 0; r < K; ++r) {
+        T* kt = KT + r * ldz;
+#pragma omp simd
+        for (int64_t i = 0; i < C; ++i) kt[i] *= te[i];
+      }
+      for (int64_t i = 0; i < C; ++i) {
+        T* oi = O + i * ldz;
+        const T f = rd[i];
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) oi[j] *= f;
+      }
+      const T decay = rd[C - 1];
+      for (int64_t r = 0; r < K; ++r) {
+        T* hr = h + r * ldz;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) hr[j] *= decay;
+      }
+    }
+    // [Y; h] ← e^{b_C} [Y; h] + [P; K̄ᵀ] V (folded; else the decays are in already and beta is 1)
+    mm<T>(false, false, C + K, V, C, T(1), Z, ldz, Vm, ldv, last, O, ldz);
+    prefetch(2);
+    T* out = o + (n * NC * C + t0) * ldo + hh * V;
+    for (int64_t i = 0; i < C; ++i)
+      store_scaled_stream(O + i * ldz, gh != nullptr && fold ? pr[i] : scale, out + i * ldo, V);
+    if (finite->on()) {  // the chunk's rows, still in cache after its products
+      bad[0] += rows_nonfinite(Q, ldq, rows, K);
+      bad[1] += rows_nonfinite(Km, ldk, rows, K);
+      bad[2] += rows_nonfinite(Vm, ldv, rows, V);
+    }
   }
 
   // P (the C × C block at ld ldz) masked to its causal triangle and decayed by Γ[i, j] = e^{b_i − b_j},
@@ -243,6 +282,20 @@ struct Forward : Grid {
     }
   }
 };
+
+// per_head (chunk_common.h) for work done in groups of heads: each thread runs work.run(begin,
+// end, scratch) on its range of (sequence, head) tasks with one scratch block and BLAS
+// single-threaded.
+template <typename Work>
+void per_head_group(const Work& work) {
+  using T = std::remove_cv_t<decltype(Work::scale)>;
+  const int64_t size = work.scratch_size();
+  at::parallel_for(0, work.N * work.H, 1, [&](int64_t begin, int64_t end) {
+    const fastweights::cpu::OneThreadBlas one_core;
+    fastweights::cpu::Workspace scratch;
+    work.run(begin, end, static_cast<T*>(scratch.get(sizeof(T) * size_t(size))));
+  });
+}
 
 template <typename T>
 struct Backward : Grid {
@@ -385,7 +438,7 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
     f.scale = T(scale);
     f.keep = keep;
     f.finite = &finite;
-    per_head(f);
+    per_head_group(f);
   };
   fp32_or_fp64(v.scalar_type(), "chunk_linear_attn_fwd", run);
   finite.raise_if_any();
