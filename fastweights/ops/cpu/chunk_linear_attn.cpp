@@ -96,6 +96,33 @@ inline void store_scaled_stream(const T* src, T factor, T* dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = factor * src[j];
 }
 
+// Whether any entry of `rows` rows of `width` entries, `ld` apart, is NaN or ±Inf (chunk_common.h's
+// any_nonfinite): for fp32 above the portable level, one running minimum of the inverted exponent
+// bits over all the rows, reduced once (any_nonfinite row by row reduces each row on its own).
+template <typename T>
+bool rows_any_nonfinite(const T* x, int64_t ld, int64_t rows, int64_t width) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+      const __m512i e = _mm512_set1_epi32(0x7f800000);
+      const int64_t whole = width / 16 * 16;
+      const __mmask16 tail = static_cast<__mmask16>((1u << (width - whole)) - 1u);  // masked-off lanes read 0
+      __m512i low = e;
+      for (int64_t i = 0; i < rows; ++i) {
+        const T* r = x + i * ld;
+        for (int64_t j = 0; j < whole; j += 16)
+          low = _mm512_min_epu32(low, _mm512_andnot_si512(_mm512_loadu_si512(r + j), e));
+        if (tail != 0) low = _mm512_min_epu32(low, _mm512_andnot_si512(_mm512_maskz_loadu_epi32(tail, r + whole), e));
+      }
+      return _mm512_cmpeq_epi32_mask(low, _mm512_setzero_si512()) != 0;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < rows; ++i)
+    if (any_nonfinite(x + i * ld, width)) return true;
+  return false;
+}
+
 template <typename T>
 struct Forward : Grid {
   const T *q, *k, *v, *g, *h0;  // head-first [N, H, T, ·] (g [N, H, T]), unit last stride
@@ -274,10 +301,10 @@ struct Forward : Grid {
     T* out = o + (n * NC * C + t0) * ldo + hh * V;
     for (int64_t i = 0; i < C; ++i)
       store_scaled_stream(O + i * ldz, gh != nullptr && fold ? pr[i] : scale, out + i * ldo, V);
-    if (finite->on()) {  // the chunk's rows, still in cache after its products
-      bad[0] += rows_nonfinite(Q, ldq, rows, K);
-      bad[1] += rows_nonfinite(Km, ldk, rows, K);
-      bad[2] += rows_nonfinite(Vm, ldv, rows, V);
+    if (finite->on()) {  // the chunk's rows, still in cache after its products; counted where there are any
+      if (rows_any_nonfinite(Q, ldq, rows, K)) bad[0] += rows_nonfinite(Q, ldq, rows, K);
+      if (rows_any_nonfinite(Km, ldk, rows, K)) bad[1] += rows_nonfinite(Km, ldk, rows, K);
+      if (rows_any_nonfinite(Vm, ldv, rows, V)) bad[2] += rows_nonfinite(Vm, ldv, rows, V);
     }
   }
 
