@@ -1,4 +1,5 @@
-// Linear attention's chunk forward and backward on the CPU, one (sequence, head) per task.
+// Linear attention's chunk forward and backward on the CPU, one (sequence, head) per task (the
+// forward works a thread's tasks in groups, chunk by chunk: Forward::group).
 //
 // The algebra is fastweights/ops/linear_attn/chunk.py's (Yang et al. 2024, arXiv:2312.06635,
 // the chunkwise form; the delta rule's with W = 0 and U = V). Per chunk of C tokens with the
@@ -21,8 +22,9 @@ namespace {
 
 using namespace fastweights::cpu::chunk;
 
-// b = cumsum(g), e^b and e^{b_C − b} are chunk_common.h's chunk_decays; P's mask and decay Γ its
-// mask_scores (without S), and the gate's gradient its read_write_gate_grad: the delta rule's.
+// In the backward, b = cumsum(g), e^b and e^{b_C − b} are chunk_common.h's chunk_decays; P's mask
+// and decay Γ its mask_scores (without S), and the gate's gradient its read_write_gate_grad: the
+// delta rule's. The forward forms its decays itself, in float64 (Forward::chunk).
 
 // Kᵀ of a chunk's C rows (row i at src + i·lds; rows at or past `rows` are zeros) into dst
 // [width, C] (ld ldd), row i scaled by f[i] on the way (f == nullptr: no scaling). 16 × 16 tiles
