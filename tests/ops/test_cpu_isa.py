@@ -265,6 +265,61 @@ def test_plain_bf16_inputs_are_widened_in_the_kernel_on_every_path(path, kernels
         assert rel_err(h, h_ref) < 1e-5 and rel_err(h_rec, h_ref) < 1e-5  # fp32-level state: no bf16 rounding in it
 
 
+@pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
+def test_linear_attn_float64_on_every_path(path, kernels, rule_name, one_thread):
+    """Linear attention's kernel (a decay; elu features with the normalizer column): fp64, the
+    training forward with every gradient and the no-grad forward (rows read in place) within 1e-12
+    of the recurrence. T = 1, 63, 100; K ≠ V, K = 60, K = V = 128 (whole tiles of the key
+    transpose); an initial state."""
+    rule = RULES[rule_name]
+    for T, K, V, C, h0 in [(1, 16, 24, 32, True), (63, 60, 33, 64, False), (100, 128, 128, 32, True)]:
+        x = make_inputs(rule, 2, T, 2, K, V, initial_state=h0, seed=T)
+        want = _recurrent(rule, x)
+        for name, a, b in zip(_names(x), _grads(rule, x, chunk_size=C), want):
+            assert rel_err(a, b) < 1e-12, f"{path} T={T} K={K} V={V} {name}: {rel_err(a, b):.2e}"
+        with torch.no_grad():
+            inferred = call(rule.forms[2], rule, x, output_final_state=True, chunk_size=C)
+        for name, a, b in zip(["o", "h_T"], inferred, want):
+            assert rel_err(a, b) < 1e-12, f"{path} T={T} K={K} V={V} no grad {name}: {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("rule_name", ["linear_decay", "linear_elu_normalized"])
+def test_linear_attn_fp32_within_2x_of_the_fp32_recurrence_on_every_path(path, kernels, rule_name, one_thread):
+    """fp32, K = V = 128, T = 100 with C 64 (a partial last chunk): the no-grad forward and the
+    training forward and gradients within 2× (gradients 3×) of the fp32 recurrence's error against
+    float64."""
+    rule = RULES[rule_name]
+    x64 = make_inputs(rule, 2, 100, 2, 128, 128, initial_state=True, seed=3)
+    x32 = {n: t.float() for n, t in x64.items()}
+    exact, fast, rec = _recurrent(rule, x64), _grads(rule, x32), _recurrent(rule, x32)
+    with torch.no_grad():
+        inferred = call(rule.forms[2], rule, x32, output_final_state=True)
+    for i, (name, f, r, e) in enumerate(zip(_names(x64), fast, rec, exact)):
+        factor = 2.0 if i < 2 else 3.0
+        e_fast, e_rec = rel_err(f, e), rel_err(r, e)
+        assert e_fast <= factor * max(e_rec, 1e-7), f"{path} {name}: kernel {e_fast:.2e} > {factor} x recurrent {e_rec:.2e}"
+        if i < 2:
+            e_inf = rel_err(inferred[i], e)
+            assert e_inf <= 2.0 * max(e_rec, 1e-7), f"{path} no grad {name}: {e_inf:.2e} > 2 x recurrent {e_rec:.2e}"
+
+
+def test_linear_attn_deterministic_and_batch_invariant_on_every_path(path, kernels, one_thread):
+    """Linear attention with a decay, fp32, no grad: one sequence alone, in a batch of 8 and packed
+    among others gives bitwise the same output and state, and the same again on a second run."""
+    rule = RULES["linear_decay"]
+    x = {n: t.float() for n, t in make_inputs(rule, 8, 70, 2, 32, 24, initial_state=True, seed=4).items()}
+    with torch.no_grad():
+        batch_o, batch_h = call(rule.forms[2], rule, x, output_final_state=True)
+        again_o, again_h = call(rule.forms[2], rule, x, output_final_state=True)
+        alone_o, alone_h = call(rule.forms[2], rule, {n: t[3:4] for n, t in x.items()}, output_final_state=True)
+        packed = {n: (t.reshape(1, -1, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
+        cu = torch.arange(0, 8 * 70 + 1, 70)
+        packed_o, packed_h = call(rule.forms[2], rule, packed, output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(batch_o, again_o) and torch.equal(batch_h, again_h)
+    assert torch.equal(alone_o[0], batch_o[3]) and torch.equal(alone_h[0], batch_h[3])
+    assert torch.equal(packed_o[0, 3 * 70:4 * 70], batch_o[3]) and torch.equal(packed_h[3], batch_h[3])
+
+
 def test_plain_bf16_inputs_without_the_kernels_and_with_grad(kernels, one_thread):
     """The same call with the kernels off (the PyTorch path widens the inputs itself), and with a
     backward to follow (the training path: widened by the front end), agrees with the kernel."""

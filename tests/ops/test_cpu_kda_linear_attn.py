@@ -388,6 +388,43 @@ def test_linear_attn_inference_and_training_forwards_agree(kernels, keep_flags, 
     assert torch.equal(alone[0], one[0][1:]) and torch.equal(alone[1], one[1][1:])
 
 
+def test_linear_attn_kernel_with_decays_that_fold_in_some_chunks_and_not_in_others(kernels, native_calls, one_thread):
+    """The forward moves a chunk's decays onto row and column factors where they stay within e^±60
+    and runs the plain form elsewhere: log decays from −0.01 to −12 per token, so chunks of both
+    kinds (and a chunk sum beyond −60) meet in one sequence, K = V = 128 (whole 16 × 16 tiles of the
+    key transpose); float64 forward, final state and every gradient to ~1e-12 of the recurrence,
+    with and without a gradient."""
+    rule = RULES["linear_decay"]
+    x = make_inputs(rule, 2, 300, 2, 128, 128, initial_state=True, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    x["g"] = -torch.exp(torch.empty_like(x["g"]).uniform_(-4.6, 2.5, generator=gen)) * (torch.arange(300) // 64 % 2 + 0.05).view(1, -1, 1).double()
+    got = _run(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=64)
+    want = _run(lambda **a: call(rule.reference, rule, a), x, kernels_on=False)
+    for name, a, b in zip(_names(x), got, want):
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
+    for name, a, b in zip(["o", "h_T"], _infer(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=64), want):
+        assert rel_err(a, b) < 1e-12, f"inference {name}: {rel_err(a, b):.2e}"
+    assert native_calls
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_linear_attn_fp32_inference_at_the_benchmark_heads(kernels, gated, one_thread):
+    """No grad, fp32, H 8 and K = V = 128 (the benchmark's heads, worked in groups; rows read in
+    place, and a partial last chunk): within 2× of the fp32 recurrence's error against float64,
+    and bitwise the same alone, in a batch of 2 and on 2 threads."""
+    rule = RULES["linear_decay" if gated else "linear"]
+    x64 = make_inputs(rule, 2, 200, 8, 128, 128, initial_state=True, seed=23)
+    x32 = {n: t.float() for n, t in x64.items()}
+    exact = _infer(lambda **a: call(rule.reference, rule, a), x64, kernels_on=False)
+    ref32 = _infer(lambda **a: call(rule.reference, rule, a), x32, kernels_on=False)
+    got = _infer(lambda **a: call(rule.forms[2], rule, a), x32, chunk_size=64)
+    for name, a, r, e in zip(["o", "h_T"], got, ref32, exact):
+        assert rel_err(a, e) <= 2.0 * max(rel_err(r, e), 1e-7), f"{name}: {rel_err(a, e):.2e} vs {rel_err(r, e):.2e}"
+    one, two, alone = thread_and_batch_runs(lambda **a: call(rule.forms[2], rule, a, chunk_size=64), x32)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(alone[0], one[0][:1]) and torch.equal(alone[1], one[1][:1])
+
+
 @pytest.mark.parametrize("T,K,V,C,h0", [(1, 16, 24, 64, True), (63, 60, 33, 64, False), (200, 60, 40, 64, True),
                                        (1000, 8, 12, 64, True)])
 def test_kda_float64_inference_kernel_equals_the_recurrence(kernels, keep_flags, T, K, V, C, h0, one_thread):

@@ -1,4 +1,5 @@
-// Linear attention's chunk forward and backward on the CPU, one (sequence, head) per task.
+// Linear attention's chunk forward and backward on the CPU, one (sequence, head) per task (the
+// forward works a thread's tasks in groups, chunk by chunk: Forward::group).
 //
 // The algebra is fastweights/ops/linear_attn/chunk.py's (Yang et al. 2024, arXiv:2312.06635,
 // the chunkwise form; the delta rule's with W = 0 and U = V). Per chunk of C tokens with the
@@ -21,8 +22,108 @@ namespace {
 
 using namespace fastweights::cpu::chunk;
 
-// b = cumsum(g), e^b and e^{b_C − b} are chunk_common.h's chunk_decays; P's mask and decay Γ its
-// mask_scores (without S), and the gate's gradient its read_write_gate_grad: the delta rule's.
+// In the backward, b = cumsum(g), e^b and e^{b_C − b} are chunk_common.h's chunk_decays; P's mask
+// and decay Γ its mask_scores (without S), and the gate's gradient its read_write_gate_grad: the
+// delta rule's. The forward forms its decays itself, in float64 (Forward::chunk).
+
+// Kᵀ of a chunk's C rows (row i at src + i·lds; rows at or past `rows` are zeros) into dst
+// [width, C] (ld ldd), row i scaled by f[i] on the way (f == nullptr: no scaling). 16 × 16 tiles
+// transposed in registers where the ISA level allows; the scalar loop elsewhere and at the edges.
+template <typename T>
+void transpose_rows(const T* src, int64_t lds, int64_t rows, int64_t C, int64_t width, const T* f, T* dst,
+                    int64_t ldd) {
+  int64_t i0 = 0, j_end = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+      j_end = width / 16 * 16;
+      const int64_t i_end = std::min(rows, C) / 16 * 16;
+      for (; i0 < i_end; i0 += 16) {
+        for (int64_t j0 = 0; j0 < j_end; j0 += 16) {
+          __m512 r[16], t[16];
+          for (int a = 0; a < 16; ++a) {
+            r[a] = _mm512_loadu_ps(src + (i0 + a) * lds + j0);
+            if (f != nullptr) r[a] = _mm512_mul_ps(r[a], _mm512_set1_ps(f[i0 + a]));
+          }
+          // pairs interleaved inside 128-bit lanes, then quads, then lanes across registers
+          for (int a = 0; a < 16; a += 2) {
+            t[a] = _mm512_unpacklo_ps(r[a], r[a + 1]);
+            t[a + 1] = _mm512_unpackhi_ps(r[a], r[a + 1]);
+          }
+          for (int a = 0; a < 16; a += 4) {
+            r[a] = _mm512_shuffle_ps(t[a], t[a + 2], 0x44);
+            r[a + 1] = _mm512_shuffle_ps(t[a], t[a + 2], 0xEE);
+            r[a + 2] = _mm512_shuffle_ps(t[a + 1], t[a + 3], 0x44);
+            r[a + 3] = _mm512_shuffle_ps(t[a + 1], t[a + 3], 0xEE);
+          }
+          // r[4s + c] holds, in lane l, column 4l + c of rows 4s .. 4s + 3
+          for (int c = 0; c < 4; ++c) {
+            const __m512 v02 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), v13 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+            const __m512 w02 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+            const __m512 w13 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+            T* d = dst + (j0 + c) * ldd + i0;
+            _mm512_storeu_ps(d, _mm512_shuffle_f32x4(v02, w02, 0x88));            // column c
+            _mm512_storeu_ps(d + 4 * ldd, _mm512_shuffle_f32x4(v13, w13, 0x88));  // c + 4
+            _mm512_storeu_ps(d + 8 * ldd, _mm512_shuffle_f32x4(v02, w02, 0xDD));  // c + 8
+            _mm512_storeu_ps(d + 12 * ldd, _mm512_shuffle_f32x4(v13, w13, 0xDD)); // c + 12
+          }
+        }
+      }
+    }
+  }
+#endif
+  // what the tiles left: columns j_end .. width of the tiled rows, then every column of the rest
+  for (int64_t j = j_end; j < width; ++j)
+    for (int64_t i = 0; i < i0; ++i) dst[j * ldd + i] = src[i * lds + j] * (f != nullptr ? f[i] : T(1));
+  for (int64_t j = 0; j < width; ++j)
+    for (int64_t i = i0; i < C; ++i) dst[j * ldd + i] = i < rows ? src[i * lds + j] * (f != nullptr ? f[i] : T(1)) : T(0);
+}
+
+// dst = factor · src for n entries of an output row that nothing reads soon: where the row starts on a
+// cache line and fills whole lines, non-temporal stores write it without first reading the lines in
+// (the caller ends its run of such stores with store_fence()).
+template <typename T>
+inline void store_scaled_stream(const T* src, T factor, T* dst, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable && n % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+      const __m512 f = _mm512_set1_ps(factor);
+      for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), f));
+      return;
+    }
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = factor * src[j];
+}
+
+// Whether any entry of `rows` rows of `width` entries, `ld` apart, is NaN or ±Inf (chunk_common.h's
+// any_nonfinite): for fp32 above the portable level, one running minimum of the inverted exponent
+// bits over all the rows, reduced once (any_nonfinite row by row reduces each row on its own).
+template <typename T>
+bool rows_any_nonfinite(const T* x, int64_t ld, int64_t rows, int64_t width) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+      const __m512i e = _mm512_set1_epi32(0x7f800000);
+      const int64_t whole = width / 16 * 16;
+      const __mmask16 tail = static_cast<__mmask16>((1u << (width - whole)) - 1u);  // masked-off lanes read 0
+      __m512i low = e;
+      for (int64_t i = 0; i < rows; ++i) {
+        const T* r = x + i * ld;
+        for (int64_t j = 0; j < whole; j += 16)
+          low = _mm512_min_epu32(low, _mm512_andnot_si512(_mm512_loadu_si512(r + j), e));
+        if (tail != 0) low = _mm512_min_epu32(low, _mm512_andnot_si512(_mm512_maskz_loadu_epi32(tail, r + whole), e));
+      }
+      return _mm512_cmpeq_epi32_mask(low, _mm512_setzero_si512()) != 0;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < rows; ++i)
+    if (any_nonfinite(x + i * ld, width)) return true;
+  return false;
+}
 
 template <typename T>
 struct Forward : Grid {
@@ -34,101 +135,205 @@ struct Forward : Grid {
   bool keep;
   FiniteCheck* finite;  // the fused finite check of q, k, v (chunk_common.h)
 
-  int64_t scratch_size() const {
-    return 3 * round16(C * K) + round16(C * V) + round16(C * C) + round16(K * V) + 3 * round16(C);
+  // Heads worked on side by side, chunk by chunk, each with its own Z (see chunk): the heads of one
+  // token are adjacent in the token-major input, so a group reads a chunk's rows as runs G times
+  // longer than one head's row, and touches each page of them once. At most as many as keep the
+  // group's Z blocks within about 1.25 MiB (8 at K = V = 128, C = 64; at that shape, 1 thread,
+  // groups of 1, 2, 4, 8 took 16.1, 14.9, 14.3, 14.2 ms). A head's arithmetic is the same in any
+  // group: every Z block is 64-byte aligned with one leading dimension.
+  int64_t group() const { return std::clamp<int64_t>((int64_t(5) << 16) / z_size(), 1, kMaxGroup); }
+  static constexpr int64_t kMaxGroup = 8;
+  int64_t z_size() const { return round16((C + K) * (C + V)); }
+
+  // A group's Z blocks, then Q and V of a chunk gathered where they cannot be read in place, and
+  // the chunk's decays (shared by the group's heads, one after the other).
+  int64_t scratch_size() const { return group() * z_size() + round16(C * K) + round16(C * V) + 4 * round16(C); }
+
+  // Tasks begin .. end (sequence·H + head), in groups of group() heads, chunk by chunk.
+  void run(int64_t begin, int64_t end, T* scratch) const {
+    const int64_t ldz = C + V, groups = (end - begin + group() - 1) / group();
+    const int64_t G = (end - begin + groups - 1) / groups;  // the range in groups of even size
+    T* shared = scratch + group() * z_size();
+    int64_t bad[kMaxGroup][3] = {};
+    for (int64_t first = begin; first < end; first += G) {
+      const int64_t heads = std::min(G, end - first);
+      for (int64_t j = 0; j < heads; ++j) {  // h, Z's bottom-right [K, V] block, from h0 or zero
+        T* h = scratch + j * z_size() + C * ldz;
+        for (int64_t r = 0; r < K; ++r) {
+          if (h0 != nullptr) std::memcpy(h + r * ldz, h0 + ((first + j) * K + r) * V, sizeof(T) * V);
+          else std::fill(h + r * ldz, h + r * ldz + V, T(0));
+        }
+        std::fill(bad[j], bad[j] + 3, int64_t(0));
+      }
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t j = 0; j < heads; ++j) chunk(first + j, c, scratch + j * z_size(), shared, bad[j]);
+      fastweights::cpu::store_fence();
+      for (int64_t j = 0; j < heads; ++j) {
+        const T* h = scratch + j * z_size() + C * ldz;
+        for (int64_t r = 0; r < K; ++r) std::memcpy(h_out + ((first + j) * K + r) * V, h + r * ldz, sizeof(T) * V);
+        if (finite->on()) finite->add(bad[j]);
+      }
+    }
   }
 
-  // The products read the chunk's rows where they lie: in the kept buffers (gathered there once),
-  // in the input itself (a whole chunk: its rows are `stride` apart, which BLAS takes as the
-  // leading dimension), or, for the last partial chunk, in scratch padded with zero rows. O is
-  // written straight into the token-major output (rows H·V apart).
-  void head(int64_t nh, T* scratch) const {
-    const int64_t n = nh / H, hh = nh % H, NH = N * H, ldo = H * V;
-    Carve<T> s{scratch};
-    T *Qs = s.take(C * K), *Ks = s.take(C * K), *Kbar = s.take(C * K), *Vs = s.take(C * V);
-    T *P = s.take(C * C), *h = s.take(K * V), *b = s.take(C), *rd = s.take(C), *te = s.take(C);
+  // Chunk c of head nh, in two products, each on operands stacked so that one call does the work
+  // of two. Z is the head's [C + K, V + C] block, [Y | X] over [h | K̄ᵀ] (h the state):
+  //   [Y | X] = Q [h | K̄ᵀ]                       (Z's top rows from its bottom rows)
+  //   [Y; h] ← e^{b_C} [Y; h] + [lower(X); K̄ᵀ] V    (one call: beta = e^{b_C})
+  //   O = scale · diag(e^{b − b_C}) Y                (as O is copied out)
+  // with K̄ = diag(e^{b_C − b}) K transposed into Z as the chunk is read. This is the chunk's algebra
+  // with its decays moved onto row and column factors: row r of Y is e^{b_C} (Q h)_r +
+  // Σ_{i≤r} e^{b_C − b_i} (q_r·k_i) v_i, which e^{b_r − b_C} turns into e^{b_r} (Q h)_r + Σ_{i≤r}
+  // Γ[r, i] (q_r·k_i) v_i. So P is never decayed, nor O or h in passes of their own. Where the
+  // chunk's cumulative decay b leaves [−40, 40] (ratios of e^b that fp32 could under- or overflow)
+  // the plain form runs instead: Kᵀ goes in unscaled, P takes Γ itself, Kᵀ is scaled in Z after
+  // the first product and O and h are decayed before the second. Each product is split at row C/2
+  // (for C ≥ 32) so that the first half of the rows skips the block of X and P above the diagonal
+  // (X's columns past C/2 before the mask, P's after): 1/12 of the multiply-adds, for two more
+  // calls (at H 8, K = V = 128, C 64, 1 thread: 7 % less time). The products read a whole chunk's
+  // rows where they lie in the input (rows `stride` apart, BLAS's leading dimension); the kept
+  // buffers when keeping, and zero-padded scratch for the last partial chunk. `bad`: the head's
+  // non-finite counts of q, k, v.
+  void chunk(int64_t nh, int64_t c, T* Z, T* shared, int64_t* bad) const {
+    const int64_t n = nh / H, hh = nh % H, NH = N * H, ldo = H * V, ldz = C + V;
+    Carve<T> s{shared};
+    T *Qs = s.take(C * K), *Vs = s.take(C * V);
+    T *b = s.take(C), *rd = s.take(C), *te = s.take(C), *pr = s.take(C);
+    T* O = Z;               // [C, V] at ld ldz: Y, then O before its scaling
+    T* X = Z + V;           // [C, C]: X, then P
+    T* h = Z + C * ldz;     // [K, V]: the state
+    T* KT = h + V;          // [K, C]: K̄ᵀ
     const T* qh = q + n * q_s[0] + hh * q_s[1];
     const T* kh = k + n * k_s[0] + hh * k_s[1];
     const T* vh = v + n * v_s[0] + hh * v_s[1];
     const T* gh = g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1];
-    const bool in_place = q_s[2] >= K && k_s[2] >= K && v_s[2] >= V;  // rows apart (not broadcast)
-    if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
-    else std::fill(h, h + K * V, T(0));
-    int64_t bad[3] = {0, 0, 0};
-    for (int64_t c = 0; c < NC; ++c) {
-      const int64_t t0 = c * C, row = c * NH + nh;
-      // the next chunk's rows, a page apart per token (no hardware prefetcher follows them), asked
-      // for in four parts between the products: all at once, the requests stall on the fill buffers
-      const int64_t ahead = std::clamp<int64_t>(L - t0 - C, 0, C);
-      auto prefetch = [&](int part) {
-        const int64_t r0 = ahead * part / 4, r1 = ahead * (part + 1) / 4;
-        prefetch_rows(qh, q_s[2], t0 + C + r0, r1 - r0, K);
-        prefetch_rows(kh, k_s[2], t0 + C + r0, r1 - r0, K);
-        prefetch_rows(vh, v_s[2], t0 + C + r0, r1 - r0, V);
-      };
-      prefetch(0);
-      const T *Q, *Km, *Vm;
-      int64_t ldq = K, ldk = K, ldv = V;
-      if (keep) {
-        T *qd = qc + row * C * K, *kd = kc + row * C * K, *vd = vc + row * C * V;
-        gather_rows(qh, q_s[2], t0, L, C, K, qd, K);
-        gather_rows(kh, k_s[2], t0, L, C, K, kd, K);
-        gather_rows(vh, v_s[2], t0, L, C, V, vd, V);
-        std::memcpy(states + row * K * V, h, sizeof(T) * K * V);
-        Q = qd; Km = kd; Vm = vd;
-      } else if (in_place && t0 + C <= L) {
-        Q = qh + t0 * q_s[2]; Km = kh + t0 * k_s[2]; Vm = vh + t0 * v_s[2];
-        ldq = q_s[2]; ldk = k_s[2]; ldv = v_s[2];
-      } else {
-        gather_rows(qh, q_s[2], t0, L, C, K, Qs, K);
-        gather_rows(kh, k_s[2], t0, L, C, K, Ks, K);
-        gather_rows(vh, v_s[2], t0, L, C, V, Vs, V);
-        Q = Qs; Km = Ks; Vm = Vs;
+    const bool in_place = q_s[2] >= K && v_s[2] >= V;  // rows apart (not broadcast)
+    const int64_t t0 = c * C, row = c * NH + nh, rows = std::min(C, L - t0);
+    // the next chunk's rows, a page apart per token, asked for in parts between the steps: all at
+    // once, the requests stall on the fill buffers
+    const int64_t ahead = std::clamp<int64_t>(L - t0 - C, 0, C);
+    auto prefetch = [&](int part) {
+      const int64_t r0 = ahead * part / 3, r1 = ahead * (part + 1) / 3;
+      prefetch_rows(qh, q_s[2], t0 + C + r0, r1 - r0, K);
+      prefetch_rows(kh, k_s[2], t0 + C + r0, r1 - r0, K);
+      prefetch_rows(vh, v_s[2], t0 + C + r0, r1 - r0, V);
+    };
+    prefetch(0);
+    const T *Q, *Km, *Vm;
+    int64_t ldq = K, ldk = K, ldv = V;
+    if (keep) {
+      T *qd = qc + row * C * K, *kd = kc + row * C * K, *vd = vc + row * C * V;
+      gather_rows(qh, q_s[2], t0, L, C, K, qd, K);
+      gather_rows(kh, k_s[2], t0, L, C, K, kd, K);
+      gather_rows(vh, v_s[2], t0, L, C, V, vd, V);
+      T* st = states + row * K * V;
+      for (int64_t r = 0; r < K; ++r) std::memcpy(st + r * V, h + r * ldz, sizeof(T) * V);
+      Q = qd; Km = kd; Vm = vd;
+    } else if (in_place && t0 + C <= L) {
+      Q = qh + t0 * q_s[2]; Km = kh + t0 * k_s[2]; Vm = vh + t0 * v_s[2];
+      ldq = q_s[2]; ldk = k_s[2]; ldv = v_s[2];
+    } else {
+      gather_rows(qh, q_s[2], t0, L, C, K, Qs, K);
+      gather_rows(vh, v_s[2], t0, L, C, V, Vs, V);
+      Q = Qs; Km = kh + t0 * k_s[2]; Vm = Vs;
+      ldk = k_s[2];
+    }
+    const int64_t krows = keep ? C : rows;  // the kept chunk is zero-padded already
+    // the decays: b = cumsum(g) and e^b, summed and exponentiated in float64 and rounded once (an
+    // fp32 running sum carries up to ~|b| · 2^-24 · √C of rounding into every e^b); where every
+    // |b_r| ≤ 40 (so every ratio below stays inside fp32's range, e^{±80}; NaN never folds) the
+    // column factors e^{b_C − b} and O's row factors e^{b_r − b_C} as ratios of e^b (an exponential
+    // of the rounded difference would carry up to |b_C − b_r| ulp); else the plain form
+    bool fold = gh == nullptr;
+    T last = T(1);
+    if (gh != nullptr) {
+      for (int64_t i = 0; i < C; ++i) b[i] = t0 + i < L ? gh[(t0 + i) * g_s[2]] : T(0);
+      if (keep) std::memcpy(gc + row * C, b, sizeof(T) * C);
+      fold = true;
+      double sum = 0.0;
+      for (int64_t i = 0; i < C; ++i) {
+        sum += double(b[i]);
+        b[i] = T(sum);
+        rd[i] = T(std::exp(sum));
+        fold = fold && std::abs(sum) <= 40.0;
       }
-      if (gh != nullptr) {
-        for (int64_t i = 0; i < C; ++i) b[i] = t0 + i < L ? gh[(t0 + i) * g_s[2]] : T(0);
-        if (keep) std::memcpy(gc + row * C, b, sizeof(T) * C);
-      }
-      T* O = o + (n * NC * C + t0) * ldo + hh * V;
-      // P = scale · Q Kᵀ (masked, decayed);  O = scale · Q_b h + P V, Q_b h = diag(e^b) Q h
-      mm<T>(false, true, C, C, K, scale, Q, ldq, Km, ldk, T(0), P, C);
-      prefetch(1);
-      if (gh != nullptr) chunk_decays(C, b, rd, te);
-      mask_scores(C, gh != nullptr ? b : nullptr, static_cast<T*>(nullptr), P, static_cast<T*>(nullptr));
-      mm<T>(false, false, C, V, K, scale, Q, ldq, h, V, T(0), O, ldo);
-      prefetch(2);
-      const T* kwrite = Km;
-      int64_t ldw = ldk;
-      if (gh != nullptr) {
+      if (fold) {
+        last = rd[C - 1];
         for (int64_t i = 0; i < C; ++i) {
-          const T r = rd[i], t = te[i];
-          T* oi = O + i * ldo;
-          const T* ki = Km + i * ldk;
-          for (int64_t j = 0; j < V; ++j) oi[j] *= r;
-          for (int64_t j = 0; j < K; ++j) Kbar[i * K + j] = ki[j] * t;
+          te[i] = last / rd[i];
+          pr[i] = scale * (rd[i] / last);
         }
-        kwrite = Kbar;
-        ldw = K;
-      }
-      mm<T>(false, false, C, V, C, T(1), P, C, Vm, ldv, T(1), O, ldo);
-      prefetch(3);
-      // h ← e^{b_C} h + K̄ᵀ V
-      if (gh != nullptr) {
-        const T last = rd[C - 1];
-        for (int64_t i = 0; i < K * V; ++i) h[i] *= last;
-      }
-      mm<T>(true, false, K, V, C, T(1), kwrite, ldw, Vm, ldv, T(1), h, V);
-      if (finite->on()) {  // the chunk's rows, still in cache after its products
-        const int64_t rows = std::min(C, L - t0);
-        bad[0] += rows_nonfinite(Q, ldq, rows, K);
-        bad[1] += rows_nonfinite(Km, ldk, rows, K);
-        bad[2] += rows_nonfinite(Vm, ldv, rows, V);
+      } else {
+        for (int64_t i = 0; i < C; ++i) te[i] = std::exp(b[C - 1] - b[i]);
       }
     }
-    std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
-    if (finite->on()) finite->add(bad);
+    transpose_rows(Km, ldk, krows, C, K, gh != nullptr && fold ? te : static_cast<const T*>(nullptr), KT, ldz);
+    // [Y | X] = Q [h | K̄ᵀ], the first half of the rows without X's columns past them
+    const int64_t c1 = C >= 32 ? C / 2 : 0;
+    if (c1 > 0) mm<T>(false, false, c1, V + c1, K, T(1), Q, ldq, h, ldz, T(0), Z, ldz);
+    mm<T>(false, false, C - c1, V + C, K, T(1), Q + c1 * ldq, ldq, h, ldz, T(0), Z + c1 * ldz, ldz);
+    prefetch(1);
+    if (fold) {  // P = lower(X) (what was not computed is above the diagonal)
+      for (int64_t i = 0; i < C; ++i) std::fill(X + i * ldz + i + 1, X + i * ldz + C, T(0));
+    } else {  // the plain form: P = lower(X ⊙ Γ), K̄ᵀ = Kᵀ diag(e^{b_C − b}), O = diag(e^b) Y, h ← e^{b_C} h
+      mask_block(b, X, ldz);
+      for (int64_t r = 0; r < K; ++r) {
+        T* kt = KT + r * ldz;
+#pragma omp simd
+        for (int64_t i = 0; i < C; ++i) kt[i] *= te[i];
+      }
+      for (int64_t i = 0; i < C; ++i) {
+        T* oi = O + i * ldz;
+        const T f = rd[i];
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) oi[j] *= f;
+      }
+      const T decay = rd[C - 1];
+      for (int64_t r = 0; r < K; ++r) {
+        T* hr = h + r * ldz;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) hr[j] *= decay;
+      }
+    }
+    // [Y; h] ← e^{b_C} [Y; h] + [P; K̄ᵀ] V (folded; else the decays are in already and beta is 1); P's
+    // first c1 rows are zero past column c1
+    if (c1 > 0) mm<T>(false, false, c1, V, c1, T(1), X, ldz, Vm, ldv, last, O, ldz);
+    mm<T>(false, false, C - c1 + K, V, C, T(1), X + c1 * ldz, ldz, Vm, ldv, last, O + c1 * ldz, ldz);
+    prefetch(2);
+    T* out = o + (n * NC * C + t0) * ldo + hh * V;
+    for (int64_t i = 0; i < C; ++i)
+      store_scaled_stream(O + i * ldz, gh != nullptr && fold ? pr[i] : scale, out + i * ldo, V);
+    if (finite->on()) {  // the chunk's rows, still in cache after its products; counted where there are any
+      if (rows_any_nonfinite(Q, ldq, rows, K)) bad[0] += rows_nonfinite(Q, ldq, rows, K);
+      if (rows_any_nonfinite(Km, ldk, rows, K)) bad[1] += rows_nonfinite(Km, ldk, rows, K);
+      if (rows_any_nonfinite(Vm, ldv, rows, V)) bad[2] += rows_nonfinite(Vm, ldv, rows, V);
+    }
+  }
+
+  // P (the C × C block at ld ldz) masked to its causal triangle and decayed by Γ[i, j] = e^{b_i − b_j},
+  // each factor its own exponential (the wide-decay case: no split into e^{b_i} e^{−b_j}).
+  void mask_block(const T* b, T* P, int64_t ldz) const {
+    for (int64_t i = 0; i < C; ++i) {
+      T* p = P + i * ldz;
+      for (int64_t j = 0; j <= i; ++j) p[j] *= std::exp(b[i] - b[j]);
+      std::fill(p + i + 1, p + C, T(0));
+    }
   }
 };
+
+// per_head (chunk_common.h) for work done in groups of heads: each thread runs work.run(begin,
+// end, scratch) on its range of (sequence, head) tasks with one scratch block and BLAS
+// single-threaded.
+template <typename Work>
+void per_head_group(const Work& work) {
+  using T = std::remove_cv_t<decltype(Work::scale)>;
+  const int64_t size = work.scratch_size();
+  at::parallel_for(0, work.N * work.H, 1, [&](int64_t begin, int64_t end) {
+    const fastweights::cpu::OneThreadBlas one_core;
+    fastweights::cpu::Workspace scratch;
+    work.run(begin, end, static_cast<T*>(scratch.get(sizeof(T) * size_t(size))));
+  });
+}
 
 template <typename T>
 struct Backward : Grid {
@@ -271,7 +476,7 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
     f.scale = T(scale);
     f.keep = keep;
     f.finite = &finite;
-    per_head(f);
+    per_head_group(f);
   };
   fp32_or_fp64(v.scalar_type(), "chunk_linear_attn_fwd", run);
   finite.raise_if_any();
