@@ -226,17 +226,23 @@ def test_deterministic_and_batch_invariant_on_every_path(path, kernels, low, one
     rule = RULES["gated_delta"]
     x = make_inputs(rule, 8, 70, 2, 32, 24, initial_state=True, seed=4)
     x = {n: (t.to(torch.bfloat16) if low and n in ("q", "k", "v") else t.float()) for n, t in x.items()}
-    mode = ops.bf16_products() if low else torch.no_grad()
-    with torch.no_grad(), mode:
+    with ops.bf16_products() if low else torch.no_grad():
+        _assert_alone_batched_packed_equal(rule, x)
+
+
+def _assert_alone_batched_packed_equal(rule, x, length=70):
+    """``x``: 8 sequences of ``length``. Sequence 3 alone, in the batch and packed among the others
+    (cu_seqlens) gives bitwise the same output and final state, and the batch the same on a rerun."""
+    with torch.no_grad():
         batch_o, batch_h = call(rule.forms[2], rule, x, output_final_state=True)
         again_o, again_h = call(rule.forms[2], rule, x, output_final_state=True)
         alone_o, alone_h = call(rule.forms[2], rule, {n: t[3:4] for n, t in x.items()}, output_final_state=True)
         packed = {n: (t.reshape(1, -1, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
-        cu = torch.arange(0, 8 * 70 + 1, 70)
+        cu = torch.arange(0, 8 * length + 1, length)
         packed_o, packed_h = call(rule.forms[2], rule, packed, output_final_state=True, cu_seqlens=cu)
     assert torch.equal(batch_o, again_o) and torch.equal(batch_h, again_h)
     assert torch.equal(alone_o[0], batch_o[3]) and torch.equal(alone_h[0], batch_h[3])
-    assert torch.equal(packed_o[0, 3 * 70:4 * 70], batch_o[3]) and torch.equal(packed_h[3], batch_h[3])
+    assert torch.equal(packed_o[0, 3 * length:4 * length], batch_o[3]) and torch.equal(packed_h[3], batch_h[3])
 
 
 @pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])
@@ -308,16 +314,7 @@ def test_linear_attn_deterministic_and_batch_invariant_on_every_path(path, kerne
     among others gives bitwise the same output and state, and the same again on a second run."""
     rule = RULES["linear_decay"]
     x = {n: t.float() for n, t in make_inputs(rule, 8, 70, 2, 32, 24, initial_state=True, seed=4).items()}
-    with torch.no_grad():
-        batch_o, batch_h = call(rule.forms[2], rule, x, output_final_state=True)
-        again_o, again_h = call(rule.forms[2], rule, x, output_final_state=True)
-        alone_o, alone_h = call(rule.forms[2], rule, {n: t[3:4] for n, t in x.items()}, output_final_state=True)
-        packed = {n: (t.reshape(1, -1, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
-        cu = torch.arange(0, 8 * 70 + 1, 70)
-        packed_o, packed_h = call(rule.forms[2], rule, packed, output_final_state=True, cu_seqlens=cu)
-    assert torch.equal(batch_o, again_o) and torch.equal(batch_h, again_h)
-    assert torch.equal(alone_o[0], batch_o[3]) and torch.equal(alone_h[0], batch_h[3])
-    assert torch.equal(packed_o[0, 3 * 70:4 * 70], batch_o[3]) and torch.equal(packed_h[3], batch_h[3])
+    _assert_alone_batched_packed_equal(rule, x)
 
 
 def test_plain_bf16_inputs_without_the_kernels_and_with_grad(kernels, one_thread):
