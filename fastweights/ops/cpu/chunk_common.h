@@ -357,6 +357,40 @@ void per_head(const Work& work) {
   });
 }
 
+// Runs work.run(begin, end, scratch) on each thread's range of (sequence, head) tasks: per_head for
+// kernels that work their tasks in groups of heads, chunk by chunk (one scratch block a thread,
+// BLAS single-threaded).
+template <typename Work>
+void per_head_group(const Work& work) {
+  using T = std::remove_cv_t<decltype(Work::scale)>;
+  const int64_t size = work.scratch_size();
+  at::parallel_for(0, work.N * work.H, 1, [&](int64_t begin, int64_t end) {
+    const OneThreadBlas one_core;
+    Workspace scratch;
+    work.run(begin, end, static_cast<T*>(scratch.get(sizeof(T) * size_t(size))));
+  });
+}
+
+// dst = factor · src for n entries of an output row that nothing reads again soon (gemm_bf16.h's
+// to_bf16_scaled_stream for fp32 and fp64 rows): for fp32 above the portable level, where the row
+// starts on a cache line and fills whole lines, non-temporal stores write it without first reading
+// the lines in; else a plain loop (factor 1 copies exactly). The caller ends its run of such stores
+// with store_fence().
+template <typename T>
+inline void store_scaled_stream(const T* src, T factor, T* dst, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (isa() > kPortable && n % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+      const __m512 f = _mm512_set1_ps(factor);
+      for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), f));
+      return;
+    }
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = factor * src[j];
+}
+
 // Runs run(T* tag) with T = float for a float32 `dtype` and double for float64 (the tag is a null
 // pointer that carries the type); any other dtype is an error naming `op`.
 template <typename Run>

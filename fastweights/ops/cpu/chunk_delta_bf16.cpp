@@ -459,12 +459,7 @@ std::vector<torch::Tensor> chunk_delta_fwd_bf16(const torch::Tensor& q, const to
   f.scale = float(scale);
   FiniteCheck finite(check_finite);
   f.finite = &finite;
-  const int64_t size = f.scratch_size();
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    const fastweights::cpu::OneThreadBlas one_core;  // one core per task, whatever the caller's threads
-    fastweights::cpu::Workspace scratch;
-    f.run(begin, end, static_cast<float*>(scratch.get(sizeof(float) * size_t(size))));
-  });
+  per_head_group(f);
   finite.raise_if_any();
   return {o, h_out};
 }

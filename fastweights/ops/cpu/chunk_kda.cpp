@@ -85,23 +85,6 @@ inline void exp_of(const double* x, T* out, int64_t n) {
 
 // Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
 
-// n elements of src to an output row that nothing reads again in the kernel (the backward's
-// gradients, in fresh token-major buffers; the forward's chunk states): above the portable level, a 64-byte-aligned fp32 row
-// of whole cache lines is streamed past the cache (no read of the line first); else a copy. The
-// caller fences (_mm_sfence) before its task ends.
-template <typename T>
-inline void store_once(const T* src, T* dst, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (::fastweights::cpu::isa() > ::fastweights::cpu::kPortable && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % 16 == 0) {
-      for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
-      return;
-    }
-  }
-#endif
-  std::memcpy(dst, src, sizeof(T) * n);
-}
-
 // One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides;
 // beta null: β = 1; e (GDN-2's erase keys, [N, H, T, K]) null: the erase keys are k (KDA).
 template <typename T>
@@ -463,7 +446,7 @@ struct Forward : Grid, KdaInputs<T> {
         decay_high = high;
       }
       // U' = U − W h;  O = Q_r h + P U' (straight into the token-major output);  h ← diag(e^{b_C}) h + K_wᵀ U'
-      if (keep) store_once(h, states + row * K * V, K * V);  // read only by the backward
+      if (keep) store_scaled_stream(h, T(1), states + row * K * V, K * V);  // read only by the backward
       T* O = o + (n * NC * C + t0) * ldo + hh * V;
       mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, KV);
       in.prefetch(t0 + C, C, L, K, V, 2, 4);
@@ -475,9 +458,7 @@ struct Forward : Grid, KdaInputs<T> {
       mm<T>(true, false, K, V, C, T(1), x.Kw, K, Up, KV, T(1), h, V);
     }
     std::memcpy(h_out + nh * K * V, h, sizeof(T) * K * V);
-#if defined(__AVX512F__)
-    if (keep) _mm_sfence();  // the streamed states (store_once) visible before the task ends
-#endif
+    if (keep) fastweights::cpu::store_fence();  // the streamed states visible before the task ends
     if (decay_stats != nullptr) {
       decay_stats[3 * nh] = double(decay_bad);
       decay_stats[3 * nh + 1] = double(decay_nan);
@@ -735,19 +716,17 @@ struct Backward : Grid, KdaInputs<T> {
       // write the chunk's gradients (rows past the end are padding: the buffers have NC·C rows)
       for (int64_t i = 0; i < C; ++i) {
         const int64_t o_row = (n * NC * C + t0 + i) * H + hh;
-        store_once(dqc + i * K, dq + o_row * K, K);
-        store_once(dkc + i * K, dk + o_row * K, K);
-        store_once(dgc + i * K, dgk + o_row * K, K);
-        store_once(dz + i * KV + K, dv + o_row * V, V);
+        store_scaled_stream(dqc + i * K, T(1), dq + o_row * K, K);
+        store_scaled_stream(dkc + i * K, T(1), dk + o_row * K, K);
+        store_scaled_stream(dgc + i * K, T(1), dgk + o_row * K, K);
+        store_scaled_stream(dz + i * KV + K, T(1), dv + o_row * V, V);
         if (dbeta != nullptr) dbeta[o_row] = dbc[i];
-        if (de != nullptr) store_once(dec + i * K, de + o_row * K, K);
+        if (de != nullptr) store_scaled_stream(dec + i * K, T(1), de + o_row * K, K);
       }
       std::swap(dh, dh_new);
     }
     std::memcpy(dh0 + nh * K * V, dh, sizeof(T) * K * V);
-#if defined(__AVX512F__)
-    _mm_sfence();  // the streamed rows (store_once) visible before the task ends
-#endif
+    fastweights::cpu::store_fence();  // the streamed rows visible before the task ends
   }
 };
 

@@ -79,25 +79,6 @@ void transpose_rows(const T* src, int64_t lds, int64_t rows, int64_t C, int64_t 
     for (int64_t i = i0; i < C; ++i) dst[j * ldd + i] = i < rows ? src[i * lds + j] * (f != nullptr ? f[i] : T(1)) : T(0);
 }
 
-// dst = factor · src for n entries of an output row that nothing reads soon: where the row starts on a
-// cache line and fills whole lines, non-temporal stores write it without first reading the lines in
-// (the caller ends its run of such stores with store_fence()).
-template <typename T>
-inline void store_scaled_stream(const T* src, T factor, T* dst, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (fastweights::cpu::isa() > fastweights::cpu::kPortable && n % 16 == 0 &&
-        reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-      const __m512 f = _mm512_set1_ps(factor);
-      for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), f));
-      return;
-    }
-  }
-#endif
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = factor * src[j];
-}
-
 // Whether any entry of `rows` rows of `width` entries, `ld` apart, is NaN or ±Inf (chunk_common.h's
 // any_nonfinite): for fp32 above the portable level, one running minimum of the inverted exponent
 // bits over all the rows, reduced once (any_nonfinite row by row reduces each row on its own).
@@ -320,20 +301,6 @@ struct Forward : Grid {
     }
   }
 };
-
-// per_head (chunk_common.h) for work done in groups of heads: each thread runs work.run(begin,
-// end, scratch) on its range of (sequence, head) tasks with one scratch block and BLAS
-// single-threaded.
-template <typename Work>
-void per_head_group(const Work& work) {
-  using T = std::remove_cv_t<decltype(Work::scale)>;
-  const int64_t size = work.scratch_size();
-  at::parallel_for(0, work.N * work.H, 1, [&](int64_t begin, int64_t end) {
-    const fastweights::cpu::OneThreadBlas one_core;
-    fastweights::cpu::Workspace scratch;
-    work.run(begin, end, static_cast<T*>(scratch.get(sizeof(T) * size_t(size))));
-  });
-}
 
 template <typename T>
 struct Backward : Grid {
