@@ -1,0 +1,203 @@
+// What the bf16-products chunk forwards share (chunk_delta_bf16.cpp's for the delta rules):
+// packing fp32 rows and states as bf16 B operands, the transposed key
+// rows, the fp32 triangular inverse with split sums, and the checked bf16 row copy.
+#pragma once
+
+#include "chunk_common.h"
+
+namespace fastweights {
+namespace cpu {
+namespace chunk {
+
+using B16 = at::BFloat16;
+
+// dst = VNNI-2 pack (gemm_bf16.h's pack_b layout) of X + Y rounded to bf16, X and Y fp32 rows
+// (C × V, leading dimensions ldx, ldy): the sum in fp32, rounded once, as to_bf16 rounds.
+inline fastweights::cpu::PackedB pack_sum(int64_t C, int64_t V, const float* X, int64_t ldx, const float* Y,
+                                          int64_t ldy, uint32_t* dst) {
+  using namespace fastweights::cpu;
+  const int64_t kp = (C + 1) / 2, stride = round16(V);
+  int64_t p = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (isa() > kPortable) {
+    auto z = [&](int64_t i, int64_t j, __mmask16 live) {
+      const __m512 s = _mm512_add_ps(_mm512_maskz_loadu_ps(live, X + i * ldx + j), _mm512_maskz_loadu_ps(live, Y + i * ldy + j));
+      return bf16_detail::round_to_bf16_lanes(s);
+    };
+    for (; p < C / 2; ++p) {
+      uint32_t* d = dst + p * stride;
+      for (int64_t j = 0; j < stride; j += 16) {
+        const __mmask16 live = bf16_detail::live16(V - j);
+        _mm512_storeu_si512(d + j, _mm512_or_si512(z(2 * p, j, live), _mm512_slli_epi32(z(2 * p + 1, j, live), 16)));
+      }
+    }
+  }
+#endif
+  for (; p < kp; ++p)
+    for (int64_t j = 0; j < stride; ++j) {
+      uint32_t word = 0;
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t i = 2 * p + h;
+        if (i < C && j < V) word |= uint32_t(bf16_detail::to_bf16_bits(X[i * ldx + j] + Y[i * ldy + j])) << (16 * h);
+      }
+      dst[p * stride + j] = word;
+    }
+  return {dst, C, V, stride};
+}
+
+// The state h [K, V] fp32 packed as a B operand (pack_b's fp32 overload, bit for bit), and, where
+// `factor` is not 1, h scaled by it in place in the same pass (the decay e^{b_C} the state update
+// needs before it adds K̄ᵀ U'; the packed copy is of h as it was).
+inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float factor, uint32_t* dst) {
+  using namespace fastweights::cpu;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (isa() > kPortable && K % 2 == 0 && V % 16 == 0) {
+    const __m512 f = _mm512_set1_ps(factor);
+    const bool scaled = factor != 1.f;
+    for (int64_t p = 0; p < K / 2; ++p) {
+      float* lo = h + 2 * p * V;
+      float* hi = lo + V;
+      uint32_t* d = dst + p * V;
+      for (int64_t j = 0; j < V; j += 16) {
+        const __m512 a = _mm512_loadu_ps(lo + j), b = _mm512_loadu_ps(hi + j);
+        _mm512_storeu_si512(d + j, _mm512_or_si512(bf16_detail::round_to_bf16_lanes(a),
+                                                   _mm512_slli_epi32(bf16_detail::round_to_bf16_lanes(b), 16)));
+        if (scaled) {
+          _mm512_storeu_ps(lo + j, _mm512_mul_ps(a, f));
+          _mm512_storeu_ps(hi + j, _mm512_mul_ps(b, f));
+        }
+      }
+    }
+    return {dst, K, V, V};
+  }
+#endif
+  const auto packed = pack_b(K, V, h, V, dst);
+  if (factor != 1.f)
+    for (int64_t i = 0; i < K * V; ++i) h[i] *= factor;
+  return packed;
+}
+
+// dst [K, ldd] = (diag(f) X)ᵀ rounded to bf16, X the C × K bf16 rows at src (ld lds), f null: no
+// scaling (Xᵀ); the scaled rows are rounded once (scale_to_bf16) before they are transposed. ldd
+// ≥ transposed_ld(C). tmp: C·K bf16 and ⌈C/2⌉·round16(K) words of scratch.
+inline int64_t transposed_ld(int64_t C) { return 2 * fastweights::cpu::round16((C + 1) / 2); }
+
+inline void transpose_keys(int64_t C, int64_t K, const B16* src, int64_t lds, const float* f, B16* dst, int64_t ldd,
+                           B16* tmp, uint32_t* words) {
+  using namespace fastweights::cpu;
+  if (f != nullptr) {
+    for (int64_t i = 0; i < C; ++i) scale_to_bf16(src + i * lds, f[i], tmp + i * K, K);
+    src = tmp;
+    lds = K;
+  }
+  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  if (isa() > kPortable && ldd % 2 == 0) {
+    // pairs of rows (X[2p, j], X[2p + 1, j]) as words [⌈C/2⌉, K], then those words transposed:
+    // row j of the result is (X[0, j], X[1, j], …) = row j of Xᵀ
+    const int64_t kp = (C + 1) / 2;
+    bf16_detail::pack_pairs_across_rows(s16, lds, C, K, words, round16(K));
+    bf16_detail::pack_pairs_along_rows(reinterpret_cast<const uint16_t*>(words), 2 * round16(K), kp, 2 * K,
+                                       reinterpret_cast<uint32_t*>(dst), ldd / 2);
+    return;
+  }
+#endif
+  uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t j = 0; j < K; ++j)
+    for (int64_t i = 0; i < C; ++i) d16[j * ldd + i] = s16[i * lds + j];
+}
+
+#if defined(__AVX512F__)
+// unit_lower_inverse (chunk_common.h) with its sum over earlier rows split into NS interleaved
+// partial sums: row r's sum Σ_{i<r} S[r, i] T_i is one chain of dependent FMAs there, r long, so
+// the solve waits on the FMA latency; NS chains of r / NS run side by side (C = 16·NB, NB·NS ≤ 16
+// registers of sums). The partial sums are added in a fixed order, so the result is deterministic.
+template <int NB, int NS>
+void unit_lower_inverse_split(int64_t C, const float* S, const float* beta, float* Tm) {
+  for (int64_t r = 0; r < C; ++r) {
+    __m512 acc[NS][NB];
+#pragma GCC unroll 16
+    for (int u = 0; u < NS; ++u)
+#pragma GCC unroll 8
+      for (int v = 0; v < NB; ++v) acc[u][v] = _mm512_setzero_ps();
+    const float* s = S + r * C;
+    const float minus_beta = -beta[r];
+    int64_t i = 0;
+    for (; i + NS <= r; i += NS) {
+#pragma GCC unroll 4
+      for (int u = 0; u < NS; ++u) {
+        const __m512 a = _mm512_set1_ps(minus_beta * s[i + u]);
+        const float* ti = Tm + (i + u) * C;
+        const int64_t live = (i + u) / 16 + 1;
+#pragma GCC unroll 8
+        for (int v = 0; v < NB; ++v)
+          if (v < live) acc[u][v] = _mm512_fmadd_ps(a, _mm512_loadu_ps(ti + 16 * v), acc[u][v]);
+      }
+    }
+    for (; i < r; ++i) {
+      const __m512 a = _mm512_set1_ps(minus_beta * s[i]);
+      const float* ti = Tm + i * C;
+      const int64_t live = i / 16 + 1;
+#pragma GCC unroll 8
+      for (int v = 0; v < NB; ++v)
+        if (v < live) acc[0][v] = _mm512_fmadd_ps(a, _mm512_loadu_ps(ti + 16 * v), acc[0][v]);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NB; ++v) {
+      __m512 sum = acc[0][v];
+#pragma GCC unroll 4
+      for (int u = 1; u < NS; ++u) sum = _mm512_add_ps(sum, acc[u][v]);
+      _mm512_storeu_ps(Tm + r * C + 16 * v, sum);
+    }
+    Tm[r * C + r] = 1.f;
+  }
+}
+#endif
+
+// Tm = (I + diag(β) S)⁻¹ for strictly lower S (chunk_common.h's unit_lower_inverse, the same
+// algebra): the split-sum version above where C is 16, 32, …, 128, else that one.
+inline void unit_lower_inverse_bf16fwd(int64_t C, const float* S, const float* beta, float* Tm) {
+#if defined(__AVX512F__)
+  if (fastweights::cpu::isa() > fastweights::cpu::kPortable && C % 16 == 0) {
+    switch (C / 16) {
+      case 1: return unit_lower_inverse_split<1, 4>(C, S, beta, Tm);
+      case 2: return unit_lower_inverse_split<2, 4>(C, S, beta, Tm);
+      case 3: return unit_lower_inverse_split<3, 4>(C, S, beta, Tm);
+      case 4: return unit_lower_inverse_split<4, 4>(C, S, beta, Tm);
+      case 5: return unit_lower_inverse_split<5, 2>(C, S, beta, Tm);
+      case 6: return unit_lower_inverse_split<6, 2>(C, S, beta, Tm);
+      case 7: return unit_lower_inverse_split<7, 2>(C, S, beta, Tm);
+      case 8: return unit_lower_inverse_split<8, 2>(C, S, beta, Tm);
+      default: break;
+    }
+  }
+#endif
+  unit_lower_inverse<float>(C, S, beta, Tm);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// dst[0 .. n) = src[0 .. n) (bf16), 32 entries a vector, and low = the lane-wise minimum of low
+// and each entry's inverted exponent bits (~x & 0x7f80: zero only for NaN or ±Inf; the masked
+// tail's missing lanes read as zero, a finite value).
+inline void copy_row_checked(const B16* src, B16* dst, int64_t n, __m512i& low) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  const __m512i exponent = _mm512_set1_epi16(0x7f80);
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512i x = _mm512_loadu_si512(s + j);
+    _mm512_storeu_si512(d + j, x);
+    low = _mm512_min_epu16(low, _mm512_andnot_si512(x, exponent));
+  }
+  if (j < n) {
+    const __mmask32 live = __mmask32((uint64_t(1) << (n - j)) - 1);
+    const __m512i x = _mm512_maskz_loadu_epi16(live, s + j);
+    _mm512_mask_storeu_epi16(d + j, live, x);
+    low = _mm512_min_epu16(low, _mm512_andnot_si512(x, exponent));
+  }
+}
+#endif
+
+}  // namespace chunk
+}  // namespace cpu
+}  // namespace fastweights
