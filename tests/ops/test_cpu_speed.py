@@ -44,6 +44,29 @@ def test_bf16_products_within_2x_of_the_recurrence(rule_name, T, K, V, h0, one_t
         assert rel_err(h, h_ref) > 10 * rel_err(h32, h_ref)
 
 
+@pytest.mark.parametrize("per_token", [[0.05, 3.0], [1.8, 0.01], [0.0, 1.95]], ids=["weak-strong", "edge-weak", "none-over"])
+def test_bf16_products_gate_factored_and_direct_chunks(per_token, one_thread):
+    """The bf16 forward factors the gate out of its products (e^{±b} applied to rows) in a chunk
+    whose cumulative log decay stays within ±60, and applies it directly elsewhere; chunks of both
+    kinds in one sequence (the state's deferred decay handed across), decays next to the bound
+    (|b| up to 57.6 and 62.4 in a chunk of 32), and no decay at all: within 2× of the recurrence."""
+    rule = RULES["gated_delta"]
+    x = _low(make_inputs(rule, 2, 200, 2, 32, 40, initial_state=True, seed=7), torch.bfloat16)
+    chunk = torch.arange(200) // 32
+    rate = torch.tensor(per_token)[chunk % 2]  # alternate chunks: the two regimes
+    x["g"] = -(rate[None, :, None] * (0.9 + 0.2 * torch.rand(2, 200, 2))).to(x["g"].dtype)
+    exact = {n: t.double() for n, t in x.items()}
+    o_ref, h_ref = call(rule.reference, rule, exact, output_final_state=True)
+    with torch.no_grad(), ops.bf16_products():
+        o, h = call(rule.forms[2], rule, x, output_final_state=True, chunk_size=32)
+        o_rec, h_rec = call(rule.reference, rule, x, output_final_state=True)
+    for name, fast, rec, ref in (("o", o, o_rec, o_ref), ("h_T", h, h_rec, h_ref)):
+        e_fast, e_rec = rel_err(fast, ref), rel_err(rec, ref)
+        print(f"{name}: chunk {e_fast:.2e}, recurrent {e_rec:.2e}")
+        assert torch.isfinite(fast).all()
+        assert e_fast <= 2.0 * e_rec, f"{name}: chunk {e_fast:.2e} > 2 x recurrent {e_rec:.2e}"
+
+
 @pytest.mark.parametrize("rule_name", DELTA_RULES)
 def test_bf16_products_leave_training_and_fp32_alone(rule_name, one_thread):
     """A forward that a backward may follow, and fp32 inputs, compute in fp32 under the mode."""

@@ -45,36 +45,48 @@ inline fastweights::cpu::PackedB pack_sum(int64_t C, int64_t V, const float* X, 
   return {dst, C, V, stride};
 }
 
-// The state h [K, V] fp32 packed as a B operand (pack_b's fp32 overload, bit for bit), and, where
-// `factor` is not 1, h scaled by it in place in the same pass (the decay e^{b_C} the state update
-// needs before it adds K̄ᵀ U'; the packed copy is of h as it was).
-inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float factor, uint32_t* dst) {
+// The state h [K, V] fp32 scaled by `pre` and packed as a B operand (pack_b's fp32 overload, bit
+// for bit, where pre is 1), and h ← pre · h · post in place in the same pass where that is not h:
+// `pre` is a decay still owed to h (the previous chunk's e^{b_C} where the forward defers it),
+// `post` the decay the state update needs before it adds K̄ᵀ U' (the packed copy is of h · pre).
+inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float pre, float post, uint32_t* dst) {
   using namespace fastweights::cpu;
+  const bool scaled = pre != 1.f || post != 1.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (isa() > kPortable && K % 2 == 0 && V % 16 == 0) {
-    const __m512 f = _mm512_set1_ps(factor);
-    const bool scaled = factor != 1.f;
+    const __m512 f = _mm512_set1_ps(pre), f2 = _mm512_set1_ps(post);
     for (int64_t p = 0; p < K / 2; ++p) {
       float* lo = h + 2 * p * V;
       float* hi = lo + V;
       uint32_t* d = dst + p * V;
       for (int64_t j = 0; j < V; j += 16) {
-        const __m512 a = _mm512_loadu_ps(lo + j), b = _mm512_loadu_ps(hi + j);
+        __m512 a = _mm512_loadu_ps(lo + j), b = _mm512_loadu_ps(hi + j);
+        if (pre != 1.f) {
+          a = _mm512_mul_ps(a, f);
+          b = _mm512_mul_ps(b, f);
+        }
         _mm512_storeu_si512(d + j, _mm512_or_si512(bf16_detail::round_to_bf16_lanes(a),
                                                    _mm512_slli_epi32(bf16_detail::round_to_bf16_lanes(b), 16)));
         if (scaled) {
-          _mm512_storeu_ps(lo + j, _mm512_mul_ps(a, f));
-          _mm512_storeu_ps(hi + j, _mm512_mul_ps(b, f));
+          _mm512_storeu_ps(lo + j, _mm512_mul_ps(a, f2));
+          _mm512_storeu_ps(hi + j, _mm512_mul_ps(b, f2));
         }
       }
     }
     return {dst, K, V, V};
   }
 #endif
+  if (pre != 1.f)
+    for (int64_t i = 0; i < K * V; ++i) h[i] *= pre;
   const auto packed = pack_b(K, V, h, V, dst);
-  if (factor != 1.f)
-    for (int64_t i = 0; i < K * V; ++i) h[i] *= factor;
+  if (post != 1.f)
+    for (int64_t i = 0; i < K * V; ++i) h[i] *= post;
   return packed;
+}
+
+// pack_state with nothing owed (pre = 1): h packed as it is, then h ← factor · h.
+inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float factor, uint32_t* dst) {
+  return pack_state(K, V, h, 1.f, factor, dst);
 }
 
 // dst [K, ldd] = (diag(f) X)ᵀ rounded to bf16, X the C × K bf16 rows at src (ld lds), f null: no

@@ -13,20 +13,34 @@ using fastweights::cpu::round16;
 // bf16 operands and accumulates in fp32 (gemm_bf16.h: AMX tiles or AVX512-BF16's dot-product
 // instruction where the CPU has them); the state, the decays, the triangular solve for T and every
 // sum stay fp32, and an operand is rounded to bf16 once, right before its first product. The
-// inputs' own bf16 rows serve as they are: [W | U] = T diag(β)[K e^b | V] is computed as
-// (T diag(β e^b)) K and (T diag(β)) V, so only the two C×C factors are rounded (not the C×(K + V)
-// scaled rows), and O = diag(e^b)(Q h) + P U' scales the fp32 rows of Q h (not Q).
+// inputs' own bf16 rows serve as they are (no scaled copy of Q, K or V is rounded).
+//
+// The gate. With D = diag(e^b) (b the chunk's cumulative log decay) the gated chunk's matrices are
+// the ungated ones conjugated by D: S = D S₀ D⁻¹ and P = D P₀ D⁻¹ (S₀, P₀ the masked K Kᵀ, Q Kᵀ),
+// so T = (I + diag(β) S)⁻¹ = D T₀ D⁻¹ with T₀ = (I + diag(β) S₀)⁻¹, and every gated product is an
+// ungated one with its rows rescaled:
+//   W = D T₀ diag(β) K,   U = D T₀ diag(β e^{−b}) V,   U' = U − W h = D Ũ',
+//   O = D (Q h + P₀ Ũ'),  h_next = e^{b_C} (h + Kᵀ Ũ'),
+// with Ũ' = T₀ diag(β e^{−b}) V − (T₀ diag(β) K) h. Each matrix differs from its directly decayed
+// counterpart by a row or column scaling only, so every rounding and every sum sees the same
+// relative sizes (floating point is scale-free); what changes is that no C×C decay matrix is formed
+// (no exponential per pair), K is used as given (no rounded copy of K̄ = diag(e^{b_C − b}) K), D is
+// applied as O is stored and e^{b_C} as the state is next packed. The factors e^{±b} must stay in
+// fp32's range: a chunk with some |b| > kFactorBound is worked on directly instead, with
+// Γ = exp(b_i − b_j) in S and P, [W | U] = (T diag(β e^b)) K | (T diag(β)) V, O = D (Q h) + P U'
+// and K̄ rounded as it is transposed.
 //
 // Every call costs the product's dispatch, so products that share their B operand run as one call
 // on stacked A rows (one leading dimension; the scratch keeps −W, Q and K | V in consecutive rows,
 // and [−W h; O; h] likewise), each C (+)= A B with no scaling (what the AMX path writes directly):
 //   [P; S]    = [Q; K] Kᵀ                (P unscaled)
-//   [W | U]   = (T diag(β e^b)) K | (T diag(β)) V   (one call [W | U] where ungated)
+//   [W | U]   = A_W K | A_U V            (one call [W | U] where ungated, A_W = A_U = T diag(β))
 //   [−W h; O] = [−W; Q] h                (U' = U + (−W h) is formed as it is packed)
-//   [O; h]   += [P; K̄ᵀ] U'               (O scaled by e^b and h by e^{b_C} first)
-// with K̄ = diag(e^{b_C − b}) K, transposed once per chunk. The attention scale is applied as O is
-// rounded to the output (P is kept unscaled, so O accumulates Q h + P U' and is scaled once).
+//   [O; h]   += [P; Kᵀ] U'               (h's decay, where gated, applied as it was packed)
+// The attention scale is applied as O is rounded to the output (P is kept unscaled, so O
+// accumulates Q h + P U' and is scaled once, by scale · e^{b_i} where the gate was factored).
 constexpr int64_t kAheadParts = 5;  // the next chunk's rows are asked for in parts, one after each product
+constexpr float kFactorBound = 60.f;  // |b| ≤ this in a chunk: e^{±b} and their products with the rows stay finite
 
 struct ForwardBf16 {
   const B16 *q, *k, *v;
@@ -63,7 +77,7 @@ struct ForwardBf16 {
     put(s.SP, 2 * C * C);                              // [P; S]
     put(s.Tm, C * C);                                  // T
     put(s.WU, C * KV);                                 // [W | U]
-    put(s.vec, 5 * round16(C));                        // β, b, e^b, e^{b_C − b}, β e^b
+    put(s.vec, 5 * round16(C));                        // β, b, e^b, e^{−b} or e^{b_C − b}, the factor of A_W or A_U
     s.X = at;                                          // per head of a group: [−W h; O; h], ld V
     s.total = at + group() * x_floats();
     return s;
@@ -83,6 +97,7 @@ struct ForwardBf16 {
     fastweights::cpu::Workspace ws;
     HeadRows<B16, float> in[kMaxGroup];
     int64_t bad[kMaxGroup][3];
+    float owed[kMaxGroup];  // each head's decay not yet applied to its state (the last factored chunk's e^{b_C})
     for (int64_t first = begin; first < end; first += G) {
       const int64_t heads = std::min(G, end - first);
       for (int64_t j = 0; j < heads; ++j) {
@@ -92,22 +107,30 @@ struct ForwardBf16 {
         else std::fill(h, h + K * V, 0.f);
         in[j] = HeadRows<B16, float>::at(n, hh, q, q_s, k, k_s, v, v_s, beta, beta_s, g, g_s, L, K, V, C);
         std::fill(bad[j], bad[j] + 3, int64_t(0));
+        owed[j] = 1.f;
       }
       for (int64_t c = 0; c < NC; ++c)
         for (int64_t j = 0; j < heads; ++j)
-          chunk(first + j, c, in[j], scratch, scratch + s.X + j * x_floats(), ws, finite->on() ? bad[j] : nullptr);
+          chunk(first + j, c, in[j], scratch, scratch + s.X + j * x_floats(), owed[j], ws, finite->on() ? bad[j] : nullptr);
       fastweights::cpu::store_fence();
       fastweights::cpu::gemm_bf16_release();
       for (int64_t j = 0; j < heads; ++j) {
-        std::memcpy(h_out + (first + j) * K * V, scratch + s.X + j * x_floats() + 2 * C * V, sizeof(float) * K * V);
+        const float* h = scratch + s.X + j * x_floats() + 2 * C * V;
+        float* dst = h_out + (first + j) * K * V;
+        const float f = owed[j];
+        if (f == 1.f) std::memcpy(dst, h, sizeof(float) * K * V);
+        else
+#pragma omp simd
+          for (int64_t i = 0; i < K * V; ++i) dst[i] = h[i] * f;
         if (finite->on()) finite->add(bad[j]);
       }
     }
   }
 
-  // Chunk c of head nh: X is the head's own [−W h; O; h] rows (h its state), the rest of the
-  // scratch shared; count (nullptr: no check) its non-finite counts of q, k, v.
-  void chunk(int64_t nh, int64_t c, const HeadRows<B16, float>& in, float* scratch, float* X,
+  // Chunk c of head nh: X is the head's own [−W h; O; h] rows (h its state, still owed the decay
+  // `owed`, which this chunk applies and replaces with its own where it factors the gate), the rest
+  // of the scratch shared; count (nullptr: no check) its non-finite counts of q, k, v.
+  void chunk(int64_t nh, int64_t c, const HeadRows<B16, float>& in, float* scratch, float* X, float& owed,
              fastweights::cpu::Workspace& ws, int64_t* count) const {
     using fastweights::cpu::gemm_bf16_packed;
     using fastweights::cpu::pack_b;
@@ -135,39 +158,56 @@ struct ForwardBf16 {
     float* h = O + C * V;
     float* bvec = scratch + s.vec;
     float* bcum = bvec + round16(C);
-    float* rd = bcum + round16(C);
-    float* te = rd + round16(C);
-    float* wk = te + round16(C);
+    float* rd = bcum + round16(C);  // e^b
+    float* te = rd + round16(C);    // e^{−b} (factored) or e^{b_C − b} (direct)
+    float* wk = te + round16(C);    // A_W's or A_U's column factor
     const bool gated = g != nullptr;
     const int64_t t0 = c * C;
     gather(in, t0, Qr, KVr, bvec, bcum, count);
     int64_t part = 0;
     auto ahead = [&]() { in.prefetch_part(t0 + C, part++, kAheadParts); };
-    if (gated) chunk_decays(C, bcum, rd, te);
-    // [P; S] = [Q; K] Kᵀ (P unscaled), masked
+    // the gate factored (D outside every product) where e^{±b} stay in range, else applied directly
+    bool factored = false;
+    if (gated) {
+      for (int64_t i = 1; i < C; ++i) bcum[i] += bcum[i - 1];
+      factored = true;
+      for (int64_t i = 0; i < C; ++i) factored = factored && std::abs(bcum[i]) <= kFactorBound;
+      for (int64_t i = 0; i < C; ++i) {
+        rd[i] = std::exp(bcum[i]);
+        te[i] = std::exp(factored ? -bcum[i] : bcum[C - 1] - bcum[i]);
+      }
+    }
+    const bool direct = gated && !factored;
+    // [P; S] = [Q; K] Kᵀ (P unscaled), masked (and decayed where the gate is applied directly)
     gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, KVr, KV, w32(s.Kw)), 0.f, P, C, ws);
     ahead();
-    mask_scores<float>(C, gated ? bcum : nullptr, S, P, nullptr);
+    mask_scores<float>(C, direct ? bcum : nullptr, S, P, nullptr);
     unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
-    // [W | U] = T diag(β) [K e^b | V] = [(T diag(β e^b)) K | (T diag(β)) V]
-    for (int64_t i = 0; i < C; ++i) wk[i] = gated ? bvec[i] * rd[i] : bvec[i];
-    for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, wk, Ah + i * C, C);
+    // [W | U] = A_W K | A_U V: ungated A_W = A_U = T diag(β); factored T₀ diag(β) | T₀ diag(β e^{−b})
+    // (W and U without their row factor D); direct (T diag(β e^b)) | (T diag(β))
     if (gated) {
-      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Tb + i * C, C);
+      for (int64_t i = 0; i < C; ++i) wk[i] = factored ? bvec[i] * te[i] : bvec[i] * rd[i];
+      const float* fw = factored ? bvec : wk;
+      const float* fu = factored ? wk : bvec;
+      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, fw, Ah + i * C, C);
+      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, fu, Tb + i * C, C);
       gemm_bf16_packed(false, C, K, C, 1.f, Ah, C, pack_b(false, C, K, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
       gemm_bf16_packed(false, C, V, C, 1.f, Tb, C, pack_b(false, C, V, KVr + K, KV, w32(s.Vw)), 0.f, WU + K, KV, ws);
     } else {
+      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Ah + i * C, C);
       gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
     }
     ahead();
-    // [−W h; O] = [−W; Q] h, and h ← e^{b_C} h for the state's update; U' = U + (−W h)
-    const auto hp = pack_state(K, V, h, gated ? rd[C - 1] : 1.f, w32(s.hw));
+    // [−W h; O] = [−W; Q] h with h the state entering the chunk (its owed decay applied as it is
+    // packed; where the gate is applied directly, h ← e^{b_C} h too); U' = U + (−W h)
+    const auto hp = pack_state(K, V, h, owed, direct ? rd[C - 1] : 1.f, w32(s.hw));
+    owed = factored ? rd[C - 1] : 1.f;
     for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
     gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
     ahead();
     const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
-    // [O; h] += [P; K̄ᵀ] U', after O ← diag(e^b) O
-    if (gated) {
+    // [O; h] += [P; K̄ᵀ] U' (K̄ = K unless the gate is applied directly), after O ← D O there
+    if (direct) {
       for (int64_t i = 0; i < C; ++i) {
         const float r = rd[i];
         float* row = O + i * V;
@@ -176,12 +216,13 @@ struct ForwardBf16 {
       }
     }
     for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
-    transpose_keys(C, K, KVr, KV, gated ? te : nullptr, PK + C * ldt, ldt, tmp16, tmpw);
+    transpose_keys(C, K, KVr, KV, direct ? te : nullptr, PK + C * ldt, ldt, tmp16, tmpw);
     ahead();
     gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
     ahead();
     for (int64_t i = 0; i < C; ++i)
-      fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
+      fastweights::cpu::to_bf16_scaled_stream(O + i * V, factored ? scale * rd[i] : scale,
+                                              o + ((n * NC * C + t0 + i) * H + hh) * V, V);
   }
 
   // The chunk at t0 into Qr (q, ld K + V) and KVr (k | v), rows past the end zero; β and g into
