@@ -22,7 +22,7 @@ from ._chunk import LONG_CHUNK
 
 __all__ = [
     "HAS_TRITON", "BACKENDS", "MAX_HEAD_DIM", "CHUNK_SIZE", "TRITON_DTYPES", "interpreting", "select_backend",
-    "backward_can_follow",
+    "backward_can_follow", "inference_op", "InferenceOp",
 ]
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -92,3 +92,27 @@ def backward_can_follow(*inputs) -> bool:
     so it cannot tell inference from training. ``None`` inputs are skipped.
     """
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
+
+class InferenceOp:
+    """A forward that no backward follows, registered as the ``torch.library`` custom op ``name``
+    (``register_fake`` as on the op): ``torch.compile`` and ``torch.export`` see the op, while eager
+    code calls the implementation itself, without the custom op's Python dispatch (its autograd and
+    view-tracking layers: 0.05 ms a call warm, 0.2-0.3 ms after a long call has evicted them from
+    the caches, measured on the delta rule's op at B 1, H 8, T 2048). Both run the same code."""
+
+    def __init__(self, name: str, fn):
+        self.fn = fn
+        self.op = torch.library.custom_op(name, mutates_args=())(fn)
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args):
+        return self.op(*args) if torch.compiler.is_compiling() else self.fn(*args)
+
+    def register_fake(self, fake):
+        return self.op.register_fake(fake)
+
+
+def inference_op(name: str):
+    """Decorator form of :class:`InferenceOp`."""
+    return lambda fn: InferenceOp(name, fn)

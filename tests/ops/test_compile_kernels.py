@@ -51,7 +51,7 @@ def calls(ext, monkeypatch):
             return fn(*args)
         return counted
 
-    for name in ("chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_delta_bwd", "delta_step",
+    for name in ("chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_delta_bwd", "delta_step", "chunk_linear_attn_fwd",
                  "short_conv_fwd", "short_conv_bwd", "l2norm_fwd", "l2norm_bwd"):
         monkeypatch.setattr(ext, name, counting(name, getattr(ext, name)))
     torch._dynamo.reset()
@@ -211,6 +211,32 @@ def test_compiled_chunk_op_calls_the_kernels_bitwise(op_name, calls):
 
     graphs = _compiled_equals_eager(op_name, run, call, calls, ("chunk_delta_fwd", "chunk_delta_bwd", "l2norm_fwd", "l2norm_bwd"))
     assert graphs.has("l2norm_fwd") and graphs.has("chunk_delta_rule_fwd")
+
+
+INFERENCE_CASES = {  # op -> (rule, q/k/v dtype, bf16 products, the kernel, the custom op in the graph)
+    "chunk_gated_delta_rule": ("gated_delta", torch.bfloat16, True, "chunk_delta_fwd_bf16", "chunk_delta_rule_fwd"),
+    "chunk_linear_attn": ("linear_decay", torch.float32, False, "chunk_linear_attn_fwd", "chunk_linear_attn_infer"),
+}
+
+
+@pytest.mark.parametrize("op_name", list(INFERENCE_CASES))
+def test_compiled_inference_calls_the_kernels_bitwise(op_name, calls):
+    """Inference (no grad): eager calls the forward's implementation without the custom op's
+    dispatch, a compiled graph goes through the op; both run the same kernel, bitwise."""
+    rule_name, dtype, products, kernel, in_graph = INFERENCE_CASES[op_name]
+    x = make_inputs(RULES[rule_name], 2, 37, 2, 8, 6, initial_state=True, seed=5)
+    x = {n: t.to(dtype) if n in ("q", "k", "v") else t.float() for n, t in x.items()}
+    op = getattr(ops, op_name)
+
+    def call(*args):
+        return op(**dict(zip(x, args)), chunk_size=16, output_final_state=True)
+
+    def run(fn):
+        with torch.no_grad(), ops.bf16_products(products):
+            return list(fn(*x.values()))
+
+    graphs = _compiled_equals_eager(op_name, run, call, calls, (kernel,))
+    assert graphs.has(in_graph)
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["new_state", "inplace"])

@@ -29,6 +29,7 @@ from .._chunk import (
     ChunkDecay, backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, read_write_backward, reverse_cumsum, state_scan,
     state_scan_backward, unflat_chunks,
 )
+from .._backend import backward_can_follow, inference_op
 from .._checks import check_qkv_finite
 from ..precision import autocast_off
 from .._moved import moved_names
@@ -205,7 +206,7 @@ def _backward(ctx, do, dh_final, *unused):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("fastweights::chunk_linear_attn_infer", mutates_args=())
+@inference_op("fastweights::chunk_linear_attn_infer")
 def _infer_op(
     q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float, chunk_size: int,
     native: bool = True, check_finite: str = "",
@@ -232,11 +233,6 @@ def _infer_fake(q, k, v, g, h0, scale, chunk_size, native=True, check_finite="")
     return o, h_final
 
 
-def _wants_grad(*tensors) -> bool:
-    """Whether autograd will ask for a backward through these inputs."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = True,
                       check_finite: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise sum rule on head-first compute-dtype tensors ``[N, H, T, D]``; returns ``(o, h_T)``.
@@ -248,7 +244,7 @@ def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = Tr
     op's name when the front end left the finite check of q, k, v to the solver
     (:attr:`~fastweights.ops._spec.OpSpec.fused_finite_check`), else "".
     """
-    if _wants_grad(q, k, v, g, h0):
+    if backward_can_follow(q, k, v, g, h0):
         o, h_final, *_ = _fwd_op(q, k, v, g, h0, float(scale), int(chunk_size), native, check_finite)
     else:  # inference: nothing kept for a backward
         o, h_final = _infer_op(q, k, v, g, h0, float(scale), int(chunk_size), native, check_finite)
