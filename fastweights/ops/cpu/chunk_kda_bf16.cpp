@@ -4,25 +4,29 @@
 // arXiv:2406.06484); the products run on gemm_bf16.h's ISA path (AMX tiles, AVX512-BF16, or
 // widened to fp32), the shared pieces are chunk_common.h, chunk_bf16.h and chunk_rows.h.
 //
-// Every product takes bf16 operands and accumulates in fp32; the state, b = cumsum(gk) (summed in
-// float64, as chunk_kda.cpp sums it), the exponentials, the triangular solve for T and every sum
-// stay fp32. The per-channel decay cannot be folded into a C×C factor as the gated delta rule's
-// per-token decay is (chunk_delta_bf16.cpp), so the decayed key and query rows are formed in fp32
-// and each is rounded to bf16 once, right before its product:
-//   Q̂ = Q ⊙ e^b,  K̂ = K ⊙ e^b,  Ǩ = K ⊙ e^{−b},  K̄ = K ⊙ e^{b_C − b}
+// Every product takes bf16 operands and accumulates in fp32; the state, b = cumsum(gk), the
+// exponentials, the triangular solve for T and every sum stay fp32. The per-channel decay cannot
+// be folded into a C×C factor as the gated delta rule's per-token decay is (chunk_delta_bf16.cpp),
+// so the decayed key and query rows are formed in fp32 and each is rounded to bf16 once, right
+// before its product:
+//   Q̂ = Q ⊙ e^b,  K̂ = K ⊙ e^b,  Ǩ = K ⊙ e^{−b}
 // and the chunk is four products on stacked rows (one leading dimension each, one dispatch each):
 //   [P; S]    = [Q̂; K̂] Ǩᵀ             (P unscaled; then the masks)
 //   [W | U]   = (T diag(β)) [K̂ | V]    T = (I + diag(β) S)⁻¹ in fp32
 //   [−W h; O] = [−W; Q̂] h              (U' = U + (−W h) is formed as it is packed)
-//   [O; h]   += [P; K̄ᵀ] U'             after h ← diag(e^{b_C}) h
-// O is scaled by the attention scale as it is rounded to the output.
+//   [O; h]   += [P; Ǩᵀ] U'             then h ← diag(e^{b_C}) h
+// The last line is the state update h ← diag(e^{b_C}) h + K̄ᵀ U' with K̄ = K ⊙ e^{b_C − b} =
+// diag(e^{b_C}) applied to Ǩ per channel, so K̄ is never formed. O is scaled by the attention scale
+// as it is rounded to the output. b is summed in fp32 here (chunk_kda.cpp sums it in float64): an
+// error of a few ulp of b moves e^b by far less than its rounding to bf16.
 //
 // Ǩ = K ⊙ e^{−b} is finite only while b stays bounded. Where every |b| in the chunk is within 60
 // (chunk_kda.cpp's whole-chunk test; the common case: a chunk of 64 tokens at −0.05 per token
-// spans e^{−3}) the chunk runs as above. Otherwise (extreme decays) that chunk's S and P are summed
-// pair by pair in fp32, Σ_d x_r[d] k_i[d] e^{b_r[d] − b_i[d]} (x = k or q), each factor ≤ 1 its own
-// exponential of a float64 difference (more exact than bf16 products, at C²K/2 exponentials a
-// chunk), and K̄ is its own exponential e^{b_C − b}; the chunk's other products (every factor there
+// spans e^{−3}) the chunk runs as above. Otherwise (extreme decays) b is summed in float64, that
+// chunk's S and P are summed pair by pair in fp32, Σ_d x_r[d] k_i[d] e^{b_r[d] − b_i[d]} (x = k or
+// q), each factor ≤ 1 its own exponential of a float64 difference (more exact than bf16 products,
+// at C²K/2 exponentials a chunk), and the state update takes K̄ = K ⊙ e^{b_C − b} (its own
+// exponential, ≤ 1) after h ← diag(e^{b_C}) h; the chunk's other products (every factor there
 // ≤ 1: nothing overflows) are the bf16 ones above.
 //
 // Like chunk_kda.cpp's forward, the kernel makes the ops' input checks on the rows it gathers: q, k,
@@ -41,48 +45,56 @@ using fastweights::cpu::round16;
 constexpr double kWholeLimit = 60.0;
 constexpr int64_t kAheadParts = 4;  // the next chunk's rows are asked for in parts, one after each product
 
-// Row j of the decayed rows, K entries: from the bf16 rows q, k and the fp32 factors f = e^b and
-// (whole) e^{b_C} (last) or (not whole) e2 = e^{b_C − b}: Q̂ = q f, K̂ = k f, and where whole
-// Ǩ = k / f and K̄ = k e^{b_C} / f, else K̄ = k e2 (ki unused). Each product in fp32, rounded once.
-inline void decayed_rows(int64_t K, const B16* q, const B16* k, const float* f, const float* last, const float* e2,
-                         B16* qe, B16* ke, B16* ki, B16* kb) {
+// One row of a whole chunk's decayed rows (K entries), from the bf16 rows q, k and the fp32
+// cumulative decays b: Q̂ = q e^b, K̂ = k e^b, Ǩ = k e^{−b}, each product in fp32, rounded once.
+inline void whole_rows(int64_t K, const B16* q, const B16* k, const float* b, B16* qe, B16* ke, B16* ki) {
   using namespace fastweights::cpu;
   int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (isa() > kPortable) {
     auto widen = [](__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); };
+#if defined(__AVX512BF16__)
+    // the CPU's own round-to-nearest-even conversion where it has one (one instruction; it differs
+    // from to_bf16's only for denormals, which the bf16 products flush anyway)
+    const bool native = isa() >= kAvx512Bf16;
+    auto round = [native](__m512 x) {
+      return native ? (__m256i)_mm512_cvtneps_pbh(x) : bf16_detail::round_to_bf16(x);
+    };
+#else
+    auto round = [](__m512 x) { return bf16_detail::round_to_bf16(x); };
+#endif
     const __m512 two = _mm512_set1_ps(2.f);
     for (; j < K; j += 16) {
       const __mmask16 live = bf16_detail::live16(K - j);
       const __m512 qf = widen(_mm256_maskz_loadu_epi16(live, q + j)), kf = widen(_mm256_maskz_loadu_epi16(live, k + j));
-      const __m512 fv = _mm512_mask_loadu_ps(_mm512_set1_ps(1.f), live, f + j);
-      _mm256_mask_storeu_epi16(qe + j, live, bf16_detail::round_to_bf16(_mm512_mul_ps(qf, fv)));
-      _mm256_mask_storeu_epi16(ke + j, live, bf16_detail::round_to_bf16(_mm512_mul_ps(kf, fv)));
-      if (e2 == nullptr) {
-        // 1 / f: the reciprocal estimate and one Newton step (a few ulp of fp32, then rounded to bf16)
-        __m512 iv = _mm512_rcp14_ps(fv);
-        iv = _mm512_mul_ps(iv, _mm512_fnmadd_ps(fv, iv, two));
-        const __m512 lst = _mm512_maskz_loadu_ps(live, last + j);
-        _mm256_mask_storeu_epi16(ki + j, live, bf16_detail::round_to_bf16(_mm512_mul_ps(kf, iv)));
-        _mm256_mask_storeu_epi16(kb + j, live, bf16_detail::round_to_bf16(_mm512_mul_ps(kf, _mm512_mul_ps(lst, iv))));
-      } else {
-        _mm256_mask_storeu_epi16(kb + j, live, bf16_detail::round_to_bf16(_mm512_mul_ps(kf, _mm512_maskz_loadu_ps(live, e2 + j))));
-      }
+      const __m512 f = exp16f(_mm512_maskz_loadu_ps(live, b + j));
+      // e^{−b} = 1 / e^b: the reciprocal estimate and one Newton step (a few ulp of fp32)
+      __m512 iv = _mm512_rcp14_ps(f);
+      iv = _mm512_mul_ps(iv, _mm512_fnmadd_ps(f, iv, two));
+      _mm256_mask_storeu_epi16(qe + j, live, round(_mm512_mul_ps(qf, f)));
+      _mm256_mask_storeu_epi16(ke + j, live, round(_mm512_mul_ps(kf, f)));
+      _mm256_mask_storeu_epi16(ki + j, live, round(_mm512_mul_ps(kf, iv)));
     }
     return;
   }
 #endif
   for (; j < K; ++j) {
-    const float qf = float(q[j]), kf = float(k[j]);
-    qe[j] = B16(qf * f[j]);
+    const float f = std::exp(b[j]), kf = float(k[j]);
+    qe[j] = B16(float(q[j]) * f);
+    ke[j] = B16(kf * f);
+    ki[j] = B16(kf / f);
+  }
+}
+
+// One row of the decayed rows of a chunk that is not whole, from the factors f = e^b and
+// e2 = e^{b_C − b} (each its own exponential): Q̂ = q f, K̂ = k f, K̄ = k e2.
+inline void bounded_rows(int64_t K, const B16* q, const B16* k, const float* f, const float* e2, B16* qe, B16* ke,
+                         B16* kb) {
+  for (int64_t j = 0; j < K; ++j) {
+    const float kf = float(k[j]);
+    qe[j] = B16(float(q[j]) * f[j]);
     ke[j] = B16(kf * f[j]);
-    if (e2 == nullptr) {
-      const float iv = 1.f / f[j];
-      ki[j] = B16(kf * iv);
-      kb[j] = B16(kf * (last[j] * iv));
-    } else {
-      kb[j] = B16(kf * e2[j]);
-    }
+    kb[j] = B16(kf * e2[j]);
   }
 }
 
@@ -98,7 +110,7 @@ struct KdaForwardBf16 : Grid {
 
   // The scratch one task takes, in floats (bf16 buffers at two to a float).
   struct Layout {
-    int64_t R, Qx, Kx, Ki, Kb, Ah, PK, tmp, Kw, Rw, hw, Uw, SP, Tm, WU, X, fac, e2, Qf, Kf, gin, bd, ex, vec, last, total;
+    int64_t R, Qx, Kx, Ki, Kb, Ah, PK, tmp, Kw, Rw, hw, Uw, SP, Tm, WU, X, fac, e2, Qf, Kf, gin, bf, bd, ex, vec, last, total;
   };
   Layout layout() const {
     using fastweights::cpu::packed_b_words;
@@ -111,7 +123,7 @@ struct KdaForwardBf16 : Grid {
     put(s.Qx, b16(C * K));                              // q, k as gathered (bf16)
     put(s.Kx, b16(C * K));
     put(s.Ki, b16(C * K));                              // Ǩ
-    put(s.Kb, b16(C * K));                              // K̄
+    put(s.Kb, b16(C * K));                              // K̄ (chunks that are not whole)
     put(s.Ah, b16(C * C));                              // T diag(β)
     put(s.PK, b16((C + K) * ldt));                      // [P; K̄ᵀ], ld transposed_ld(C)
     put(s.tmp, b16(C * K) + (C + 1) / 2 * round16(K));  // transpose_keys' scratch
@@ -128,6 +140,7 @@ struct KdaForwardBf16 : Grid {
     put(s.Qf, C * K);                                   // q, k widened (the pair-by-pair S and P)
     put(s.Kf, C * K);
     put(s.gin, C * K);                                  // gk's rows
+    put(s.bf, C * K);                                   // b = cumsum(gk)
     put(s.bd, 2 * C * K);                               // b (float64)
     put(s.ex, 2 * C * K);                               // float64 exponents
     put(s.vec, round16(C));                             // β
@@ -156,7 +169,7 @@ struct KdaForwardBf16 : Grid {
     float* P = scratch + s.SP;
     float* S = P + C * C;
     float *Tm = scratch + s.Tm, *WU = scratch + s.WU, *fac = scratch + s.fac, *e2 = scratch + s.e2;
-    float *Qf = scratch + s.Qf, *Kf = scratch + s.Kf, *gin = scratch + s.gin, *bvec = scratch + s.vec,
+    float *Qf = scratch + s.Qf, *Kf = scratch + s.Kf, *gin = scratch + s.gin, *bf = scratch + s.bf, *bvec = scratch + s.vec,
           *last = scratch + s.last;
     double* bd = reinterpret_cast<double*>(scratch + s.bd);
     double* ex = reinterpret_cast<double*>(scratch + s.ex);
@@ -176,7 +189,9 @@ struct KdaForwardBf16 : Grid {
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t t0 = c * C, rows = std::min(C, L - t0);
       int64_t part = 0;
-      auto ahead = [&]() {  // the next chunk's rows, in parts over this one's work
+      // the next chunk's q, k, v rows, in parts over this one's work (not gk's: its rows are a page
+      // apart in a token-major input, and asking for them too was slower than gathering them cold)
+      auto ahead = [&]() {
         const int64_t next = t0 + C, left = std::min(C, L - next);
         if (left <= 0 || part >= kAheadParts) return;
         const int64_t b = next + left * part / kAheadParts, e = next + left * (part + 1) / kAheadParts;
@@ -184,7 +199,6 @@ struct KdaForwardBf16 : Grid {
         prefetch_rows(qh, q_s[2], b, e - b, K);
         prefetch_rows(kh, k_s[2], b, e - b, K);
         prefetch_rows(vh, v_s[2], b, e - b, V);
-        prefetch_rows(gh, gk_s[2], b, e - b, K);
       };
       gather(qh, kh, vh, bh, gh, t0, rows, Qx, Kx, KVr, gin, bvec, finite->on() ? bad : nullptr);
       if (decay_stats != nullptr) {
@@ -198,30 +212,27 @@ struct KdaForwardBf16 : Grid {
         for (int64_t i = 0; i < rows * K; ++i) high = gin[i] > high ? gin[i] : high;
         decay_high = high;
       }
-      // b = cumsum(gk) in float64 (rows past the end: gk = 0), and its largest magnitude
-      for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
-      for (int64_t i = 1; i < C; ++i) {
-        double* bi = bd + i * K;
-        const double* bp = bi - K;
-        const float* gi = gin + i * K;
-#pragma omp simd
-        for (int64_t j = 0; j < K; ++j) bi[j] = bp[j] + double(gi[j]);
-      }
-      double high = 0.0;
-#pragma omp simd reduction(max : high)
-      for (int64_t i = 0; i < C * K; ++i) high = std::max(high, std::abs(bd[i]));
-      const bool whole = high <= kWholeLimit;  // (NaN: not whole)
-      exp_of(bd, fac, C * K);
-      std::memcpy(last, fac + (C - 1) * K, sizeof(float) * K);
-      if (!whole) {
+      // b = cumsum(gk) (rows past the end: gk = 0) in fp32, and its largest magnitude
+      const float high = cumulative_decay(gin, bf, Qf);
+      const bool whole = high <= kWholeLimit;
+      if (whole) {
+        for (int64_t j = 0; j < K; ++j) last[j] = std::exp(bf[(C - 1) * K + j]);
+        for (int64_t i = 0; i < C; ++i)
+          whole_rows(K, Qx + i * K, Kx + i * K, bf + i * K, Qr + i * KV, KVr + i * KV, Ki + i * K);
+      } else {
+        // b again in float64, and each factor its own exponential of a float64 number (file comment)
+        for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
+        for (int64_t i = 1; i < C; ++i)
+          for (int64_t j = 0; j < K; ++j) bd[i * K + j] = bd[(i - 1) * K + j] + double(gin[i * K + j]);
+        exp_of(bd, fac, C * K);
+        std::memcpy(last, fac + (C - 1) * K, sizeof(float) * K);
         const double* bC = bd + (C - 1) * K;
         for (int64_t i = 0; i < C; ++i)
           for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
         exp_of(ex, e2, C * K);
+        for (int64_t i = 0; i < C; ++i)
+          bounded_rows(K, Qx + i * K, Kx + i * K, fac + i * K, e2 + i * K, Qr + i * KV, KVr + i * KV, Kb + i * K);
       }
-      for (int64_t i = 0; i < C; ++i)
-        decayed_rows(K, Qx + i * K, Kx + i * K, fac + i * K, last, whole ? nullptr : e2 + i * K, Qr + i * KV,
-                     KVr + i * KV, Ki + i * K, Kb + i * K);
       ahead();
       if (whole) {
         // [P; S] = [Q̂; K̂] Ǩᵀ, then the masks
@@ -241,16 +252,21 @@ struct KdaForwardBf16 : Grid {
       gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
       ahead();
       const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
-      // [O; h] += [P; K̄ᵀ] U', after h ← diag(e^{b_C}) h
-      for (int64_t i = 0; i < K; ++i) {
-        const float r = last[i];
-        float* row = h + i * V;
+      // [O; h] += [P; K̄ᵀ] U' with h ← diag(e^{b_C}) h first; in a whole chunk K̄ = diag(e^{b_C}) Ǩ
+      // (per channel), so there h ← diag(e^{b_C}) (h + Ǩᵀ U') instead, and K̄ is never formed
+      auto decay_state = [&]() {
+        for (int64_t i = 0; i < K; ++i) {
+          const float r = last[i];
+          float* row = h + i * V;
 #pragma omp simd
-        for (int64_t j = 0; j < V; ++j) row[j] *= r;
-      }
+          for (int64_t j = 0; j < V; ++j) row[j] *= r;
+        }
+      };
+      if (!whole) decay_state();
       for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
-      transpose_keys(C, K, Kb, K, nullptr, PK + C * ldt, ldt, tmp16, tmpw);
+      transpose_keys(C, K, whole ? Ki : Kb, K, nullptr, PK + C * ldt, ldt, tmp16, tmpw);
       gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
+      if (whole) decay_state();
       ahead();
       for (int64_t i = 0; i < C; ++i)
         fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
@@ -264,6 +280,40 @@ struct KdaForwardBf16 : Grid {
       decay_stats[3 * nh + 1] = double(decay_nan);
       decay_stats[3 * nh + 2] = double(decay_high);
     }
+  }
+
+  // b = cumsum(gk) down the chunk's rows (C × K, fp32: an error of a few ulp of b moves e^b by far
+  // less than its rounding to bf16), and the largest |b|, from each channel's running extremes
+  // (16 channels a vector, their sums and extremes in registers down the rows). extremes: 2K floats.
+  float cumulative_decay(const float* gin, float* b, float* extremes) const {
+    float high = 0.f;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+      __m512 top = _mm512_setzero_ps(), bottom = _mm512_setzero_ps();
+      for (; j < K; j += 16) {
+        const __mmask16 live = fastweights::cpu::bf16_detail::live16(K - j);
+        __m512 x = _mm512_setzero_ps();
+        for (int64_t i = 0; i < C; ++i) {
+          x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(live, gin + i * K + j));
+          _mm512_mask_storeu_ps(b + i * K + j, live, x);
+          top = _mm512_max_ps(top, x);
+          bottom = _mm512_min_ps(bottom, x);
+        }
+      }
+      return std::max(_mm512_reduce_max_ps(top), -_mm512_reduce_min_ps(bottom));
+    }
+#endif
+    float *top = extremes, *bottom = extremes + K;
+    for (j = 0; j < K; ++j) top[j] = bottom[j] = b[j] = gin[j];
+    for (int64_t i = 1; i < C; ++i)
+      for (j = 0; j < K; ++j) {
+        b[i * K + j] = b[(i - 1) * K + j] + gin[i * K + j];
+        top[j] = std::max(top[j], b[i * K + j]);
+        bottom[j] = std::min(bottom[j], b[i * K + j]);
+      }
+    for (j = 0; j < K; ++j) high = std::max(high, std::max(top[j], -bottom[j]));
+    return high;
   }
 
   // The chunk at t0 (rows of it before the end): q → Qx, k → Kx (ld K), v → the V columns of KVr
