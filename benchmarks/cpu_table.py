@@ -94,8 +94,8 @@ def cases(T: int = 2048) -> Dict[str, tuple]:
             return kda(*low)
 
     flops = op_flops(1, 8, T, 128, 128, 64)
-    out["chunk_kda fwd H=8 K=V=128 fp32"] = ((lambda: kda(q, k, v)), flops)
-    out["chunk_kda fwd H=8 K=V=128 bf16 inputs"] = ((lambda: kda(*low)), flops)
+    out["chunk_kda fwd H=8 K=V=128 fp32"] = ((lambda q=q, k=k, v=v: kda(q, k, v)), flops)
+    out["chunk_kda fwd H=8 K=V=128 bf16 inputs"] = ((lambda low=low: kda(*low)), flops)
     out["chunk_kda fwd H=8 K=V=128 bf16 products"] = (kda_products, flops)
     # Qwen3-Next's heads: 32 value heads of 128 (the keys repeated to them, as the model does)
     q, k, v, beta, g = _inputs(1, T, 32, 128, 128, gen)

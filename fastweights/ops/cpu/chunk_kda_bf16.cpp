@@ -201,19 +201,15 @@ struct KdaForwardBf16 : Grid {
         prefetch_rows(vh, v_s[2], b, e - b, V);
       };
       gather(qh, kh, vh, bh, gh, t0, rows, Qx, Kx, KVr, gin, bvec, finite->on() ? bad : nullptr);
-      if (decay_stats != nullptr) {
-        if (any_nonfinite(gin, rows * K))
-          for (int64_t i = 0; i < rows * K; ++i) {
-            decay_bad += !std::isfinite(gin[i]);
-            decay_nan += std::isnan(gin[i]);
-          }
-        float high = decay_high;
-#pragma omp simd reduction(max : high)
-        for (int64_t i = 0; i < rows * K; ++i) high = gin[i] > high ? gin[i] : high;
-        decay_high = high;
-      }
-      // b = cumsum(gk) (rows past the end: gk = 0) in fp32, and its largest magnitude
-      const float high = cumulative_decay(gin, bf, Qf);
+      // b = cumsum(gk) (rows past the end: gk = 0) in fp32, and its largest magnitude; on the way,
+      // gk's largest entry and whether any is NaN or ±Inf (the decay check's counts)
+      bool decay_odd = false;
+      const float high = cumulative_decay(gin, rows, bf, Qf, decay_high, decay_odd);
+      if (decay_stats != nullptr && decay_odd)  // the exact counts, only where there is something to count
+        for (int64_t i = 0; i < rows * K; ++i) {
+          decay_bad += !std::isfinite(gin[i]);
+          decay_nan += std::isnan(gin[i]);
+        }
       const bool whole = high <= kWholeLimit;
       if (whole) {
         for (int64_t j = 0; j < K; ++j) last[j] = std::exp(bf[(C - 1) * K + j]);
@@ -284,23 +280,33 @@ struct KdaForwardBf16 : Grid {
 
   // b = cumsum(gk) down the chunk's rows (C × K, fp32: an error of a few ulp of b moves e^b by far
   // less than its rounding to bf16), and the largest |b|, from each channel's running extremes
-  // (16 channels a vector, their sums and extremes in registers down the rows). extremes: 2K floats.
-  float cumulative_decay(const float* gin, float* b, float* extremes) const {
+  // (16 channels a vector, their sums and extremes in registers down the rows). Of the first
+  // `rows` rows (the others are padding) also gk's largest entry, NaN aside, into top_g, and
+  // whether any entry is NaN or ±Inf into odd. extremes: 2K floats of scratch.
+  float cumulative_decay(const float* gin, int64_t rows, float* b, float* extremes, float& top_g, bool& odd) const {
     float high = 0.f;
     int64_t j = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
     if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
-      __m512 top = _mm512_setzero_ps(), bottom = _mm512_setzero_ps();
+      __m512 top = _mm512_setzero_ps(), bottom = _mm512_setzero_ps(), gtop = _mm512_set1_ps(top_g);
+      __mmask16 nonfinite = 0;
       for (; j < K; j += 16) {
         const __mmask16 live = fastweights::cpu::bf16_detail::live16(K - j);
         __m512 x = _mm512_setzero_ps();
         for (int64_t i = 0; i < C; ++i) {
-          x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(live, gin + i * K + j));
+          const __m512 g = _mm512_maskz_loadu_ps(live, gin + i * K + j);
+          x = _mm512_add_ps(x, g);
           _mm512_mask_storeu_ps(b + i * K + j, live, x);
           top = _mm512_max_ps(top, x);
           bottom = _mm512_min_ps(bottom, x);
+          if (i < rows) {
+            gtop = _mm512_mask_max_ps(gtop, live, g, gtop);  // a NaN in g keeps gtop (vmaxps returns the second)
+            nonfinite |= _mm512_mask_fpclass_ps_mask(live, g, 0x99);  // QNaN, ±Inf, SNaN
+          }
         }
       }
+      top_g = _mm512_reduce_max_ps(gtop);
+      odd = odd || nonfinite != 0;
       return std::max(_mm512_reduce_max_ps(top), -_mm512_reduce_min_ps(bottom));
     }
 #endif
@@ -313,6 +319,10 @@ struct KdaForwardBf16 : Grid {
         bottom[j] = std::min(bottom[j], b[i * K + j]);
       }
     for (j = 0; j < K; ++j) high = std::max(high, std::max(top[j], -bottom[j]));
+    for (int64_t i = 0; i < rows * K; ++i) {
+      odd = odd || !std::isfinite(gin[i]);
+      if (gin[i] > top_g) top_g = gin[i];
+    }
     return high;
   }
 
