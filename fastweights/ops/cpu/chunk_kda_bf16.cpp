@@ -1,5 +1,5 @@
 // Kimi Delta Attention's chunk forward with bf16 products, on the CPU, one (sequence, head) per
-// task, chunk by chunk (inference: nothing kept for a backward). The algebra is chunk_kda.cpp's
+// task, a thread's tasks worked on in groups chunk by chunk (inference: nothing kept for a backward). The algebra is chunk_kda.cpp's
 // (Kimi Team 2025, "Kimi Linear", arXiv:2510.26692; the UT transform of Yang et al. 2024,
 // arXiv:2406.06484); the products run on gemm_bf16.h's ISA path (AMX tiles, AVX512-BF16, or
 // widened to fp32), the shared pieces are chunk_common.h, chunk_bf16.h and chunk_rows.h.
@@ -134,7 +134,6 @@ struct KdaForwardBf16 : Grid {
     put(s.SP, 2 * C * C);                               // [P; S]
     put(s.Tm, C * C);                                   // T
     put(s.WU, C * KV);                                  // [W | U]
-    put(s.X, (2 * C + K) * V);                          // [−W h; O; h], ld V
     put(s.fac, C * K);                                  // e^b
     put(s.e2, C * K);                                   // e^{b_C − b} (chunks that are not whole)
     put(s.Qf, C * K);                                   // q, k widened (the pair-by-pair S and P)
@@ -145,12 +144,59 @@ struct KdaForwardBf16 : Grid {
     put(s.ex, 2 * C * K);                               // float64 exponents
     put(s.vec, round16(C));                             // β
     put(s.last, round16(K));                            // e^{b_C}
-    s.total = at;
+    s.X = at;                                           // per head of a group: [−W h; O; h], ld V
+    s.total = at + group() * x_floats();
     return s;
   }
   int64_t scratch_size() const { return layout().total; }
+  int64_t x_floats() const { return round16((2 * C + K) * V); }
+  // Heads worked on side by side, chunk by chunk, as many as keep their [−W h; O; h] rows within
+  // about 1 MiB (chunk_delta_bf16.cpp's rule).
+  int64_t group() const { return std::max<int64_t>(1, std::min<int64_t>(kMaxGroup, (int64_t(1) << 18) / x_floats())); }
+  static constexpr int64_t kMaxGroup = 8;
 
-  void head(int64_t nh, float* scratch) const {
+  // One head's running sums beside its state: q, k, v's non-finite counts and gk's check counts.
+  struct Tally {
+    int64_t bad[3] = {0, 0, 0}, decay_bad = 0, decay_nan = 0;
+    float decay_high = -std::numeric_limits<float>::infinity();
+  };
+
+  // Tasks begin .. end (sequence·H + head), in groups of group() heads, chunk by chunk (as
+  // chunk_delta_bf16.cpp works its tasks: a token's heads are adjacent in memory, so a group reads
+  // each chunk's input rows, gk's above all, as longer runs than one head's).
+  void run(int64_t begin, int64_t end, float* scratch) const {
+    const Layout s = layout();
+    const int64_t G = group();
+    fastweights::cpu::Workspace ws;
+    Tally tally[kMaxGroup];
+    for (int64_t first = begin; first < end; first += G) {
+      const int64_t heads = std::min(G, end - first);
+      for (int64_t j = 0; j < heads; ++j) {
+        float* h = scratch + s.X + j * x_floats() + 2 * C * V;
+        if (h0 != nullptr) std::memcpy(h, h0 + (first + j) * K * V, sizeof(float) * K * V);
+        else std::fill(h, h + K * V, 0.f);
+        tally[j] = Tally{};
+      }
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t j = 0; j < heads; ++j) chunk(first + j, c, scratch, scratch + s.X + j * x_floats(), ws, tally[j]);
+      fastweights::cpu::store_fence();
+      fastweights::cpu::gemm_bf16_release();
+      for (int64_t j = 0; j < heads; ++j) {
+        const int64_t nh = first + j;
+        std::memcpy(h_out + nh * K * V, scratch + s.X + j * x_floats() + 2 * C * V, sizeof(float) * K * V);
+        if (finite->on()) finite->add(tally[j].bad);
+        if (decay_stats != nullptr) {
+          decay_stats[3 * nh] = double(tally[j].decay_bad);
+          decay_stats[3 * nh + 1] = double(tally[j].decay_nan);
+          decay_stats[3 * nh + 2] = double(tally[j].decay_high);
+        }
+      }
+    }
+  }
+
+  // Chunk c of head nh: X is the head's own [−W h; O; h] rows (h its state), the rest of the
+  // scratch shared; tally the head's check counts.
+  void chunk(int64_t nh, int64_t c, float* scratch, float* X, fastweights::cpu::Workspace& ws, Tally& tally) const {
     using fastweights::cpu::gemm_bf16_packed;
     using fastweights::cpu::pack_b;
     using fastweights::cpu::to_bf16;
@@ -173,7 +219,7 @@ struct KdaForwardBf16 : Grid {
           *last = scratch + s.last;
     double* bd = reinterpret_cast<double*>(scratch + s.bd);
     double* ex = reinterpret_cast<double*>(scratch + s.ex);
-    float* WH = scratch + s.X;  // [−W h; O; h], one leading dimension V
+    float* WH = X;  // [−W h; O; h], one leading dimension V
     float* O = WH + C * V;
     float* h = O + C * V;
     const B16* qh = q + n * q_s[0] + hh * q_s[1];
@@ -181,101 +227,85 @@ struct KdaForwardBf16 : Grid {
     const B16* vh = v + n * v_s[0] + hh * v_s[1];
     const float* bh = beta + n * beta_s[0] + hh * beta_s[1];
     const float* gh = gk + n * gk_s[0] + hh * gk_s[1];
-    fastweights::cpu::Workspace ws;
-    if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(float) * K * V);
-    else std::fill(h, h + K * V, 0.f);
-    int64_t bad[3] = {0, 0, 0}, decay_bad = 0, decay_nan = 0;
-    float decay_high = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < NC; ++c) {
-      const int64_t t0 = c * C, rows = std::min(C, L - t0);
-      int64_t part = 0;
-      // the next chunk's q, k, v rows, in parts over this one's work (not gk's: its rows are a page
-      // apart in a token-major input, and asking for them too was slower than gathering them cold)
-      auto ahead = [&]() {
-        const int64_t next = t0 + C, left = std::min(C, L - next);
-        if (left <= 0 || part >= kAheadParts) return;
-        const int64_t b = next + left * part / kAheadParts, e = next + left * (part + 1) / kAheadParts;
-        ++part;
-        prefetch_rows(qh, q_s[2], b, e - b, K);
-        prefetch_rows(kh, k_s[2], b, e - b, K);
-        prefetch_rows(vh, v_s[2], b, e - b, V);
-      };
-      gather(qh, kh, vh, bh, gh, t0, rows, Qx, Kx, KVr, gin, bvec, finite->on() ? bad : nullptr);
-      // b = cumsum(gk) (rows past the end: gk = 0) in fp32, and its largest magnitude; on the way,
-      // gk's largest entry and whether any is NaN or ±Inf (the decay check's counts)
-      bool decay_odd = false;
-      const float high = cumulative_decay(gin, rows, bf, Qf, decay_high, decay_odd);
-      if (decay_stats != nullptr && decay_odd)  // the exact counts, only where there is something to count
-        for (int64_t i = 0; i < rows * K; ++i) {
-          decay_bad += !std::isfinite(gin[i]);
-          decay_nan += std::isnan(gin[i]);
-        }
-      const bool whole = high <= kWholeLimit;
-      if (whole) {
-        for (int64_t j = 0; j < K; ++j) last[j] = std::exp(bf[(C - 1) * K + j]);
-        for (int64_t i = 0; i < C; ++i)
-          whole_rows(K, Qx + i * K, Kx + i * K, bf + i * K, Qr + i * KV, KVr + i * KV, Ki + i * K);
-      } else {
-        // b again in float64, and each factor its own exponential of a float64 number (file comment)
-        for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
-        for (int64_t i = 1; i < C; ++i)
-          for (int64_t j = 0; j < K; ++j) bd[i * K + j] = bd[(i - 1) * K + j] + double(gin[i * K + j]);
-        exp_of(bd, fac, C * K);
-        std::memcpy(last, fac + (C - 1) * K, sizeof(float) * K);
-        const double* bC = bd + (C - 1) * K;
-        for (int64_t i = 0; i < C; ++i)
-          for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
-        exp_of(ex, e2, C * K);
-        for (int64_t i = 0; i < C; ++i)
-          bounded_rows(K, Qx + i * K, Kx + i * K, fac + i * K, e2 + i * K, Qr + i * KV, KVr + i * KV, Kb + i * K);
+    const int64_t t0 = c * C, rows = std::min(C, L - t0);
+    int64_t part = 0;
+    // the next chunk's q, k, v rows, in parts over this one's work (not gk's: its rows are a page
+    // apart in a token-major input, and asking for them too was slower than gathering them cold)
+    auto ahead = [&]() {
+      const int64_t next = t0 + C, left = std::min(C, L - next);
+      if (left <= 0 || part >= kAheadParts) return;
+      const int64_t b = next + left * part / kAheadParts, e = next + left * (part + 1) / kAheadParts;
+      ++part;
+      prefetch_rows(qh, q_s[2], b, e - b, K);
+      prefetch_rows(kh, k_s[2], b, e - b, K);
+      prefetch_rows(vh, v_s[2], b, e - b, V);
+    };
+    gather(qh, kh, vh, bh, gh, t0, rows, Qx, Kx, KVr, gin, bvec, finite->on() ? tally.bad : nullptr);
+    // b = cumsum(gk) (rows past the end: gk = 0) in fp32, and its largest magnitude; on the way,
+    // gk's largest entry and whether any is NaN or ±Inf (the decay check's counts)
+    bool decay_odd = false;
+    const float high = cumulative_decay(gin, rows, bf, Qf, tally.decay_high, decay_odd);
+    if (decay_stats != nullptr && decay_odd)  // the exact counts, only where there is something to count
+      for (int64_t i = 0; i < rows * K; ++i) {
+        tally.decay_bad += !std::isfinite(gin[i]);
+        tally.decay_nan += std::isnan(gin[i]);
       }
-      ahead();
-      if (whole) {
-        // [P; S] = [Q̂; K̂] Ǩᵀ, then the masks
-        gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, Ki, K, w32(s.Kw)), 0.f, P, C, ws);
-        mask_scores<float>(C, nullptr, S, P, nullptr);
-      } else {
-        pair_scores(Qx, Kx, bd, Qf, Kf, ex, e2, S, P);
-      }
-      ahead();
-      unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
-      // [W | U] = T diag(β) [K̂ | V]
-      for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Ah + i * C, C);
-      gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
-      // [−W h; O] = [−W; Q̂] h; U' = U + (−W h)
-      const auto hp = pack_state(K, V, h, 1.f, w32(s.hw));
-      for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
-      gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
-      ahead();
-      const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
-      // [O; h] += [P; K̄ᵀ] U' with h ← diag(e^{b_C}) h first; in a whole chunk K̄ = diag(e^{b_C}) Ǩ
-      // (per channel), so there h ← diag(e^{b_C}) (h + Ǩᵀ U') instead, and K̄ is never formed
-      auto decay_state = [&]() {
-        for (int64_t i = 0; i < K; ++i) {
-          const float r = last[i];
-          float* row = h + i * V;
-#pragma omp simd
-          for (int64_t j = 0; j < V; ++j) row[j] *= r;
-        }
-      };
-      if (!whole) decay_state();
-      for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
-      transpose_keys(C, K, whole ? Ki : Kb, K, nullptr, PK + C * ldt, ldt, tmp16, tmpw);
-      gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
-      if (whole) decay_state();
-      ahead();
+    const bool whole = high <= kWholeLimit;
+    if (whole) {
+      for (int64_t j = 0; j < K; ++j) last[j] = std::exp(bf[(C - 1) * K + j]);
       for (int64_t i = 0; i < C; ++i)
-        fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
+        whole_rows(K, Qx + i * K, Kx + i * K, bf + i * K, Qr + i * KV, KVr + i * KV, Ki + i * K);
+    } else {
+      // b again in float64, and each factor its own exponential of a float64 number (file comment)
+      for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
+      for (int64_t i = 1; i < C; ++i)
+        for (int64_t j = 0; j < K; ++j) bd[i * K + j] = bd[(i - 1) * K + j] + double(gin[i * K + j]);
+      exp_of(bd, fac, C * K);
+      std::memcpy(last, fac + (C - 1) * K, sizeof(float) * K);
+      const double* bC = bd + (C - 1) * K;
+      for (int64_t i = 0; i < C; ++i)
+        for (int64_t j = 0; j < K; ++j) ex[i * K + j] = bC[j] - bd[i * K + j];
+      exp_of(ex, e2, C * K);
+      for (int64_t i = 0; i < C; ++i)
+        bounded_rows(K, Qx + i * K, Kx + i * K, fac + i * K, e2 + i * K, Qr + i * KV, KVr + i * KV, Kb + i * K);
     }
-    fastweights::cpu::store_fence();
-    fastweights::cpu::gemm_bf16_release();
-    std::memcpy(h_out + nh * K * V, h, sizeof(float) * K * V);
-    if (finite->on()) finite->add(bad);
-    if (decay_stats != nullptr) {
-      decay_stats[3 * nh] = double(decay_bad);
-      decay_stats[3 * nh + 1] = double(decay_nan);
-      decay_stats[3 * nh + 2] = double(decay_high);
+    ahead();
+    if (whole) {
+      // [P; S] = [Q̂; K̂] Ǩᵀ, then the masks
+      gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, Ki, K, w32(s.Kw)), 0.f, P, C, ws);
+      mask_scores<float>(C, nullptr, S, P, nullptr);
+    } else {
+      pair_scores(Qx, Kx, bd, Qf, Kf, ex, e2, S, P);
     }
+    ahead();
+    unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
+    // [W | U] = T diag(β) [K̂ | V]
+    for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Ah + i * C, C);
+    gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
+    // [−W h; O] = [−W; Q̂] h; U' = U + (−W h)
+    const auto hp = pack_state(K, V, h, 1.f, w32(s.hw));
+    for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
+    gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
+    ahead();
+    const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
+    // [O; h] += [P; K̄ᵀ] U' with h ← diag(e^{b_C}) h first; in a whole chunk K̄ = diag(e^{b_C}) Ǩ
+    // (per channel), so there h ← diag(e^{b_C}) (h + Ǩᵀ U') instead, and K̄ is never formed
+    auto decay_state = [&]() {
+      for (int64_t i = 0; i < K; ++i) {
+        const float r = last[i];
+        float* row = h + i * V;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) row[j] *= r;
+      }
+    };
+    if (!whole) decay_state();
+    for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
+    transpose_keys(C, K, whole ? Ki : Kb, K, nullptr, PK + C * ldt, ldt, tmp16, tmpw);
+    gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
+    if (whole) decay_state();
+    ahead();
+    for (int64_t i = 0; i < C; ++i)
+      fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
   }
 
   // b = cumsum(gk) down the chunk's rows (C × K, fp32: an error of a few ulp of b moves e^b by far
@@ -446,7 +476,7 @@ std::vector<torch::Tensor> chunk_kda_fwd_bf16(const torch::Tensor& q, const torc
   FiniteCheck finite(check_finite);
   f.finite = &finite;
   f.decay_stats = data_if<double>(check_decay, stats);
-  per_head(f);
+  per_head_group(f);
   finite.raise_if_any();
   return {o, h_out, stats};
 }
