@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.cpu import library
-from fastweights.ops.kda import chunk as kda_chunk_module
 from helpers import rel_err, thread_and_batch_runs
 from test_compile_kernels import Graphs
 from test_cpu_isa import path  # noqa: F401  (the fixture: each ISA path this machine runs)
@@ -114,7 +113,7 @@ def test_packed_sequences_under_the_mode(bf16_calls):
     assert bf16_calls
 
 
-def test_every_isa_path(path, bf16_calls):
+def test_every_isa_path(path, bf16_calls):  # noqa: F811  (the imported fixture)
     """Each ISA path this machine runs (AMX tiles, AVX512-BF16, the widened fp32 products), with a
     chunk of extreme decays among mild ones, K = 60 ≠ V."""
     x = _inputs(2, 150, 2, 60, 40, decay=0.4, seed=3)
