@@ -8,6 +8,8 @@ times, round by round (best of ``--repeats``):
 - ``chunk_delta_rule`` forward (no grad) at B 1, T 2048, H 4, K = V = 64 and at H 8,
   K = V = 128: fp32; bf16 inputs; fp32 inputs under ``torch.autocast("cpu", bf16)``; bf16
   inputs under :func:`fastweights.ops.bf16_products`; and the gated rule the same way;
+- ``chunk_kda`` forward (no grad) at B 1, T 2048, H 8, K = V = 128: fp32, bf16 inputs, bf16
+  inputs under :func:`fastweights.ops.bf16_products`;
 - ``chunk_gated_delta_rule`` at Qwen3-Next's head shape (H 32, K = V = 128, T 2048) against
   transformers' ``torch_chunk_gated_delta_rule`` (when transformers is installed);
 - ``chunk_delta_rule`` forward with grad against flash-linear-attention's
@@ -78,6 +80,23 @@ def cases(T: int = 2048) -> Dict[str, tuple]:
             out[f"{tag} bf16 inputs"] = ((lambda run=run, low=low: run(*low)), flops)
             out[f"{tag} autocast bf16"] = (autocast, flops)
             out[f"{tag} bf16 products"] = (products, flops)
+    # KDA (per-channel decay) at H 8, K = V = 128: fp32, bf16 inputs, bf16 products
+    q, k, v, beta, _ = _inputs(1, T, 8, 128, 128, gen)
+    gk = F.logsigmoid(torch.randn(1, T, 8, 128, generator=gen) + 3.0)
+    low = [t.bfloat16() for t in (q, k, v)]
+
+    def kda(q, k, v, gk=gk, beta=beta):
+        with torch.no_grad():
+            return ops.chunk_kda(q, k, v, gk, beta, chunk_size=64)
+
+    def kda_products(low=low):
+        with ops.bf16_products():
+            return kda(*low)
+
+    flops = op_flops(1, 8, T, 128, 128, 64)
+    out["chunk_kda fwd H=8 K=V=128 fp32"] = ((lambda q=q, k=k, v=v: kda(q, k, v)), flops)
+    out["chunk_kda fwd H=8 K=V=128 bf16 inputs"] = ((lambda low=low: kda(*low)), flops)
+    out["chunk_kda fwd H=8 K=V=128 bf16 products"] = (kda_products, flops)
     # Qwen3-Next's heads: 32 value heads of 128 (the keys repeated to them, as the model does)
     q, k, v, beta, g = _inputs(1, T, 32, 128, 128, gen)
     flops = op_flops(1, 32, T, 128, 128, 64)
@@ -155,6 +174,9 @@ def run(T: int = 2048, repeats: int = 5, threads: int = 2, clock: str = "wall") 
             base = best[f"{name} fwd H={H} K=V={D} fp32"]
             for mode in ("bf16 inputs", "autocast bf16", "bf16 products"):
                 ratios[f"{name} fwd H={H} K=V={D}: {mode} speed-up over fp32"] = base / best[f"{name} fwd H={H} K=V={D} {mode}"]
+    base = best["chunk_kda fwd H=8 K=V=128 fp32"]
+    for mode in ("bf16 inputs", "bf16 products"):
+        ratios[f"chunk_kda fwd H=8 K=V=128: {mode} speed-up over fp32"] = base / best[f"chunk_kda fwd H=8 K=V=128 {mode}"]
     from fastweights.ops import cpu as cpu_kernels
 
     return {"T": T, "threads": threads, "clock": clock, "repeats": repeats, "cpu_path": cpu_kernels.status(),

@@ -414,7 +414,7 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
     # them, in inference, outside context parallelism; q, k, v then stay bf16 unless a
     # feature map or q/k norm must run in fp32
     low = None
-    if segments is None and spec.low_products and not backward_can_follow(q, k, v, beta, g, initial_state):
+    if segments is None and spec.low_products and not backward_can_follow(q, k, v, beta, g, gk, gv, initial_state):
         low = product_dtype(out_dtype)
     keep_low = low is not None and isinstance(phi, Identity) and qk_norm is None
     # plain bf16 q, k, v in inference, for a solver that widens them itself (the compiled CPU

@@ -1,4 +1,4 @@
-"""Opt-in bf16 products for the delta rules' PyTorch forms (fp32 accumulation, fp32 state).
+"""Opt-in bf16 products for the delta rules' and KDA's forms (fp32 accumulation, fp32 state).
 
 By default every op computes in fp32 whatever its inputs (docs/design.md, "Numerics"):
 bf16/fp16 inputs are cast up once and the state is fp32. On a CPU with bf16 matrix
@@ -12,9 +12,9 @@ triangular solve stay fp32. That is this mode:
 
 It applies only when all of these hold: the mode is on, the op's inputs are bfloat16
 (as ``torch.autocast(dtype=torch.bfloat16)`` hands them from its projections), the op is
-a delta rule (``chunk_`` or ``recurrent_``/``fused_recurrent_`` form, plain or gated) on
-the PyTorch backend, and no backward follows (grad mode off or no input requires
-grad: training keeps the fp32 path and its hand-written backward). Otherwise the op
+a delta rule (``chunk_`` or ``recurrent_``/``fused_recurrent_`` form, plain or gated) or KDA
+(``chunk_kda``, ``recurrent_kda``/``fused_recurrent_kda``), and no backward follows (grad mode
+off or no input requires grad: training keeps the fp32 path and its hand-written backward). Otherwise the op
 computes in fp32 exactly as without the mode.
 
 Accuracy (tested in ``tests/ops/test_cpu_speed.py``): with bf16 operands the final state
@@ -22,6 +22,10 @@ carries bf16-level error (~1e-3 relative) instead of fp32-level (~1e-7); the out
 which is returned in bf16 anyway, moves from ~0.3 % to ~0.5 % relative error. Under
 the mode the recurrent form uses bf16 operands too, so the two forms can be compared
 at the same precision, and the chunk form stays within 2× of the recurrence's error.
+KDA's chunk form (compiled CPU kernel ``chunk_kda_bf16.cpp``) rounds its decayed rows
+``Q e^b``, ``K e^b``, ``K e^{−b}`` to bf16 once each; where the kernel is not available
+(another device, kernels off) it runs its fp32 forward on the widened inputs instead
+(tested in ``tests/ops/test_cpu_kda_bf16.py``).
 
 Why it is not the default for bf16 inputs in inference: without the mode those inputs are
 computed in fp32, and against that (the same inputs' recurrence) bf16 products roughly double
@@ -55,7 +59,7 @@ def set_bf16_products(enabled: bool) -> None:
 
 @contextlib.contextmanager
 def bf16_products(enabled: bool = True) -> Iterator[None]:
-    """A context in which the delta rules' inference forwards on bf16 inputs use bf16 products."""
+    """A context in which the delta rules' and KDA's inference forwards on bf16 inputs use bf16 products."""
     previous = bf16_products_enabled()
     set_bf16_products(enabled)
     try:

@@ -118,6 +118,8 @@ def _op_samples():
     return {
         "chunk_delta_fwd": [(q, k, v, beta, g, h0, 0.5, c, nb, True), (q, k, v, beta, None, None, 0.5, c, nb, False)],
         "chunk_delta_fwd_bf16": [(*bf, beta, g, h0, 0.5, c), (*bf, beta, None, None, 0.5, c)],
+        "chunk_kda_fwd_bf16": [(*bf, beta, -torch.rand(n, h, t, dk, generator=gen), h0, 0.5, c, "op", True),
+                               (*bf, beta, -torch.rand(n, h, t, dk, generator=gen), None, 0.5, c)],
         "chunk_delta_bwd": [(*fwd[3:6], fwd[2], beta, g, rand(n, h, t, dv), rand(n * h, dk, dv), 0.5, c)],
         "delta_step_out": [(*step, state, 0.3), (*step[:4], None, state.double(), 0.3)],
         "delta_step_inplace": [(*step, state.clone(), 0.3)],

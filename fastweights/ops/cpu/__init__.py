@@ -39,7 +39,8 @@ __all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "bui
 
 #: One file per kernel family, and module.cpp, the one module definition that registers them all.
 _SOURCES = ("module.cpp", "chunk_delta.cpp", "chunk_delta_bf16.cpp", "gemm_bf16_check.cpp", "decode_step.cpp",
-            "short_conv.cpp", "l2norm.cpp", "chunk_linear_attn.cpp", "chunk_kda.cpp")
+            "short_conv.cpp", "l2norm.cpp", "chunk_linear_attn.cpp", "chunk_kda.cpp",
+            "chunk_kda_bf16.cpp")
 _HEADERS = ("chunk_common.h", "chunk_bf16.h", "chunk_rows.h", "gemm_bf16.h", "gemm.h", "isa.h")  # included by the sources: part of the build key
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()

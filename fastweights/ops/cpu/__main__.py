@@ -66,6 +66,13 @@ def _probes():
         o, _ = ops.chunk_kda(q, torch.nn.functional.normalize(k, dim=-1), v, gk, torch.rand(1, 40, 2, generator=g))
         o.sum().backward()
 
+    def kda_bf16():
+        q, k, v = (x(1, 40, 2, 16, grad=False).bfloat16() for _ in range(3))
+        gk = -torch.rand(1, 40, 2, 16, generator=g)
+        with torch.no_grad(), ops.bf16_products():
+            ops.chunk_kda(q, torch.nn.functional.normalize(k.float(), dim=-1).bfloat16(), v, gk,
+                          torch.rand(1, 40, 2, generator=g))
+
     def gdn2():
         q, k, v = x(1, 40, 2, 16), x(1, 40, 2, 16), x(1, 40, 2, 16)
         gk = -torch.rand(1, 40, 2, 16, generator=g)
@@ -93,6 +100,7 @@ def _probes():
         ("delta_rule_step", lambda: step(False)),
         ("gated_delta_rule_step", lambda: step(True)),
         ("chunk_kda (forward + backward)", kda),
+        ("chunk_kda, bf16 products (inference)", kda_bf16),
         ("chunk_gdn2 (forward + backward)", gdn2),
         ("chunk_linear_attn (forward + backward)", linear),
         ("kda_step", kda_decode),

@@ -43,46 +43,6 @@ namespace {
 
 using namespace fastweights::cpu::chunk;
 
-#if defined(__AVX512F__)
-// e^x for 16 floats from float64 exponents x (x ≤ 88): n = round(x / ln 2) and r = x − n ln 2 are
-// formed in float64, so the result carries no error from rounding a large x to float (e^{55}
-// from a float exponent would be off by ~55 ulp of float, in relative terms 3e-6); then
-// Cephes' degree-6 polynomial for e^r on |r| ≤ ln2/2 in float and the exact scaling by 2^n.
-// e^x for x < −87.3 (below the smallest normal float) is returned as 0. About 1 ulp.
-inline __m256 narrow(__m512d x) { return _mm512_cvtpd_ps(x); }
-inline __m512 join(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
-
-inline __m512 exp16(const double* x) {
-  const __m512d log2e = _mm512_set1_pd(1.4426950408889634), ln2 = _mm512_set1_pd(0.6931471805599453);
-  const __m512d x0 = _mm512_loadu_pd(x), x1 = _mm512_loadu_pd(x + 8);
-  const __m512d n0 = _mm512_roundscale_pd(_mm512_mul_pd(x0, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512d n1 = _mm512_roundscale_pd(_mm512_mul_pd(x1, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = join(narrow(_mm512_fnmadd_pd(n0, ln2, x0)), narrow(_mm512_fnmadd_pd(n1, ln2, x1)));
-  const __m512 n = join(narrow(n0), narrow(n1)), xf = join(narrow(x0), narrow(x1));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __mmask16 live = _mm512_cmp_ps_mask(xf, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-#endif
-
-// out[i] = e^{x[i]} for float64 exponents x, rounded to T once, at the end.
-template <typename T>
-inline void exp_of(const double* x, T* out, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(x + i));
-  }
-#endif
-  for (; i < n; ++i) out[i] = T(std::exp(x[i]));
-}
-
 // Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
 
 // One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides;

@@ -141,6 +141,8 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
         "chunk_delta_fwd_bf16 (bf16 products)": f"products: {bf16}; solve and state fp32",
         "chunk_kda_fwd / chunk_kda_bwd (KDA, GDN-2; fp32, fp64)": (
             f"products: {fp_products}; per-channel decay factors and triangular inverse: {loops}"),
+        "chunk_kda_fwd_bf16 (KDA, bf16 products)": (
+            f"products: {bf16}; decayed rows, solve and state fp32 ({loops})"),
         "chunk_linear_attn_fwd / _bwd (fp32, fp64)": f"products: {fp_products}; decays and masks: {loops}",
         "delta_step (decode)": loops,
         "kda_step (decode)": loops,

@@ -40,7 +40,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["kernel", "OPS", "chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_delta_bwd", "delta_step", "delta_step_pool",
+__all__ = ["kernel", "OPS", "chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_kda_fwd_bf16", "chunk_delta_bwd", "delta_step", "delta_step_pool",
            "short_conv_fwd", "short_conv_bwd", "l2norm_fwd", "l2norm_bwd"]
 
 #: name -> the registered op, ``torch.ops.fastweights.<name>.default``.
@@ -146,6 +146,20 @@ def chunk_delta_fwd_bf16(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optio
     n, nh, t_len, dk = k.shape
     dv, nc = v.shape[-1], -(-t_len // chunk_size)
     return v.new_empty(n, nc * chunk_size, nh, dv), beta.new_empty(n * nh, dk, dv)
+
+
+@kernel
+def chunk_kda_fwd_bf16(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor], scale: float,
+                       chunk_size: int, check_finite: str = "", check_decay: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """KDA's bf16-products inference forward (``chunk_kda_bf16.cpp``): q, k, v bf16 ``[N, H, T, ·]``,
+    beta ``[N, H, T]``, gk ``[N, H, T, K]`` and h0 ``[N·H, K, V]`` fp32 -> ``(o [N, NC·C, H, V] bf16,
+    h_T [N·H, K, V] fp32, decay_stats [N·H, 3] float64)``, the stats empty unless ``check_decay``
+    (gk's non-finite and NaN counts and largest entry per task, for ``_checks.check_decay_stats``);
+    ``check_finite`` as for :func:`chunk_delta_fwd`."""
+    n, nh, t_len, dk = k.shape
+    dv, nc = v.shape[-1], -(-t_len // chunk_size)
+    return (v.new_empty(n, nc * chunk_size, nh, dv), beta.new_empty(n * nh, dk, dv),
+            beta.new_empty(n * nh if check_decay else 0, 3, dtype=torch.float64))
 
 
 @kernel

@@ -12,6 +12,7 @@ void register_short_conv(pybind11::module& m);        // short_conv.cpp
 void register_l2norm(pybind11::module& m);            // l2norm.cpp
 void register_chunk_linear_attn(pybind11::module& m); // chunk_linear_attn.cpp
 void register_chunk_kda(pybind11::module& m);         // chunk_kda.cpp
+void register_chunk_kda_bf16(pybind11::module& m);    // chunk_kda_bf16.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the ISA level: fastweights/ops/cpu/dispatch.py reads what the build can run and sets what the kernels take
@@ -33,4 +34,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_l2norm(m);
   register_chunk_linear_attn(m);
   register_chunk_kda(m);
+  register_chunk_kda_bf16(m);
 }

@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._backend import backward_can_follow
 from .._checks import check_decay, check_decay_stats, check_qkv_finite
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from ..precision import autocast_off
@@ -106,6 +107,31 @@ def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True,
     if decay_check is not None:
         check_decay_stats(*decay_check, stats)
     return from_chunk_buffer(o, k.shape[2]), h, states
+
+
+def _native_forward_bf16(q, k, v, beta, gk, h0, scale, chunk_size, *, check_finite="", decay_check=None):
+    """The bf16-products inference forward (:func:`fastweights.ops.bf16_products`) by the compiled
+    kernel (``fastweights/ops/cpu/chunk_kda_bf16.cpp``: the decayed rows Q e^b, K e^b, K e^{−b}
+    formed in fp32 and rounded to bf16 once, every product on bf16 operands with fp32
+    accumulation; the state, the decays, the solve and the sums fp32; chunks with extreme decays
+    take S and P pair by pair in fp32): ``(o [N, H, T, V] bf16, h_T [N·H, K, V] fp32)``, or None
+    where it does not apply: T = 0, v not bf16, or not :func:`~fastweights.ops.cpu.kernels_for`
+    beta, gk, h0 as fp32 CPU tensors. ``check_finite``, ``decay_check``: as for :func:`_native_forward`."""
+    if k.shape[2] == 0 or v.dtype != torch.bfloat16 or not q.device.type == k.device.type == v.device.type == "cpu":
+        return None
+    mod = kernels_for(beta, gk, h0, dtypes=(torch.float32,))
+    if mod is None:
+        return None
+    if check_finite and not q.dtype == k.dtype == torch.bfloat16:  # q/k normalized in fp32: rounding a huge
+        check_qkv_finite(check_finite, q, k, v)                      # entry may give ±Inf; check what came in
+        check_finite = ""
+    q, k = (t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16) for t in (q, k))
+    q, k, v, gk = _unit_last(q, k, v, gk)
+    o, h, stats = mod.chunk_kda_fwd_bf16(q, k, v, beta, gk, h0, float(scale), int(chunk_size), check_finite,
+                                         decay_check is not None)
+    if decay_check is not None:
+        check_decay_stats(*decay_check, stats)
+    return from_chunk_buffer(o, k.shape[2]), h
 
 
 def _check_args(check_finite: str, check_decay: str, decay_name: str):
@@ -303,46 +329,65 @@ register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, beta, gk: v.new_zeros(
 @torch.library.custom_op("fastweights::chunk_kda_infer", mutates_args=())
 def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor],
               scale: float, chunk_size: int, native: bool = True, check_finite: str = "", check_decay: str = "",
-              decay_name: str = "") -> Tuple[Tensor, Tensor]:
+              decay_name: str = "", bf16_products: bool = False) -> Tuple[Tensor, Tensor]:
     """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no gradient is asked for (the chunk
-    states, which only the backward reads, are not kept)."""
+    states, which only the backward reads, are not kept). ``bf16_products`` (bf16 q, k, v under
+    :func:`fastweights.ops.bf16_products`): the compiled bf16-products kernel where it applies,
+    else the fp32 forward on q, k, v widened (o returned in v's dtype either way)."""
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     finite, decay = _check_args(check_finite, check_decay, decay_name)
+    out_dtype = v.dtype
     with autocast_off(q.device):
+        if bf16_products:
+            compiled = (_native_forward_bf16(q, k, v, beta, gk, h0_, scale, chunk_size, check_finite=finite,
+                                             decay_check=decay) if native else None)
+            if compiled is not None:
+                return compiled
+            q, k, v = (t.to(beta.dtype) for t in (q, k, v))
         compiled = (_native_forward(q, k, v, beta, gk, h0_, scale, chunk_size, False, check_finite=finite,
                                     decay_check=decay) if native else None)
         if compiled is not None:
-            return compiled[0], compiled[1]
+            return compiled[0].to(out_dtype), compiled[1]
         o, h, _ = chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=False, check_finite=finite,
                                 decay_check=decay)
-        return o, h
+        return o.to(out_dtype), h
 
 
 @_infer_op.register_fake
-def _infer_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True, check_finite="", check_decay="", decay_name=""):
+def _infer_fake(q, k, v, beta, gk, h0, scale, chunk_size, native=True, check_finite="", check_decay="", decay_name="",
+                bf16_products=False):
     o, h, _ = _fwd_fake(q, k, v, beta, gk, h0, scale, chunk_size, native)
-    return o, h
+    return o, h.new_empty(h.shape, dtype=beta.dtype)
 
 
 def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True, check_finite: str = "",
-              check_decay: str = "", decay_name: str = "gk") -> Tuple[torch.Tensor, torch.Tensor]:
+              check_decay: str = "", decay_name: str = "gk", low: Optional[torch.dtype] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk form with its hand-written backward on head-first compute-dtype tensors; returns ``(o, h_T)``.
     ``native``: whether the compiled CPU kernels may run forward and backward. ``check_finite``,
     ``check_decay`` (the op's name) and ``decay_name``: the input checks the front end left to the
-    solver (:attr:`~.._spec.OpSpec.fused_finite_check`, ``fused_decay_check``)."""
+    solver (:attr:`~.._spec.OpSpec.fused_finite_check`, ``fused_decay_check``). ``low=torch.bfloat16``
+    (set by the front end under :func:`fastweights.ops.bf16_products` for bf16 inputs, which it then
+    leaves bf16): bf16 product operands in inference (:func:`_native_forward_bf16`; without the
+    compiled kernel, the fp32 forward on the inputs widened); ignored, the inputs widened, when a
+    backward may follow."""
     checks = (str(check_finite), str(check_decay), str(decay_name))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, gk, h0)):
+    grad = backward_can_follow(q, k, v, beta, gk, h0)
+    if low is not None and (grad or low != torch.bfloat16):
+        q, k, v = (t.to(beta.dtype) for t in (q, k, v))
+        low = None
+    if grad:
         o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native, *checks)
     else:  # inference: no chunk states kept for a backward
-        o, h_final = _infer_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native, *checks)
+        o, h_final = _infer_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native, *checks, low is not None)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
 #: KDA's chunk op, declared once (``fastweights/ops/_spec.py``): :func:`kda_chunk` without and with
 #: the compiled CPU kernels.
 CHUNK_KDA = OpSpec("chunk_kda", Rule.DELTA, Form.CHUNK, torch=functools.partial(kda_chunk, native=False), cpu=kda_chunk,
-                   fused_finite_check=True, fused_decay_check=True, step=kda_step)
+                   low_products=True, fused_finite_check=True, fused_decay_check=True, step=kda_step)
 
 
 #: The public function moved to api.py (the old path still works, with a DeprecationWarning).

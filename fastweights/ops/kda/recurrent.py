@@ -20,27 +20,52 @@ before the write; only this form has it (README.md in this folder says why).
 
 from __future__ import annotations
 
-from typing import Tuple
+import functools
+from typing import Optional, Tuple
 
 import torch
 
+from .._backend import backward_can_follow
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
+from ..delta_rule.recurrent import low_products_step
 from ..step import kda_step, kda_update, scan_tokens
 
 
-def kda_recurrence(q, k, v, beta, gk, h0, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token KDA on head-first tensors ``[N, H, T, D]`` (``gk [N, H, T, K]``); returns ``(o, h_T)``."""
+def kda_low_products_step(q, k, v, beta, gk, h, scale, gv=None, low=torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~fastweights.ops.step.kda_update` with ``low`` product operands
+    (``fastweights.ops.precision``): the decay ``diag(e^{gk}) h`` (and ``h diag(e^{gv})``) in h's
+    dtype, then the delta rule's step with bf16 operands on the decayed state
+    (:func:`~fastweights.ops.delta_rule.recurrent.low_products_step`: the reads hᵀk and hᵀq and the
+    write k uᵀ take bf16 operands; sums and state in h's dtype)."""
+    h = h * torch.exp(gk).unsqueeze(-1)  # [N, H, K, V] · [N, H, K, 1]
+    if gv is not None:
+        h = h * torch.exp(gv).unsqueeze(-2)
+    return low_products_step(q, k, v, beta, None, h, scale, low)
+
+
+def kda_recurrence(q, k, v, beta, gk, h0, scale, gv=None, low: Optional[torch.dtype] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token KDA on head-first tensors ``[N, H, T, D]`` (``gk [N, H, T, K]``); returns ``(o, h_T)``.
+
+    ``low`` (set by the front end under :func:`fastweights.ops.bf16_products` for bf16 inputs,
+    which it leaves bf16) runs :func:`kda_low_products_step` instead, unless a backward may follow
+    (then the inputs are widened to gk's dtype and the plain step runs)."""
     n, nh, t_len, dk = k.shape
-    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1])
+    if low is not None and backward_can_follow(q, k, v, beta, gk, h0, gv):
+        q, k, v = (t.to(gk.dtype) for t in (q, k, v))
+        low = None
+    h = h0 if h0 is not None else k.new_zeros(n, nh, dk, v.shape[-1], dtype=gk.dtype)  # bf16 k: fp32 state
+    step = kda_update if low is None else functools.partial(kda_low_products_step, low=low)
     if gv is None:
-        return scan_tokens(kda_update, h, scale, q, k, v, beta, gk)
-    return scan_tokens(lambda q, k, v, beta, gk, gv, h, scale: kda_update(q, k, v, beta, gk, h, scale, gv), h, scale,
+        return scan_tokens(step, h, scale, q, k, v, beta, gk)
+    return scan_tokens(lambda q, k, v, beta, gk, gv, h, scale: step(q, k, v, beta, gk, h, scale, gv), h, scale,
                        q, k, v, beta, gk, gv)
 
 
 #: The op, declared once (``fastweights/ops/_spec.py``).
-RECURRENT_KDA = OpSpec("recurrent_kda", Rule.DELTA, Form.RECURRENT, torch=kda_recurrence, step=kda_step)
+RECURRENT_KDA = OpSpec("recurrent_kda", Rule.DELTA, Form.RECURRENT, torch=kda_recurrence, low_products=True,
+                       step=kda_step)
 
 
 #: The public functions moved to api.py (the old path still works, with a DeprecationWarning).
