@@ -52,6 +52,7 @@ def calls(ext, monkeypatch):
         return counted
 
     for name in ("chunk_delta_fwd", "chunk_delta_fwd_bf16", "chunk_delta_bwd", "delta_step", "chunk_linear_attn_fwd",
+                 "chunk_kda_fwd", "chunk_kda_fwd_bf16",
                  "short_conv_fwd", "short_conv_bwd", "l2norm_fwd", "l2norm_bwd"):
         monkeypatch.setattr(ext, name, counting(name, getattr(ext, name)))
     torch._dynamo.reset()
@@ -218,6 +219,7 @@ def test_compiled_chunk_op_calls_the_kernels_bitwise(op_name, calls):
 INFERENCE_CASES = {  # op -> (rule, q/k/v dtype, bf16 products, the kernel, the custom op in the graph)
     "chunk_gated_delta_rule": ("gated_delta", torch.bfloat16, True, "chunk_delta_fwd_bf16", "chunk_delta_rule_fwd"),
     "chunk_linear_attn": ("linear_decay", torch.float32, False, "chunk_linear_attn_fwd", "chunk_linear_attn_infer"),
+    "chunk_kda": ("kda", torch.bfloat16, True, "chunk_kda_fwd_bf16", "chunk_kda_infer"),
 }
 
 
@@ -226,7 +228,11 @@ def test_compiled_inference_calls_the_kernels_bitwise(op_name, calls):
     """Inference (no grad): eager calls the forward's implementation without the custom op's
     dispatch, a compiled graph goes through the op; both run the same kernel, bitwise."""
     rule_name, dtype, products, kernel, in_graph = INFERENCE_CASES[op_name]
-    x = make_inputs(RULES[rule_name], 2, 37, 2, 8, 6, initial_state=True, seed=5)
+    if rule_name == "kda":  # per-channel log decay g [B, T, H, K]
+        x = make_inputs(RULES["gated_delta"], 2, 37, 2, 8, 6, initial_state=True, seed=5)
+        x["g"] = -0.3 * torch.rand(2, 37, 2, 8, generator=torch.Generator().manual_seed(5))
+    else:
+        x = make_inputs(RULES[rule_name], 2, 37, 2, 8, 6, initial_state=True, seed=5)
     x = {n: t.to(dtype) if n in ("q", "k", "v") else t.float() for n, t in x.items()}
     op = getattr(ops, op_name)
 

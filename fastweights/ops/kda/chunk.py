@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._backend import backward_can_follow
+from .._backend import backward_can_follow, inference_op
 from .._checks import check_decay, check_decay_stats, check_qkv_finite
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from ..precision import autocast_off
@@ -326,7 +326,7 @@ def register_chunk_autograd(fwd_op, bwd_op, zero_output) -> None:
 register_chunk_autograd(_fwd_op, _bwd_op, lambda q, k, v, beta, gk: v.new_zeros(v.shape))
 
 
-@torch.library.custom_op("fastweights::chunk_kda_infer", mutates_args=())
+@inference_op("fastweights::chunk_kda_infer")
 def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Optional[Tensor],
               scale: float, chunk_size: int, native: bool = True, check_finite: str = "", check_decay: str = "",
               decay_name: str = "", bf16_products: bool = False) -> Tuple[Tensor, Tensor]:
