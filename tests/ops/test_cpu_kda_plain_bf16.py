@@ -92,6 +92,19 @@ def test_packed_sequences(fwd_calls):
     _same_as_widened(x, fwd_calls, "packed", cu_seqlens=cu, chunk_size=32)
 
 
+def test_grouped_value_heads_and_the_gate_in_kernel(fwd_calls):
+    """fla's options: 2 value heads per key head, the decay from the raw gate (A_log, dt_bias), β
+    through a sigmoid, bf16 gate and β inputs (the front end computes them in fp32)."""
+    gen = torch.Generator().manual_seed(9)
+    B, T, H, HV, K, V = 2, 77, 2, 4, 32, 24
+    x = dict(q=torch.randn(B, T, H, K, generator=gen).bfloat16(),
+             k=torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).bfloat16(),
+             v=torch.randn(B, T, HV, V, generator=gen).bfloat16(), g=torch.randn(B, T, HV, K, generator=gen).bfloat16(),
+             beta=torch.randn(B, T, HV, generator=gen).bfloat16(), initial_state=torch.randn(B, HV, K, V, generator=gen))
+    _same_as_widened(x, fwd_calls, "grouped", use_gate_in_kernel=True, A_log=0.1 * torch.randn(HV, generator=gen),
+                     dt_bias=0.1 * torch.randn(HV * K, generator=gen), use_beta_sigmoid_in_kernel=True, chunk_size=32)
+
+
 def test_every_isa_path(path, fwd_calls):  # noqa: F811  (the imported fixture)
     x = _inputs(2, 150, 2, 60, 40, decay=0.4, seed=3)
     x["g"][:, 64:100] *= 40.0
