@@ -105,6 +105,18 @@ def test_grouped_value_heads_and_the_gate_in_kernel(fwd_calls):
                      dt_bias=0.1 * torch.randn(HV * K, generator=gen), use_beta_sigmoid_in_kernel=True, chunk_size=32)
 
 
+def test_under_autocast(fwd_calls):
+    """bf16 inputs under ``torch.autocast("cpu", bf16)`` (what an autocast model's projections hand
+    the op): the same kernel call on the bf16 rows, bitwise the result without autocast."""
+    x = _inputs(2, 70, 2, 16, 24, seed=5)
+    plain = _run(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = _run(x)
+    assert fwd_calls == [torch.bfloat16] * 2
+    assert cast[0].dtype == torch.bfloat16 and cast[1].dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(plain, cast))
+
+
 def test_every_isa_path(path, fwd_calls):  # noqa: F811  (the imported fixture)
     x = _inputs(2, 150, 2, 60, 40, decay=0.4, seed=3)
     x["g"][:, 64:100] *= 40.0
