@@ -422,7 +422,7 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
     raw_bf16 = (low is None and segments is None and not normalize and spec.reads_bf16_inputs
                 and q.device.type == "cpu" and isinstance(phi, Identity) and qk_norm is None
                 and q.dtype == k.dtype == v.dtype == torch.bfloat16
-                and not backward_can_follow(q, k, v, beta, g, initial_state))
+                and not backward_can_follow(q, k, v, beta, g, gk, gv, initial_state))
     keep_low = keep_low or raw_bf16
 
     def cast(t):

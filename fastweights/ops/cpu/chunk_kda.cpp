@@ -46,10 +46,12 @@ using namespace fastweights::cpu::chunk;
 // Tm = (I + diag(β) S)⁻¹: chunk_common.h's unit_lower_inverse (the delta rule's, shared).
 
 // One head's inputs (head-first [N, H, T, ·], unit last stride; beta [N, H, T]) with their time strides;
-// beta null: β = 1; e (GDN-2's erase keys, [N, H, T, K]) null: the erase keys are k (KDA).
-template <typename T>
+// beta null: β = 1; e (GDN-2's erase keys, [N, H, T, K]) null: the erase keys are k (KDA). E: the
+// type of q, k, v — T, or bf16 (the inference forward's plain bf16 inputs, widened as gathered).
+template <typename T, typename E = T>
 struct HeadInputs {
-  const T *q, *k, *v, *beta, *gk, *e;
+  const E *q, *k, *v;
+  const T *beta, *gk, *e;
   int64_t q_t, k_t, v_t, beta_t, gk_t, e_t;
 
   // Asks for the rows of the chunk at t0 (nothing past L or before 0) while another computes: one
@@ -240,7 +242,8 @@ struct Terms {
   // The chunk's terms (the struct comment). `factors`: also the sub-block factors (eleft, tosub,
   // kr, inside) that the backward's adjoint of S and P reads; the forward asks for them only when
   // the chunk takes the sub-block path.
-  void compute(const HeadInputs<T>& in, int64_t t0, int64_t L, bool factors) {
+  template <typename E>
+  void compute(const HeadInputs<T, E>& in, int64_t t0, int64_t L, bool factors) {
     const int64_t KV = K + V;
     gather_rows(in.q, in.q_t, t0, L, C, K, Q, K);
     gather_rows(in.k, in.k_t, t0, L, C, K, Km, K);
@@ -325,25 +328,27 @@ struct Terms {
 
 // The kernels' inputs as the tensors give them (head-first [N, H, T, ·], unit last stride; beta
 // [N, H, T]) with their strides; beta and e null where absent. The forward and the backward bind
-// them alike (`bind`) and take one head's rows from them (`head_rows`).
-template <typename T>
+// them alike (`bind`) and take one head's rows from them (`head_rows`). E: q's, k's and v's type
+// (HeadInputs).
+template <typename T, typename E = T>
 struct KdaInputs {
-  const T *q, *k, *v, *beta, *gk, *e;
+  const E *q, *k, *v;
+  const T *beta, *gk, *e;
   int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, beta_s[3] = {}, gk_s[3] = {}, e_s[3] = {};
 
   void bind(const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_,
             const c10::optional<torch::Tensor>& beta_, const torch::Tensor& gk_,
             const c10::optional<torch::Tensor>& e_) {
-    q = rows_of<T>(q_, q_s);
-    k = rows_of<T>(k_, k_s);
-    v = rows_of<T>(v_, v_s);
+    q = rows_of<E>(q_, q_s);
+    k = rows_of<E>(k_, k_s);
+    v = rows_of<E>(v_, v_s);
     beta = rows_of<T>(beta_, beta_s);
     gk = rows_of<T>(gk_, gk_s);
     e = rows_of<T>(e_, e_s);
   }
 
-  HeadInputs<T> head_rows(int64_t n, int64_t hh) const {
-    return HeadInputs<T>{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
+  HeadInputs<T, E> head_rows(int64_t n, int64_t hh) const {
+    return HeadInputs<T, E>{q + n * q_s[0] + hh * q_s[1], k + n * k_s[0] + hh * k_s[1], v + n * v_s[0] + hh * v_s[1],
                          beta == nullptr ? nullptr : beta + n * beta_s[0] + hh * beta_s[1],
                          gk + n * gk_s[0] + hh * gk_s[1], e == nullptr ? nullptr : e + n * e_s[0] + hh * e_s[1],
                          q_s[2], k_s[2], v_s[2], beta_s[2], gk_s[2], e_s[2]};
@@ -355,24 +360,31 @@ struct KdaInputs {
 // which raises the ops' ValueError), and for the log decay gk, per task, its non-finite and NaN
 // counts and its largest entry NaN aside (decay_stats [N·H, 3], float64; Python raises the ops'
 // messages from them, fastweights/ops/_checks.py's check_decay_stats).
-template <typename T>
-struct Forward : Grid, KdaInputs<T> {
-  using KdaInputs<T>::q, KdaInputs<T>::k, KdaInputs<T>::v, KdaInputs<T>::beta, KdaInputs<T>::gk, KdaInputs<T>::e;
+// E: the type of q, k, v and o — T, or bf16 (inference only, T = float: the rows widened as they
+// are gathered, each chunk's output computed in fp32 scratch and rounded once as it is written, as
+// torch's .to(bfloat16) rounds; the arithmetic is the fp32 kernel's on the widened inputs).
+template <typename T, typename E = T>
+struct Forward : Grid, KdaInputs<T, E> {
+  using In = KdaInputs<T, E>;
+  using In::q, In::k, In::v, In::beta, In::gk, In::e;
+  static constexpr bool kWiden = !std::is_same_v<T, E>;
   const T* h0;
-  T *o, *h_out, *states;                // [N, NC·C, H, V], [N·H, K, V], [NC, N·H, K, V] (keep only)
+  E* o;                                 // [N, NC·C, H, V]
+  T *h_out, *states;                    // [N·H, K, V], [NC, N·H, K, V] (keep only)
   int64_t s;                            // the sub-block size (C a multiple of it)
   T scale;
   bool keep;
   FiniteCheck* finite;                  // q, k, v (off: an empty op name)
   double* decay_stats;                  // [N·H, 3] or null (no check of gk)
 
-  int64_t scratch_size() const { return Terms<T>::size(C, K, V, s) + round16(K * V); }
+  int64_t scratch_size() const { return Terms<T>::size(C, K, V, s) + round16(K * V) + (kWiden ? round16(C * V) : 0); }
 
   void head(int64_t nh, T* scratch) const {
     const int64_t n = nh / H, hh = nh % H, NH = N * H, KV = K + V, ldo = H * V;
     Carve<T> sc{scratch};
     Terms<T> x(sc, C, K, V, s, scale);
     T* h = sc.take(K * V);
+    T* Ob = kWiden ? sc.take(C * V) : nullptr;  // the chunk's fp32 output, before it is rounded (bf16 only)
     T* Up = x.WU + K;  // U' in place of U
     const auto in = this->head_rows(n, hh);
     if (h0 != nullptr) std::memcpy(h, h0 + nh * K * V, sizeof(T) * K * V);
@@ -407,11 +419,21 @@ struct Forward : Grid, KdaInputs<T> {
       }
       // U' = U − W h;  O = Q_r h + P U' (straight into the token-major output);  h ← diag(e^{b_C}) h + K_wᵀ U'
       if (keep) store_scaled_stream(h, T(1), states + row * K * V, K * V);  // read only by the backward
-      T* O = o + (n * NC * C + t0) * ldo + hh * V;
+      T* O;
+      int64_t ld;
+      if constexpr (kWiden) {
+        O = Ob;
+        ld = V;
+      } else {
+        O = o + (n * NC * C + t0) * ldo + hh * V;
+        ld = ldo;
+      }
       mm<T>(false, false, C, V, K, T(-1), x.WU, KV, h, V, T(1), Up, KV);
       in.prefetch(t0 + C, C, L, K, V, 2, 4);
-      mm<T>(false, false, C, V, K, T(1), x.Qr, K, h, V, T(0), O, ldo);
-      mm<T>(false, false, C, V, C, T(1), x.P, C, Up, KV, T(1), O, ldo);
+      mm<T>(false, false, C, V, K, T(1), x.Qr, K, h, V, T(0), O, ld);
+      mm<T>(false, false, C, V, C, T(1), x.P, C, Up, KV, T(1), O, ld);
+      if constexpr (kWiden)
+        for (int64_t i = 0; i < C; ++i) store_row(O + i * V, o + (n * NC * C + t0 + i) * ldo + hh * V, V);
       in.prefetch(t0 + C, C, L, K, V, 3, 4);
       for (int64_t i = 0; i < K; ++i)
         for (int64_t j = 0; j < V; ++j) h[i * V + j] *= x.last[i];
@@ -702,7 +724,9 @@ void check_beta_erase(const char* op, const torch::Tensor& k, const c10::optiona
 // Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V] (empty unless keep), decay_stats
 // [N·H, 3] float64 (empty unless check_decay)). `beta` absent: β = 1; `erase` given: GDN-2's erase keys
 // in the place of k on the erase side (file comment). `check_finite`: an op's name for the finite check
-// of q, k, v ("" none); `check_decay`: gk's counts for its checks (Forward's comment).
+// of q, k, v ("" none); `check_decay`: gk's counts for its checks (Forward's comment). q, k, v of
+// gk's dtype (fp32, fp64), or bf16 with fp32 beta, gk, h0 for inference (keep false, no erase): the
+// fp32 forward on the rows widened as they are gathered, o bf16 (rounded once), h_T fp32.
 std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                          const c10::optional<torch::Tensor>& beta, const torch::Tensor& gk,
                                          const c10::optional<torch::Tensor>& h0, double scale, int64_t C, int64_t s,
@@ -715,20 +739,27 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
   check_beta_erase("chunk_kda_fwd", k, beta, erase);
   TORCH_CHECK(C > 0 && s > 0 && C % s == 0, "chunk_kda_fwd: the chunk size must be a multiple of the sub-block size");
   const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = (L + C - 1) / C;
-  auto opts = v.options();
-  torch::Tensor o = torch::empty({N, NC * C, H, V}, opts), h_out = torch::empty({N * H, K, V}, opts);
+  const bool bf16_io = v.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(!bf16_io || (!keep && !erase.has_value() && q.scalar_type() == torch::kBFloat16 &&
+                           k.scalar_type() == torch::kBFloat16 && gk.scalar_type() == torch::kFloat &&
+                           (!beta.has_value() || beta->scalar_type() == torch::kFloat) &&
+                           (!h0.has_value() || h0->scalar_type() == torch::kFloat)),
+              "chunk_kda_fwd: bf16 q, k, v take float32 beta, gk, h0 and are for inference (keep false, no erase)");
+  auto opts = gk.options();  // the arithmetic's dtype: the state's, what is kept
+  torch::Tensor o = torch::empty({N, NC * C, H, V}, v.options()), h_out = torch::empty({N * H, K, V}, opts);
   torch::Tensor states = keep ? torch::empty({NC, N * H, K, V}, opts) : torch::empty({0}, opts);
   torch::Tensor h0c = h0.has_value() ? h0->contiguous() : torch::Tensor();
   torch::Tensor stats = torch::empty({check_decay ? N * H : 0, 3}, opts.dtype(torch::kDouble));
   FiniteCheck finite(check_finite);
-  auto run = [&](auto* tag) {
+  auto run = [&](auto* tag, auto* io_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    Forward<T> f;
+    using E = std::remove_pointer_t<decltype(io_tag)>;
+    Forward<T, E> f;
     static_cast<Grid&>(f) = Grid{N, H, L, K, V, C, NC};
     f.s = s;
     f.bind(q, k, v, beta, gk, erase);
     f.h0 = data_if<T>(h0.has_value(), h0c);
-    f.o = o.data_ptr<T>();
+    f.o = o.data_ptr<E>();
     f.h_out = h_out.data_ptr<T>();
     f.states = data_if<T>(keep, states);
     f.scale = T(scale);
@@ -737,7 +768,8 @@ std::vector<torch::Tensor> chunk_kda_fwd(const torch::Tensor& q, const torch::Te
     f.decay_stats = data_if<double>(check_decay, stats);
     per_head(f);
   };
-  fp32_or_fp64(v.scalar_type(), "chunk_kda_fwd", run);
+  if (bf16_io) run(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  else fp32_or_fp64(v.scalar_type(), "chunk_kda_fwd", [&](auto* tag) { run(tag, tag); });
   finite.raise_if_any();
   return {o, h_out, states, stats};
 }

@@ -36,6 +36,30 @@ inline void gather_rows(const T* src, int64_t stride, int64_t t0, int64_t length
   }
 }
 
+// n bf16 elements widened to fp32 (exact: the bf16 bits are the fp32 value's upper half).
+inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (; j + 16 <= n; j += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j)));
+    _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+// The same gather from bf16 rows into fp32 scratch, each element widened as it is copied: an fp32
+// kernel reads plain bf16 inputs with no separate pass converting them first, and computes on
+// exactly the values the converted inputs would hold.
+inline void gather_rows(const at::BFloat16* src, int64_t stride, int64_t t0, int64_t length, int64_t C, int64_t width,
+                        float* dst, int64_t ld) {
+  for (int64_t i = 0; i < C; ++i) {
+    if (t0 + i < length) widen_row(src + (t0 + i) * stride, dst + i * ld, width);
+    else std::fill(dst + i * ld, dst + i * ld + width, 0.f);
+  }
+}
+
 // The inverse: rows of a dense [C, ld] tile into the token-major buffer [N, NC·C, H, width] at
 // (n, t0, h); the buffer has NC·C rows, so the padded tail is written too and dropped in Python.
 template <typename T>

@@ -95,10 +95,20 @@ def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True,
 
     The kernel makes the ops' input checks on the rows it reads: ``check_finite`` (the op's name)
     the finite check of q, k, v; ``decay_check`` (``(op, the caller's name for gk)``) the checks of
-    gk (finite, <= 0: :func:`~.._checks.check_decay_stats` on the kernel's counts)."""
+    gk (finite, <= 0: :func:`~.._checks.check_decay_stats` on the kernel's counts).
+
+    Plain bf16 q, k, v (inference: ``keep=False``, KDA only, beta, gk and h0 fp32): the fp32 kernel
+    widens their rows as it gathers them and rounds o to bf16 once as it writes it (no pass converting
+    the inputs first); o is then bf16, h_T fp32, bitwise what the fp32 kernel gives on the widened
+    inputs with its output cast to bf16."""
     if k.shape[2] == 0:
         return None
-    mod = kernels_for(q, k, v, beta, gk, h0, erase)
+    if v.dtype == torch.bfloat16 and not keep and erase is None:  # plain bf16 inputs, widened in the gather
+        mod = kernels_for(beta, gk, h0, dtypes=(torch.float32,))
+        if not (q.dtype == k.dtype == torch.bfloat16 and q.device.type == k.device.type == v.device.type == "cpu"):
+            mod = None
+    else:
+        mod = kernels_for(q, k, v, beta, gk, h0, erase)
     if mod is None:
         return None
     q, k, v, gk, erase = _unit_last(q, k, v, gk, erase)
@@ -333,7 +343,9 @@ def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Opt
     """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no gradient is asked for (the chunk
     states, which only the backward reads, are not kept). ``bf16_products`` (bf16 q, k, v under
     :func:`fastweights.ops.bf16_products`): the compiled bf16-products kernel where it applies,
-    else the fp32 forward on q, k, v widened (o returned in v's dtype either way)."""
+    else the fp32 forward on q, k, v widened (o returned in v's dtype either way). Plain bf16 q, k, v
+    (no ``bf16_products``): the fp32 kernel widens them as it gathers them (:func:`_native_forward`),
+    else they are widened here for the PyTorch forward."""
     n, nh, _, dk = k.shape
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     finite, decay = _check_args(check_finite, check_decay, decay_name)
@@ -349,6 +361,7 @@ def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Opt
                                     decay_check=decay) if native else None)
         if compiled is not None:
             return compiled[0].to(out_dtype), compiled[1]
+        q, k, v = (t if t.dtype == beta.dtype else t.to(beta.dtype) for t in (q, k, v))
         o, h, _ = chunk_kda_fwd(q, k, v, beta, gk, h0_, scale, chunk_size, native=False, check_finite=finite,
                                 decay_check=decay)
         return o.to(out_dtype), h
@@ -374,8 +387,8 @@ def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True, che
     backward may follow."""
     checks = (str(check_finite), str(check_decay), str(decay_name))
     grad = backward_can_follow(q, k, v, beta, gk, h0)
-    if low is not None and (grad or low != torch.bfloat16):
-        q, k, v = (t.to(beta.dtype) for t in (q, k, v))
+    if (low is not None and (grad or low != torch.bfloat16)) or (low is None and grad):
+        q, k, v = (t if t.dtype == beta.dtype else t.to(beta.dtype) for t in (q, k, v))
         low = None
     if grad:
         o, h_final, _ = _fwd_op(q, k, v, beta, gk, h0, float(scale), int(chunk_size), native, *checks)
@@ -387,7 +400,8 @@ def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True, che
 #: KDA's chunk op, declared once (``fastweights/ops/_spec.py``): :func:`kda_chunk` without and with
 #: the compiled CPU kernels.
 CHUNK_KDA = OpSpec("chunk_kda", Rule.DELTA, Form.CHUNK, torch=functools.partial(kda_chunk, native=False), cpu=kda_chunk,
-                   low_products=True, fused_finite_check=True, fused_decay_check=True, step=kda_step)
+                   low_products=True, reads_bf16_inputs=True, fused_finite_check=True, fused_decay_check=True,
+                   step=kda_step)
 
 
 #: The public function moved to api.py (the old path still works, with a DeprecationWarning).
