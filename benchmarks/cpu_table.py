@@ -10,7 +10,8 @@ times, round by round (best of ``--repeats``):
   inputs under :func:`fastweights.ops.bf16_products`; and the gated rule the same way;
 - ``chunk_kda`` forward (no grad) at B 1, T 2048, H 8, K = V = 128: fp32, bf16 inputs, bf16
   inputs under :func:`fastweights.ops.bf16_products`;
-- ``chunk_gated_delta_rule`` at Qwen3-Next's head shape (H 32, K = V = 128, T 2048) against
+- ``chunk_gated_delta_rule`` at Qwen3-Next's head shape (H 32, K = V = 128, T 2048; fp32, and
+  bf16 products against it) and, fp32, against
   transformers' ``torch_chunk_gated_delta_rule`` (when transformers is installed);
 - ``chunk_delta_rule`` forward with grad against flash-linear-attention's
   ``delta_rule_chunkwise`` (its plain-PyTorch reference, C = 32; when fla is installed).
@@ -105,7 +106,12 @@ def cases(T: int = 2048) -> Dict[str, tuple]:
         with torch.no_grad():
             ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
 
+    def ours_h32_products(low=[t.bfloat16() for t in (q, k, v)]):
+        with ops.bf16_products():
+            ours_h32(*low)
+
     out["chunk_gated_delta_rule fwd H=32 K=V=128 fp32"] = (ours_h32, flops)
+    out["chunk_gated_delta_rule fwd H=32 K=V=128 bf16 products"] = (ours_h32_products, flops)
     try:
         from transformers.models.qwen3_next import modeling_qwen3_next as qwen
     except ImportError:
@@ -174,6 +180,8 @@ def run(T: int = 2048, repeats: int = 5, threads: int = 2, clock: str = "wall") 
             base = best[f"{name} fwd H={H} K=V={D} fp32"]
             for mode in ("bf16 inputs", "autocast bf16", "bf16 products"):
                 ratios[f"{name} fwd H={H} K=V={D}: {mode} speed-up over fp32"] = base / best[f"{name} fwd H={H} K=V={D} {mode}"]
+    ratios["chunk_gated_delta_rule fwd H=32 K=V=128: bf16 products speed-up over fp32"] = (
+        best["chunk_gated_delta_rule fwd H=32 K=V=128 fp32"] / best["chunk_gated_delta_rule fwd H=32 K=V=128 bf16 products"])
     base = best["chunk_kda fwd H=8 K=V=128 fp32"]
     for mode in ("bf16 inputs", "bf16 products"):
         ratios[f"chunk_kda fwd H=8 K=V=128: {mode} speed-up over fp32"] = base / best[f"chunk_kda fwd H=8 K=V=128 {mode}"]
