@@ -159,6 +159,22 @@ def saved_by_function(monkeypatch, fn):
     return sum(seen)
 
 
+def record_calls(monkeypatch, module, name: str, record: Callable) -> list:
+    """Wrap ``module.<name>`` (a compiled kernel: eager code and a compiled graph's custom op both
+    look it up on the extension by name) so that each call appends ``record(args)`` to the list
+    returned; TorchDynamo's caches are reset, so a graph traced earlier cannot skip the wrapper."""
+    seen = []
+    original = getattr(module, name)
+
+    def recorded(*args):
+        seen.append(record(args))
+        return original(*args)
+
+    monkeypatch.setattr(module, name, recorded)
+    torch._dynamo.reset()
+    return seen
+
+
 def forward_backward(form: Callable, inputs: Dict[str, torch.Tensor], options=None, seed: int = 1):
     """Forward and backward of ``(o·do).sum() + (h_T·dh).sum()`` with seeded random ``do``, ``dh``:
     ``(o, h_T, {name: gradient})`` (``options``: further keywords of ``form``)."""

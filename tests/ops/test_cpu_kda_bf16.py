@@ -8,7 +8,8 @@ K ≠ V; K = 60; B > 1; an initial state), extreme decays (chunks whose cumulati
 e^{±60}, which the kernel sums pair by pair in fp32), packed sequences, and every ISA path this
 machine runs. Bitwise: determinism, batch invariance (alone / in a batch of 8), the mode off or a
 gradient following (exactly the fp32 path), the kernels off (the fp32 forward on the widened
-inputs), and ``torch.compile(fullgraph=True)`` (the same kernel, no graph break). A fixture counts
+inputs); ``torch.compile(fullgraph=True)`` runs the same kernel (``test_compile_kernels.py``,
+``test_compiled_inference_calls_the_kernels_bitwise``). A fixture counts
 the bf16 kernel's calls, so a test that silently ran another path fails. No speed is asserted.
 """
 
@@ -19,8 +20,7 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.cpu import library
-from helpers import rel_err, thread_and_batch_runs
-from test_compile_kernels import Graphs
+from helpers import record_calls, rel_err, thread_and_batch_runs
 from test_cpu_isa import path  # noqa: F401  (the fixture: each ISA path this machine runs)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,16 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def bf16_calls(kernels, monkeypatch):
     """Counts the bf16-products kernel's calls (the eager call and the custom op's real
     implementation both look it up on the extension by name)."""
-    seen = []
-    original = kernels.chunk_kda_fwd_bf16
-
-    def counted(*args):
-        seen.append(args[0].shape)
-        return original(*args)
-
-    monkeypatch.setattr(kernels, "chunk_kda_fwd_bf16", counted)
-    torch._dynamo.reset()
-    yield seen
+    yield record_calls(monkeypatch, kernels, "chunk_kda_fwd_bf16", lambda args: args[0].shape)
     torch._dynamo.reset()
 
 
@@ -190,26 +181,6 @@ def test_the_kernel_checks_the_inputs_it_reads(kernels, bf16_calls):
     with pytest.raises(ValueError, match="`g`"):
         _run(ops.chunk_kda, bad)
     assert len(bf16_calls) == 2
-
-
-def test_torch_compile_fullgraph_calls_the_kernel_bitwise(bf16_calls):
-    """``torch.compile(fullgraph=True)`` of the op under the mode: one graph (no break), the
-    bf16-products kernel as its custom op, and the eager output bitwise."""
-    x = _inputs(2, 37, 2, 8, 6, seed=7)
-    graphs = Graphs()
-
-    def call(q, k, v, g, beta, initial_state):
-        with ops.bf16_products():
-            return ops.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, chunk_size=16)
-
-    with torch.no_grad():
-        compiled = torch.compile(call, backend=graphs, fullgraph=True)(**x)
-        traced = len(bf16_calls)
-        eager = call(**x)
-    print(f"graphs {graphs.count}, kernel calls compiled {traced}, eager {len(bf16_calls) - traced}")
-    assert graphs.count == 1 and graphs.has("chunk_kda_infer")
-    assert traced == 1 and len(bf16_calls) == 2
-    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
 def test_the_kernels_fake_matches_it(kernels):

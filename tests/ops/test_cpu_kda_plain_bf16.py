@@ -16,7 +16,7 @@ import torch
 
 from fastweights import ops
 from fastweights.ops import cpu as cpu_kernels
-from helpers import thread_and_batch_runs
+from helpers import record_calls, thread_and_batch_runs
 from test_compile_kernels import Graphs
 from test_cpu_isa import path  # noqa: F401  (the fixture: each ISA path this machine runs)
 from test_cpu_kda_bf16 import _inputs
@@ -28,16 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def fwd_calls(kernels, monkeypatch):
     """The dtype of q at each call of the fp32 forward kernel (eager and compiled graphs both reach
     it on the extension by name)."""
-    seen = []
-    original = kernels.chunk_kda_fwd
-
-    def counted(*args):
-        seen.append(args[0].dtype)
-        return original(*args)
-
-    monkeypatch.setattr(kernels, "chunk_kda_fwd", counted)
-    torch._dynamo.reset()
-    yield seen
+    yield record_calls(monkeypatch, kernels, "chunk_kda_fwd", lambda args: args[0].dtype)
     torch._dynamo.reset()
 
 

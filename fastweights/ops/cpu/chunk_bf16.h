@@ -10,6 +10,29 @@ namespace cpu {
 namespace chunk {
 
 using B16 = at::BFloat16;
+using ::fastweights::cpu::gemm_bf16_packed;
+using ::fastweights::cpu::pack_b;
+using ::fastweights::cpu::to_bf16;
+using ::fastweights::cpu::to_bf16_scaled;
+using ::fastweights::cpu::to_bf16_times;
+
+// A task's scratch laid out field by field, each rounded up to 16 floats (bf16s: the floats that
+// hold `count` bf16 values); `at` is the end so far.
+struct ScratchPlan {
+  int64_t at = 0;
+  void put(int64_t& field, int64_t floats) {
+    field = at;
+    at += fastweights::cpu::round16(floats);
+  }
+  static int64_t bf16s(int64_t count) { return fastweights::cpu::round16((count + 1) / 2); }
+};
+
+// Typed views of a task's scratch block (offsets in floats, as the forwards' Layout gives them).
+struct ScratchView {
+  float* base;
+  B16* b16(int64_t at) const { return reinterpret_cast<B16*>(base + at); }
+  uint32_t* w32(int64_t at) const { return reinterpret_cast<uint32_t*>(base + at); }
+};
 
 // dst = VNNI-2 pack (gemm_bf16.h's pack_b layout) of X + Y rounded to bf16, X and Y fp32 rows
 // (C × V, leading dimensions ldx, ldy): the sum in fp32, rounded once, as to_bf16 rounds.
@@ -43,6 +66,17 @@ inline fastweights::cpu::PackedB pack_sum(int64_t C, int64_t V, const float* X, 
       dst[p * stride + j] = word;
     }
   return {dst, C, V, stride};
+}
+
+// How the bf16 forwards group a thread's heads. Each head keeps its own [−W h; O; h] rows beside
+// the shared scratch (head_rows_floats: 2C rows of V, then its K × V state; one leading dimension
+// V); as many heads as keep those rows within about 1 MiB (at most kMaxGroup) are worked on side
+// by side, chunk by chunk: the heads of one token are adjacent in memory, so a group reads each
+// chunk's input rows as longer runs than one head's row.
+constexpr int64_t kMaxGroup = 8;
+inline int64_t head_rows_floats(int64_t C, int64_t K, int64_t V) { return fastweights::cpu::round16((2 * C + K) * V); }
+inline int64_t head_group(int64_t C, int64_t K, int64_t V) {
+  return std::max<int64_t>(1, std::min<int64_t>(kMaxGroup, (int64_t(1) << 18) / head_rows_floats(C, K, V)));
 }
 
 // The state h [K, V] fp32 scaled by `pre` and packed as a B operand (pack_b's fp32 overload, bit

@@ -60,10 +60,10 @@ struct ForwardBf16 {
   Layout layout() const {
     using fastweights::cpu::packed_b_words;
     const int64_t KV = K + V, ldt = transposed_ld(C);
-    auto b16 = [](int64_t count) { return round16((count + 1) / 2); };
+    auto b16 = ScratchPlan::bf16s;
     Layout s{};
-    int64_t at = 0;
-    auto put = [&at](int64_t& field, int64_t floats) { field = at; at += round16(floats); };
+    ScratchPlan plan;
+    auto put = [&plan](int64_t& field, int64_t floats) { plan.put(field, floats); };
     put(s.R, b16(3 * C * KV));                         // rows [−W; Q; K | V], ld K + V
     put(s.Ah, b16(C * C));                             // T diag(β e^b) (ungated: T diag(β))
     put(s.Tb, b16(C * C));                             // T diag(β) (gated)
@@ -78,17 +78,13 @@ struct ForwardBf16 {
     put(s.Tm, C * C);                                  // T
     put(s.WU, C * KV);                                 // [W | U]
     put(s.vec, 5 * round16(C));                        // β, b, e^b, e^{−b} or e^{b_C − b}, the factor of A_W or A_U
-    s.X = at;                                          // per head of a group: [−W h; O; h], ld V
-    s.total = at + group() * x_floats();
+    s.X = plan.at;                                     // per head of a group: [−W h; O; h], ld V
+    s.total = plan.at + group() * x_floats();
     return s;
   }
   int64_t scratch_size() const { return layout().total; }
-  int64_t x_floats() const { return round16((2 * C + K) * V); }
-  // Heads worked on side by side, chunk by chunk (each keeps its state and its [−W h; O] rows):
-  // the heads of one token are adjacent in memory, so a group reads each chunk's input rows as
-  // longer runs than one head's row; as many as keep the group's states within about 1 MiB.
-  int64_t group() const { return std::max<int64_t>(1, std::min<int64_t>(kMaxGroup, (int64_t(1) << 18) / x_floats())); }
-  static constexpr int64_t kMaxGroup = 8;
+  int64_t x_floats() const { return head_rows_floats(C, K, V); }
+  int64_t group() const { return head_group(C, K, V); }  // heads worked on side by side (chunk_bf16.h)
 
   // Tasks begin .. end (sequence·H + head), in groups of group() heads, chunk by chunk.
   void run(int64_t begin, int64_t end, float* scratch) const {
@@ -132,23 +128,17 @@ struct ForwardBf16 {
   // of the scratch shared; count (nullptr: no check) its non-finite counts of q, k, v.
   void chunk(int64_t nh, int64_t c, const HeadRows<B16, float>& in, float* scratch, float* X, float& owed,
              fastweights::cpu::Workspace& ws, int64_t* count) const {
-    using fastweights::cpu::gemm_bf16_packed;
-    using fastweights::cpu::pack_b;
-    using fastweights::cpu::to_bf16;
-    using fastweights::cpu::to_bf16_scaled;
-    using fastweights::cpu::to_bf16_times;
     const int64_t n = nh / H, hh = nh % H, KV = K + V, ldt = transposed_ld(C);
     const Layout s = layout();
-    auto b16 = [scratch](int64_t at) { return reinterpret_cast<B16*>(scratch + at); };
-    auto w32 = [scratch](int64_t at) { return reinterpret_cast<uint32_t*>(scratch + at); };
-    B16* Wr = b16(s.R);     // −W (columns 0..K)
+    const ScratchView mem{scratch};
+    B16* Wr = mem.b16(s.R);     // −W (columns 0..K)
     B16* Qr = Wr + C * KV;  // Q (columns 0..K)
     B16* KVr = Qr + C * KV; // K | V
-    B16* Ah = b16(s.Ah);
-    B16* Tb = b16(s.Tb);
-    B16* PK = b16(s.PK);
-    B16* tmp16 = b16(s.tmp);
-    uint32_t* tmpw = w32(s.tmp + round16((C * K + 1) / 2));
+    B16* Ah = mem.b16(s.Ah);
+    B16* Tb = mem.b16(s.Tb);
+    B16* PK = mem.b16(s.PK);
+    B16* tmp16 = mem.b16(s.tmp);
+    uint32_t* tmpw = mem.w32(s.tmp + round16((C * K + 1) / 2));
     float* P = scratch + s.SP;
     float* S = P + C * C;
     float* Tm = scratch + s.Tm;
@@ -179,7 +169,7 @@ struct ForwardBf16 {
     }
     const bool direct = gated && !factored;
     // [P; S] = [Q; K] Kᵀ (P unscaled), masked (and decayed where the gate is applied directly)
-    gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, KVr, KV, w32(s.Kw)), 0.f, P, C, ws);
+    gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, KVr, KV, mem.w32(s.Kw)), 0.f, P, C, ws);
     ahead();
     mask_scores<float>(C, direct ? bcum : nullptr, S, P, nullptr);
     unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
@@ -191,21 +181,21 @@ struct ForwardBf16 {
       const float* fu = factored ? wk : bvec;
       for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, fw, Ah + i * C, C);
       for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, fu, Tb + i * C, C);
-      gemm_bf16_packed(false, C, K, C, 1.f, Ah, C, pack_b(false, C, K, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
-      gemm_bf16_packed(false, C, V, C, 1.f, Tb, C, pack_b(false, C, V, KVr + K, KV, w32(s.Vw)), 0.f, WU + K, KV, ws);
+      gemm_bf16_packed(false, C, K, C, 1.f, Ah, C, pack_b(false, C, K, KVr, KV, mem.w32(s.Rw)), 0.f, WU, KV, ws);
+      gemm_bf16_packed(false, C, V, C, 1.f, Tb, C, pack_b(false, C, V, KVr + K, KV, mem.w32(s.Vw)), 0.f, WU + K, KV, ws);
     } else {
       for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Ah + i * C, C);
-      gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
+      gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, mem.w32(s.Rw)), 0.f, WU, KV, ws);
     }
     ahead();
     // [−W h; O] = [−W; Q] h with h the state entering the chunk (its owed decay applied as it is
     // packed; where the gate is applied directly, h ← e^{b_C} h too); U' = U + (−W h)
-    const auto hp = pack_state(K, V, h, owed, direct ? rd[C - 1] : 1.f, w32(s.hw));
+    const auto hp = pack_state(K, V, h, owed, direct ? rd[C - 1] : 1.f, mem.w32(s.hw));
     owed = factored ? rd[C - 1] : 1.f;
     for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
     gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
     ahead();
-    const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
+    const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, mem.w32(s.Uw));
     // [O; h] += [P; K̄ᵀ] U' (K̄ = K unless the gate is applied directly), after O ← D O there
     if (direct) {
       for (int64_t i = 0; i < C; ++i) {

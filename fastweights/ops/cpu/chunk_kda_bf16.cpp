@@ -115,10 +115,10 @@ struct KdaForwardBf16 : Grid {
   Layout layout() const {
     using fastweights::cpu::packed_b_words;
     const int64_t KV = K + V, ldt = transposed_ld(C);
-    auto b16 = [](int64_t count) { return round16((count + 1) / 2); };
+    auto b16 = ScratchPlan::bf16s;
     Layout s{};
-    int64_t at = 0;
-    auto put = [&at](int64_t& field, int64_t floats) { field = at; at += round16(floats); };
+    ScratchPlan plan;
+    auto put = [&plan](int64_t& field, int64_t floats) { plan.put(field, floats); };
     put(s.R, b16(3 * C * KV));                          // rows [−W; Q̂; K̂ | V], ld K + V
     put(s.Qx, b16(C * K));                              // q, k as gathered (bf16)
     put(s.Kx, b16(C * K));
@@ -144,16 +144,13 @@ struct KdaForwardBf16 : Grid {
     put(s.ex, 2 * C * K);                               // float64 exponents
     put(s.vec, round16(C));                             // β
     put(s.last, round16(K));                            // e^{b_C}
-    s.X = at;                                           // per head of a group: [−W h; O; h], ld V
-    s.total = at + group() * x_floats();
+    s.X = plan.at;                                      // per head of a group: [−W h; O; h], ld V
+    s.total = plan.at + group() * x_floats();
     return s;
   }
   int64_t scratch_size() const { return layout().total; }
-  int64_t x_floats() const { return round16((2 * C + K) * V); }
-  // Heads worked on side by side, chunk by chunk, as many as keep their [−W h; O; h] rows within
-  // about 1 MiB (chunk_delta_bf16.cpp's rule).
-  int64_t group() const { return std::max<int64_t>(1, std::min<int64_t>(kMaxGroup, (int64_t(1) << 18) / x_floats())); }
-  static constexpr int64_t kMaxGroup = 8;
+  int64_t x_floats() const { return head_rows_floats(C, K, V); }
+  int64_t group() const { return head_group(C, K, V); }  // heads worked on side by side (chunk_bf16.h)
 
   // One head's running sums beside its state: q, k, v's non-finite counts and gk's check counts.
   struct Tally {
@@ -197,21 +194,15 @@ struct KdaForwardBf16 : Grid {
   // Chunk c of head nh: X is the head's own [−W h; O; h] rows (h its state), the rest of the
   // scratch shared; tally the head's check counts.
   void chunk(int64_t nh, int64_t c, float* scratch, float* X, fastweights::cpu::Workspace& ws, Tally& tally) const {
-    using fastweights::cpu::gemm_bf16_packed;
-    using fastweights::cpu::pack_b;
-    using fastweights::cpu::to_bf16;
-    using fastweights::cpu::to_bf16_scaled;
-    using fastweights::cpu::to_bf16_times;
     const int64_t n = nh / H, hh = nh % H, KV = K + V, ldt = transposed_ld(C);
     const Layout s = layout();
-    auto b16 = [scratch](int64_t at) { return reinterpret_cast<B16*>(scratch + at); };
-    auto w32 = [scratch](int64_t at) { return reinterpret_cast<uint32_t*>(scratch + at); };
-    B16* Wr = b16(s.R);      // −W (columns 0..K)
+    const ScratchView mem{scratch};
+    B16* Wr = mem.b16(s.R);      // −W (columns 0..K)
     B16* Qr = Wr + C * KV;   // Q̂ (columns 0..K)
     B16* KVr = Qr + C * KV;  // K̂ | V
-    B16 *Qx = b16(s.Qx), *Kx = b16(s.Kx), *Ki = b16(s.Ki), *Kb = b16(s.Kb), *Ah = b16(s.Ah), *PK = b16(s.PK);
-    B16* tmp16 = b16(s.tmp);
-    uint32_t* tmpw = w32(s.tmp + round16((C * K + 1) / 2));
+    B16 *Qx = mem.b16(s.Qx), *Kx = mem.b16(s.Kx), *Ki = mem.b16(s.Ki), *Kb = mem.b16(s.Kb), *Ah = mem.b16(s.Ah), *PK = mem.b16(s.PK);
+    B16* tmp16 = mem.b16(s.tmp);
+    uint32_t* tmpw = mem.w32(s.tmp + round16((C * K + 1) / 2));
     float* P = scratch + s.SP;
     float* S = P + C * C;
     float *Tm = scratch + s.Tm, *WU = scratch + s.WU, *fac = scratch + s.fac, *e2 = scratch + s.e2;
@@ -272,7 +263,7 @@ struct KdaForwardBf16 : Grid {
     ahead();
     if (whole) {
       // [P; S] = [Q̂; K̂] Ǩᵀ, then the masks
-      gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, Ki, K, w32(s.Kw)), 0.f, P, C, ws);
+      gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, Ki, K, mem.w32(s.Kw)), 0.f, P, C, ws);
       mask_scores<float>(C, nullptr, S, P, nullptr);
     } else {
       pair_scores(Qx, Kx, bd, Qf, Kf, ex, e2, S, P);
@@ -281,13 +272,13 @@ struct KdaForwardBf16 : Grid {
     unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
     // [W | U] = T diag(β) [K̂ | V]
     for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Ah + i * C, C);
-    gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, w32(s.Rw)), 0.f, WU, KV, ws);
+    gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, mem.w32(s.Rw)), 0.f, WU, KV, ws);
     // [−W h; O] = [−W; Q̂] h; U' = U + (−W h)
-    const auto hp = pack_state(K, V, h, 1.f, w32(s.hw));
+    const auto hp = pack_state(K, V, h, 1.f, mem.w32(s.hw));
     for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
     gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
     ahead();
-    const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, w32(s.Uw));
+    const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, mem.w32(s.Uw));
     // [O; h] += [P; K̄ᵀ] U' with h ← diag(e^{b_C}) h first; in a whole chunk K̄ = diag(e^{b_C}) Ǩ
     // (per channel), so there h ← diag(e^{b_C}) (h + Ǩᵀ U') instead, and K̄ is never formed
     auto decay_state = [&]() {
