@@ -12,6 +12,7 @@ namespace chunk {
 using B16 = at::BFloat16;
 using ::fastweights::cpu::gemm_bf16_packed;
 using ::fastweights::cpu::pack_b;
+using ::fastweights::cpu::packed_b_words;
 using ::fastweights::cpu::to_bf16;
 using ::fastweights::cpu::to_bf16_scaled;
 using ::fastweights::cpu::to_bf16_times;
@@ -243,6 +244,52 @@ inline void copy_row_checked(const B16* src, B16* dst, int64_t n, __m512i& low) 
   }
 }
 #endif
+
+// One chunk's bf16 q, k, v rows: rows t0 .. t0 + rows − 1 of one head's strided rows (time strides
+// q_t, k_t, v_t) into Qd, Kd, Vd (leading dimensions ldq, ldk, ldv), rows `rows` .. C − 1 zero (a
+// no-op token), with the ops' finite check on the way: bad (nullptr: no check) gets q's, k's and v's
+// NaN/Inf counts added. Above the portable level the check rides on the copy (copy_row_checked);
+// the exact counts are taken only where there is something to count.
+inline void gather_qkv_checked(const B16* q, int64_t q_t, const B16* k, int64_t k_t, const B16* v, int64_t v_t,
+                               int64_t t0, int64_t rows, int64_t C, int64_t K, int64_t V, B16* Qd, int64_t ldq,
+                               B16* Kd, int64_t ldk, B16* Vd, int64_t ldv, int64_t* bad) {
+  bool any = false, copied = false;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+    // each entry's exponent bits, inverted, into a running minimum (zero only for NaN/±Inf), while
+    // the rows are in registers anyway
+    __m512i low = _mm512_set1_epi16(0x7f80);
+    for (int64_t i = 0; i < rows; ++i) {
+      copy_row_checked(q + (t0 + i) * q_t, Qd + i * ldq, K, low);
+      copy_row_checked(k + (t0 + i) * k_t, Kd + i * ldk, K, low);
+      copy_row_checked(v + (t0 + i) * v_t, Vd + i * ldv, V, low);
+    }
+    any = _mm512_cmpeq_epi16_mask(low, _mm512_setzero_si512()) != 0;
+    copied = true;
+  }
+#endif
+  if (!copied) {
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(Qd + i * ldq, q + (t0 + i) * q_t, sizeof(B16) * K);
+      std::memcpy(Kd + i * ldk, k + (t0 + i) * k_t, sizeof(B16) * K);
+      std::memcpy(Vd + i * ldv, v + (t0 + i) * v_t, sizeof(B16) * V);
+    }
+    // the check once every row is in (row by row in the loop above, its loads would hold back the next rows')
+    for (int64_t i = 0; bad != nullptr && i < rows && !any; ++i)
+      any = any_nonfinite(Qd + i * ldq, K) || any_nonfinite(Kd + i * ldk, K) || any_nonfinite(Vd + i * ldv, V);
+  }
+  const B16 zero(0.f);
+  for (int64_t i = rows; i < C; ++i) {
+    std::fill(Qd + i * ldq, Qd + i * ldq + K, zero);
+    std::fill(Kd + i * ldk, Kd + i * ldk + K, zero);
+    std::fill(Vd + i * ldv, Vd + i * ldv + V, zero);
+  }
+  if (bad != nullptr && any) {
+    bad[0] += rows_nonfinite(Qd, ldq, rows, K);
+    bad[1] += rows_nonfinite(Kd, ldk, rows, K);
+    bad[2] += rows_nonfinite(Vd, ldv, rows, V);
+  }
+}
 
 }  // namespace chunk
 }  // namespace cpu

@@ -268,7 +268,18 @@ inline void copy_row(const E* src, D* dst, int64_t n) {
   if constexpr (std::is_same_v<E, D>) {
     std::memcpy(dst, src, sizeof(E) * n);
   } else {
-    for (int64_t j = 0; j < n; ++j) dst[j] = D(static_cast<float>(src[j]));
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<E, at::BFloat16> && std::is_same_v<D, float>) {
+      // the bf16 bits are the fp32 value's upper half: 16 widened a vector
+      const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+      for (; j + 16 <= n; j += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j)));
+        _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+      }
+    }
+#endif
+    for (; j < n; ++j) dst[j] = D(static_cast<float>(src[j]));
   }
 }
 

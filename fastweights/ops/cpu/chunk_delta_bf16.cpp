@@ -58,27 +58,25 @@ struct ForwardBf16 {
     int64_t R, Ah, Tb, PK, tmp, Kw, Rw, Vw, hw, Uw, SP, Tm, WU, vec, X, total;
   };
   Layout layout() const {
-    using fastweights::cpu::packed_b_words;
     const int64_t KV = K + V, ldt = transposed_ld(C);
     auto b16 = ScratchPlan::bf16s;
     Layout s{};
     ScratchPlan plan;
-    auto put = [&plan](int64_t& field, int64_t floats) { plan.put(field, floats); };
-    put(s.R, b16(3 * C * KV));                         // rows [−W; Q; K | V], ld K + V
-    put(s.Ah, b16(C * C));                             // T diag(β e^b) (ungated: T diag(β))
-    put(s.Tb, b16(C * C));                             // T diag(β) (gated)
-    put(s.PK, b16((C + K) * ldt));                     // [P; K̄ᵀ], ld transposed_ld(C)
-    put(s.tmp, b16(C * K) + (C + 1) / 2 * round16(K));  // transpose_keys' scratch
-    put(s.Kw, packed_b_words(K, C));                   // Kᵀ, packed
-    put(s.Rw, packed_b_words(C, KV));                  // K | V (ungated) or K (gated), packed
-    put(s.Vw, packed_b_words(C, V));                   // V (gated), packed
-    put(s.hw, packed_b_words(K, V));                   // h, packed
-    put(s.Uw, packed_b_words(C, V));                   // U', packed
-    put(s.SP, 2 * C * C);                              // [P; S]
-    put(s.Tm, C * C);                                  // T
-    put(s.WU, C * KV);                                 // [W | U]
-    put(s.vec, 5 * round16(C));                        // β, b, e^b, e^{−b} or e^{b_C − b}, the factor of A_W or A_U
-    s.X = plan.at;                                     // per head of a group: [−W h; O; h], ld V
+    plan.put(s.R, b16(3 * C * KV));                  // rows [−W; Q; K | V], ld K + V
+    plan.put(s.Ah, b16(C * C));                      // T diag(β e^b) (ungated: T diag(β))
+    plan.put(s.Tb, b16(C * C));                      // T diag(β) (gated)
+    plan.put(s.PK, b16((C + K) * ldt));              // [P; K̄ᵀ], ld transposed_ld(C)
+    plan.put(s.tmp, b16(C * K) + (C + 1) / 2 * round16(K));  // transpose_keys' scratch
+    plan.put(s.Kw, packed_b_words(K, C));            // Kᵀ, packed
+    plan.put(s.Rw, packed_b_words(C, KV));           // K | V (ungated) or K (gated), packed
+    plan.put(s.Vw, packed_b_words(C, V));            // V (gated), packed
+    plan.put(s.hw, packed_b_words(K, V));            // h, packed
+    plan.put(s.Uw, packed_b_words(C, V));            // U', packed
+    plan.put(s.SP, 2 * C * C);                       // [P; S]
+    plan.put(s.Tm, C * C);                           // T
+    plan.put(s.WU, C * KV);                          // [W | U]
+    plan.put(s.vec, 5 * round16(C));                 // β, b, e^b, e^{−b} or e^{b_C − b}, the factor of A_W or A_U
+    s.X = plan.at;                                   // per head of a group: [−W h; O; h], ld V
     s.total = plan.at + group() * x_floats();
     return s;
   }
@@ -220,49 +218,11 @@ struct ForwardBf16 {
   void gather(const HeadRows<B16, float>& in, int64_t t0, B16* Qr, B16* KVr, float* bvec, float* bcum,
               int64_t* bad) const {
     const int64_t rows = std::max<int64_t>(0, std::min(C, L - t0)), KV = K + V;
-    bool any = false, copied = false;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
-      // the finite check on the way: each entry's exponent bits, inverted, into a running minimum
-      // (zero only for NaN/±Inf), while the rows are in registers anyway
-      __m512i low = _mm512_set1_epi16(0x7f80);
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
-        copy_row_checked(in.q + t * in.q_t, Qr + i * KV, K, low);
-        copy_row_checked(in.k + t * in.k_t, KVr + i * KV, K, low);
-        copy_row_checked(in.v + t * in.v_t, KVr + i * KV + K, V, low);
-      }
-      any = _mm512_cmpeq_epi16_mask(low, _mm512_setzero_si512()) != 0;
-      copied = true;
-    }
-#endif
-    if (!copied) {
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
-        std::memcpy(Qr + i * KV, in.q + t * in.q_t, sizeof(B16) * K);
-        std::memcpy(KVr + i * KV, in.k + t * in.k_t, sizeof(B16) * K);
-        std::memcpy(KVr + i * KV + K, in.v + t * in.v_t, sizeof(B16) * V);
-      }
-      // the finite check once every row is in (K | V's rows in one run; Q's rows, K of each K + V, apart)
-      any = bad != nullptr && rows > 0 && any_nonfinite(KVr, rows * KV);
-      for (int64_t i = 0; bad != nullptr && i < rows && !any; ++i) any = any_nonfinite(Qr + i * KV, K);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
+    gather_qkv_checked(in.q, in.q_t, in.k, in.k_t, in.v, in.v_t, t0, rows, C, K, V, Qr, KV, KVr, KV, KVr + K, KV, bad);
+    for (int64_t i = 0; i < C; ++i) {
       const int64_t t = t0 + i;
-      bvec[i] = in.beta[t * in.beta_t];
-      bcum[i] = in.g != nullptr ? in.g[t * in.g_t] : 0.f;
-    }
-    const B16 zero(0.f);
-    for (int64_t i = rows; i < C; ++i) {
-      std::fill(Qr + i * KV, Qr + i * KV + K, zero);
-      std::fill(KVr + i * KV, KVr + (i + 1) * KV, zero);
-      bvec[i] = 0.f;
-      bcum[i] = 0.f;
-    }
-    if (bad != nullptr && any) {  // the exact counts, only where there is something to count
-      bad[0] += rows_nonfinite(Qr, KV, rows, K);
-      bad[1] += rows_nonfinite(KVr, KV, rows, K);
-      bad[2] += rows_nonfinite(KVr + K, KV, rows, V);
+      bvec[i] = i < rows ? in.beta[t * in.beta_t] : 0.f;
+      bcum[i] = i < rows && in.g != nullptr ? in.g[t * in.g_t] : 0.f;
     }
   }
 };

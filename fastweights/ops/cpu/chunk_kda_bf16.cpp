@@ -113,38 +113,36 @@ struct KdaForwardBf16 : Grid {
     int64_t R, Qx, Kx, Ki, Kb, Ah, PK, tmp, Kw, Rw, hw, Uw, SP, Tm, WU, X, fac, e2, Qf, Kf, gin, bf, bd, ex, vec, last, total;
   };
   Layout layout() const {
-    using fastweights::cpu::packed_b_words;
     const int64_t KV = K + V, ldt = transposed_ld(C);
     auto b16 = ScratchPlan::bf16s;
     Layout s{};
     ScratchPlan plan;
-    auto put = [&plan](int64_t& field, int64_t floats) { plan.put(field, floats); };
-    put(s.R, b16(3 * C * KV));                          // rows [−W; Q̂; K̂ | V], ld K + V
-    put(s.Qx, b16(C * K));                              // q, k as gathered (bf16)
-    put(s.Kx, b16(C * K));
-    put(s.Ki, b16(C * K));                              // Ǩ
-    put(s.Kb, b16(C * K));                              // K̄ (chunks that are not whole)
-    put(s.Ah, b16(C * C));                              // T diag(β)
-    put(s.PK, b16((C + K) * ldt));                      // [P; K̄ᵀ], ld transposed_ld(C)
-    put(s.tmp, b16(C * K) + (C + 1) / 2 * round16(K));  // transpose_keys' scratch
-    put(s.Kw, packed_b_words(K, C));                    // Ǩᵀ, packed
-    put(s.Rw, packed_b_words(C, KV));                   // K̂ | V, packed
-    put(s.hw, packed_b_words(K, V));                    // h, packed
-    put(s.Uw, packed_b_words(C, V));                    // U', packed
-    put(s.SP, 2 * C * C);                               // [P; S]
-    put(s.Tm, C * C);                                   // T
-    put(s.WU, C * KV);                                  // [W | U]
-    put(s.fac, C * K);                                  // e^b
-    put(s.e2, C * K);                                   // e^{b_C − b} (chunks that are not whole)
-    put(s.Qf, C * K);                                   // q, k widened (the pair-by-pair S and P)
-    put(s.Kf, C * K);
-    put(s.gin, C * K);                                  // gk's rows
-    put(s.bf, C * K);                                   // b = cumsum(gk)
-    put(s.bd, 2 * C * K);                               // b (float64)
-    put(s.ex, 2 * C * K);                               // float64 exponents
-    put(s.vec, round16(C));                             // β
-    put(s.last, round16(K));                            // e^{b_C}
-    s.X = plan.at;                                      // per head of a group: [−W h; O; h], ld V
+    plan.put(s.R, b16(3 * C * KV));                   // rows [−W; Q̂; K̂ | V], ld K + V
+    plan.put(s.Qx, b16(C * K));                       // q, k as gathered (bf16)
+    plan.put(s.Kx, b16(C * K));
+    plan.put(s.Ki, b16(C * K));                       // Ǩ
+    plan.put(s.Kb, b16(C * K));                       // K̄ (chunks that are not whole)
+    plan.put(s.Ah, b16(C * C));                       // T diag(β)
+    plan.put(s.PK, b16((C + K) * ldt));               // [P; K̄ᵀ], ld transposed_ld(C)
+    plan.put(s.tmp, b16(C * K) + (C + 1) / 2 * round16(K));  // transpose_keys' scratch
+    plan.put(s.Kw, packed_b_words(K, C));             // Ǩᵀ, packed
+    plan.put(s.Rw, packed_b_words(C, KV));            // K̂ | V, packed
+    plan.put(s.hw, packed_b_words(K, V));             // h, packed
+    plan.put(s.Uw, packed_b_words(C, V));             // U', packed
+    plan.put(s.SP, 2 * C * C);                        // [P; S]
+    plan.put(s.Tm, C * C);                            // T
+    plan.put(s.WU, C * KV);                           // [W | U]
+    plan.put(s.fac, C * K);                           // e^b
+    plan.put(s.e2, C * K);                            // e^{b_C − b} (chunks that are not whole)
+    plan.put(s.Qf, C * K);                            // q, k widened (the pair-by-pair S and P)
+    plan.put(s.Kf, C * K);
+    plan.put(s.gin, C * K);                           // gk's rows
+    plan.put(s.bf, C * K);                            // b = cumsum(gk)
+    plan.put(s.bd, 2 * C * K);                        // b (float64)
+    plan.put(s.ex, 2 * C * K);                        // float64 exponents
+    plan.put(s.vec, round16(C));                      // β
+    plan.put(s.last, round16(K));                     // e^{b_C}
+    s.X = plan.at;                                    // per head of a group: [−W h; O; h], ld V
     s.total = plan.at + group() * x_floats();
     return s;
   }
@@ -353,49 +351,15 @@ struct KdaForwardBf16 : Grid {
   void gather(const B16* qh, const B16* kh, const B16* vh, const float* bh, const float* gh, int64_t t0, int64_t rows,
               B16* Qx, B16* Kx, B16* KVr, float* gin, float* bvec, int64_t* bad) const {
     const int64_t KV = K + V;
-    bool any = false, copied = false;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
-      __m512i low = _mm512_set1_epi16(0x7f80);  // copy_row_checked's running minimum (chunk_bf16.h)
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
-        copy_row_checked(qh + t * q_s[2], Qx + i * K, K, low);
-        copy_row_checked(kh + t * k_s[2], Kx + i * K, K, low);
-        copy_row_checked(vh + t * v_s[2], KVr + i * KV + K, V, low);
-      }
-      any = _mm512_cmpeq_epi16_mask(low, _mm512_setzero_si512()) != 0;
-      copied = true;
-    }
-#endif
-    if (!copied) {
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
-        std::memcpy(Qx + i * K, qh + t * q_s[2], sizeof(B16) * K);
-        std::memcpy(Kx + i * K, kh + t * k_s[2], sizeof(B16) * K);
-        std::memcpy(KVr + i * KV + K, vh + t * v_s[2], sizeof(B16) * V);
-      }
-      any = bad != nullptr && rows > 0 &&
-            (any_nonfinite(Qx, rows * K) || any_nonfinite(Kx, rows * K) || rows_nonfinite(KVr + K, KV, rows, V) > 0);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
+    gather_qkv_checked(qh, q_s[2], kh, k_s[2], vh, v_s[2], t0, rows, C, K, V, Qx, K, Kx, K, KVr + K, KV, bad);
+    for (int64_t i = 0; i < C; ++i) {
       const int64_t t = t0 + i;
-      std::memcpy(gin + i * K, gh + t * gk_s[2], sizeof(float) * K);
-      bvec[i] = bh[t * beta_s[2]];
-    }
-    const B16 zero(0.f);
-    for (int64_t i = rows; i < C; ++i) {
-      std::fill(Qx + i * K, Qx + (i + 1) * K, zero);
-      std::fill(Kx + i * K, Kx + (i + 1) * K, zero);
-      std::fill(KVr + i * KV + K, KVr + (i + 1) * KV, zero);
-      std::fill(gin + i * K, gin + (i + 1) * K, 0.f);
-      bvec[i] = 0.f;
-    }
-    if (bad != nullptr && any) {  // the exact counts, only where there is something to count
-      bad[0] += rows_nonfinite(Qx, K, rows, K);
-      bad[1] += rows_nonfinite(Kx, K, rows, K);
-      bad[2] += rows_nonfinite(KVr + K, KV, rows, V);
+      if (i < rows) std::memcpy(gin + i * K, gh + t * gk_s[2], sizeof(float) * K);
+      else std::fill(gin + i * K, gin + (i + 1) * K, 0.f);
+      bvec[i] = i < rows ? bh[t * beta_s[2]] : 0.f;
     }
   }
+
 
   // S (strictly lower) and P (lower, unscaled) of a chunk whose decays are not bounded (file
   // comment): each entry Σ_d x_r[d] k_i[d] e^{b_r[d] − b_i[d]} in fp32 from the bf16 rows q (Qx) and

@@ -26,37 +26,15 @@ struct Carve {
 };
 
 // Rows t0 .. t0 + C − 1 of one head's strided [T, width] rows into dense dst [C, ld]; rows at
-// or past `length` are zeros (a no-op token for every rule here).
-template <typename T>
-inline void gather_rows(const T* src, int64_t stride, int64_t t0, int64_t length, int64_t C, int64_t width, T* dst,
+// or past `length` are zeros (a no-op token for every rule here). E → D: a copy, or bf16 rows
+// widened to fp32 as they are copied (chunk_common.h's copy_row), so an fp32 kernel reads plain
+// bf16 inputs with no separate pass converting them first, on exactly the values that pass gives.
+template <typename E, typename D>
+inline void gather_rows(const E* src, int64_t stride, int64_t t0, int64_t length, int64_t C, int64_t width, D* dst,
                         int64_t ld) {
   for (int64_t i = 0; i < C; ++i) {
-    if (t0 + i < length) std::memcpy(dst + i * ld, src + (t0 + i) * stride, sizeof(T) * width);
-    else std::fill(dst + i * ld, dst + i * ld + width, T(0));
-  }
-}
-
-// n bf16 elements widened to fp32 (exact: the bf16 bits are the fp32 value's upper half).
-inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (; j + 16 <= n; j += 16) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j)));
-    _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-  }
-#endif
-  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
-// The same gather from bf16 rows into fp32 scratch, each element widened as it is copied: an fp32
-// kernel reads plain bf16 inputs with no separate pass converting them first, and computes on
-// exactly the values the converted inputs would hold.
-inline void gather_rows(const at::BFloat16* src, int64_t stride, int64_t t0, int64_t length, int64_t C, int64_t width,
-                        float* dst, int64_t ld) {
-  for (int64_t i = 0; i < C; ++i) {
-    if (t0 + i < length) widen_row(src + (t0 + i) * stride, dst + i * ld, width);
-    else std::fill(dst + i * ld, dst + i * ld + width, 0.f);
+    if (t0 + i < length) copy_row(src + (t0 + i) * stride, dst + i * ld, width);
+    else std::fill(dst + i * ld, dst + i * ld + width, D(0));
   }
 }
 
