@@ -182,6 +182,17 @@ def check_qkv_finite(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         _check_finite(op, name, t)
 
 
+def bf16_operands(check_finite: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``(q, k, check_finite)`` for a bf16-products kernel: q and k rounded to bf16 (v is bf16
+    already), and the finite check left to the kernel (``check_finite``: the op's name, "" for none)
+    unless q or k arrived wider (normalized in fp32): rounding a huge finite entry to bf16 may give
+    ±Inf, so q, k, v are checked here as the caller gave them and the kernel's check is switched off."""
+    if check_finite and not q.dtype == k.dtype == torch.bfloat16:
+        check_qkv_finite(check_finite, q, k, v)
+        check_finite = ""
+    return q.to(torch.bfloat16), k.to(torch.bfloat16), check_finite
+
+
 def _check_range(op: str, t: torch.Tensor, low: Optional[float], high: float, rule: str, hint: str = "") -> None:
     """Refuse entries of ``t`` outside [low, high] (``low=None``: no lower bound, one reduction
     less); ``rule`` says so in words ("`beta` must lie in [0, 1]"). On CUDA the comparison is

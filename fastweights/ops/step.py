@@ -346,12 +346,20 @@ def kda_step(q, k, v, beta, gk, h, scale, gv=None, *, state_indices: Optional[to
     return kda_update(q, k, v, beta, gk, h, scale, gv)
 
 
-def kda_update(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kda_step` in PyTorch (same arguments and returns): the reference's step."""
-    shape, (dk, dv) = h.shape, h.shape[-2:]
+def kda_decay(h: torch.Tensor, gk: torch.Tensor, gv: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """KDA's per-channel decay of the state ``h [..., K, V]``: ``diag(e^{gk}) h`` (and ``h diag(e^{gv})``),
+    as ``[-1, K, V]``."""
+    dk, dv = h.shape[-2:]
     h = h.reshape(-1, dk, dv) * torch.exp(gk).reshape(-1, dk, 1)  # diag(α) h
     if gv is not None:
         h = h * torch.exp(gv).reshape(-1, 1, dv)
+    return h
+
+
+def kda_update(q, k, v, beta, gk, h, scale, gv=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kda_step` in PyTorch (same arguments and returns): the reference's step."""
+    shape, (dk, dv) = h.shape, h.shape[-2:]
+    h = kda_decay(h, gk, gv)
     k = k.reshape(-1, 1, dk)
     u = (v.reshape(-1, 1, dv) - torch.bmm(k, h)).mul_(beta.reshape(-1, 1, 1))  # β (v − h'ᵀk)
     h = torch.addcmul(h, k.transpose(1, 2), u)

@@ -35,7 +35,7 @@ import torch
 from . import kernel_cache
 
 __all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status", "isa",
-           "set_isa", "kernel_report"]
+           "set_isa", "kernel_report", "kernels_for_bf16"]
 
 #: One file per kernel family, and module.cpp, the one module definition that registers them all.
 _SOURCES = ("module.cpp", "chunk_delta.cpp", "chunk_delta_bf16.cpp", "gemm_bf16_check.cpp", "decode_step.cpp",
@@ -245,6 +245,18 @@ def kernels_for(*tensors: Optional[torch.Tensor], dtypes=(torch.float32, torch.f
     if torch.compiler.is_compiling():
         return library if _available_when_traced() else None
     return library if kernels() is not None else None
+
+
+def kernels_for_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others: Optional[torch.Tensor],
+                     operands: bool = False):
+    """The kernels (as :func:`kernels_for`) for bf16 rows that a kernel reads as bf16: q, k, v bf16
+    CPU tensors (``operands``: only v need be bf16 yet, the caller rounds q and k to bf16 product
+    operands), beside fp32 CPU ``others`` (None skipped: β, the decays, the initial state).
+    Otherwise None."""
+    rows = (v,) if operands else (q, k, v)
+    if any(t.dtype != torch.bfloat16 for t in rows) or any(t.device.type != "cpu" for t in (q, k, v)):
+        return None
+    return kernels_for(*others, dtypes=(torch.float32,))
 
 
 def available() -> bool:

@@ -40,9 +40,9 @@ from .._chunk import (
     reverse_cumsum,
 )
 from .._backend import backward_can_follow
-from .._checks import check_qkv_finite
+from .._checks import bf16_operands, check_qkv_finite
 from ..precision import autocast_off
-from ..cpu import kernels_for
+from ..cpu import kernels_for, kernels_for_bf16
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from ..step import delta_rule_step
@@ -183,8 +183,7 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low, check_fi
     if low is not None:
         return _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low, check_finite)
     if v.dtype == torch.bfloat16 and not keep:  # plain bf16 inputs: fp32 arithmetic, widened in the kernel's gather
-        mod = kernels_for(beta, g, h0, dtypes=(torch.float32,))
-        mod = mod if mod is not None and q.dtype == k.dtype == v.dtype and q.device.type == "cpu" else None
+        mod = kernels_for_bf16(q, k, v, beta, g, h0)
     else:
         mod = kernels_for(q, k, v, beta, g, h0)
     if mod is None:
@@ -199,15 +198,12 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low, check_fi
 def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low, check_finite=""):
     """The bf16-products inference forward by the compiled kernel (q, k, v as bf16 operands; the
     state, the solve and the sums fp32), or None where it does not apply."""
-    if low != torch.bfloat16 or v.dtype != low:
+    if low != torch.bfloat16:
         return None
-    mod = kernels_for(beta, g, h0, dtypes=(torch.float32,))
+    mod = kernels_for_bf16(q, k, v, beta, g, h0, operands=True)
     if mod is None:
         return None
-    if check_finite and not q.dtype == k.dtype == low:  # rounding a huge finite entry to bf16 may give ±Inf:
-        check_qkv_finite(check_finite, q, k, v)           # check what the caller gave
-        check_finite = ""
-    q, k, v = (t.to(low) if t.dtype != low else t for t in (q, k, v))
+    q, k, check_finite = bf16_operands(check_finite, q, k, v)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     o, h = mod.chunk_delta_fwd_bf16(q, k, v, beta, g, h0, float(scale), int(chunk_size), check_finite)
     return from_chunk_buffer(o, k.shape[2]), h, h.new_empty(0), None

@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 
 from .._backend import backward_can_follow, inference_op
-from .._checks import check_decay, check_decay_stats, check_qkv_finite
+from .._checks import bf16_operands, check_decay, check_decay_stats, check_qkv_finite
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from ..precision import autocast_off
-from ..cpu import kernels_for
+from ..cpu import kernels_for, kernels_for_bf16
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
@@ -104,9 +104,7 @@ def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True,
     if k.shape[2] == 0:
         return None
     if v.dtype == torch.bfloat16 and not keep and erase is None:  # plain bf16 inputs, widened in the gather
-        mod = kernels_for(beta, gk, h0, dtypes=(torch.float32,))
-        if not (q.dtype == k.dtype == torch.bfloat16 and q.device.type == k.device.type == v.device.type == "cpu"):
-            mod = None
+        mod = kernels_for_bf16(q, k, v, beta, gk, h0)
     else:
         mod = kernels_for(q, k, v, beta, gk, h0, erase)
     if mod is None:
@@ -127,15 +125,10 @@ def _native_forward_bf16(q, k, v, beta, gk, h0, scale, chunk_size, *, check_fini
     take S and P pair by pair in fp32): ``(o [N, H, T, V] bf16, h_T [N·H, K, V] fp32)``, or None
     where it does not apply: T = 0, v not bf16, or not :func:`~fastweights.ops.cpu.kernels_for`
     beta, gk, h0 as fp32 CPU tensors. ``check_finite``, ``decay_check``: as for :func:`_native_forward`."""
-    if k.shape[2] == 0 or v.dtype != torch.bfloat16 or not q.device.type == k.device.type == v.device.type == "cpu":
-        return None
-    mod = kernels_for(beta, gk, h0, dtypes=(torch.float32,))
+    mod = kernels_for_bf16(q, k, v, beta, gk, h0, operands=True) if k.shape[2] > 0 else None
     if mod is None:
         return None
-    if check_finite and not q.dtype == k.dtype == torch.bfloat16:  # q/k normalized in fp32: rounding a huge
-        check_qkv_finite(check_finite, q, k, v)                      # entry may give ±Inf; check what came in
-        check_finite = ""
-    q, k = (t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16) for t in (q, k))
+    q, k, check_finite = bf16_operands(check_finite, q, k, v)
     q, k, v, gk = _unit_last(q, k, v, gk)
     o, h, stats = mod.chunk_kda_fwd_bf16(q, k, v, beta, gk, h0, float(scale), int(chunk_size), check_finite,
                                          decay_check is not None)
@@ -356,7 +349,7 @@ def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gk: Tensor, h0: Opt
                                              decay_check=decay) if native else None)
             if compiled is not None:
                 return compiled
-            q, k, v = (t.to(beta.dtype) for t in (q, k, v))
+        # plain bf16 q, k, v (also bf16 products without their kernel): widened in the fp32 kernel's gather
         compiled = (_native_forward(q, k, v, beta, gk, h0_, scale, chunk_size, False, check_finite=finite,
                                     decay_check=decay) if native else None)
         if compiled is not None:
@@ -387,7 +380,7 @@ def kda_chunk(q, k, v, beta, gk, h0, scale, chunk_size, native: bool = True, che
     backward may follow."""
     checks = (str(check_finite), str(check_decay), str(decay_name))
     grad = backward_can_follow(q, k, v, beta, gk, h0)
-    if (low is not None and (grad or low != torch.bfloat16)) or (low is None and grad):
+    if grad or low not in (None, torch.bfloat16):  # widened: a backward may follow, or no kernel for `low`
         q, k, v = (t if t.dtype == beta.dtype else t.to(beta.dtype) for t in (q, k, v))
         low = None
     if grad:

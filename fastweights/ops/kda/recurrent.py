@@ -29,7 +29,7 @@ from .._backend import backward_can_follow
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from ..delta_rule.recurrent import low_products_step
-from ..step import kda_step, kda_update, scan_tokens
+from ..step import kda_decay, kda_step, kda_update, scan_tokens
 
 
 def kda_low_products_step(q, k, v, beta, gk, h, scale, gv=None, low=torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -38,10 +38,7 @@ def kda_low_products_step(q, k, v, beta, gk, h, scale, gv=None, low=torch.bfloat
     dtype, then the delta rule's step with bf16 operands on the decayed state
     (:func:`~fastweights.ops.delta_rule.recurrent.low_products_step`: the reads hᵀk and hᵀq and the
     write k uᵀ take bf16 operands; sums and state in h's dtype)."""
-    h = h * torch.exp(gk).unsqueeze(-1)  # [N, H, K, V] · [N, H, K, 1]
-    if gv is not None:
-        h = h * torch.exp(gv).unsqueeze(-2)
-    return low_products_step(q, k, v, beta, None, h, scale, low)
+    return low_products_step(q, k, v, beta, None, kda_decay(h, gk, gv).view(h.shape), scale, low)
 
 
 def kda_recurrence(q, k, v, beta, gk, h0, scale, gv=None, low: Optional[torch.dtype] = None
