@@ -84,21 +84,26 @@ inline int64_t head_group(int64_t C, int64_t K, int64_t V) {
 // for bit, where pre is 1), and h ← pre · h · post in place in the same pass where that is not h:
 // `pre` is a decay still owed to h (the previous chunk's e^{b_C} where the forward defers it),
 // `post` the decay the state update needs before it adds K̄ᵀ U' (the packed copy is of h · pre).
-inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float pre, float post, uint32_t* dst) {
+// pre(i) gives row i's factor (one for all rows: the gated rule's; one per row: KDA's per-channel
+// decay), owed whether there is one at all.
+template <typename RowFactor>
+inline fastweights::cpu::PackedB pack_state_by(int64_t K, int64_t V, float* h, RowFactor pre, bool owed, float post,
+                                               uint32_t* dst) {
   using namespace fastweights::cpu;
-  const bool scaled = pre != 1.f || post != 1.f;
+  const bool scaled = owed || post != 1.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (isa() > kPortable && K % 2 == 0 && V % 16 == 0) {
-    const __m512 f = _mm512_set1_ps(pre), f2 = _mm512_set1_ps(post);
+    const __m512 f2 = _mm512_set1_ps(post);
     for (int64_t p = 0; p < K / 2; ++p) {
       float* lo = h + 2 * p * V;
       float* hi = lo + V;
       uint32_t* d = dst + p * V;
+      const __m512 fa = _mm512_set1_ps(owed ? pre(2 * p) : 1.f), fb = _mm512_set1_ps(owed ? pre(2 * p + 1) : 1.f);
       for (int64_t j = 0; j < V; j += 16) {
         __m512 a = _mm512_loadu_ps(lo + j), b = _mm512_loadu_ps(hi + j);
-        if (pre != 1.f) {
-          a = _mm512_mul_ps(a, f);
-          b = _mm512_mul_ps(b, f);
+        if (owed) {
+          a = _mm512_mul_ps(a, fa);
+          b = _mm512_mul_ps(b, fb);
         }
         _mm512_storeu_si512(d + j, _mm512_or_si512(bf16_detail::round_to_bf16_lanes(a),
                                                    _mm512_slli_epi32(bf16_detail::round_to_bf16_lanes(b), 16)));
@@ -111,12 +116,25 @@ inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, floa
     return {dst, K, V, V};
   }
 #endif
-  if (pre != 1.f)
-    for (int64_t i = 0; i < K * V; ++i) h[i] *= pre;
+  if (owed)
+    for (int64_t i = 0; i < K; ++i) {
+      const float f = pre(i);
+      for (int64_t j = 0; j < V; ++j) h[i * V + j] *= f;
+    }
   const auto packed = pack_b(K, V, h, V, dst);
   if (post != 1.f)
     for (int64_t i = 0; i < K * V; ++i) h[i] *= post;
   return packed;
+}
+
+// pack_state_by with one factor for every row (none owed where pre is 1).
+inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float pre, float post, uint32_t* dst) {
+  return pack_state_by(K, V, h, [pre](int64_t) { return pre; }, pre != 1.f, post, dst);
+}
+
+// pack_state_by with row i's owed factor pre[i] (pre null: none owed) and no post.
+inline fastweights::cpu::PackedB pack_state_rows(int64_t K, int64_t V, float* h, const float* pre, uint32_t* dst) {
+  return pack_state_by(K, V, h, [pre](int64_t i) { return pre[i]; }, pre != nullptr, 1.f, dst);
 }
 
 // pack_state with nothing owed (pre = 1): h packed as it is, then h ← factor · h.

@@ -43,7 +43,6 @@ using fastweights::cpu::round16;
 
 // The bound on |b| for the whole-chunk products: e^{±60} is a normal fp32 (and bf16) number.
 constexpr double kWholeLimit = 60.0;
-constexpr int64_t kAheadParts = 4;  // the next chunk's rows are asked for in parts, one after each product
 
 // One row of a whole chunk's decayed rows (K entries), from the bf16 rows q, k and the fp32
 // cumulative decays b: Q̂ = q e^b, K̂ = k e^b, Ǩ = k e^{−b}, each product in fp32, rounded once.
@@ -110,7 +109,8 @@ struct KdaForwardBf16 : Grid {
 
   // The scratch one task takes, in floats (bf16 buffers at two to a float).
   struct Layout {
-    int64_t R, Qx, Kx, Ki, Kb, Ah, PK, tmp, Kw, Rw, hw, Uw, SP, Tm, WU, X, fac, e2, Qf, Kf, gin, bf, bd, ex, vec, last, total;
+    int64_t R, Qx, Kx, Ki, Kb, Ah, PK, tmp, Kw, Rw, hw, Uw, SP, Tm, WU, X, fac, e2, Qf, Kf, gin, bf, bd, ex, vec, last, owed,
+        total;
   };
   Layout layout() const {
     const int64_t KV = K + V, ldt = transposed_ld(C);
@@ -142,6 +142,7 @@ struct KdaForwardBf16 : Grid {
     plan.put(s.ex, 2 * C * K);                        // float64 exponents
     plan.put(s.vec, round16(C));                      // β
     plan.put(s.last, round16(K));                     // e^{b_C}
+    plan.put(s.owed, kMaxGroup * round16(K));         // per head of a group: the e^{b_C} still owed to its state
     s.X = plan.at;                                    // per head of a group: [−W h; O; h], ld V
     s.total = plan.at + group() * x_floats();
     return s;
@@ -164,6 +165,7 @@ struct KdaForwardBf16 : Grid {
     const int64_t G = group();
     fastweights::cpu::Workspace ws;
     Tally tally[kMaxGroup];
+    bool owing[kMaxGroup];
     for (int64_t first = begin; first < end; first += G) {
       const int64_t heads = std::min(G, end - first);
       for (int64_t j = 0; j < heads; ++j) {
@@ -171,14 +173,22 @@ struct KdaForwardBf16 : Grid {
         if (h0 != nullptr) std::memcpy(h, h0 + (first + j) * K * V, sizeof(float) * K * V);
         else std::fill(h, h + K * V, 0.f);
         tally[j] = Tally{};
+        owing[j] = false;
       }
       for (int64_t c = 0; c < NC; ++c)
-        for (int64_t j = 0; j < heads; ++j) chunk(first + j, c, scratch, scratch + s.X + j * x_floats(), ws, tally[j]);
+        for (int64_t j = 0; j < heads; ++j)
+          chunk(first + j, c, scratch, scratch + s.X + j * x_floats(), ws, tally[j], scratch + s.owed + j * round16(K),
+                owing[j]);
       fastweights::cpu::store_fence();
       fastweights::cpu::gemm_bf16_release();
       for (int64_t j = 0; j < heads; ++j) {
         const int64_t nh = first + j;
-        std::memcpy(h_out + nh * K * V, scratch + s.X + j * x_floats() + 2 * C * V, sizeof(float) * K * V);
+        const float* h = scratch + s.X + j * x_floats() + 2 * C * V;
+        const float* owed = scratch + s.owed + j * round16(K);
+        if (!owing[j]) std::memcpy(h_out + nh * K * V, h, sizeof(float) * K * V);
+        else
+          for (int64_t i = 0; i < K; ++i)
+            for (int64_t x = 0; x < V; ++x) h_out[(nh * K + i) * V + x] = owed[i] * h[i * V + x];
         if (finite->on()) finite->add(tally[j].bad);
         if (decay_stats != nullptr) {
           decay_stats[3 * nh] = double(tally[j].decay_bad);
@@ -190,8 +200,11 @@ struct KdaForwardBf16 : Grid {
   }
 
   // Chunk c of head nh: X is the head's own [−W h; O; h] rows (h its state), the rest of the
-  // scratch shared; tally the head's check counts.
-  void chunk(int64_t nh, int64_t c, float* scratch, float* X, fastweights::cpu::Workspace& ws, Tally& tally) const {
+  // scratch shared; tally the head's check counts. Where owing, the head's state is still owed the
+  // per-channel decay `owed` (K entries: diag(owed) h is the state), which this chunk applies as it
+  // packs h; a whole chunk leaves its own e^{b_C} owed the same way (one pass over h less).
+  void chunk(int64_t nh, int64_t c, float* scratch, float* X, fastweights::cpu::Workspace& ws, Tally& tally,
+             float* owed, bool& owing) const {
     const int64_t n = nh / H, hh = nh % H, KV = K + V, ldt = transposed_ld(C);
     const Layout s = layout();
     const ScratchView mem{scratch};
@@ -217,18 +230,11 @@ struct KdaForwardBf16 : Grid {
     const float* bh = beta + n * beta_s[0] + hh * beta_s[1];
     const float* gh = gk + n * gk_s[0] + hh * gk_s[1];
     const int64_t t0 = c * C, rows = std::min(C, L - t0);
-    int64_t part = 0;
-    // the next chunk's q, k, v rows, in parts over this one's work (not gk's: its rows are a page
-    // apart in a token-major input, and asking for them too was slower than gathering them cold)
-    auto ahead = [&]() {
-      const int64_t next = t0 + C, left = std::min(C, L - next);
-      if (left <= 0 || part >= kAheadParts) return;
-      const int64_t b = next + left * part / kAheadParts, e = next + left * (part + 1) / kAheadParts;
-      ++part;
-      prefetch_rows(qh, q_s[2], b, e - b, K);
-      prefetch_rows(kh, k_s[2], b, e - b, K);
-      prefetch_rows(vh, v_s[2], b, e - b, V);
-    };
+    // No software prefetch of the next chunk's rows: on the Xeon with AMX, asking for them in four
+    // parts between the products (as chunk_delta_bf16.cpp does) made this forward 5-12 % slower
+    // at B 1, T 2048, H 8, K = V = 128, at 1 and 2 threads (the prefetches stalled on the fill
+    // buffers that the gathers need); the rows' own gather is a plain copy instead. Summing gk
+    // straight from the input rows (no copy into gin) was 4-9 % slower than this copy, too.
     gather(qh, kh, vh, bh, gh, t0, rows, Qx, Kx, KVr, gin, bvec, finite->on() ? tally.bad : nullptr);
     // b = cumsum(gk) (rows past the end: gk = 0) in fp32, and its largest magnitude; on the way,
     // gk's largest entry and whether any is NaN or ±Inf (the decay check's counts)
@@ -258,7 +264,6 @@ struct KdaForwardBf16 : Grid {
       for (int64_t i = 0; i < C; ++i)
         bounded_rows(K, Qx + i * K, Kx + i * K, fac + i * K, e2 + i * K, Qr + i * KV, KVr + i * KV, Kb + i * K);
     }
-    ahead();
     if (whole) {
       // [P; S] = [Q̂; K̂] Ǩᵀ, then the masks
       gemm_bf16_packed(false, 2 * C, C, K, 1.f, Qr, KV, pack_b(true, K, C, Ki, K, mem.w32(s.Kw)), 0.f, P, C, ws);
@@ -266,33 +271,33 @@ struct KdaForwardBf16 : Grid {
     } else {
       pair_scores(Qx, Kx, bd, Qf, Kf, ex, e2, S, P);
     }
-    ahead();
     unit_lower_inverse_bf16fwd(C, S, bvec, Tm);
     // [W | U] = T diag(β) [K̂ | V]
     for (int64_t i = 0; i < C; ++i) to_bf16_times(Tm + i * C, bvec, Ah + i * C, C);
     gemm_bf16_packed(false, C, KV, C, 1.f, Ah, C, pack_b(false, C, KV, KVr, KV, mem.w32(s.Rw)), 0.f, WU, KV, ws);
     // [−W h; O] = [−W; Q̂] h; U' = U + (−W h)
-    const auto hp = pack_state(K, V, h, 1.f, mem.w32(s.hw));
+    const auto hp = pack_state_rows(K, V, h, owing ? owed : nullptr, mem.w32(s.hw));  // h ← diag(owed) h, packed
+    owing = false;
     for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
     gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
-    ahead();
     const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, mem.w32(s.Uw));
     // [O; h] += [P; K̄ᵀ] U' with h ← diag(e^{b_C}) h first; in a whole chunk K̄ = diag(e^{b_C}) Ǩ
-    // (per channel), so there h ← diag(e^{b_C}) (h + Ǩᵀ U') instead, and K̄ is never formed
-    auto decay_state = [&]() {
+    // (per channel), so there h ← diag(e^{b_C}) (h + Ǩᵀ U') instead, K̄ never formed and the
+    // decay left owed to the next pack of h (or to the final state)
+    if (!whole)
       for (int64_t i = 0; i < K; ++i) {
         const float r = last[i];
         float* row = h + i * V;
 #pragma omp simd
         for (int64_t j = 0; j < V; ++j) row[j] *= r;
       }
-    };
-    if (!whole) decay_state();
     for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
     transpose_keys(C, K, whole ? Ki : Kb, K, nullptr, PK + C * ldt, ldt, tmp16, tmpw);
     gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
-    if (whole) decay_state();
-    ahead();
+    if (whole) {
+      std::memcpy(owed, last, sizeof(float) * K);
+      owing = true;
+    }
     for (int64_t i = 0; i < C; ++i)
       fastweights::cpu::to_bf16_scaled_stream(O + i * V, scale, o + ((n * NC * C + t0 + i) * H + hh) * V, V);
   }
