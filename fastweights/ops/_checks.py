@@ -219,17 +219,39 @@ def _raise_outside(op: str, lo: Optional[float], hi: float, low: Optional[float]
     raise ValueError(f"{op}: {rule}, got {found}{hint}")
 
 
+def _beta_rule(allow_neg_eigval: bool) -> Tuple[float, str]:
+    """β's upper bound and the rule's words."""
+    if allow_neg_eigval:
+        return 2.0, "`beta` must lie in [0, 2] (allow_neg_eigval=True)"
+    return 1.0, "`beta` must lie in [0, 1] ([0, 2] with allow_neg_eigval=True)"
+
+
+def _check_finite_in_range(op: str, name: str, t: torch.Tensor, low: Optional[float], high: float, rule: str,
+                           hint: str = "") -> None:
+    """:func:`_check_finite` then :func:`_check_range` on ``t``, from one reduction where both switches
+    are on and ``t`` is checked on the host: extremes that are finite prove every entry finite
+    (``aminmax`` propagates NaN, and ±Inf is an extreme)."""
+    if _CHECK_FINITE and _CHECK_VALUES and t.numel() > 0 and _checked_on_host(t):
+        lo, hi = torch.aminmax(t.detach())
+        lo, hi = float(lo), float(hi)
+        if math.isfinite(lo) and math.isfinite(hi):
+            _raise_outside(op, None if low is None else lo, hi, low, high, rule, hint)
+            return
+    _check_finite(op, name, t)
+    _check_range(op, t, low, high, rule, hint)
+
+
+_G_RULE = ("`g` (the log decay) must be <= 0",
+           "; a decay exp(g) above 1 makes the state grow. If that is intended, disable this "
+           "check with fastweights.ops.value_checks(False)")
+
+
 def check_values(op: str, beta: Optional[torch.Tensor], g: Optional[torch.Tensor], allow_neg_eigval: bool) -> None:
     """The range checks on β and g (see the module docstring)."""
     if beta is not None:
-        if allow_neg_eigval:
-            _check_range(op, beta, 0.0, 2.0, "`beta` must lie in [0, 2] (allow_neg_eigval=True)")
-        else:
-            _check_range(op, beta, 0.0, 1.0, "`beta` must lie in [0, 1] ([0, 2] with allow_neg_eigval=True)")
+        _check_range(op, beta, 0.0, *_beta_rule(allow_neg_eigval))
     if g is not None:
-        _check_range(op, g, None, 0.0, "`g` (the log decay) must be <= 0",
-                     "; a decay exp(g) above 1 makes the state grow. If that is intended, disable this "
-                     "check with fastweights.ops.value_checks(False)")
+        _check_range(op, g, None, 0.0, *_G_RULE)
 
 
 def resolve_scale(scale: Optional[float], key_dim: int) -> float:
@@ -426,8 +448,7 @@ def check_decay(op: str, name: str, t: torch.Tensor, layout: str = "[B, T, H, K]
     """A per-channel log decay's checks (the switches apply): finite, then <= 0. :func:`check_inputs`
     makes them, unless the solver will (``decay_by_solver``: a compiled kernel counts what it needs
     while it reads the decays, :func:`check_decay_stats`, or the solver calls this)."""
-    _check_finite(op, name, t)
-    _check_range(op, t, None, 0.0, *_decay_rule(name, layout))
+    _check_finite_in_range(op, name, t, None, 0.0, *_decay_rule(name, layout))
 
 
 def check_decay_stats(op: str, name: str, stats: torch.Tensor, layout: str = "[B, T, H, K]") -> None:
@@ -436,11 +457,17 @@ def check_decay_stats(op: str, name: str, stats: torch.Tensor, layout: str = "[B
     numbers (the largest entry is NaN when any is, as ``amax`` gives it, and then none is out)."""
     if stats.numel() == 0:
         return
-    bad, nan, high = stats[:, 0].sum(), stats[:, 1].sum(), stats[:, 2].max()
-    if _CHECK_FINITE and bool(bad > 0):
+    # One read-back where the tasks are few (sequences x heads; each torch call after a long kernel
+    # runs on cold caches, and this check follows one): the three columns reduced in Python.
+    if stats.shape[0] <= 4096:
+        rows = stats.tolist()
+        bad, nan, high = sum(r[0] for r in rows), sum(r[1] for r in rows), max(r[2] for r in rows)
+    else:
+        (bad, nan), high = stats[:, :2].sum(0).tolist(), float(stats[:, 2].max())
+    if _CHECK_FINITE and bad > 0:
         _raise_nonfinite(op, name, int(bad))
     if _CHECK_VALUES:
-        _raise_outside(op, None, float("nan") if bool(nan > 0) else float(high), None, 0.0, *_decay_rule(name, layout))
+        _raise_outside(op, None, float("nan") if nan > 0 else float(high), None, 0.0, *_decay_rule(name, layout))
 
 
 def _check_state_shape(op: str, initial_state: torch.Tensor, n: int, heads: int, sk: int, sv: int) -> None:
@@ -557,13 +584,16 @@ def check_inputs(
     if finite_qkv:  # else the solver checks them (check_qkv_finite, or a compiled kernel's gather)
         check_qkv_finite(op, q, k, v)
     checked_gk = None if decay_by_solver else gk
-    for name, t in (("beta", beta), ("g", g), (gk_name, checked_gk), ("gv", gv), ("initial_state", initial_state)):
-        if t is not None:
-            _check_finite(op, name, t)
-    check_values(op, beta, g, allow_neg_eigval)
+    # each finite and in range, from one reduction where it can (_check_finite_in_range)
+    if beta is not None:
+        _check_finite_in_range(op, "beta", beta, 0.0, *_beta_rule(allow_neg_eigval))
+    if g is not None:
+        _check_finite_in_range(op, "g", g, None, 0.0, *_G_RULE)
     for name, t, layout in ((gk_name, checked_gk, "[B, T, H, K]"), ("gv", gv, "[B, T, H, V]")):
         if t is not None:
-            _check_range(op, t, None, 0.0, *_decay_rule(name, layout))
+            _check_finite_in_range(op, name, t, None, 0.0, *_decay_rule(name, layout))
+    if initial_state is not None:
+        _check_finite(op, "initial_state", initial_state)
     return n
 
 

@@ -24,7 +24,7 @@ pytestmark = [needs_kernels, pytest.mark.usefixtures("one_thread")]
 def front_end_checked(monkeypatch):
     """The names of the inputs the front end's finite and range checks looked at."""
     names = []
-    finite, in_range = _checks._check_finite, _checks._check_range
+    finite, in_range, both = _checks._check_finite, _checks._check_range, _checks._check_finite_in_range
 
     def record_finite(op, name, t):
         names.append(name)
@@ -34,7 +34,12 @@ def front_end_checked(monkeypatch):
         names.append(rule.split("`")[1])
         return in_range(op, t, low, high, rule, hint)
 
+    def record_both(op, name, t, *args):
+        names.append(name)
+        return both(op, name, t, *args)
+
     monkeypatch.setattr(_checks, "_check_finite", record_finite)
+    monkeypatch.setattr(_checks, "_check_finite_in_range", record_both)
     monkeypatch.setattr(_checks, "_check_range", record_range)
     return names
 
