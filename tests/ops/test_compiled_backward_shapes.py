@@ -1,4 +1,5 @@
-"""The compiled CPU chunk kernels take every shape and layout the PyTorch path takes.
+"""The compiled CPU chunk kernels (the delta rules', KDA's, linear attention's) take every shape and
+layout the PyTorch path takes.
 
 A fuzz over small shapes (B, T, H, K, V down to 1), the cotangents that real losses make
 (``o.sum()``: a scalar expanded to every position, stride 0 everywhere; a weight broadcast
@@ -21,8 +22,11 @@ import torch.nn.functional as F
 from fastweights import ops
 from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.delta_rule import chunk as chunk_module
+from fastweights.ops.kda import chunk as kda_chunk_module
+from fastweights.ops.linear_attn import chunk as la_chunk_module
 
 FAST_CASES, LONG_CASES = 150, 1500
+KDA_CASES = 40
 COTANGENTS = ("sum", "broadcast_weight", "strided_slice", "random")
 
 
@@ -63,8 +67,11 @@ def _inputs(c):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     x = dict(q=rand(B, T, H, K), k=F.normalize(rand(B, T, H, K), dim=-1), v=rand(B, T, H, V))
-    x["beta"] = torch.sigmoid(rand(B, T, 1)).expand(B, T, H) if c["beta_expanded"] else torch.sigmoid(rand(B, T, H))
-    if c["gated"]:
+    if not c.get("la"):  # linear attention has no write strength
+        x["beta"] = torch.sigmoid(rand(B, T, 1)).expand(B, T, H) if c["beta_expanded"] else torch.sigmoid(rand(B, T, H))
+    if c.get("kda"):  # KDA: a log decay per key channel
+        x["g"] = F.logsigmoid(rand(B, T, H, K) + 2.0)
+    elif c["gated"]:
         x["g"] = F.logsigmoid(rand(B, T, H) + 2.0)
     if c["h0"]:
         x["initial_state"] = rand(B, H, K, V)
@@ -79,7 +86,7 @@ def _run(form, c, x, weights, compiled=None):
     try:
         leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
         args = {n: _view_of(t, c["layout"]) if n in ("q", "k", "v") else t for n, t in leaves.items()}
-        if c["beta_expanded"]:  # the leaf is [B, T, 1]'s expansion: hand the op a stride-0 head dim
+        if c["beta_expanded"] and "beta" in leaves:  # the leaf is [B, T, 1]'s expansion: hand the op a stride-0 head dim
             args["beta"] = leaves["beta"][..., :1].expand_as(leaves["beta"])
         kwargs = dict(chunk_size=c["chunk_size"]) if compiled is not None else {}
         o, h = form(**args, output_final_state=True, **kwargs)
@@ -101,8 +108,13 @@ def _run(form, c, x, weights, compiled=None):
 
 
 def _check(c, spy):
-    form = ops.chunk_gated_delta_rule if c["gated"] else ops.chunk_delta_rule
-    reference = ops.recurrent_gated_delta_rule if c["gated"] else ops.recurrent_delta_rule
+    if c.get("kda"):
+        form, reference = ops.chunk_kda, ops.recurrent_kda
+    elif c.get("la"):
+        form, reference = ops.chunk_linear_attn, ops.recurrent_linear_attn
+    else:
+        form = ops.chunk_gated_delta_rule if c["gated"] else ops.chunk_delta_rule
+        reference = ops.recurrent_gated_delta_rule if c["gated"] else ops.recurrent_delta_rule
     x, weights = _inputs(c)
     spy.clear()
     compiled = _run(form, c, x, weights, compiled=True)
@@ -118,16 +130,16 @@ def _check(c, spy):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records, per backward, whether the compiled kernel computed it (not None from ``_native_backward``)."""
+    """Records, per backward, whether the compiled kernel computed it (not None from ``_native_backward``,
+    the delta rules', KDA's or linear attention's)."""
     calls = []
-    native = chunk_module._native_backward
+    for module in (chunk_module, kda_chunk_module, la_chunk_module):
+        def recording(*args, _native=module._native_backward, **kwargs):
+            out = _native(*args, **kwargs)
+            calls.append(out is not None)
+            return out
 
-    def recording(*args, **kwargs):
-        out = native(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(chunk_module, "_native_backward", recording)
+        monkeypatch.setattr(module, "_native_backward", recording)
     return calls
 
 
@@ -153,3 +165,35 @@ def test_compiled_backward_fuzz_long(kernels_on, spy, one_thread):
     rng = random.Random(98765)
     for _ in range(LONG_CASES):
         _check(_case(rng), spy)
+
+
+@pytest.mark.parametrize("cotangent", ["sum", "broadcast_weight"])
+def test_compiled_kda_backward_with_every_dim_one_and_stride_0_cotangents(kernels_on, spy, one_thread, cotangent):
+    """KDA's kernels at B = T = H = V = 1 with ``o.sum()`` (a cotangent of last stride 0 that PyTorch calls contiguous)."""
+    c = dict(kda=True, gated=True, B=1, T=1, H=1, K=1, V=1, chunk_size=32, h0=False, final=False, layout="plain",
+             beta_expanded=False, cotangent=cotangent, seed=2)
+    _check(c, spy)
+    _check(dict(c, layout="strided"), spy)
+    _check(dict(c, K=4, T=5, h0=True, final=True), spy)
+
+
+def test_compiled_kda_backward_fuzz(kernels_on, spy, one_thread):
+    rng = random.Random(4321)
+    for _ in range(KDA_CASES):
+        _check(dict(_case(rng), kda=True), spy)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_compiled_linear_attn_backward_with_every_dim_one_and_stride_0_cotangents(kernels_on, spy, one_thread, gated):
+    """Linear attention's kernels at B = T = H = V = 1 with ``o.sum()``, as for the delta rules."""
+    c = dict(la=True, gated=gated, B=1, T=1, H=1, K=1, V=1, chunk_size=32, h0=False, final=False, layout="plain",
+             beta_expanded=False, cotangent="sum", seed=3)
+    _check(c, spy)
+    _check(dict(c, layout="strided"), spy)
+    _check(dict(c, K=4, T=5, h0=True, final=True), spy)
+
+
+def test_compiled_linear_attn_backward_fuzz(kernels_on, spy, one_thread):
+    rng = random.Random(2468)
+    for _ in range(KDA_CASES):
+        _check(dict(_case(rng), la=True), spy)

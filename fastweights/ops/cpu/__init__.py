@@ -35,7 +35,7 @@ import torch
 from . import kernel_cache
 
 __all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "build", "status", "isa",
-           "set_isa", "kernel_report", "kernels_for_bf16"]
+           "set_isa", "kernel_report", "kernels_for_bf16", "unit_last_stride"]
 
 #: One file per kernel family, and module.cpp, the one module definition that registers them all.
 _SOURCES = ("module.cpp", "chunk_delta.cpp", "chunk_delta_bf16.cpp", "gemm_bf16_check.cpp", "decode_step.cpp",
@@ -225,6 +225,19 @@ def _available_when_traced() -> bool:
     """:func:`available`, run by ``torch.compile`` while it traces (not traced itself, not in the
     graph): the first trace may build the kernels; the graph keeps the answer."""
     return kernels() is not None
+
+
+def unit_last_stride(*tensors: Optional[torch.Tensor]):
+    """The tensors with stride 1 in their last dim, as the kernels require of the rows they read
+    (None stays None); one tensor in, one out.
+
+    ``t.contiguous()`` is not enough: PyTorch calls a tensor contiguous whatever the strides of its
+    size-1 dims, so a ``[1, 1, 1, 1]`` cotangent expanded from ``o.sum()`` (every stride 0), or any
+    tensor whose last dim is 1, would reach a kernel with a last stride other than 1.
+    """
+    out = tuple(t if t is None or t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
+                for t in tensors)
+    return out[0] if len(out) == 1 else out
 
 
 def kernels_for(*tensors: Optional[torch.Tensor], dtypes=(torch.float32, torch.float64)):

@@ -42,7 +42,7 @@ from .._chunk import (
 from .._backend import backward_can_follow
 from .._checks import bf16_operands, check_qkv_finite
 from ..precision import autocast_off
-from ..cpu import kernels_for, kernels_for_bf16
+from ..cpu import kernels_for, kernels_for_bf16, unit_last_stride
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
 from ..step import delta_rule_step
@@ -162,16 +162,6 @@ def _delta_scan(x, h, states, u_prime, low=None, states_low=None, u_low=None):
 FORWARD_GROUP = 128
 
 
-def _unit_last_stride(t: Tensor) -> Tensor:
-    """``t`` with stride 1 in its last dim, as the compiled kernels require of the rows they read.
-
-    ``t.contiguous()`` is not enough: PyTorch calls a tensor contiguous whatever the strides of its
-    size-1 dims, so a ``[1, 1, 1, 1]`` cotangent expanded from ``o.sum()`` (every stride 0), or any
-    tensor whose last dim is 1, would reach the kernel with a last stride other than 1.
-    """
-    return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
-
-
 def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low, check_finite=""):
     """:func:`chunk_delta_rule_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_delta.cpp``:
     the same algebra, one (sequence, head) per task; bf16 products: :func:`_native_forward_bf16`),
@@ -188,7 +178,7 @@ def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low, check_fi
         mod = kernels_for(q, k, v, beta, g, h0)
     if mod is None:
         return None
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    q, k, v = unit_last_stride(q, k, v)
     nb = row_blocks(chunk_size, UT_BLOCKS)
     o, h, states, *kept = mod.chunk_delta_fwd(q, k, v, beta, g, h0, float(scale), int(chunk_size), nb, bool(keep),
                                               check_finite)
@@ -204,7 +194,7 @@ def _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low, check_fin
     if mod is None:
         return None
     q, k, check_finite = bf16_operands(check_finite, q, k, v)
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    q, k, v = unit_last_stride(q, k, v)
     o, h = mod.chunk_delta_fwd_bf16(q, k, v, beta, g, h0, float(scale), int(chunk_size), check_finite)
     return from_chunk_buffer(o, k.shape[2]), h, h.new_empty(0), None
 
@@ -351,7 +341,7 @@ def _native_backward(beta, g, states, kept, do, dh_final, scale, chunk_size):
     mod = kernels_for(states, beta, g, do, dh_final, q_flat, kv_flat, wu)
     if mod is None:
         return None
-    do = _unit_last_stride(do)
+    do = unit_last_stride(do)
     t_len = beta.shape[-1]
     dq, dk, dv, dbeta, dg, dh0 = mod.chunk_delta_bwd(q_flat, kv_flat, wu, states, beta, g, do, dh_final, float(scale), int(chunk_size))
     grads = [from_chunk_buffer(t, t_len) for t in (dq, dk, dv, dbeta)]

@@ -36,7 +36,7 @@ from .._backend import backward_can_follow, inference_op
 from .._checks import bf16_operands, check_decay, check_decay_stats, check_qkv_finite
 from .._chunk import backward_only, chunk_buffer, flat_chunks, from_chunk_buffer, put_chunks
 from ..precision import autocast_off
-from ..cpu import kernels_for, kernels_for_bf16
+from ..cpu import kernels_for, kernels_for_bf16, unit_last_stride
 from ..delta_rule.wy import block_substitution, diagonal_block_inverses, ut_solve
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
@@ -77,11 +77,6 @@ def _chunk_terms(q, k, v, beta, gk, scale, chunk_size, c0, c1, terms=block_terms
     return flat, terms(*flat, scale, solve=_solve_blocks)
 
 
-def _unit_last(*tensors):
-    """The tensors with a unit last stride, as the kernels read them (None stays None)."""
-    return tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors)
-
-
 def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True, *, erase=None, check_finite="",
                     decay_check=None):
     """:func:`chunk_kda_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_kda.cpp``: the
@@ -109,7 +104,7 @@ def _native_forward(q, k, v, beta, gk, h0, scale, chunk_size, keep: bool = True,
         mod = kernels_for(q, k, v, beta, gk, h0, erase)
     if mod is None:
         return None
-    q, k, v, gk, erase = _unit_last(q, k, v, gk, erase)
+    q, k, v, gk, erase = unit_last_stride(q, k, v, gk, erase)
     o, h, states, stats = mod.chunk_kda_fwd(q, k, v, beta, gk, h0, float(scale), int(chunk_size), sub_block(chunk_size),
                                             keep, erase, check_finite, decay_check is not None)
     if decay_check is not None:
@@ -129,7 +124,7 @@ def _native_forward_bf16(q, k, v, beta, gk, h0, scale, chunk_size, *, check_fini
     if mod is None:
         return None
     q, k, check_finite = bf16_operands(check_finite, q, k, v)
-    q, k, v, gk = _unit_last(q, k, v, gk)
+    q, k, v, gk = unit_last_stride(q, k, v, gk)
     o, h, stats = mod.chunk_kda_fwd_bf16(q, k, v, beta, gk, h0, float(scale), int(chunk_size), check_finite,
                                          decay_check is not None)
     if decay_check is not None:
@@ -202,7 +197,7 @@ def _native_backward(q, k, v, beta, gk, states, do, dh_final, scale, chunk_size,
     if mod is None:
         return None
     t_len = k.shape[2]
-    q, k, v, gk, do, erase = _unit_last(q, k, v, gk, do, erase)
+    q, k, v, gk, do, erase = unit_last_stride(q, k, v, gk, do, erase)
     grads = mod.chunk_kda_bwd(q, k, v, beta, gk, states, do, dh_final, float(scale), int(chunk_size), sub_block(chunk_size),
                               erase)
     dq, dk, dv, dbeta, dgk, dh0, d_erase = grads

@@ -34,7 +34,7 @@ from .._checks import check_qkv_finite
 from ..precision import autocast_off
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from ..cpu import kernels_for
+from ..cpu import kernels_for, unit_last_stride
 from ..step import linear_attn_step
 
 
@@ -100,7 +100,7 @@ def _native_forward(q, k, v, g, h0, scale, chunk_size, keep: bool = True, check_
     if mod is None:
         return None
     n, nh, t_len, dk = k.shape
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_last_stride(q, k, v)
     h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
     o, h_final, states, qc, kc, vc, gc = mod.chunk_linear_attn_fwd(q, k, v, g, h0_, float(scale), int(chunk_size), keep,
                                                                    check_finite)
@@ -113,7 +113,7 @@ def _native_backward(qc, kc, vc, gc, states, do, dh_final, scale, chunk_size):
     if mod is None:
         return None
     t_len = do.shape[2]
-    do = do if do.stride(-1) == 1 else do.contiguous()
+    do = unit_last_stride(do)
     dq, dk, dv, dg, dh0 = mod.chunk_linear_attn_bwd(qc, kc, vc, gc, states, do, dh_final, float(scale), int(chunk_size))
     grads = [from_chunk_buffer(x, t_len) for x in (dq, dk, dv)]
     grads.append(dg if gc is None else from_chunk_buffer(dg, t_len))
