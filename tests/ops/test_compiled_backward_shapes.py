@@ -26,7 +26,7 @@ from fastweights.ops.kda import chunk as kda_chunk_module
 from fastweights.ops.linear_attn import chunk as la_chunk_module
 
 FAST_CASES, LONG_CASES = 150, 1500
-KDA_CASES = 40
+OTHER_CASES = 30  # each of KDA and linear attention (ungated, gated)
 COTANGENTS = ("sum", "broadcast_weight", "strided_slice", "random")
 
 
@@ -167,33 +167,26 @@ def test_compiled_backward_fuzz_long(kernels_on, spy, one_thread):
         _check(_case(rng), spy)
 
 
+#: The other rules on kernels of their own: KDA (a decay per key channel), linear attention (no β;
+#: ungated, and with a per-head decay).
+OTHER_RULES = {"kda": dict(kda=True, gated=True), "linear_attn": dict(la=True, gated=False),
+               "gated_linear_attn": dict(la=True, gated=True)}
+
+
+@pytest.mark.parametrize("rule", sorted(OTHER_RULES))
 @pytest.mark.parametrize("cotangent", ["sum", "broadcast_weight"])
-def test_compiled_kda_backward_with_every_dim_one_and_stride_0_cotangents(kernels_on, spy, one_thread, cotangent):
-    """KDA's kernels at B = T = H = V = 1 with ``o.sum()`` (a cotangent of last stride 0 that PyTorch calls contiguous)."""
-    c = dict(kda=True, gated=True, B=1, T=1, H=1, K=1, V=1, chunk_size=32, h0=False, final=False, layout="plain",
+def test_other_rules_compiled_backward_with_every_dim_one_and_stride_0_cotangents(kernels_on, spy, one_thread, rule,
+                                                                                  cotangent):
+    """B = T = H = V = 1 with ``o.sum()`` (a cotangent of last stride 0 that PyTorch calls contiguous)."""
+    c = dict(OTHER_RULES[rule], B=1, T=1, H=1, K=1, V=1, chunk_size=32, h0=False, final=False, layout="plain",
              beta_expanded=False, cotangent=cotangent, seed=2)
     _check(c, spy)
     _check(dict(c, layout="strided"), spy)
     _check(dict(c, K=4, T=5, h0=True, final=True), spy)
 
 
-def test_compiled_kda_backward_fuzz(kernels_on, spy, one_thread):
+@pytest.mark.parametrize("rule", sorted(OTHER_RULES))
+def test_other_rules_compiled_backward_fuzz(kernels_on, spy, one_thread, rule):
     rng = random.Random(4321)
-    for _ in range(KDA_CASES):
-        _check(dict(_case(rng), kda=True), spy)
-
-
-@pytest.mark.parametrize("gated", [False, True])
-def test_compiled_linear_attn_backward_with_every_dim_one_and_stride_0_cotangents(kernels_on, spy, one_thread, gated):
-    """Linear attention's kernels at B = T = H = V = 1 with ``o.sum()``, as for the delta rules."""
-    c = dict(la=True, gated=gated, B=1, T=1, H=1, K=1, V=1, chunk_size=32, h0=False, final=False, layout="plain",
-             beta_expanded=False, cotangent="sum", seed=3)
-    _check(c, spy)
-    _check(dict(c, layout="strided"), spy)
-    _check(dict(c, K=4, T=5, h0=True, final=True), spy)
-
-
-def test_compiled_linear_attn_backward_fuzz(kernels_on, spy, one_thread):
-    rng = random.Random(2468)
-    for _ in range(KDA_CASES):
-        _check(dict(_case(rng), la=True), spy)
+    for _ in range(OTHER_CASES):
+        _check(dict(_case(rng), **OTHER_RULES[rule]), spy)
