@@ -127,6 +127,16 @@ inline fastweights::cpu::PackedB pack_state_by(int64_t K, int64_t V, float* h, R
   return packed;
 }
 
+// Row i of X [rows, n] (ld n) times f[i], in place (the forwards' per-row decays).
+inline void scale_rows(int64_t rows, int64_t n, float* X, const float* f) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float r = f[i];
+    float* row = X + i * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] *= r;
+  }
+}
+
 // pack_state_by with one factor for every row (none owed where pre is 1).
 inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float pre, float post, uint32_t* dst) {
   return pack_state_by(K, V, h, [pre](int64_t) { return pre; }, pre != 1.f, post, dst);

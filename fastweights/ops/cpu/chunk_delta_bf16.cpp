@@ -195,14 +195,7 @@ struct ForwardBf16 {
     ahead();
     const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, mem.w32(s.Uw));
     // [O; h] += [P; K̄ᵀ] U' (K̄ = K unless the gate is applied directly), after O ← D O there
-    if (direct) {
-      for (int64_t i = 0; i < C; ++i) {
-        const float r = rd[i];
-        float* row = O + i * V;
-#pragma omp simd
-        for (int64_t j = 0; j < V; ++j) row[j] *= r;
-      }
-    }
+    if (direct) scale_rows(C, V, O, rd);
     for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
     transpose_keys(C, K, KVr, KV, direct ? te : nullptr, PK + C * ldt, ldt, tmp16, tmpw);
     ahead();

@@ -284,13 +284,7 @@ struct KdaForwardBf16 : Grid {
     // [O; h] += [P; K̄ᵀ] U' with h ← diag(e^{b_C}) h first; in a whole chunk K̄ = diag(e^{b_C}) Ǩ
     // (per channel), so there h ← diag(e^{b_C}) (h + Ǩᵀ U') instead, K̄ never formed and the
     // decay left owed to the next pack of h (or to the final state)
-    if (!whole)
-      for (int64_t i = 0; i < K; ++i) {
-        const float r = last[i];
-        float* row = h + i * V;
-#pragma omp simd
-        for (int64_t j = 0; j < V; ++j) row[j] *= r;
-      }
+    if (!whole) scale_rows(K, V, h, last);
     for (int64_t i = 0; i < C; ++i) to_bf16(P + i * C, PK + i * ldt, C);
     transpose_keys(C, K, whole ? Ki : Kb, K, nullptr, PK + C * ldt, ldt, tmp16, tmpw);
     gemm_bf16_packed(false, C + K, V, C, 1.f, PK, ldt, Upk, 1.f, O, V, ws);
