@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	# test-only oracle of the fla drop-in tests (tests/*/test_fla_*.py); --no-deps keeps the
 	# pinned torch. Those tests skip with a reason if this install fails (e.g. offline).
 	-$(PY) -m pip install --quiet --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0
+	# a peer of the CPU benchmark (benchmarks/cpu_peers.py: Attention Gym's eager reference); optional
+	-$(PY) -m pip install --quiet --no-deps attn-gym==0.0.17
 	# the compiled CPU kernels, once (about 50 s on 2 cores); without a compiler the PyTorch path runs
 	-$(PY) -m fastweights.ops.cpu
 	touch $(STAMP)

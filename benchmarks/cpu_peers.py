@@ -8,13 +8,18 @@ interleaved round by round (best of ``--repeats``), fp32, no grad:
 
 - prefill, T tokens from a zero state: ours (``chunk_gated_delta_rule``), transformers'
   ``torch_chunk_gated_delta_rule`` (the Qwen3-Next torch fallback), fla's
-  ``naive_chunk_gated_delta_rule`` (its plain-PyTorch reference), Attention Gym's reference;
+  ``naive_chunk_gated_delta_rule`` (its plain-PyTorch reference), Attention Gym's
+  ``attn_gym.linear.chunk_gdn(..., impl="reference")`` (eager PyTorch);
 - decode, one token from a state: ours (``gated_delta_rule_step``), transformers'
-  ``torch_recurrent_gated_delta_rule``, fla's ``naive_recurrent_gated_delta_rule``.
+  ``torch_recurrent_gated_delta_rule``, fla's ``naive_recurrent_gated_delta_rule``, Attention
+  Gym's ``recurrent_gdn(..., impl="reference")`` (its state is ``[N, H, V, K]``: handed the
+  transposed copy, made before timing).
 
 A peer that is not installed (or lacks the function) is a row with ``skipped`` and the reason,
 never a failure; no peer's code is shipped. Ratios are the peer's time over ours (> 1: ours is
-faster). The path each of our compiled kernels took is recorded (``cpu_kernels``).
+faster). Each timed row also records ``max_abs_diff_vs_ours``, the largest difference of its
+output from ours on the same inputs (so a row times the same computation). The path each of our
+compiled kernels took is recorded (``cpu_kernels``).
 """
 
 from __future__ import annotations
@@ -58,7 +63,17 @@ def _attn_gym():
         import attn_gym  # noqa: F401
     except Exception as exc:
         return f"attn-gym is not installed ({type(exc).__name__}); pip install attn-gym to add its row"
-    return "attn-gym is installed but has no gated delta rule reference this benchmark knows how to call"
+    try:
+        from attn_gym import linear
+        linear.chunk_gdn, linear.recurrent_gdn  # noqa: B018 (the two functions this benchmark calls)
+    except Exception as exc:
+        return f"attn-gym is installed but has no chunk_gdn / recurrent_gdn ({type(exc).__name__}: {exc})"
+    return linear
+
+
+def _output(result) -> torch.Tensor:
+    """A call's output tensor: the first of a tuple, or the tensor itself."""
+    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
@@ -69,7 +84,7 @@ def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
 
     def ours():
         with torch.no_grad():
-            ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
+            return ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
 
     out["fastweights chunk_gated_delta_rule"] = ours
     qwen = _transformers()
@@ -80,7 +95,7 @@ def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
 
         def transformers_chunk():
             with torch.no_grad():
-                fn(q, k, v, g=g, beta=beta, chunk_size=64, initial_state=None, output_final_state=False,
+                return fn(q, k, v, g=g, beta=beta, chunk_size=64, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False)
 
         out["transformers torch_chunk_gated_delta_rule"] = transformers_chunk
@@ -90,10 +105,18 @@ def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
     else:
         def fla_chunk():
             with torch.no_grad():
-                naive.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
+                return naive.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
 
         out["fla naive_chunk_gated_delta_rule"] = fla_chunk
-    out["attn-gym reference"] = _attn_gym()
+    gym = _attn_gym()
+    if isinstance(gym, str):
+        out["attn-gym reference"] = gym
+    else:
+        def gym_chunk():
+            with torch.no_grad():
+                return gym.chunk_gdn(q, k, v, g, beta, impl="reference")
+
+        out["attn-gym reference"] = gym_chunk
     return out
 
 
@@ -106,7 +129,7 @@ def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
 
     def ours():
         with torch.no_grad():
-            ops.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], state)
+            return ops.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], state)
 
     out["fastweights gated_delta_rule_step"] = ours
     qwen = _transformers()
@@ -117,7 +140,7 @@ def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
 
         def transformers_step():
             with torch.no_grad():
-                fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False)
+                return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False)
 
         out["transformers torch_recurrent_gated_delta_rule"] = transformers_step
     naive = _fla()
@@ -126,9 +149,21 @@ def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
     else:
         def fla_step():
             with torch.no_grad():
-                naive.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=state, output_final_state=True)
+                return naive.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=state, output_final_state=True)
 
         out["fla naive_recurrent_gated_delta_rule"] = fla_step
+    gym = _attn_gym()
+    if isinstance(gym, str):
+        out["attn-gym reference"] = gym
+    else:
+        state_vk = state.transpose(-1, -2).contiguous()  # attn-gym's [N, H, V, K]
+
+        def gym_step():
+            with torch.no_grad():
+                return gym.recurrent_gdn(q, k, v, g, beta, initial_state=state_vk, output_final_state=True,
+                                         impl="reference")
+
+        out["attn-gym reference"] = gym_step
     return out
 
 
@@ -144,6 +179,7 @@ def run(T: int = 2048, threads=(1, 2), repeats: int = 5, clock: str = "wall") ->
             for shape, H in SHAPES.items():
                 for phase, cases in (("prefill", prefill_cases(T, H, gen)), ("decode", decode_cases(H, gen))):
                     timed = {n: c for n, c in cases.items() if callable(c)}
+                    outputs = {n: _output(c()).detach().float().reshape(-1) for n, c in timed.items()}
                     best = {n: min(ts) for n, ts in interleaved(timed, repeats, "cpu", clock).items()}
                     ours = next(n for n in cases if n.startswith("fastweights"))
                     for name, case in cases.items():
@@ -153,6 +189,9 @@ def run(T: int = 2048, threads=(1, 2), repeats: int = 5, clock: str = "wall") ->
                         else:
                             row["ms"] = 1e3 * best[name]
                             row["peer_time_over_ours"] = best[name] / best[ours]
+                            mine, theirs = outputs[ours], outputs[name]
+                            row["max_abs_diff_vs_ours"] = (float((theirs - mine).abs().max()) if theirs.shape == mine.shape
+                                                           else f"output has {theirs.numel()} entries, ours {mine.numel()}")
                             if phase == "prefill":
                                 row["gflops"] = op_flops(1, H, T, D, D, 64) / best[name] / 1e9
                         rows.append(row)
@@ -184,7 +223,9 @@ def main(a: Config) -> int:
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']}")
         else:
-            print(f"{head} {r['ms']:9.3f} ms  peer/ours {r['peer_time_over_ours']:5.2f}x")
+            diff = r["max_abs_diff_vs_ours"]
+            diff = f"{diff:.1e}" if isinstance(diff, float) else diff
+            print(f"{head} {r['ms']:9.3f} ms  peer/ours {r['peer_time_over_ours']:5.2f}x  max |diff| {diff}")
     if a.json:
         atomic_write_text(a.json, json.dumps(result, indent=1))
     return 0
