@@ -96,7 +96,7 @@ def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
         def transformers_chunk():
             with torch.no_grad():
                 return fn(q, k, v, g=g, beta=beta, chunk_size=64, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False)
+                          use_qk_l2norm_in_kernel=False)
 
         out["transformers torch_chunk_gated_delta_rule"] = transformers_chunk
     naive = _fla()
