@@ -76,47 +76,35 @@ def _output(result) -> torch.Tensor:
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
+def _add(out: Dict[str, Case], name: str, peer, call: Callable[[object], object]) -> None:
+    """``out[name]``: the reason where ``peer`` is one (a str), else a no-grad call of ``call(peer)``."""
+    if isinstance(peer, str):
+        out[name] = peer
+        return
+
+    def case():
+        with torch.no_grad():
+            return call(peer)
+
+    out[name] = case
+
+
+def _unwrapped(fn):
+    """transformers' function itself, past its decorators (``__wrapped__``)."""
+    return getattr(fn, "__wrapped__", fn)
+
+
 def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
     from fastweights import ops
 
     q, k, v, beta, g = _inputs(1, T, H, D, D, gen)
     out: Dict[str, Case] = {}
-
-    def ours():
-        with torch.no_grad():
-            return ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
-
-    out["fastweights chunk_gated_delta_rule"] = ours
-    qwen = _transformers()
-    if isinstance(qwen, str):
-        out["transformers torch_chunk_gated_delta_rule"] = qwen
-    else:
-        fn = getattr(qwen.torch_chunk_gated_delta_rule, "__wrapped__", qwen.torch_chunk_gated_delta_rule)
-
-        def transformers_chunk():
-            with torch.no_grad():
-                return fn(q, k, v, g=g, beta=beta, chunk_size=64, initial_state=None, output_final_state=False,
-                          use_qk_l2norm_in_kernel=False)
-
-        out["transformers torch_chunk_gated_delta_rule"] = transformers_chunk
-    naive = _fla()
-    if isinstance(naive, str):
-        out["fla naive_chunk_gated_delta_rule"] = naive
-    else:
-        def fla_chunk():
-            with torch.no_grad():
-                return naive.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
-
-        out["fla naive_chunk_gated_delta_rule"] = fla_chunk
-    gym = _attn_gym()
-    if isinstance(gym, str):
-        out["attn-gym reference"] = gym
-    else:
-        def gym_chunk():
-            with torch.no_grad():
-                return gym.chunk_gdn(q, k, v, g, beta, impl="reference")
-
-        out["attn-gym reference"] = gym_chunk
+    _add(out, "fastweights chunk_gated_delta_rule", ops, lambda m: m.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64))
+    _add(out, "transformers torch_chunk_gated_delta_rule", _transformers(),
+         lambda m: _unwrapped(m.torch_chunk_gated_delta_rule)(q, k, v, g=g, beta=beta, chunk_size=64, initial_state=None,
+                                                              output_final_state=False, use_qk_l2norm_in_kernel=False))
+    _add(out, "fla naive_chunk_gated_delta_rule", _fla(), lambda m: m.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64))
+    _add(out, "attn-gym reference", _attn_gym(), lambda m: m.chunk_gdn(q, k, v, g, beta, impl="reference"))
     return out
 
 
@@ -125,45 +113,17 @@ def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
 
     q, k, v, beta, g = _inputs(1, 1, H, D, D, gen)
     state = torch.randn(1, H, D, D, generator=gen) * 0.1
+    state_vk = state.transpose(-1, -2).contiguous()  # attn-gym's [N, H, V, K]
     out: Dict[str, Case] = {}
-
-    def ours():
-        with torch.no_grad():
-            return ops.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], state)
-
-    out["fastweights gated_delta_rule_step"] = ours
-    qwen = _transformers()
-    if isinstance(qwen, str):
-        out["transformers torch_recurrent_gated_delta_rule"] = qwen
-    else:
-        fn = getattr(qwen.torch_recurrent_gated_delta_rule, "__wrapped__", qwen.torch_recurrent_gated_delta_rule)
-
-        def transformers_step():
-            with torch.no_grad():
-                return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False)
-
-        out["transformers torch_recurrent_gated_delta_rule"] = transformers_step
-    naive = _fla()
-    if isinstance(naive, str):
-        out["fla naive_recurrent_gated_delta_rule"] = naive
-    else:
-        def fla_step():
-            with torch.no_grad():
-                return naive.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=state, output_final_state=True)
-
-        out["fla naive_recurrent_gated_delta_rule"] = fla_step
-    gym = _attn_gym()
-    if isinstance(gym, str):
-        out["attn-gym reference"] = gym
-    else:
-        state_vk = state.transpose(-1, -2).contiguous()  # attn-gym's [N, H, V, K]
-
-        def gym_step():
-            with torch.no_grad():
-                return gym.recurrent_gdn(q, k, v, g, beta, initial_state=state_vk, output_final_state=True,
-                                         impl="reference")
-
-        out["attn-gym reference"] = gym_step
+    _add(out, "fastweights gated_delta_rule_step", ops,
+         lambda m: m.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], state))
+    _add(out, "transformers torch_recurrent_gated_delta_rule", _transformers(),
+         lambda m: _unwrapped(m.torch_recurrent_gated_delta_rule)(q, k, v, g=g, beta=beta, initial_state=state,
+                                                                  output_final_state=True, use_qk_l2norm_in_kernel=False))
+    _add(out, "fla naive_recurrent_gated_delta_rule", _fla(),
+         lambda m: m.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=state, output_final_state=True))
+    _add(out, "attn-gym reference", _attn_gym(),
+         lambda m: m.recurrent_gdn(q, k, v, g, beta, initial_state=state_vk, output_final_state=True, impl="reference"))
     return out
 
 
