@@ -127,16 +127,6 @@ inline fastweights::cpu::PackedB pack_state_by(int64_t K, int64_t V, float* h, R
   return packed;
 }
 
-// Row i of X [rows, n] (ld n) times f[i], in place (the forwards' per-row decays).
-inline void scale_rows(int64_t rows, int64_t n, float* X, const float* f) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float r = f[i];
-    float* row = X + i * n;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) row[j] *= r;
-  }
-}
-
 // pack_state_by with one factor for every row (none owed where pre is 1).
 inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float pre, float post, uint32_t* dst) {
   return pack_state_by(K, V, h, [pre](int64_t) { return pre; }, pre != 1.f, post, dst);
@@ -147,10 +137,31 @@ inline fastweights::cpu::PackedB pack_state_rows(int64_t K, int64_t V, float* h,
   return pack_state_by(K, V, h, [pre](int64_t i) { return pre[i]; }, pre != nullptr, 1.f, dst);
 }
 
-// pack_state with nothing owed (pre = 1): h packed as it is, then h ← factor · h.
-inline fastweights::cpu::PackedB pack_state(int64_t K, int64_t V, float* h, float factor, uint32_t* dst) {
-  return pack_state(K, V, h, 1.f, factor, dst);
+// A forward's final state: diag(pre) h into dst (pre(i) as for pack_state_by), a plain copy where
+// nothing is owed (the decay a forward defers to the next pack of h, still owed after its last chunk).
+template <typename RowFactor>
+inline void store_state_by(int64_t K, int64_t V, const float* h, RowFactor pre, bool owed, float* dst) {
+  if (!owed) {
+    std::memcpy(dst, h, sizeof(float) * K * V);
+    return;
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    const float f = pre(i);
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) dst[i * V + j] = h[i * V + j] * f;
+  }
 }
+
+// Row i of X [rows, n] (ld n) times f[i], in place (the forwards' per-row decays).
+inline void scale_rows(int64_t rows, int64_t n, float* X, const float* f) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float r = f[i];
+    float* row = X + i * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] *= r;
+  }
+}
+
 
 // dst [K, ldd] = (diag(f) X)ᵀ rounded to bf16, X the C × K bf16 rows at src (ld lds), f null: no
 // scaling (Xᵀ); the scaled rows are rounded once (scale_to_bf16) before they are transposed. ldd

@@ -110,12 +110,8 @@ struct ForwardBf16 {
       fastweights::cpu::gemm_bf16_release();
       for (int64_t j = 0; j < heads; ++j) {
         const float* h = scratch + s.X + j * x_floats() + 2 * C * V;
-        float* dst = h_out + (first + j) * K * V;
         const float f = owed[j];
-        if (f == 1.f) std::memcpy(dst, h, sizeof(float) * K * V);
-        else
-#pragma omp simd
-          for (int64_t i = 0; i < K * V; ++i) dst[i] = h[i] * f;
+        store_state_by(K, V, h, [f](int64_t) { return f; }, f != 1.f, h_out + (first + j) * K * V);
         if (finite->on()) finite->add(bad[j]);
       }
     }

@@ -185,10 +185,7 @@ struct KdaForwardBf16 : Grid {
         const int64_t nh = first + j;
         const float* h = scratch + s.X + j * x_floats() + 2 * C * V;
         const float* owed = scratch + s.owed + j * round16(K);
-        if (!owing[j]) std::memcpy(h_out + nh * K * V, h, sizeof(float) * K * V);
-        else
-          for (int64_t i = 0; i < K; ++i)
-            for (int64_t x = 0; x < V; ++x) h_out[(nh * K + i) * V + x] = owed[i] * h[i * V + x];
+        store_state_by(K, V, h, [owed](int64_t i) { return owed[i]; }, owing[j], h_out + nh * K * V);
         if (finite->on()) finite->add(tally[j].bad);
         if (decay_stats != nullptr) {
           decay_stats[3 * nh] = double(tally[j].decay_bad);
