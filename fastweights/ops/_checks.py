@@ -246,12 +246,10 @@ _G_RULE = ("`g` (the log decay) must be <= 0",
            "check with fastweights.ops.value_checks(False)")
 
 
-def check_values(op: str, beta: Optional[torch.Tensor], g: Optional[torch.Tensor], allow_neg_eigval: bool) -> None:
-    """The range checks on β and g (see the module docstring)."""
-    if beta is not None:
-        _check_range(op, beta, 0.0, *_beta_rule(allow_neg_eigval))
-    if g is not None:
-        _check_range(op, g, None, 0.0, *_G_RULE)
+def check_beta_range(op: str, beta: torch.Tensor, allow_neg_eigval: bool) -> None:
+    """β's range check alone (see the module docstring), for a caller that makes the finite check
+    elsewhere; :func:`check_inputs` checks β finite and in range together."""
+    _check_range(op, beta, 0.0, *_beta_rule(allow_neg_eigval))
 
 
 def resolve_scale(scale: Optional[float], key_dim: int) -> float:

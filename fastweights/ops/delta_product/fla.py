@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...config import check_int
-from .._checks import _check_tensor, _shape, check_values, state_dtype
+from .._checks import _check_tensor, _shape, check_beta_range, state_dtype
 from .._dispatch import run
 from .._fla_compat import fla_inputs
 from .._spec import OpSpec
@@ -101,7 +101,7 @@ def run_delta_product(
     if no_decay:
         g = torch.zeros(B, T, H, dtype=state_dtype(q.dtype), device=q.device)
     betas = _fold(op, "beta", beta, q, n_h, None, "[B, T·n_h, H]")
-    check_values(op, betas, None, allow_neg_eigval)
+    check_beta_range(op, betas, allow_neg_eigval)
     k_last = ks[..., -1, :]  # what run_op checks and normalizes; the solvers read ks
     if qk_norm is not None:  # run_op normalizes q (in the compute dtype); the sub-steps' keys here
         ks = normalize_qk(ks.to(state_dtype(q.dtype)), qk_norm, op)
