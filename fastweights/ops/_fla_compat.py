@@ -186,8 +186,12 @@ def fla_inputs(
     dt_bias: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     kwargs: Optional[dict] = None,
+    per_head_decay: bool = True,
 ):
     """Translate fla's options into plain op inputs; see the module docstring.
+
+    ``per_head_decay=False`` (KDA, whose decay is per key channel and resolved by its own front
+    end): a gated op's ``g`` is passed through as given, no zeros made for a ``None``.
 
     Returns ``(q, k, beta, g, initial_state, cu_seqlens)``. q and k come back with
     HV heads when v has more heads than q (grouped value heads);
@@ -224,7 +228,7 @@ def fla_inputs(
             if dt_bias is not None:
                 x = x + _head_param(op, "dt_bias", dt_bias, v.shape[2]).to(dt)
             g = -torch.exp(a) * F.softplus(x)
-        else:
+        elif per_head_decay:
             g = resolve_decay(g, v.shape[:3], dt, v.device)
     if beta is None:
         beta = torch.ones(v.shape[:3], dtype=dt, device=v.device)

@@ -44,40 +44,11 @@ using fastweights::cpu::round16;
 // The bound on |b| for the whole-chunk products: e^{±60} is a normal fp32 (and bf16) number.
 constexpr double kWholeLimit = 60.0;
 
-// One row of a whole chunk's decayed rows (K entries), from the bf16 rows q, k and the fp32
-// cumulative decays b: Q̂ = q e^b, K̂ = k e^b, Ǩ = k e^{−b}, each product in fp32, rounded once.
+// One row of a whole chunk's decayed rows (K entries; the portable path: the vector path forms them
+// in decay_and_rows' one pass) from the bf16 rows q, k and the fp32 cumulative decays b:
+// Q̂ = q e^b, K̂ = k e^b, Ǩ = k e^{−b}, each product in fp32, rounded once.
 inline void whole_rows(int64_t K, const B16* q, const B16* k, const float* b, B16* qe, B16* ke, B16* ki) {
-  using namespace fastweights::cpu;
-  int64_t j = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (isa() > kPortable) {
-    auto widen = [](__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); };
-#if defined(__AVX512BF16__)
-    // the CPU's own round-to-nearest-even conversion where it has one (one instruction; it differs
-    // from to_bf16's only for denormals, which the bf16 products flush anyway)
-    const bool native = isa() >= kAvx512Bf16;
-    auto round = [native](__m512 x) {
-      return native ? (__m256i)_mm512_cvtneps_pbh(x) : bf16_detail::round_to_bf16(x);
-    };
-#else
-    auto round = [](__m512 x) { return bf16_detail::round_to_bf16(x); };
-#endif
-    const __m512 two = _mm512_set1_ps(2.f);
-    for (; j < K; j += 16) {
-      const __mmask16 live = bf16_detail::live16(K - j);
-      const __m512 qf = widen(_mm256_maskz_loadu_epi16(live, q + j)), kf = widen(_mm256_maskz_loadu_epi16(live, k + j));
-      const __m512 f = exp16f(_mm512_maskz_loadu_ps(live, b + j));
-      // e^{−b} = 1 / e^b: the reciprocal estimate and one Newton step (a few ulp of fp32)
-      __m512 iv = _mm512_rcp14_ps(f);
-      iv = _mm512_mul_ps(iv, _mm512_fnmadd_ps(f, iv, two));
-      _mm256_mask_storeu_epi16(qe + j, live, round(_mm512_mul_ps(qf, f)));
-      _mm256_mask_storeu_epi16(ke + j, live, round(_mm512_mul_ps(kf, f)));
-      _mm256_mask_storeu_epi16(ki + j, live, round(_mm512_mul_ps(kf, iv)));
-    }
-    return;
-  }
-#endif
-  for (; j < K; ++j) {
+  for (int64_t j = 0; j < K; ++j) {
     const float f = std::exp(b[j]), kf = float(k[j]);
     qe[j] = B16(float(q[j]) * f);
     ke[j] = B16(kf * f);
@@ -134,10 +105,11 @@ struct KdaForwardBf16 : Grid {
     plan.put(s.WU, C * KV);                           // [W | U]
     plan.put(s.fac, C * K);                           // e^b
     plan.put(s.e2, C * K);                            // e^{b_C − b} (chunks that are not whole)
-    plan.put(s.Qf, C * K);                            // q, k widened (the pair-by-pair S and P)
+    plan.put(s.Qf, C * K);                            // q, k widened (the pair-by-pair S and P; Qf also
+                                                      // the portable path's extremes of b)
     plan.put(s.Kf, C * K);
     plan.put(s.gin, C * K);                           // gk's rows
-    plan.put(s.bf, C * K);                            // b = cumsum(gk)
+    plan.put(s.bf, C * K);                            // b = cumsum(gk) (the portable path)
     plan.put(s.bd, 2 * C * K);                        // b (float64)
     plan.put(s.ex, 2 * C * K);                        // float64 exponents
     plan.put(s.vec, round16(C));                      // β
@@ -233,21 +205,18 @@ struct KdaForwardBf16 : Grid {
     // buffers that the gathers need); the rows' own gather is a plain copy instead. Summing gk
     // straight from the input rows (no copy into gin) was 4-9 % slower than this copy, too.
     gather(qh, kh, vh, bh, gh, t0, rows, Qx, Kx, KVr, gin, bvec, finite->on() ? tally.bad : nullptr);
-    // b = cumsum(gk) (rows past the end: gk = 0) in fp32, and its largest magnitude; on the way,
-    // gk's largest entry and whether any is NaN or ±Inf (the decay check's counts)
+    // b = cumsum(gk) (rows past the end: gk = 0) in fp32 and its largest magnitude, gk's largest
+    // entry and whether any is NaN or ±Inf (the decay check's counts), and, where the chunk is whole,
+    // its decayed rows Q̂, K̂, Ǩ and e^{b_C}: one pass (decay_and_rows)
     bool decay_odd = false;
-    const float high = cumulative_decay(gin, rows, bf, Qf, tally.decay_high, decay_odd);
+    const float high = decay_and_rows(gin, rows, Qx, Kx, Qr, KVr, Ki, last, bf, Qf, tally.decay_high, decay_odd);
     if (decay_stats != nullptr && decay_odd)  // the exact counts, only where there is something to count
       for (int64_t i = 0; i < rows * K; ++i) {
         tally.decay_bad += !std::isfinite(gin[i]);
         tally.decay_nan += std::isnan(gin[i]);
       }
     const bool whole = high <= kWholeLimit;
-    if (whole) {
-      for (int64_t j = 0; j < K; ++j) last[j] = std::exp(bf[(C - 1) * K + j]);
-      for (int64_t i = 0; i < C; ++i)
-        whole_rows(K, Qx + i * K, Kx + i * K, bf + i * K, Qr + i * KV, KVr + i * KV, Ki + i * K);
-    } else {
+    if (!whole) {
       // b again in float64, and each factor its own exponential of a float64 number (file comment)
       for (int64_t j = 0; j < K; ++j) bd[j] = double(gin[j]);
       for (int64_t i = 1; i < C; ++i)
@@ -294,49 +263,80 @@ struct KdaForwardBf16 : Grid {
   }
 
   // b = cumsum(gk) down the chunk's rows (C × K, fp32: an error of a few ulp of b moves e^b by far
-  // less than its rounding to bf16), and the largest |b|, from each channel's running extremes
-  // (16 channels a vector, their sums and extremes in registers down the rows). Of the first
-  // `rows` rows (the others are padding) also gk's largest entry, NaN aside, into top_g, and
-  // whether any entry is NaN or ±Inf into odd. extremes: 2K floats of scratch.
-  float cumulative_decay(const float* gin, int64_t rows, float* b, float* extremes, float& top_g, bool& odd) const {
-    float high = 0.f;
-    int64_t j = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+  // less than its rounding to bf16) and its largest magnitude, returned; of the first `rows` rows
+  // (the others are padding) also gk's largest entry, NaN aside, into top_g, and whether any entry
+  // is NaN or ±Inf into odd. Where the largest |b| is within kWholeLimit (a whole chunk) also the
+  // chunk's decayed rows from q (Qx) and k (Kx), ld K: Q̂ = q e^b → Qr and K̂ = k e^b → KVr (ld K + V),
+  // Ǩ = k e^{−b} → Ki (ld K), and e^{b_C} → last; otherwise what these hold is undefined. The vector
+  // path is one pass down each 16 channels, b and its extremes in registers, the decayed rows formed
+  // as b is summed (optimistically: a chunk that turns out not whole forms its rows again its own
+  // way; e^{b_C} is the last row's factor, exp16f's few ulp, where the portable path takes libm's
+  // exp); the portable path sums b into `b` (C × K) first, extremes: 2K floats of scratch.
+  float decay_and_rows(const float* gin, int64_t rows, const B16* Qx, const B16* Kx, B16* Qr, B16* KVr, B16* Ki,
+                       float* last, float* b, float* extremes, float& top_g, bool& odd) const {
+    using namespace fastweights::cpu;
+    const int64_t KV = K + V;
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+    if (isa() > kPortable) {
+      auto widen = [](__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); };
+#if defined(__AVX512BF16__)
+      // the CPU's own round-to-nearest-even conversion where it has one (one instruction; it differs
+      // from to_bf16's only for denormals, which the bf16 products flush anyway)
+      const bool native = isa() >= kAvx512Bf16;
+      auto round = [native](__m512 x) {
+        return native ? (__m256i)_mm512_cvtneps_pbh(x) : bf16_detail::round_to_bf16(x);
+      };
+#else
+      auto round = [](__m512 x) { return bf16_detail::round_to_bf16(x); };
+#endif
+      const __m512 two = _mm512_set1_ps(2.f);
       __m512 top = _mm512_setzero_ps(), bottom = _mm512_setzero_ps(), gtop = _mm512_set1_ps(top_g);
       __mmask16 nonfinite = 0;
-      for (; j < K; j += 16) {
-        const __mmask16 live = fastweights::cpu::bf16_detail::live16(K - j);
-        __m512 x = _mm512_setzero_ps();
+      for (int64_t j = 0; j < K; j += 16) {
+        const __mmask16 live = bf16_detail::live16(K - j);
+        __m512 x = _mm512_setzero_ps(), f = x;
         for (int64_t i = 0; i < C; ++i) {
           const __m512 g = _mm512_maskz_loadu_ps(live, gin + i * K + j);
           x = _mm512_add_ps(x, g);
-          _mm512_mask_storeu_ps(b + i * K + j, live, x);
           top = _mm512_max_ps(top, x);
           bottom = _mm512_min_ps(bottom, x);
           if (i < rows) {
             gtop = _mm512_mask_max_ps(gtop, live, g, gtop);  // a NaN in g keeps gtop (vmaxps returns the second)
             nonfinite |= _mm512_mask_fpclass_ps_mask(live, g, 0x99);  // QNaN, ±Inf, SNaN
           }
+          const __m512 qf = widen(_mm256_maskz_loadu_epi16(live, Qx + i * K + j));
+          const __m512 kf = widen(_mm256_maskz_loadu_epi16(live, Kx + i * K + j));
+          f = exp16f(x);
+          // e^{−b} = 1 / e^b: the reciprocal estimate and one Newton step (a few ulp of fp32)
+          __m512 iv = _mm512_rcp14_ps(f);
+          iv = _mm512_mul_ps(iv, _mm512_fnmadd_ps(f, iv, two));
+          _mm256_mask_storeu_epi16(Qr + i * KV + j, live, round(_mm512_mul_ps(qf, f)));
+          _mm256_mask_storeu_epi16(KVr + i * KV + j, live, round(_mm512_mul_ps(kf, f)));
+          _mm256_mask_storeu_epi16(Ki + i * K + j, live, round(_mm512_mul_ps(kf, iv)));
         }
+        _mm512_mask_storeu_ps(last + j, live, f);
       }
       top_g = _mm512_reduce_max_ps(gtop);
       odd = odd || nonfinite != 0;
       return std::max(_mm512_reduce_max_ps(top), -_mm512_reduce_min_ps(bottom));
     }
 #endif
-    float *top = extremes, *bottom = extremes + K;
-    for (j = 0; j < K; ++j) top[j] = bottom[j] = b[j] = gin[j];
+    float *top = extremes, *bottom = extremes + K, high = 0.f;
+    for (int64_t j = 0; j < K; ++j) top[j] = bottom[j] = b[j] = gin[j];
     for (int64_t i = 1; i < C; ++i)
-      for (j = 0; j < K; ++j) {
+      for (int64_t j = 0; j < K; ++j) {
         b[i * K + j] = b[(i - 1) * K + j] + gin[i * K + j];
         top[j] = std::max(top[j], b[i * K + j]);
         bottom[j] = std::min(bottom[j], b[i * K + j]);
       }
-    for (j = 0; j < K; ++j) high = std::max(high, std::max(top[j], -bottom[j]));
+    for (int64_t j = 0; j < K; ++j) high = std::max(high, std::max(top[j], -bottom[j]));
     for (int64_t i = 0; i < rows * K; ++i) {
       odd = odd || !std::isfinite(gin[i]);
       if (gin[i] > top_g) top_g = gin[i];
+    }
+    if (high <= kWholeLimit) {
+      for (int64_t j = 0; j < K; ++j) last[j] = std::exp(b[(C - 1) * K + j]);
+      for (int64_t i = 0; i < C; ++i) whole_rows(K, Qx + i * K, Kx + i * K, b + i * K, Qr + i * KV, KVr + i * KV, Ki + i * K);
     }
     return high;
   }

@@ -118,7 +118,7 @@ def kda_inputs(
     q, k, beta, _, initial_state, cu_seqlens = fla_inputs(
         op, q, k, v, beta, None, initial_state, cu_seqlens, gated=True,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        cu_seqlens_cpu=cu_seqlens_cpu, kwargs=kwargs,
+        cu_seqlens_cpu=cu_seqlens_cpu, kwargs=kwargs, per_head_decay=False,
     )
     if use_gate_in_kernel:
         if not isinstance(gate, torch.Tensor) or gate.dim() != 4:
