@@ -281,6 +281,12 @@ def effective_chunk_size(chunk_size: int, seq_len: int) -> int:
 def _device_memory(kind: str, index: Optional[int]) -> int:
     if kind == "cuda":
         return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory
+    return _host_memory()
+
+
+@functools.lru_cache(maxsize=1)
+def _host_memory() -> int:
+    """The host's physical memory in bytes (asked once: two system calls a check otherwise)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: no limit known
