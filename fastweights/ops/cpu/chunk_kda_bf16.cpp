@@ -44,8 +44,8 @@ using fastweights::cpu::round16;
 // The bound on |b| for the whole-chunk products: e^{±60} is a normal fp32 (and bf16) number.
 constexpr double kWholeLimit = 60.0;
 
-// One row of a whole chunk's decayed rows (K entries; the portable path: the vector path forms them
-// in decay_and_rows' one pass) from the bf16 rows q, k and the fp32 cumulative decays b:
+// One row (K entries) of a whole chunk's decayed rows on the portable path (the vector path forms
+// them in decay_and_rows' one pass), from the bf16 rows q, k and the fp32 cumulative decays b:
 // Q̂ = q e^b, K̂ = k e^b, Ǩ = k e^{−b}, each product in fp32, rounded once.
 inline void whole_rows(int64_t K, const B16* q, const B16* k, const float* b, B16* qe, B16* ke, B16* ki) {
   for (int64_t j = 0; j < K; ++j) {
