@@ -1,6 +1,7 @@
 """Peers on the CPU, side by side: what a CPU user would otherwise run for the gated delta rule.
 
-``python -m benchmarks.run cpu_peers [--threads 1 2] [--T 2048] [--repeats 5] [--clock wall|cpu] [--json PATH]``
+``python -m benchmarks.run cpu_peers [--threads 1 2] [--T 2048] [--repeats 5] [--clock wall|cpu] [--json PATH]
+[--load-library PATH ...]``
 
 For each thread count and head shape — Qwen3-Next's (16 key / 32 value heads × 128: the keys
 repeated to the 32 value heads, as the model does before the op) and H 8 × 128 — it times,
@@ -15,10 +16,21 @@ interleaved round by round (best of ``--repeats``), fp32, no grad:
   Gym's ``recurrent_gdn(..., impl="reference")`` (its state is ``[N, H, V, K]``: handed the
   transposed copy, made before timing).
 
+and, with bf16 q, k, v (β rounded to bf16, g and the state fp32):
+
+- prefill bf16: ours under :func:`fastweights.ops.bf16_products` (bf16 products, fp32 state) and
+  the serving engines' CPU kernel, SGLang's ``torch.ops.sgl_kernel.chunk_gated_delta_rule_cpu``
+  (bf16 products on AMX through oneDNN's brgemm, fp32 state; vLLM's CPU backend carries a copy),
+  where a CPU build of SGLang's ``sgl-kernel`` is installed, or its library is named with
+  ``--load-library`` (a kernel built from source). Both the older form of that op (state
+  ``[N, H, K, V]``) and the newer one (state ``[N, H, V, K]`` in a pool, ``initial_state_indices``)
+  are called, told apart by the op's schema.
+
 A peer that is not installed (or lacks the function) is a row with ``skipped`` and the reason,
 never a failure; no peer's code is shipped. Ratios are the peer's time over ours (> 1: ours is
 faster). Each timed row also records ``max_abs_diff_vs_ours``, the largest difference of its
-output from ours on the same inputs (so a row times the same computation). The path each of our
+output from ours on the same inputs (so a row times the same computation), and
+``max_rel_diff_vs_ours``, that over our output's largest entry (the bf16 rows' measure). The path each of our
 compiled kernels took is recorded (``cpu_kernels``).
 """
 
@@ -40,6 +52,9 @@ SHAPES = {"Qwen3-Next heads (16 key / 32 value x 128)": 32, "H 8 x 128": 8}
 D = 128
 
 Case = Union[Callable[[], object], str]  # a call to time, or the reason it is skipped
+
+#: The serving engines' CPU op, ``torch.ops.<namespace>.<name>`` (SGLang's sgl-kernel CPU build).
+SGLANG_OP = ("sgl_kernel", "chunk_gated_delta_rule_cpu")
 
 
 def _transformers():
@@ -69,6 +84,40 @@ def _attn_gym():
     except Exception as exc:
         return f"attn-gym is installed but has no chunk_gdn / recurrent_gdn ({type(exc).__name__}: {exc})"
     return linear
+
+
+def _sglang():
+    """SGLang's CPU chunk op as ``call(q, k, v, g, beta) -> (o, h_T [N, H, K, V])`` on ``[1, T, H, ·]``
+    bf16 q, k, v (β bf16, g fp32), from a zero state; or the reason it is missing.
+
+    The op's schema tells its two forms apart: the newer takes ``initial_state_indices`` (one pool
+    slot per sequence) and keeps the state as ``[N, H, V, K]``; the older keeps ``[N, H, K, V]``.
+    Either updates the state it is given in place, so each call gets a fresh zero state. Its scale
+    is fixed at K^−½, our default."""
+    namespace, name = SGLANG_OP
+    if namespace == "sgl_kernel":
+        try:
+            import sgl_kernel  # noqa: F401  (a CPU build registers torch.ops.sgl_kernel.*)
+        except Exception:  # not installed, or a GPU build that does not load here: the lookup below says
+            pass
+    try:
+        op = getattr(getattr(torch.ops, namespace), name)
+        arguments = [a.name for a in op.default._schema.arguments]
+    except (AttributeError, RuntimeError) as exc:
+        return (f"SGLang's CPU kernels are not installed (torch.ops.{namespace}.{name}: {type(exc).__name__}); "
+                f"a CPU build of sgl-kernel, or --load-library with its library, adds this row")
+    pooled = "initial_state_indices" in arguments
+
+    def call(q, k, v, g, beta):
+        H, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+        state = torch.zeros((1, H, V, K) if pooled else (1, H, K, V), dtype=torch.float32)
+        cu_seqlens = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+        extra = {"initial_state_indices": torch.zeros(1, dtype=torch.int32)} if pooled else {}
+        o, h = op(query=q, key=k, value=v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                  cu_seqlens=cu_seqlens, head_first=False, use_qk_l2norm_in_kernel=False, **extra)
+        return o, (h.transpose(-1, -2) if pooled else h)
+
+    return call
 
 
 def _output(result) -> torch.Tensor:
@@ -108,6 +157,24 @@ def prefill_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
     return out
 
 
+def prefill_bf16_cases(T: int, H: int, gen: torch.Generator) -> Dict[str, Case]:
+    """Ours with bf16 products against the serving engines' CPU kernel, on the same bf16 values."""
+    from fastweights import ops
+
+    q, k, v, beta, g = _inputs(1, T, H, D, D, gen)
+    q, k, v, beta16 = q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16()
+    beta = beta16.float()  # the values the engines' kernel reads
+
+    def ours(m):
+        with m.bf16_products():
+            return m.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, output_final_state=True)
+
+    out: Dict[str, Case] = {}
+    _add(out, "fastweights chunk_gated_delta_rule (bf16 products)", ops, ours)
+    _add(out, "sglang chunk_gated_delta_rule_cpu", _sglang(), lambda call: call(q, k, v, g, beta16))
+    return out
+
+
 def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
     from fastweights import ops
 
@@ -127,6 +194,11 @@ def decode_cases(H: int, gen: torch.Generator) -> Dict[str, Case]:
     return out
 
 
+#: Each phase: its cases and the dtype of its inputs.
+PHASES = {"prefill": (prefill_cases, "float32"), "decode": (lambda T, H, gen: decode_cases(H, gen), "float32"),
+          "prefill bf16": (prefill_bf16_cases, "bfloat16")}
+
+
 def run(T: int = 2048, threads=(1, 2), repeats: int = 5, clock: str = "wall") -> Dict:
     """Every (threads, shape, phase) group timed interleaved; rows with ms, or skipped with the reason."""
     from fastweights.ops import cpu as cpu_kernels
@@ -137,27 +209,31 @@ def run(T: int = 2048, threads=(1, 2), repeats: int = 5, clock: str = "wall") ->
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             for shape, H in SHAPES.items():
-                for phase, cases in (("prefill", prefill_cases(T, H, gen)), ("decode", decode_cases(H, gen))):
+                for phase, (make, dtype) in PHASES.items():
+                    cases = make(T, H, gen)
                     timed = {n: c for n, c in cases.items() if callable(c)}
                     outputs = {n: _output(c()).detach().float().reshape(-1) for n, c in timed.items()}
                     best = {n: min(ts) for n, ts in interleaved(timed, repeats, "cpu", clock).items()}
                     ours = next(n for n in cases if n.startswith("fastweights"))
                     for name, case in cases.items():
-                        row = {"threads": n_threads, "shape": shape, "phase": phase, "impl": name}
+                        row = {"threads": n_threads, "shape": shape, "phase": phase, "dtype": dtype, "impl": name}
                         if isinstance(case, str):
                             row["skipped"] = case
                         else:
                             row["ms"] = 1e3 * best[name]
                             row["peer_time_over_ours"] = best[name] / best[ours]
                             mine, theirs = outputs[ours], outputs[name]
-                            row["max_abs_diff_vs_ours"] = (float((theirs - mine).abs().max()) if theirs.shape == mine.shape
-                                                           else f"output has {theirs.numel()} entries, ours {mine.numel()}")
-                            if phase == "prefill":
+                            if theirs.shape == mine.shape:
+                                row["max_abs_diff_vs_ours"] = float((theirs - mine).abs().max())
+                                row["max_rel_diff_vs_ours"] = row["max_abs_diff_vs_ours"] / max(float(mine.abs().max()), 1e-30)
+                            else:
+                                row["max_abs_diff_vs_ours"] = f"output has {theirs.numel()} entries, ours {mine.numel()}"
+                            if phase.startswith("prefill"):
                                 row["gflops"] = op_flops(1, H, T, D, D, 64) / best[name] / 1e9
                         rows.append(row)
     finally:
         torch.set_num_threads(previous)
-    return {"T": T, "repeats": repeats, "clock": clock, "dtype": "float32", "cpu_path": cpu_kernels.status(),
+    return {"T": T, "repeats": repeats, "clock": clock, "cpu_path": cpu_kernels.status(),
             "cpu_kernels": cpu_kernels.kernel_report(), "rows": rows, "load_average": os.getloadavg()}
 
 
@@ -170,21 +246,28 @@ class Config:
     repeats: int = field(default=5, metadata=flag(type=int, help="default 5"))
     clock: str = field(default="wall", metadata=flag(choices=sorted(CLOCKS), help="default wall"))
     json: Optional[str] = field(default=None, metadata=flag(help="where to write the results (default: print only)"))
+    load_library: Tuple[str, ...] = field(default=(), metadata=flag(
+        parse=tuple, nargs="+", help="shared libraries to load with torch.ops.load_library before the peers are looked "
+                                     "up (a peer's kernels built from source, e.g. SGLang's CPU ops)"))
 
 
 def main(a: Config) -> int:
     for name, value in (("T", a.T), ("repeats", a.repeats), *(("threads", t) for t in a.threads)):
         if value < 1:
             raise ValueError(f"cpu_peers: `--{name}` must be >= 1, got {value}")
+    for path in a.load_library:
+        if not os.path.isfile(path):
+            raise ValueError(f"cpu_peers: `--load-library` {path!r} is not a file")
+        torch.ops.load_library(path)
     result = run(a.T, tuple(a.threads), a.repeats, a.clock)
-    print(f"T {result['T']}, fp32, no grad, {result['clock']} clock, best of {result['repeats']}; {result['cpu_path']}")
+    print(f"T {result['T']}, no grad, {result['clock']} clock, best of {result['repeats']}; {result['cpu_path']}")
     for r in result["rows"]:
-        head = f"  {r['threads']} thr  {r['shape']:42s} {r['phase']:7s} {r['impl']:47s}"
+        head = f"  {r['threads']} thr  {r['shape']:42s} {r['phase']:12s} {r['impl']:51s}"
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']}")
         else:
             diff = r["max_abs_diff_vs_ours"]
-            diff = f"{diff:.1e}" if isinstance(diff, float) else diff
+            diff = f"{diff:.1e} (of our largest: {r['max_rel_diff_vs_ours']:.1e})" if isinstance(diff, float) else diff
             print(f"{head} {r['ms']:9.3f} ms  peer/ours {r['peer_time_over_ours']:5.2f}x  max |diff| {diff}")
     if a.json:
         atomic_write_text(a.json, json.dumps(result, indent=1))
