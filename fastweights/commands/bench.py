@@ -58,7 +58,8 @@ def command_config(run):
     fields += [copy(f) for f in dataclasses.fields(lm) if f.name not in seen]
     fields.append(("cpu_peers", bool, dataclasses.field(default=False, metadata=flag(
         action="store_true", help="time the gated delta rule against what a CPU user would otherwise run (transformers, fla, "
-        "attn-gym where installed), prefill and decode, 1 and 2 threads (benchmarks/cpu_peers.py)"))))
+        "attn-gym, SGLang's CPU kernel where installed), prefill and decode, fp32 and bf16 prefill, 1 and 2 threads "
+        "(benchmarks/cpu_peers.py; its --load-library loads a peer's kernels built from source)"))))
     return dataclasses.make_dataclass("BenchCommand", fields)
 
 
