@@ -267,7 +267,7 @@ def main(a: Config) -> int:
             print(f"{head} skipped: {r['skipped']}")
         else:
             diff = r["max_abs_diff_vs_ours"]
-            diff = f"{diff:.1e} (of our largest: {r['max_rel_diff_vs_ours']:.1e})" if isinstance(diff, float) else diff
+            diff = f"{diff:.1e} ({r['max_rel_diff_vs_ours']:.1e} of our largest)" if isinstance(diff, float) else diff
             print(f"{head} {r['ms']:9.3f} ms  peer/ours {r['peer_time_over_ours']:5.2f}x  max |diff| {diff}")
     if a.json:
         atomic_write_text(a.json, json.dumps(result, indent=1))
