@@ -22,9 +22,8 @@ and, with bf16 q, k, v (β rounded to bf16, g and the state fp32):
   the serving engines' CPU kernel, SGLang's ``torch.ops.sgl_kernel.chunk_gated_delta_rule_cpu``
   (bf16 products on AMX through oneDNN's brgemm, fp32 state; vLLM's CPU backend carries a copy),
   where a CPU build of SGLang's ``sgl-kernel`` is installed, or its library is named with
-  ``--load-library`` (a kernel built from source). Both the older form of that op (state
-  ``[N, H, K, V]``) and the newer one (state ``[N, H, V, K]`` in a pool, ``initial_state_indices``)
-  are called, told apart by the op's schema.
+  ``--load-library`` (a kernel built from source). Both the older form of that op and the newer
+  one (a pool of states, ``initial_state_indices``) are called, told apart by the op's schema.
 
 A peer that is not installed (or lacks the function) is a row with ``skipped`` and the reason,
 never a failure; no peer's code is shipped. Ratios are the peer's time over ours (> 1: ours is
@@ -91,9 +90,11 @@ def _sglang():
     bf16 q, k, v (β bf16, g fp32), from a zero state; or the reason it is missing.
 
     The op's schema tells its two forms apart: the newer takes ``initial_state_indices`` (one pool
-    slot per sequence) and keeps the state as ``[N, H, V, K]``; the older keeps ``[N, H, K, V]``.
-    Either updates the state it is given in place, so each call gets a fresh zero state. Its scale
-    is fixed at K^−½, our default."""
+    slot per sequence). Both keep the state as ``[N, H, K, V]``: the newer one's comments name it
+    ``[N, H, V, K]`` but it needs K = V and reads and writes the state as ours (its final state
+    matched ours untransposed from a random initial state, and not transposed). Either updates the
+    state it is given in place, so each call gets a fresh zero state. Its scale is fixed at K^−½,
+    our default."""
     namespace, name = SGLANG_OP
     if namespace == "sgl_kernel":
         try:
@@ -110,12 +111,12 @@ def _sglang():
 
     def call(q, k, v, g, beta):
         H, K, V = v.shape[2], q.shape[-1], v.shape[-1]
-        state = torch.zeros((1, H, V, K) if pooled else (1, H, K, V), dtype=torch.float32)
+        state = torch.zeros(1, H, K, V, dtype=torch.float32)
         cu_seqlens = torch.tensor([0, q.shape[1]], dtype=torch.int32)
         extra = {"initial_state_indices": torch.zeros(1, dtype=torch.int32)} if pooled else {}
         o, h = op(query=q, key=k, value=v, g=g, beta=beta, initial_state=state, output_final_state=True,
                   cu_seqlens=cu_seqlens, head_first=False, use_qk_l2norm_in_kernel=False, **extra)
-        return o, (h.transpose(-1, -2) if pooled else h)
+        return o, h
 
     return call
 

@@ -4,7 +4,7 @@ peer's time over ours, every timed peer computes what ours does (fp32 rows: its 
 1e-4 of ours; bf16 rows: within 2 % of our output's largest entry), and the path each compiled
 kernel took is recorded. The serving engines' CPU op (SGLang's, not installable here) is stood in
 for by an op with each of its two schemas, computed by our float64 recurrence, so the adapter's
-layouts are checked. No speed asserted."""
+arguments and layouts are checked. No speed asserted."""
 
 import json
 
@@ -55,9 +55,9 @@ def test_bad_arguments_are_refused():
 
 
 def _stand_in(lib: torch.library.Library, pooled: bool) -> None:
-    """An op with the serving engines' CPU schema (``pooled``: the newer form, with pool indices and
-    the state as [N, H, V, K]; else the older, [N, H, K, V]), computed by our float64 recurrence
-    at the engines' scale K^-1/2, its output rounded to the input dtype."""
+    """An op with the serving engines' CPU schema (``pooled``: the newer form, with pool indices; the
+    state [N, H, K, V] in both), computed by our float64 recurrence at the engines' scale K^-1/2, its
+    output rounded to the input dtype; it updates the state in place, as theirs does."""
     lib.define("chunk_gated_delta_rule_cpu(Tensor query, Tensor key, Tensor value, Tensor g, Tensor beta, "
                "Tensor initial_state, bool output_final_state, Tensor cu_seqlens, bool head_first, "
                "bool use_qk_l2norm_in_kernel, " + ("Tensor initial_state_indices, " if pooled else "")
@@ -67,15 +67,18 @@ def _stand_in(lib: torch.library.Library, pooled: bool) -> None:
              use_qk_l2norm_in_kernel, *rest):
         assert not head_first and not use_qk_l2norm_in_kernel and cu_seqlens.tolist() == [0, query.shape[1]]
         assert beta.dtype == torch.bfloat16 and g.dtype == torch.float32 and initial_state.dtype == torch.float32
-        h0 = initial_state.transpose(-1, -2) if pooled else initial_state
+        if pooled:  # one sequence, in pool slot 0
+            (indices,) = rest[:1]
+            assert indices.dtype == torch.int32 and indices.tolist() == [0] and initial_state.shape[0] == 1
         o, h = ops.recurrent_gated_delta_rule(*(t.double() for t in (query, key, value, g, beta)),
-                                              initial_state=h0.double(), output_final_state=True)
-        return o.to(query.dtype), (h.transpose(-1, -2) if pooled else h).float().contiguous()
+                                              initial_state=initial_state.double(), output_final_state=True)
+        initial_state.copy_(h)
+        return o.to(query.dtype), h.float()
 
     lib.impl("chunk_gated_delta_rule_cpu", impl, "CPU")
 
 
-@pytest.mark.parametrize("pooled", [False, True], ids=["state-KV", "pooled-state-VK"])
+@pytest.mark.parametrize("pooled", [False, True], ids=["state", "pooled-state"])
 def test_the_serving_engines_op_is_called_in_its_own_layout(monkeypatch, pooled):
     namespace = "fastweights_test_engine_" + ("pooled" if pooled else "plain")
     with torch.library._scoped_library(namespace, "DEF") as lib:
