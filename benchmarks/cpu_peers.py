@@ -114,9 +114,8 @@ def _sglang():
         state = torch.zeros(1, H, K, V, dtype=torch.float32)
         cu_seqlens = torch.tensor([0, q.shape[1]], dtype=torch.int32)
         extra = {"initial_state_indices": torch.zeros(1, dtype=torch.int32)} if pooled else {}
-        o, h = op(query=q, key=k, value=v, g=g, beta=beta, initial_state=state, output_final_state=True,
+        return op(query=q, key=k, value=v, g=g, beta=beta, initial_state=state, output_final_state=True,
                   cu_seqlens=cu_seqlens, head_first=False, use_qk_l2norm_in_kernel=False, **extra)
-        return o, h
 
     return call
 
