@@ -286,7 +286,10 @@ def test_forward_only_path_equals_kda_driver_and_recurrence(chunk_size):
     solve) against KDA's driver with GDN-2's block terms and the float64 recurrence, at chunk sizes
     padded to a power of two (C = 7, 24) and not (C = 32),
     T not a multiple of C, K != V, B > 1, an initial state; fp32 with strong decays within 2x of
-    the fp32 recurrence's error."""
+    the fp32 recurrence's error, floored at 1e-7 as the other fp32 checks are: where the last
+    chunk is short (T 200 at C 7: 4 tokens) and an initial state enters it, the chunk form's final
+    state sits at about 2x the recurrence's error (1.9-2.1x over 64 heads), both near fp32's unit
+    roundoff (6e-8), so the product order of the machine's BLAS decides the bare ratio."""
     from fastweights.ops.gdn2 import chunk as gdn2_chunk_module
     from fastweights.ops.gdn2.parallel import gdn2_block_terms
     from fastweights.ops.kda import chunk as kda_chunk_module
@@ -311,4 +314,4 @@ def test_forward_only_path_equals_kda_driver_and_recurrence(chunk_size):
     for name, a, b_, want in zip(("o", "h_T"), got, base, truth):
         assert torch.isfinite(a).all()
         err, base_err = rel_err(a, want), rel_err(b_, want)
-        assert err <= 2 * base_err, (name, err, base_err)
+        assert err <= 2 * max(base_err, 1e-7), (name, err, base_err)
