@@ -46,7 +46,7 @@ inline fastweights::cpu::PackedB pack_sum(int64_t C, int64_t V, const float* X, 
   if (isa() > kPortable) {
     auto z = [&](int64_t i, int64_t j, __mmask16 live) {
       const __m512 s = _mm512_add_ps(_mm512_maskz_loadu_ps(live, X + i * ldx + j), _mm512_maskz_loadu_ps(live, Y + i * ldy + j));
-      return bf16_detail::round_to_bf16_lanes(s);
+      return bf16_detail::round_operand_lanes(s);
     };
     for (; p < C / 2; ++p) {
       uint32_t* d = dst + p * stride;
@@ -105,8 +105,8 @@ inline fastweights::cpu::PackedB pack_state_by(int64_t K, int64_t V, float* h, R
           a = _mm512_mul_ps(a, fa);
           b = _mm512_mul_ps(b, fb);
         }
-        _mm512_storeu_si512(d + j, _mm512_or_si512(bf16_detail::round_to_bf16_lanes(a),
-                                                   _mm512_slli_epi32(bf16_detail::round_to_bf16_lanes(b), 16)));
+        _mm512_storeu_si512(d + j, _mm512_or_si512(bf16_detail::round_operand_lanes(a),
+                                                   _mm512_slli_epi32(bf16_detail::round_operand_lanes(b), 16)));
         if (scaled) {
           _mm512_storeu_ps(lo + j, _mm512_mul_ps(a, f2));
           _mm512_storeu_ps(hi + j, _mm512_mul_ps(b, f2));

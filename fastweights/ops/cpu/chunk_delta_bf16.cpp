@@ -186,7 +186,7 @@ struct ForwardBf16 {
     // packed; where the gate is applied directly, h ← e^{b_C} h too); U' = U + (−W h)
     const auto hp = pack_state(K, V, h, owed, direct ? rd[C - 1] : 1.f, mem.w32(s.hw));
     owed = factored ? rd[C - 1] : 1.f;
-    for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
+    for (int64_t i = 0; i < C; ++i) to_bf16_scaled<true>(WU + i * KV, -1.f, Wr + i * KV, K);
     gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
     ahead();
     const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, mem.w32(s.Uw));

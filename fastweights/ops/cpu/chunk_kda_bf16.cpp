@@ -244,7 +244,7 @@ struct KdaForwardBf16 : Grid {
     // [−W h; O] = [−W; Q̂] h; U' = U + (−W h)
     const auto hp = pack_state_rows(K, V, h, owing ? owed : nullptr, mem.w32(s.hw));  // h ← diag(owed) h, packed
     owing = false;
-    for (int64_t i = 0; i < C; ++i) to_bf16_scaled(WU + i * KV, -1.f, Wr + i * KV, K);
+    for (int64_t i = 0; i < C; ++i) to_bf16_scaled<true>(WU + i * KV, -1.f, Wr + i * KV, K);
     gemm_bf16_packed(false, 2 * C, V, K, 1.f, Wr, KV, hp, 0.f, WH, V, ws);
     const auto Upk = pack_sum(C, V, WU + K, KV, WH, V, mem.w32(s.Uw));
     // [O; h] += [P; K̄ᵀ] U' with h ← diag(e^{b_C}) h first; in a whole chunk K̄ = diag(e^{b_C}) Ǩ
@@ -279,16 +279,7 @@ struct KdaForwardBf16 : Grid {
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
     if (isa() > kPortable) {
       auto widen = [](__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); };
-#if defined(__AVX512BF16__)
-      // the CPU's own round-to-nearest-even conversion where it has one (one instruction; it differs
-      // from to_bf16's only for denormals, which the bf16 products flush anyway)
-      const bool native = isa() >= kAvx512Bf16;
-      auto round = [native](__m512 x) {
-        return native ? (__m256i)_mm512_cvtneps_pbh(x) : bf16_detail::round_to_bf16(x);
-      };
-#else
-      auto round = [](__m512 x) { return bf16_detail::round_to_bf16(x); };
-#endif
+      const auto round = [](__m512 x) { return bf16_detail::round_operand(x); };  // as product operands are
       const __m512 two = _mm512_set1_ps(2.f);
       __m512 top = _mm512_setzero_ps(), bottom = _mm512_setzero_ps(), gtop = _mm512_set1_ps(top_g);
       __mmask16 nonfinite = 0;

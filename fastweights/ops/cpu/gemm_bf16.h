@@ -130,6 +130,25 @@ inline __m512i round_to_bf16_lanes(__m512 x) {
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), nan, r);
 }
 inline __m256i round_to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(round_to_bf16_lanes(x)); }
+
+// The rounding of a product operand: on a path with AVX512-BF16 (and AMX), the CPU's own
+// round-to-nearest-even (vcvtneps2bf16, one instruction instead of round_to_bf16's seven). It
+// differs from torch's rounding only where the products cannot tell: it reads a denormal as zero,
+// as the bf16 products (vdpbf16ps, AMX tiles) read a bf16 denormal, and keeps a NaN's bits (a NaN
+// still). Outputs keep round_to_bf16 (to_bf16, to_bf16_scaled_stream). Else round_to_bf16.
+inline __m256i round_operand(__m512 x) {
+#if defined(__AVX512BF16__)
+  if (isa() >= kAvx512Bf16) return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
+  return round_to_bf16(x);
+}
+// The same, each bit pattern in the low half of its 32-bit lane (as round_to_bf16_lanes).
+inline __m512i round_operand_lanes(__m512 x) {
+#if defined(__AVX512BF16__)
+  if (isa() >= kAvx512Bf16) return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+#endif
+  return round_to_bf16_lanes(x);
+}
 inline __mmask16 live16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 }  // namespace bf16_detail
 #endif
@@ -152,19 +171,21 @@ inline void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i]);
 }
 
-// dst = bf16(src · factor) for n fp32 entries (the product rounded once, as to_bf16 rounds).
+// dst = bf16(src · factor) for n fp32 entries (the product rounded once, as to_bf16 rounds;
+// Operand: as a product operand is, bf16_detail::round_operand).
+template <bool Operand = false>
 inline void to_bf16_scaled(const float* src, float factor, at::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (isa() > kPortable) {
+    const auto round = [](__m512 x) { return Operand ? bf16_detail::round_operand(x) : bf16_detail::round_to_bf16(x); };
     const __m512 f = _mm512_set1_ps(factor);
     for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                          bf16_detail::round_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + i), f)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), round(_mm512_mul_ps(_mm512_loadu_ps(src + i), f)));
     if (i < n) {
       const __mmask16 live = bf16_detail::live16(n - i);
-      _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, src + i), f)));
+      _mm256_mask_storeu_epi16(out + i, live, round(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, src + i), f)));
       i = n;
     }
   }
@@ -172,7 +193,8 @@ inline void to_bf16_scaled(const float* src, float factor, at::BFloat16* dst, in
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i] * factor);
 }
 
-// dst = bf16(src ⊙ w) for n fp32 entries: each product rounded once (a row of T diag(w)).
+// dst = bf16(src ⊙ w) for n fp32 entries: each product rounded once as a product operand (a row
+// of T diag(w); bf16_detail::round_operand).
 inline void to_bf16_times(const float* src, const float* w, at::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
@@ -181,7 +203,7 @@ inline void to_bf16_times(const float* src, const float* w, at::BFloat16* dst, i
     for (; i < n; i += 16) {
       const __mmask16 live = bf16_detail::live16(n - i);
       const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, src + i), _mm512_maskz_loadu_ps(live, w + i));
-      _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(x));
+      _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_operand(x));
     }
   }
 #endif
@@ -213,7 +235,8 @@ inline void store_fence() {
 #endif
 }
 
-// dst = bf16(float(src) · factor) for n entries (the product rounded once, as to_bf16 rounds).
+// dst = bf16(float(src) · factor) for n entries (the product rounded once, as a product operand:
+// bf16_detail::round_operand).
 inline void scale_to_bf16(const at::BFloat16* src, float factor, at::BFloat16* dst, int64_t n) {
   const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
@@ -224,7 +247,7 @@ inline void scale_to_bf16(const at::BFloat16* src, float factor, at::BFloat16* d
     const __mmask16 live = bf16_detail::live16(n - i);
     const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, in + i)), 16);
     const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(wide), f);
-    _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_to_bf16(x));
+    _mm256_mask_storeu_epi16(out + i, live, bf16_detail::round_operand(x));
   }
 #endif
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(bf16_detail::bf16_to_float(in[i]) * factor);
@@ -422,8 +445,8 @@ inline PackedB pack_b(bool tb, int64_t k, int64_t n, const at::BFloat16* B, int6
   return {dst, k, n, stride};
 }
 
-// Packs an fp32 B (k×n, row major, row stride ldb), each entry rounded to bf16 on the way
-// (bit for bit to_bf16, then pack_b): one pass instead of a conversion and a pack.
+// Packs an fp32 B (k×n, row major, row stride ldb), each entry rounded to bf16 on the way as a
+// product operand (bf16_detail::round_operand, then pack_b): one pass instead of a conversion and a pack.
 inline PackedB pack_b(int64_t k, int64_t n, const float* B, int64_t ldb, uint32_t* dst) {
   const int64_t kp = (k + 1) / 2, stride = round16(n);
   int64_t p = 0;
@@ -435,8 +458,8 @@ inline PackedB pack_b(int64_t k, int64_t n, const float* B, int64_t ldb, uint32_
       uint32_t* d = dst + p * stride;
       for (int64_t j = 0; j < stride; j += 16) {
         const __mmask16 live = bf16_detail::live16(n - j);
-        const __m512i a = bf16_detail::round_to_bf16_lanes(_mm512_maskz_loadu_ps(live, lo + j));
-        const __m512i b = bf16_detail::round_to_bf16_lanes(_mm512_maskz_loadu_ps(live, hi + j));
+        const __m512i a = bf16_detail::round_operand_lanes(_mm512_maskz_loadu_ps(live, lo + j));
+        const __m512i b = bf16_detail::round_operand_lanes(_mm512_maskz_loadu_ps(live, hi + j));
         _mm512_storeu_si512(d + j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
       }
     }
