@@ -51,6 +51,17 @@ def kernels():
 
 
 @pytest.fixture
+def bf16_kernels(monkeypatch):
+    """The ops under ``bf16_products()`` take the bf16 kernels on every ISA path, also where the
+    path has no bf16 unit (``avx2``, ``portable``), which the ops otherwise leave to the fp32 kernel
+    (``fastweights.ops.cpu.bf16_unit``): so the bf16 kernels' widened-operand code is tested there."""
+    from fastweights.ops import cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "bf16_unit", lambda: True)
+    yield
+
+
+@pytest.fixture
 def kernels_on():
     """Skips where the compiled CPU kernels are unavailable; restores their default switch after."""
     from fastweights.ops import cpu as cpu_kernels

@@ -20,7 +20,7 @@ import torch
 
 from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.cpu import dispatch as isa
-from helpers import RULES, call, make_inputs, rel_err
+from helpers import RULES, call, make_inputs, record_calls, rel_err
 
 AMD_EPYC = frozenset("fma avx2 avx512f avx512bw avx512_bf16".split())
 XEON_AMX = AMD_EPYC | {"amx_bf16", "amx_tile"}
@@ -198,9 +198,10 @@ def test_packed_sequences_with_length_one_segments_on_every_path(path, kernels, 
 
 
 @pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])
-def test_bf16_products_within_2x_of_the_recurrence_on_every_path(path, kernels, rule_name, one_thread):
+def test_bf16_products_within_2x_of_the_recurrence_on_every_path(path, kernels, bf16_kernels, rule_name, one_thread):
     """bf16 inputs under ``bf16_products()``: output and fp32 final state within 2× of the
-    bf16-products recurrence's error against float64 (T = 63 and 100, K = 60 ≠ V, h0)."""
+    bf16-products recurrence's error against float64 (T = 63 and 100, K = 60 ≠ V, h0); the bf16
+    kernel also on a path with no bf16 unit (``bf16_kernels``)."""
     from fastweights import ops
 
     rule = RULES[rule_name]
@@ -218,7 +219,7 @@ def test_bf16_products_within_2x_of_the_recurrence_on_every_path(path, kernels, 
 
 
 @pytest.mark.parametrize("low", [False, True], ids=["fp32", "bf16_products"])
-def test_deterministic_and_batch_invariant_on_every_path(path, kernels, low, one_thread):
+def test_deterministic_and_batch_invariant_on_every_path(path, kernels, bf16_kernels, low, one_thread):
     """One sequence alone, in a batch of 8 and packed among others: bitwise the same output and
     state, and the same again on a second run."""
     from fastweights import ops
@@ -243,6 +244,37 @@ def _assert_alone_batched_packed_equal(rule, x, length=70):
     assert torch.equal(batch_o, again_o) and torch.equal(batch_h, again_h)
     assert torch.equal(alone_o[0], batch_o[3]) and torch.equal(alone_h[0], batch_h[3])
     assert torch.equal(packed_o[0, 3 * length:4 * length], batch_o[3]) and torch.equal(packed_h[3], batch_h[3])
+
+
+@pytest.mark.parametrize("op_name", ["chunk_delta_rule", "chunk_gated_delta_rule", "chunk_kda"])
+def test_bf16_products_take_the_fp32_kernel_where_the_path_has_no_bf16_unit(path, kernels, monkeypatch, op_name,
+                                                                           one_thread):
+    """``bf16_products()`` is leave to use bf16 products: on a path with a bf16 unit (amx,
+    avx512bf16) the ops call the bf16 kernel; on one without (avx2, portable), where a bf16 product
+    is an fp32 product of rounded operands, slower and less accurate, they call the fp32 kernel on
+    the bf16 rows: bitwise the same call without the mode. Inference, T 70, K 32 != V 24, h0."""
+    from fastweights import ops
+
+    kernel = "chunk_kda_fwd" if op_name == "chunk_kda" else "chunk_delta_fwd"
+    seen = {name: record_calls(monkeypatch, kernels, name, lambda args: 1) for name in (kernel, kernel + "_bf16")}
+    rule = RULES["delta" if op_name == "chunk_delta_rule" else "gated_delta"]
+    x = make_inputs(rule, 2, 70, 2, 32, 24, initial_state=True, seed=9)
+    if op_name == "chunk_kda":  # per-channel log decays [B, T, H, K]
+        x["g"] = -0.3 * torch.rand(2, 70, 2, 32, generator=torch.Generator().manual_seed(9))
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float()) for n, t in x.items()}
+    op = getattr(ops, op_name)
+    with torch.no_grad():
+        o, h = op(**x, output_final_state=True)
+        with ops.bf16_products():
+            o_mode, h_mode = op(**x, output_final_state=True)
+    has_unit = isa.LEVELS.index(path) >= isa.LEVELS.index("avx512bf16")
+    assert cpu_kernels.bf16_unit() == has_unit
+    if has_unit:
+        assert (len(seen[kernel]), len(seen[kernel + "_bf16"])) == (1, 1), f"{path}: {seen}"
+        assert not torch.equal(o_mode, o)  # bf16 operands: another result
+    else:
+        assert (len(seen[kernel]), len(seen[kernel + "_bf16"])) == (2, 0), f"{path}: {seen}"
+        assert torch.equal(o_mode, o) and torch.equal(h_mode, h), path
 
 
 @pytest.mark.parametrize("rule_name", ["delta", "gated_delta"])

@@ -27,9 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
-def bf16_calls(kernels, monkeypatch):
+def bf16_calls(kernels, bf16_kernels, monkeypatch):
     """Counts the bf16-products kernel's calls (the eager call and the custom op's real
-    implementation both look it up on the extension by name)."""
+    implementation both look it up on the extension by name); the ops take it on every ISA path
+    (``bf16_kernels``: also where the path has no bf16 unit)."""
     yield record_calls(monkeypatch, kernels, "chunk_kda_fwd_bf16", lambda args: args[0].shape)
     torch._dynamo.reset()
 

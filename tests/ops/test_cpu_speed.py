@@ -12,6 +12,8 @@ from fastweights import ops
 from helpers import RULES, call, make_inputs, rel_err
 
 DELTA_RULES = ["delta", "gated_delta"]
+# the mode's bf16 kernels on every ISA path, also one with no bf16 unit (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("bf16_kernels")
 
 
 def _low(x, dtype):

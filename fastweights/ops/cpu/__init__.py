@@ -269,7 +269,23 @@ def kernels_for_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others:
     rows = (v,) if operands else (q, k, v)
     if any(t.dtype != torch.bfloat16 for t in rows) or any(t.device.type != "cpu" for t in (q, k, v)):
         return None
+    if operands and all(t.dtype == torch.bfloat16 for t in (q, k)) and not bf16_unit():
+        return None  # no bf16 unit: the fp32 kernel reads these bf16 rows (the caller falls back to it)
     return kernels_for(*others, dtypes=(torch.float32,))
+
+
+def bf16_unit() -> bool:
+    """Whether the ISA path multiplies bf16 operands in hardware (``amx``, ``avx512bf16``); False
+    when the kernels are off or unavailable.
+
+    Where it does not (``avx2``, ``portable``), a bf16 product is an fp32 product of operands
+    rounded to bf16 and widened again: slower than the fp32 kernel on the same bf16 inputs (0.85-
+    0.93x of it on an AVX2-only AMD EPYC) and less accurate. There the ops take
+    :func:`fastweights.ops.bf16_products` as leave to use bf16 products, not as an order (as
+    ``torch.set_float32_matmul_precision("medium")`` is where a CPU has no bf16 unit): bf16 q, k, v
+    go to the fp32 kernel, which widens them as it gathers them. The bf16 kernels, called
+    directly, still widen their operands on those paths (tested there)."""
+    return kernels() is not None and _isa_choice.level >= 2
 
 
 def available() -> bool:

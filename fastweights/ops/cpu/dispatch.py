@@ -135,6 +135,8 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
         1: "operands widened to fp32, then MKL sgemm_",
         0: "operands widened to fp32, then the portable blocked loop",
     }[level]
+    if level < 2:  # no bf16 unit: the ops send bf16_products() inputs to the fp32 kernel (cpu.bf16_unit)
+        bf16 += " when called directly; the ops under bf16_products() take the fp32 kernel on the bf16 rows instead"
     loops = "loops the compiler vectorises for this CPU" + (" (-march=native)" if native else " (portable build)")
     return {
         "chunk_delta_fwd / chunk_delta_bwd (fp32, fp64)": f"products: {fp_products}; triangular inverse: {inverse}",
