@@ -17,6 +17,13 @@ a delta rule (``chunk_`` or ``recurrent_``/``fused_recurrent_`` form, plain or g
 off or no input requires grad: training keeps the fp32 path and its hand-written backward). Otherwise the op
 computes in fp32 exactly as without the mode.
 
+The mode is leave to use bf16 products, not an order (as ``torch.set_float32_matmul_precision``
+is): where the compiled CPU kernels' ISA path has no bf16 unit (``avx2``, ``portable``:
+:func:`fastweights.ops.cpu.bf16_unit` is False), a bf16 product would be an fp32 product of
+rounded operands, slower than the fp32 kernel (0.85-0.93x on an AVX2-only AMD EPYC) and less
+accurate, so the chunk ops run the fp32 kernel on the bf16 inputs there, bitwise the call without
+the mode. The recurrent forms and the PyTorch path keep the mode's bf16 operands everywhere.
+
 Accuracy (tested in ``tests/ops/test_cpu_speed.py``): with bf16 operands the final state
 carries bf16-level error (~1e-3 relative) instead of fp32-level (~1e-7); the output,
 which is returned in bf16 anyway, moves from ~0.3 % to ~0.5 % relative error. Under
