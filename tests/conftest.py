@@ -53,7 +53,7 @@ def kernels():
 @pytest.fixture
 def bf16_kernels(monkeypatch):
     """The ops under ``bf16_products()`` take the bf16 kernels on every ISA path, also where the
-    path has no bf16 unit (``avx2``, ``portable``), which the ops otherwise leave to the fp32 kernel
+    path has no bf16 unit (``avx2``, ``portable``), where the chunk ops otherwise drop the mode
     (``fastweights.ops.cpu.bf16_unit``): so the bf16 kernels' widened-operand code is tested there."""
     from fastweights.ops import cpu as cpu_kernels
 

@@ -49,6 +49,7 @@ from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map,
 from ._spec import Form, OpSpec, Rule
 from .precision import autocast_off, check_autocast, product_dtype
 from .step import divide_by_normalizer, normalizer_column
+from . import cpu as cpu_kernels
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -416,6 +417,10 @@ def _run_op(spec, backend, q, k, v, *, beta, g, scale, initial_state, output_fin
     low = None
     if segments is None and spec.low_products and not backward_can_follow(q, k, v, beta, g, gk, gv, initial_state):
         low = product_dtype(out_dtype)
+    # a chunk form on the CPU takes the mode as leave: not where bf16 products do not pay (no bf16
+    # unit: they would run slower than fp32 and less accurately; fastweights.ops.cpu.bf16_unit)
+    if low is not None and spec.form is Form.CHUNK and q.device.type == "cpu" and not cpu_kernels.bf16_unit():
+        low = None
     keep_low = low is not None and isinstance(phi, Identity) and qk_norm is None
     # plain bf16 q, k, v in inference, for a solver that widens them itself (the compiled CPU
     # kernel, in its gather): no separate pass casting them to fp32 first

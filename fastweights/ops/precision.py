@@ -18,11 +18,13 @@ off or no input requires grad: training keeps the fp32 path and its hand-written
 computes in fp32 exactly as without the mode.
 
 The mode is leave to use bf16 products, not an order (as ``torch.set_float32_matmul_precision``
-is): where the compiled CPU kernels' ISA path has no bf16 unit (``avx2``, ``portable``:
-:func:`fastweights.ops.cpu.bf16_unit` is False), a bf16 product would be an fp32 product of
-rounded operands, slower than the fp32 kernel (0.85-0.93x on an AVX2-only AMD EPYC) and less
-accurate, so the chunk ops run the fp32 kernel on the bf16 inputs there, bitwise the call without
-the mode. The recurrent forms and the PyTorch path keep the mode's bf16 operands everywhere.
+is): on a CPU where they do not pay (:func:`fastweights.ops.cpu.bf16_unit` False: the compiled
+kernels' ISA path is ``avx2`` or ``portable``, or, without them, an x86 CPU without AVX512-BF16),
+a bf16 product is an fp32 product of rounded operands, slower and less accurate (on an AVX2-only
+AMD EPYC the bf16 kernels ran 0.85-0.93x the fp32 forward, the PyTorch chunk path 5-6x slower than
+without the mode: torch's bf16 matmul ran 1.0-1.3 GFLOP/s there against 86 in fp32), so the chunk
+ops compute bf16 inputs as they do without the mode there, bitwise. The recurrent forms keep the
+mode's bf16 operands everywhere (the reference the chunk forms are judged against).
 
 Accuracy (tested in ``tests/ops/test_cpu_speed.py``): with bf16 operands the final state
 carries bf16-level error (~1e-3 relative) instead of fp32-level (~1e-7); the output,

@@ -178,7 +178,8 @@ def test_float64_kernel_with_mild_and_strong_decays(kernels, decay, one_thread):
 
 
 @pytest.mark.parametrize("rule_name", DELTA_RULES)
-def test_bf16_products_kernel_within_2x_of_the_recurrence_and_closer_than_the_pytorch_path(kernels, rule_name, one_thread):
+def test_bf16_products_kernel_within_2x_of_the_recurrence_and_closer_than_the_pytorch_path(kernels, bf16_kernels, rule_name,
+                                                                                       one_thread):
     """Under ``ops.bf16_products()`` on bf16 inputs the kernel's products take bf16 operands with
     fp32 results (the PyTorch path's CPU ``bmm`` rounds each product's result to bf16): within 2×
     of the bf16-products recurrence and no worse than the PyTorch path, against float64."""

@@ -139,3 +139,31 @@ def test_a_sequence_alone_in_a_batch_and_packed_is_bitwise_the_same(rule_name, m
         op, hp = call(rule.forms[2], rule, packed, output_final_state=True, cu_seqlens=cu)
     assert torch.equal(o1, o8[:1]) and torch.equal(h1, h8[:1]), "alone vs batch of 8"
     assert torch.equal(o1, op[:, :T]) and torch.equal(h1, hp[:1]), "alone vs packed"
+
+
+
+@pytest.mark.parametrize("op_name", ["chunk_gated_delta_rule", "chunk_kda"])
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_the_mode_is_leave_where_bf16_products_do_not_pay(op_name, backend, monkeypatch, one_thread):
+    """On a CPU where bf16 products do not pay (``cpu.bf16_unit()`` False: no bf16 unit, so a bf16
+    product is a rounded fp32 one, slower and less accurate), a chunk op under ``bf16_products()``
+    gives bitwise its result without the mode, on the PyTorch path and the compiled one; where
+    they pay, bf16 products (another output; KDA's PyTorch path computes the mode in fp32 anyway)."""
+    from fastweights.ops import cpu as cpu_kernels
+
+    x = make_inputs(RULES["gated_delta"], 2, 70, 2, 32, 24, initial_state=True, seed=9)
+    if op_name == "chunk_kda":  # per-channel log decays [B, T, H, K]
+        x["g"] = -0.3 * torch.rand(2, 70, 2, 32, generator=torch.Generator().manual_seed(9))
+    x = _low(x, torch.bfloat16)
+    op = getattr(ops, op_name)
+    for pays in (False, True):
+        monkeypatch.setattr(cpu_kernels, "bf16_unit", lambda: pays)
+        with torch.no_grad():
+            o, h = op(**x, output_final_state=True, backend=backend)
+            with ops.bf16_products():
+                o_mode, h_mode = op(**x, output_final_state=True, backend=backend)
+        print(f"pays {pays}: o equal {torch.equal(o_mode, o)}, h_T rel. diff {rel_err(h_mode, h):.1e}")
+        if pays and not (op_name == "chunk_kda" and backend == "torch"):  # KDA's PyTorch path has no bf16 products
+            assert not torch.equal(o_mode, o) and rel_err(h_mode, h) > 1e-5
+        else:
+            assert torch.equal(o_mode, o) and torch.equal(h_mode, h)

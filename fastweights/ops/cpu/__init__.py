@@ -269,23 +269,33 @@ def kernels_for_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others:
     rows = (v,) if operands else (q, k, v)
     if any(t.dtype != torch.bfloat16 for t in rows) or any(t.device.type != "cpu" for t in (q, k, v)):
         return None
-    if operands and all(t.dtype == torch.bfloat16 for t in (q, k)) and not bf16_unit():
-        return None  # no bf16 unit: the fp32 kernel reads these bf16 rows (the caller falls back to it)
     return kernels_for(*others, dtypes=(torch.float32,))
 
 
+@torch.compiler.assume_constant_result
 def bf16_unit() -> bool:
-    """Whether the ISA path multiplies bf16 operands in hardware (``amx``, ``avx512bf16``); False
-    when the kernels are off or unavailable.
+    """Whether bf16 products pay on this CPU: the compiled kernels' ISA path multiplies bf16 in
+    hardware (``amx``, ``avx512bf16``), or, before the kernels are loaded or without them, the CPU
+    reports AVX512-BF16 (on x86-64; elsewhere True: torch's own bf16 products there are not
+    judged), within what ``FASTWEIGHTS_CPU_ISA`` allows.
 
-    Where it does not (``avx2``, ``portable``), a bf16 product is an fp32 product of operands
-    rounded to bf16 and widened again: slower than the fp32 kernel on the same bf16 inputs (0.85-
-    0.93x of it on an AVX2-only AMD EPYC) and less accurate. There the ops take
-    :func:`fastweights.ops.bf16_products` as leave to use bf16 products, not as an order (as
-    ``torch.set_float32_matmul_precision("medium")`` is where a CPU has no bf16 unit): bf16 q, k, v
-    go to the fp32 kernel, which widens them as it gathers them. The bf16 kernels, called
+    Where they do not pay (``avx2``, ``portable``) a bf16 product is an fp32 product of operands
+    rounded to bf16 and widened again: the bf16 kernels ran 0.85-0.93x the fp32 forward on the same
+    bf16 inputs on an AVX2-only AMD EPYC, and torch's bf16 matmul 1.0-1.3 GFLOP/s against 86 in fp32
+    (the PyTorch chunk path under the mode: 5-6x slower). There the chunk ops take
+    :func:`fastweights.ops.bf16_products` as leave, not as an order (as
+    ``torch.set_float32_matmul_precision("medium")`` is on such a CPU): bf16 q, k, v are computed as
+    plain bf16 inputs are (the fp32 kernel widens them as it gathers them). The bf16 kernels, called
     directly, still widen their operands on those paths (tested there)."""
-    return kernels() is not None and _isa_choice.level >= 2
+    from . import dispatch as _isa
+
+    if enabled() and _tried and _module is not None:
+        return _isa_choice.level >= 2
+    level, _ = _isa.cpu_level()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    want = _isa.requested()
+    return min(level, level if want is None else want) >= 2
 
 
 def available() -> bool:

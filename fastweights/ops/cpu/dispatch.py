@@ -19,6 +19,7 @@ higher one is ignored with a warning. Nothing here imports or builds the kernels
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import warnings
@@ -49,6 +50,7 @@ class Choice(NamedTuple):
         return LEVELS[self.level]
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset:
     """The CPU's feature flags: the first ``flags`` line of ``/proc/cpuinfo`` (Linux), else what
     ``torch.backends.cpu.get_cpu_capability()`` implies (it does not tell AVX512-BF16 or AMX)."""

@@ -164,19 +164,14 @@ FORWARD_GROUP = 128
 
 def _native_forward(q, k, v, beta, g, h0, scale, chunk_size, keep, low, check_finite=""):
     """:func:`chunk_delta_rule_fwd` by the compiled CPU kernel (``fastweights/ops/cpu/chunk_delta.cpp``:
-    the same algebra, one (sequence, head) per task; bf16 products: :func:`_native_forward_bf16`,
-    or, on an ISA path with no bf16 unit (:func:`~fastweights.ops.cpu.bf16_unit`), the fp32 kernel
-    on the bf16 rows as for plain bf16 inputs),
+    the same algebra, one (sequence, head) per task; bf16 products: :func:`_native_forward_bf16`),
     or None where it does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for` the
     inputs (the CPU, fp32 or fp64 throughout, the kernels on and built). ``check_finite``: the
     op's name, for the finite check of q, k, v the kernel makes as it gathers them ("" for none)."""
     if k.shape[2] == 0:
         return None
     if low is not None:
-        got = _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low, check_finite)
-        if got is not None or not all(t.dtype == torch.bfloat16 for t in (q, k, v)):
-            return got
-        # no bf16 unit on this ISA path (cpu.bf16_unit): the fp32 kernel reads the bf16 rows, below
+        return _native_forward_bf16(q, k, v, beta, g, h0, scale, chunk_size, low, check_finite)
     if v.dtype == torch.bfloat16 and not keep:  # plain bf16 inputs: fp32 arithmetic, widened in the kernel's gather
         mod = kernels_for_bf16(q, k, v, beta, g, h0)
     else:
