@@ -49,7 +49,7 @@ from .feature_maps import FeatureMap, FeatureMapLike, Identity, get_feature_map,
 from ._spec import Form, OpSpec, Rule
 from .precision import autocast_off, check_autocast, product_dtype
 from .step import divide_by_normalizer, normalizer_column
-from . import cpu as cpu_kernels
+import fastweights.ops.cpu as cpu_kernels  # the module (tests set its bf16_unit); not `from . import`, which names the package
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
