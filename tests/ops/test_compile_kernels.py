@@ -217,7 +217,7 @@ def test_compiled_chunk_op_calls_the_kernels_bitwise(op_name, calls):
 
 
 INFERENCE_CASES = {  # op -> (rule, q/k/v dtype, bf16 products, the kernel, the custom op in the graph)
-    "chunk_gated_delta_rule": ("gated_delta", torch.bfloat16, True, "chunk_delta_fwd_bf16", "chunk_delta_rule_fwd"),
+    "chunk_gated_delta_rule": ("gated_delta", torch.bfloat16, True, "chunk_delta_fwd_bf16", "chunk_delta_rule_infer"),
     "chunk_linear_attn": ("linear_decay", torch.float32, False, "chunk_linear_attn_fwd", "chunk_linear_attn_infer"),
     "chunk_kda": ("kda", torch.bfloat16, True, "chunk_kda_fwd_bf16", "chunk_kda_infer"),
 }

@@ -28,8 +28,8 @@ available is decided at trace time, outside the graph (``kernels_for``).
 
 Differentiable kernels (the short convolution, the q/k L2 norm) also carry autograd, the
 backward being the ``_bwd`` op. The chunk forward and backward need none: they run inside
-``fastweights::chunk_delta_rule_fwd``/``_bwd`` (``../delta_rule/chunk.py``), whose
-registered backward calls the backward kernel.
+``fastweights::chunk_delta_rule_fwd``/``_bwd`` (``../delta_rule/chunk.py``; inference:
+``chunk_delta_rule_infer``), whose registered backward calls the backward kernel.
 """
 
 from __future__ import annotations

@@ -166,9 +166,9 @@ def chunk_delta_rule(
     ``delta_rule/README.md``) that keeps the inputs, [W | U'], the diagonal-block
     inverses and the T/C chunk-entry states -- O(T·(K+V) + (T/C)·K·V) per head --
     and recomputes the rest. Forward and backward are ``torch.library`` custom ops
-    (``fastweights::chunk_delta_rule_fwd``/``_bwd``): ``torch.compile`` calls them as they
-    are, without a graph break. Under ``torch.autocast`` the op computes in fp32
-    and returns the inputs' dtype; ``cu_seqlens_cpu``/``max_seqlen`` as in
+    (``fastweights::chunk_delta_rule_fwd``/``_bwd``; inference: ``chunk_delta_rule_infer``):
+    ``torch.compile`` calls them as they are, without a graph break. Under
+    ``torch.autocast`` the op computes in fp32 and returns the inputs' dtype; ``cu_seqlens_cpu``/``max_seqlen`` as in
     :func:`~fastweights.ops.recurrent_delta_rule`.
     Gradients reach q, k, v, beta and initial_state (and g for the gated rule);
     double backward is not supported (use the recurrent or parallel form).

@@ -39,7 +39,7 @@ from .._chunk import (
     ChunkDecay, backward_only, chunk_buffer, decay_pair_grad, flat_chunks, from_chunk_buffer, put_chunks, read_write_backward,
     reverse_cumsum,
 )
-from .._backend import backward_can_follow
+from .._backend import backward_can_follow, inference_op
 from .._checks import bf16_operands, check_qkv_finite
 from ..precision import autocast_off
 from ..cpu import kernels_for, kernels_for_bf16, unit_last_stride
@@ -485,6 +485,24 @@ def _backward(ctx, do, dh_final, *unused):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@inference_op("fastweights::chunk_delta_rule_infer")
+def _infer_op(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], h0: Optional[Tensor], scale: float,
+              chunk_size: int, bf16_products: bool = False, native: bool = True, check_finite: str = ""
+              ) -> Tuple[Tensor, Tensor]:
+    """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no backward follows (nothing kept;
+    :func:`_fwd_impl` with ``keep=False``). Eager code calls it without the custom op's dispatch,
+    ``torch.compile`` sees the op (:class:`~fastweights.ops._backend.InferenceOp`), as KDA's and
+    linear attention's inference forwards."""
+    o, h_final, *_ = _fwd_impl(q, k, v, beta, g, h0, scale, chunk_size, False, bf16_products, native, check_finite)
+    return o, h_final
+
+
+@_infer_op.register_fake
+def _infer_fake(q, k, v, beta, g, h0, scale, chunk_size, bf16_products=False, native=True, check_finite=""):
+    o, h_final, *_ = _fwd_fake(q, k, v, beta, g, h0, scale, chunk_size, False)
+    return o, h_final
+
+
 def delta_rule_chunk(
     q, k, v, beta, g, h0, scale, chunk_size, keep: Optional[bool] = None, low: Optional[torch.dtype] = None,
     native: bool = True, check_finite: str = "",
@@ -514,12 +532,11 @@ def delta_rule_chunk(
     if keep is None:
         keep = backward_can_follow(q, k, v, beta, g, h0)
     low_products = low is not None and not keep
-    # Eager inference calls the implementation itself: the custom op's Python dispatch (its autograd
-    # and view-tracking layers: 0.05 ms a call warm, 0.2-0.3 ms after a long call has evicted it,
-    # measured at B 1, H 8, T 2048) serves only autograd and torch.compile, which still go through it.
-    direct = not keep and not torch.compiler.is_compiling() and not backward_can_follow(q, k, v, beta, g, h0)
-    o, h_final, *_ = (_fwd_impl if direct else _fwd_op)(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep,
-                                                        low_products, native, check_finite)
+    if not keep and not backward_can_follow(q, k, v, beta, g, h0):  # inference: the op without autograd
+        o, h_final = _infer_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), low_products, native, check_finite)
+    else:
+        o, h_final, *_ = _fwd_op(q, k, v, beta, g, h0, float(scale), int(chunk_size), keep, low_products, native,
+                                 check_finite)
     return o, h_final.view(k.shape[0], k.shape[1], *h_final.shape[1:])
 
 
