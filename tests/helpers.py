@@ -113,6 +113,16 @@ def call(form: Callable, rule: Rule, inputs: Dict[str, torch.Tensor], **kwargs):
     return form(**inputs, **rule.options, **kwargs)
 
 
+def bf16_op_inputs(op_name: str, seed: int = 9) -> Dict[str, torch.Tensor]:
+    """bf16 q, k, v and fp32 β, g, initial state for ``chunk_delta_rule``, ``chunk_gated_delta_rule``
+    or ``chunk_kda`` (per-channel log decays g [B, T, H, K] in (−0.3, 0)): B 2, T 70, H 2, K 32 ≠ V 24."""
+    rule = RULES["delta" if op_name == "chunk_delta_rule" else "gated_delta"]
+    x = make_inputs(rule, 2, 70, 2, 32, 24, initial_state=True, seed=seed)
+    if op_name == "chunk_kda":
+        x["g"] = -0.3 * torch.rand(2, 70, 2, 32, generator=torch.Generator().manual_seed(seed))
+    return {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float()) for n, t in x.items()}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / max(‖b‖, tiny), in float64."""
     a, b = a.detach().double(), b.detach().double()

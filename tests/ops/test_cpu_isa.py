@@ -20,7 +20,7 @@ import torch
 
 from fastweights.ops import cpu as cpu_kernels
 from fastweights.ops.cpu import dispatch as isa
-from helpers import RULES, call, make_inputs, record_calls, rel_err
+from helpers import RULES, bf16_op_inputs, call, make_inputs, record_calls, rel_err
 
 AMD_EPYC = frozenset("fma avx2 avx512f avx512bw avx512_bf16".split())
 XEON_AMX = AMD_EPYC | {"amx_bf16", "amx_tile"}
@@ -257,11 +257,7 @@ def test_bf16_products_take_the_fp32_kernel_where_the_path_has_no_bf16_unit(path
 
     kernel = "chunk_kda_fwd" if op_name == "chunk_kda" else "chunk_delta_fwd"
     seen = {name: record_calls(monkeypatch, kernels, name, lambda args: 1) for name in (kernel, kernel + "_bf16")}
-    rule = RULES["delta" if op_name == "chunk_delta_rule" else "gated_delta"]
-    x = make_inputs(rule, 2, 70, 2, 32, 24, initial_state=True, seed=9)
-    if op_name == "chunk_kda":  # per-channel log decays [B, T, H, K]
-        x["g"] = -0.3 * torch.rand(2, 70, 2, 32, generator=torch.Generator().manual_seed(9))
-    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float()) for n, t in x.items()}
+    x = bf16_op_inputs(op_name)
     op = getattr(ops, op_name)
     with torch.no_grad():
         o, h = op(**x, output_final_state=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastweights import ops
-from helpers import RULES, call, make_inputs, rel_err
+from helpers import RULES, bf16_op_inputs, call, make_inputs, rel_err
 
 DELTA_RULES = ["delta", "gated_delta"]
 # the mode's bf16 kernels on every ISA path, also one with no bf16 unit (tests/conftest.py)
@@ -141,7 +141,6 @@ def test_a_sequence_alone_in_a_batch_and_packed_is_bitwise_the_same(rule_name, m
     assert torch.equal(o1, op[:, :T]) and torch.equal(h1, hp[:1]), "alone vs packed"
 
 
-
 @pytest.mark.parametrize("op_name", ["chunk_gated_delta_rule", "chunk_kda"])
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_the_mode_is_leave_where_bf16_products_do_not_pay(op_name, backend, monkeypatch, one_thread):
@@ -151,10 +150,7 @@ def test_the_mode_is_leave_where_bf16_products_do_not_pay(op_name, backend, monk
     they pay, bf16 products (another output; KDA's PyTorch path computes the mode in fp32 anyway)."""
     from fastweights.ops import cpu as cpu_kernels
 
-    x = make_inputs(RULES["gated_delta"], 2, 70, 2, 32, 24, initial_state=True, seed=9)
-    if op_name == "chunk_kda":  # per-channel log decays [B, T, H, K]
-        x["g"] = -0.3 * torch.rand(2, 70, 2, 32, generator=torch.Generator().manual_seed(9))
-    x = _low(x, torch.bfloat16)
+    x = bf16_op_inputs(op_name)
     op = getattr(ops, op_name)
     for pays in (False, True):
         monkeypatch.setattr(cpu_kernels, "bf16_unit", lambda: pays)

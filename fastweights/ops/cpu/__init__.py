@@ -291,11 +291,10 @@ def bf16_unit() -> bool:
 
     if enabled() and _tried and _module is not None:
         return _isa_choice.level >= 2
-    level, _ = _isa.cpu_level()
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return True
-    want = _isa.requested()
-    return min(level, level if want is None else want) >= 2
+    level, want = _isa.cpu_level()[0], _isa.requested()
+    return (level if want is None else min(level, want)) >= 2
 
 
 def available() -> bool:
