@@ -387,3 +387,27 @@ def test_the_variable_is_read_when_the_kernels_load(kernels, monkeypatch):
     finally:
         monkeypatch.delenv(isa.ENV)
         cpu_kernels.set_isa(None)
+
+
+def test_exponentials_on_every_path(path, kernels):
+    """The KDA kernels' e^x of float64 exponents (chunk_rows.h's exp_of: a polynomial in vector
+    lanes above the portable level, the C library's exp on it), against float64's e^x: within
+    2 ulp of float32 wherever e^x is a normal float, at most the smallest normal below (0 or a
+    subnormal), +Inf past float's range; lengths that leave lanes to the scalar tail."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-87.3, 88.7228, 20011, dtype=torch.float64),
+                   (torch.rand(4099, generator=gen, dtype=torch.float64) - 0.5) * 180,
+                   torch.tensor([0.0, -0.0, 1e-300, -1e-300, 88.37, 88.72, 88.73, 89.0, 100.0, 200.0, -87.31,
+                                 -100.0, -200.0], dtype=torch.float64)])
+    for n in (x.numel(), 13, 7, 2):
+        xs = x[-n:]
+        out = kernels.exp_check(xs)
+        assert out.dtype == torch.float32 and out.shape == xs.shape
+        exact = xs.exp()
+        normal = (exact >= torch.finfo(torch.float32).tiny) & (exact <= torch.finfo(torch.float32).max)
+        rel = ((out.double() - exact).abs() / exact)[normal]
+        assert rel.numel() == 0 or rel.max().item() <= 2.4e-7, f"{path}: {rel.max().item():.2e} at x = {xs[normal][rel.argmax()].item()}"
+        assert (out[exact < torch.finfo(torch.float32).tiny] <= torch.finfo(torch.float32).tiny).all(), path
+        assert torch.isposinf(out[exact > torch.finfo(torch.float32).max]).all(), path
+    with pytest.raises(RuntimeError, match="`x` must be float64"):
+        kernels.exp_check(torch.zeros(3))

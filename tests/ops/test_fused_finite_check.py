@@ -123,3 +123,23 @@ def test_clean_inputs_give_the_same_output_with_the_check_in_the_kernel(gated):
     with ops.finite_checks(False):
         o_off, h_off = call(gated, q, k, v, beta, g, "cpu", output_final_state=True)
     assert torch.equal(o_on, o_off) and torch.equal(h_on, h_off)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gated", [True, "linear"], ids=["gated", "linear"])
+@pytest.mark.parametrize("K,V", [(12, 10), (60, 20), (128, 33)])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_bad_entry_in_any_column_is_found_in_its_chunk(gated, K, V, grad):
+    """The kernels check a chunk's rows in vector lanes and a scalar tail: one bad entry per chunk,
+    in a different column of q (and of v) in each chunk, at a different row, the last chunk partial,
+    is found and counted every time (a column the check skipped would lose its chunk's count)."""
+    T = 16 * max(K, V) - 5
+    (q, k, v), beta, g = inputs(T=T, H=1, K=K, V=V)
+    q = spoil(q, [(0, 16 * j + (j * 7) % min(16, T - 16 * j), 0, j) for j in range(K)], float("nan"))
+    v = spoil(v, [(0, 16 * j + (j * 5) % min(16, T - 16 * j), 0, j) for j in range(V)], float("inf"))
+    args = [q, k, v]
+    if grad:
+        args = [t.requires_grad_() for t in args]
+    got = message(gated, (*args, beta, g), "cpu")
+    assert got == message(gated, (*args, beta, g), "torch")
+    assert f"`q` contains {K} non-finite value(s)" in got

@@ -145,6 +145,32 @@ inline bool unit_lower_inverse_avx512(int64_t C, const float* S, const float* be
   }
   return true;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same with ymm registers: C ≤ 64 (a row in at most 8 of AVX2's 16 registers).
+inline bool unit_lower_inverse_avx2(int64_t C, const float* S, const float* beta, float* Tm) {
+  if (C % 8 != 0 || C > 64) return false;
+  const int64_t blocks = C / 8;
+  for (int64_t r = 0; r < C; ++r) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
+    const float* s = S + r * C;
+    const float minus_beta = -beta[r];
+    for (int64_t i = 0; i < r; ++i) {
+      const __m256 a = _mm256_set1_ps(minus_beta * s[i]);
+      const float* ti = Tm + i * C;
+      const int64_t live = i / 8 + 1;
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v)
+        if (v < live) acc[v] = _mm256_fmadd_ps(a, _mm256_loadu_ps(ti + 8 * v), acc[v]);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v)
+      if (v < blocks) _mm256_storeu_ps(Tm + r * C + 8 * v, acc[v]);
+    Tm[r * C + r] = 1.f;
+  }
+  return true;
+}
 #endif
 
 // Tm = (I + diag(β) S)⁻¹ for strictly lower S, row by row: T_r = e_r − β_r Σ_{i<r} S[r, i] T_i.
@@ -153,6 +179,10 @@ void unit_lower_inverse(int64_t C, const T* S, const T* beta, T* Tm) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (isa() > kPortable && unit_lower_inverse_avx512(C, S, beta, Tm)) return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (isa() > kPortable && unit_lower_inverse_avx2(C, S, beta, Tm)) return;
   }
 #endif
   std::fill(Tm, Tm + C * C, T(0));
@@ -394,6 +424,14 @@ inline void store_scaled_stream(const T* src, T factor, T* dst, int64_t n) {
     if (isa() > kPortable && n % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
       const __m512 f = _mm512_set1_ps(factor);
       for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), f));
+      return;
+    }
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (isa() > kPortable && n % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+      const __m256 f = _mm256_set1_ps(factor);
+      for (int64_t j = 0; j < n; j += 8) _mm256_stream_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), f));
       return;
     }
   }

@@ -71,6 +71,40 @@ void transpose_rows(const T* src, int64_t lds, int64_t rows, int64_t C, int64_t 
       }
     }
   }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {  // 8 × 8 tiles (AVX2: 16 registers)
+      j_end = width / 8 * 8;
+      const int64_t i_end = std::min(rows, C) / 8 * 8;
+      for (; i0 < i_end; i0 += 8) {
+        for (int64_t j0 = 0; j0 < j_end; j0 += 8) {
+          __m256 r[8], t[8];
+          for (int a = 0; a < 8; ++a) {
+            r[a] = _mm256_loadu_ps(src + (i0 + a) * lds + j0);
+            if (f != nullptr) r[a] = _mm256_mul_ps(r[a], _mm256_set1_ps(f[i0 + a]));
+          }
+          // pairs interleaved inside 128-bit lanes, then quads: t[4s + c] holds column c of rows
+          // 4s .. 4s + 3 in its low lane and column c + 4 in its high lane
+          for (int a = 0; a < 8; a += 2) {
+            const __m256 lo = _mm256_unpacklo_ps(r[a], r[a + 1]), hi = _mm256_unpackhi_ps(r[a], r[a + 1]);
+            r[a] = lo;
+            r[a + 1] = hi;
+          }
+          for (int a = 0; a < 8; a += 4) {
+            t[a] = _mm256_shuffle_ps(r[a], r[a + 2], 0x44);
+            t[a + 1] = _mm256_shuffle_ps(r[a], r[a + 2], 0xEE);
+            t[a + 2] = _mm256_shuffle_ps(r[a + 1], r[a + 3], 0x44);
+            t[a + 3] = _mm256_shuffle_ps(r[a + 1], r[a + 3], 0xEE);
+          }
+          for (int c = 0; c < 4; ++c) {  // the lanes across registers
+            T* d = dst + (j0 + c) * ldd + i0;
+            _mm256_storeu_ps(d, _mm256_permute2f128_ps(t[c], t[4 + c], 0x20));            // column c
+            _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(t[c], t[4 + c], 0x31));  // c + 4
+          }
+        }
+      }
+    }
+  }
 #endif
   // what the tiles left: columns j_end .. width of the tiled rows, then every column of the rest
   for (int64_t j = j_end; j < width; ++j)
@@ -98,6 +132,26 @@ bool rows_any_nonfinite(const T* x, int64_t ld, int64_t rows, int64_t width) {
         if (tail != 0) low = _mm512_min_epu32(low, _mm512_andnot_si512(_mm512_maskz_loadu_epi32(tail, r + whole), e));
       }
       return _mm512_cmpeq_epi32_mask(low, _mm512_setzero_si512()) != 0;
+    }
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (fastweights::cpu::isa() > fastweights::cpu::kPortable) {
+      const __m256i e = _mm256_set1_epi32(0x7f800000);
+      const int64_t whole = width / 8 * 8;
+      __m256i low = e;
+      uint32_t tail = 0x7f800000u;  // the last width − whole entries of each row
+      for (int64_t i = 0; i < rows; ++i) {
+        const T* r = x + i * ld;
+        for (int64_t j = 0; j < whole; j += 8)
+          low = _mm256_min_epu32(low, _mm256_andnot_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + j)), e));
+        for (int64_t j = whole; j < width; ++j) {
+          uint32_t bits;
+          std::memcpy(&bits, r + j, sizeof(bits));
+          tail = std::min(tail, ~bits & 0x7f800000u);
+        }
+      }
+      return tail == 0 || _mm256_movemask_epi8(_mm256_cmpeq_epi32(low, _mm256_setzero_si256())) != 0;
     }
   }
 #endif

@@ -89,15 +89,53 @@ inline __m512 exp16f(__m512 x) {
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   return exp16_reduced(r, n, x);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp16's arithmetic eight at a time. AVX2 has no scalef: p · 2^n is (p · 2^{min(n, 127)}) ·
+// 2^{min(max(n − 127, 0), 127)}, both powers built in the exponent field, so n = 128 (x up to
+// float's largest e^x) stays finite and larger n overflow to +Inf, exactly as scalef rounds them.
+// Same reduction, same polynomial, the same results as the AVX-512 path (x < −87.3 to 0).
+inline __m256 exp8(const double* x) {
+  const __m256d log2e = _mm256_set1_pd(1.4426950408889634), ln2 = _mm256_set1_pd(0.6931471805599453);
+  const __m256d x0 = _mm256_loadu_pd(x), x1 = _mm256_loadu_pd(x + 4);
+  const __m256d n0 = _mm256_round_pd(_mm256_mul_pd(x0, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256d n1 = _mm256_round_pd(_mm256_mul_pd(x1, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  auto join = [](__m256d lo, __m256d hi) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(lo)), _mm256_cvtpd_ps(hi), 1);
+  };
+  const __m256 r = join(_mm256_fnmadd_pd(n0, ln2, x0), _mm256_fnmadd_pd(n1, ln2, x1));
+  const __m256 n = join(n0, n1), xf = join(x0, x1);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // x ≥ −87.3 gives n ≥ −126, a normal power; below, the mask zeroes the lane
+  auto pow2 = [](__m256 k) {  // 2^k for integral k in [−126, 127]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+  };
+  const __m256 top = _mm256_set1_ps(127.f);
+  const __m256 over = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(n, top), _mm256_setzero_ps()), top);
+  const __m256 live = _mm256_cmp_ps(xf, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  return _mm256_and_ps(live, _mm256_mul_ps(_mm256_mul_ps(p, pow2(_mm256_min_ps(n, top))), pow2(over)));
+}
 #endif
 
-// out[i] = e^{x[i]} for float64 exponents x, rounded to T once, at the end.
+// out[i] = e^{x[i]} for float64 exponents x, rounded to T once, at the end: exp16 / exp8 for fp32
+// above the portable level, the C library's exp elsewhere.
 template <typename T>
 inline void exp_of(const double* x, T* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(x + i));
+    if (isa() > kPortable)
+      for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(x + i));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (isa() > kPortable)
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp8(x + i));
   }
 #endif
   for (; i < n; ++i) out[i] = T(std::exp(x[i]));

@@ -1,7 +1,8 @@
 // Python entry points of gemm_bf16.h, for its tests and its benchmark (the forward itself calls
 // the header from C++): gemm_bf16_check runs one call on torch tensors, to_bf16_check the
 // conversion, gemm_bf16_bench times the kernel against the fp32 product (gemm.h: MKL's sgemm_,
-// or the portable loop) on the same shape, each on the path the ISA level (isa.h) selects.
+// or the portable loop) on the same shape, each on the path the ISA level (isa.h) selects; and
+// exp_check, chunk_rows.h's exp_of (the KDA kernels' exponentials) on that path.
 #include <torch/extension.h>
 
 #include <time.h>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "chunk_rows.h"
 #include "gemm_bf16.h"
 
 namespace {
@@ -49,6 +51,15 @@ torch::Tensor to_bf16_check(const torch::Tensor& x) {
   const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty(xc.sizes(), xc.options().dtype(torch::kBFloat16));
   fastweights::cpu::to_bf16(xc.data_ptr<float>(), out.data_ptr<at::BFloat16>(), xc.numel());
+  return out;
+}
+
+// e^x of float64 exponents, rounded to float32, by chunk_rows.h's exp_of (any shape).
+torch::Tensor exp_check(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kDouble, "exp_check: `x` must be float64, got ", x.scalar_type());
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty(xc.sizes(), xc.options().dtype(torch::kFloat));
+  fastweights::cpu::chunk::exp_of(xc.data_ptr<double>(), out.data_ptr<float>(), xc.numel());
   return out;
 }
 
@@ -110,6 +121,7 @@ void register_gemm_bf16(pybind11::module& m) {
         pybind11::arg("A"), pybind11::arg("B"), pybind11::arg("ta"), pybind11::arg("tb"), pybind11::arg("alpha"),
         pybind11::arg("beta"), pybind11::arg("C"));
   m.def("to_bf16_check", &to_bf16_check, "fp32 → bf16 by gemm_bf16.h's to_bf16", pybind11::arg("x"));
+  m.def("exp_check", &exp_check, "e^x of float64 x, rounded to float32, by chunk_rows.h's exp_of", pybind11::arg("x"));
   m.def("gemm_bf16_bench", &gemm_bf16_bench, "GFLOP/s of gemm_bf16 and of the fp32 product on one shape, one thread, and the ISA level",
         pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("reps"),
         pybind11::arg("ta") = false, pybind11::arg("tb") = false, pybind11::arg("rounds") = 5);
