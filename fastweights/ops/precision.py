@@ -19,7 +19,8 @@ computes in fp32 exactly as without the mode.
 
 The mode is leave to use bf16 products, not an order (as ``torch.set_float32_matmul_precision``
 is): on a CPU where they do not pay (:func:`fastweights.ops.cpu.bf16_unit` False: the compiled
-kernels' ISA path is ``avx2`` or ``portable``, or, without them, an x86 CPU without AVX512-BF16),
+kernels' ISA path is ``avx2`` or ``portable``, or, without them, a CPU without a bf16 unit: x86
+without AVX512-BF16, Arm without FEAT_BF16, any other CPU),
 a bf16 product is an fp32 product of rounded operands, slower and less accurate (on an AVX2-only
 AMD EPYC the bf16 kernels ran 0.85-0.93x the fp32 forward, the PyTorch chunk path 5-6x slower than
 without the mode: torch's bf16 matmul ran 1.0-1.3 GFLOP/s there against 86 in fp32), so the chunk

@@ -40,6 +40,38 @@ def test_the_cpu_decides_the_highest_path(flags, machine, want):
     assert choice.name == want and choice.reasons
 
 
+@pytest.mark.parametrize("flags,machine,system,want", [
+    (XEON_AMX, "x86_64", "Linux", True), (AMD_EPYC, "x86_64", "Linux", True),
+    (frozenset({"avx2", "fma"}), "x86_64", "Linux", False), (frozenset({"avx512f", "avx512bw"}), "x86_64", "Linux", False),
+    (frozenset({"fp", "asimd", "sve", "bf16", "i8mm"}), "aarch64", "Linux", True),  # e.g. Neoverse V1
+    (frozenset({"fp", "asimd", "asimddp"}), "aarch64", "Linux", False),  # e.g. Neoverse N1
+    (frozenset({"bf16"}), "ppc64le", "Linux", False), (AMD_EPYC, "riscv64", "Linux", False),
+])
+def test_the_cpu_decides_whether_it_multiplies_bf16(flags, machine, system, want):
+    assert isa.bf16_dot_unit(flags, machine, system) is want
+
+
+def test_without_the_kernels_bf16_products_pay_where_the_cpu_has_a_bf16_unit(monkeypatch):
+    """Before the kernels load (or without them) ``bf16_unit()`` reads the CPU: AVX512-BF16 on
+    x86-64 within what FASTWEIGHTS_CPU_ISA allows; ``bf16`` among an Arm CPU's Features; else no."""
+    monkeypatch.setattr(cpu_kernels, "enabled", lambda: False)
+    monkeypatch.delenv(isa.ENV, raising=False)
+    monkeypatch.setattr(isa.platform, "system", lambda: "Linux")
+    for machine, flags, env, want in [
+        ("x86_64", AMD_EPYC, None, True), ("x86_64", AMD_EPYC, "avx2", False), ("x86_64", XEON_AMX, "portable", False),
+        ("x86_64", frozenset({"avx2", "fma"}), None, False), ("aarch64", frozenset({"asimd", "bf16"}), None, True),
+        ("aarch64", frozenset({"asimd", "bf16"}), "portable", True),  # no kernel path reads bf16 there: the CPU decides
+        ("aarch64", frozenset({"asimd"}), None, False), ("ppc64le", frozenset(), None, False),
+    ]:
+        monkeypatch.setattr(isa.platform, "machine", lambda m=machine: m)
+        monkeypatch.setattr(isa, "cpu_flags", lambda f=flags: f)
+        if env is None:
+            monkeypatch.delenv(isa.ENV, raising=False)
+        else:
+            monkeypatch.setenv(isa.ENV, env)
+        assert cpu_kernels.bf16_unit() is want, (machine, sorted(flags), env)
+
+
 def test_amx_is_chosen_only_where_the_cpu_reports_amx_bf16():
     assert isa.choose(3, flags=XEON_AMX, machine="x86_64", environ=NO_ENV).name == "amx"
     assert isa.choose(3, flags=AMD_EPYC, machine="x86_64", environ=NO_ENV).name == "avx512bf16"

@@ -276,8 +276,9 @@ def kernels_for_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others:
 def bf16_unit() -> bool:
     """Whether bf16 products pay on this CPU: the compiled kernels' ISA path multiplies bf16 in
     hardware (``amx``, ``avx512bf16``), or, before the kernels are loaded or without them, the CPU
-    reports AVX512-BF16 (on x86-64; elsewhere True: torch's own bf16 products there are not
-    judged), within what ``FASTWEIGHTS_CPU_ISA`` allows.
+    has a bf16 unit (:func:`dispatch.bf16_dot_unit`: AVX512-BF16 on x86-64, within what
+    ``FASTWEIGHTS_CPU_ISA`` allows; FEAT_BF16 on Arm, where torch's own bf16 matmul uses it; no
+    other CPU).
 
     Where they do not pay (``avx2``, ``portable``) a bf16 product is an fp32 product of operands
     rounded to bf16 and widened again: the bf16 kernels ran 0.85-0.93x the fp32 forward on the same
@@ -291,10 +292,8 @@ def bf16_unit() -> bool:
 
     if enabled() and _tried and _module is not None:
         return _isa_choice.level >= 2
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return True
-    level, want = _isa.cpu_level()[0], _isa.requested()
-    return (level if want is None else min(level, want)) >= 2
+    want = _isa.requested() if platform.machine().lower() in ("x86_64", "amd64") else None
+    return _isa.bf16_dot_unit() and (want is None or want >= 2)
 
 
 def available() -> bool:

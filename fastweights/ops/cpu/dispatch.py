@@ -27,7 +27,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
-__all__ = ["LEVELS", "ENV", "Choice", "cpu_flags", "cpu_level", "requested", "choose", "kernel_paths"]
+__all__ = ["LEVELS", "ENV", "Choice", "cpu_flags", "cpu_level", "bf16_dot_unit", "requested", "choose", "kernel_paths"]
 
 LEVELS = ("portable", "avx2", "avx512bf16", "amx")
 ENV = "FASTWEIGHTS_CPU_ISA"
@@ -52,16 +52,48 @@ class Choice(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset:
-    """The CPU's feature flags: the first ``flags`` line of ``/proc/cpuinfo`` (Linux), else what
-    ``torch.backends.cpu.get_cpu_capability()`` implies (it does not tell AVX512-BF16 or AMX)."""
+    """The CPU's feature flags: the first ``flags`` line of ``/proc/cpuinfo`` (Linux on x86), or
+    its first ``Features`` line (Linux on Arm), else what ``torch.backends.cpu.get_cpu_capability()``
+    implies (it does not tell AVX512-BF16 or AMX)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
     return _CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), frozenset())
+
+
+def _darwin_feature(name: str) -> bool:
+    """A ``hw.optional.*`` sysctl of macOS read as a flag (False where it cannot be read)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        value, size = ctypes.c_int(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_int))
+        ok = libc.sysctlbyname(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0
+        return ok and value.value == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def bf16_dot_unit(flags: Optional[frozenset] = None, machine: Optional[str] = None,
+                  system: Optional[str] = None) -> bool:
+    """Whether the CPU itself multiplies bf16 (not what any build or variable allows): on x86-64
+    AVX512-BF16 (AMX comes with it), on Arm FEAT_BF16 (``bf16`` among Linux's ``Features``, or
+    macOS's ``hw.optional.arm.FEAT_BF16``: the BFDOT/BFMMLA instructions, on which torch's
+    Linux Arm builds run bf16 matmuls through oneDNN where the CPU has them); False on any other
+    CPU."""
+    machine = (machine or platform.machine()).lower()
+    if machine in ("x86_64", "amd64"):
+        return cpu_level(flags, machine)[0] >= 2
+    if machine in ("aarch64", "arm64"):
+        if (system or platform.system()) == "Darwin" and flags is None:
+            return _darwin_feature("hw.optional.arm.FEAT_BF16")
+        return "bf16" in (cpu_flags() if flags is None else frozenset(flags))
+    return False
 
 
 def cpu_level(flags: Optional[frozenset] = None, machine: Optional[str] = None) -> tuple:
@@ -129,8 +161,11 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
     targets this CPU (``-march=native`` / ``-mcpu=native``)."""
     flags = cpu_flags() if flags is None else flags
     fp_products = "MKL sgemm_/dgemm_, one call per tile" if level >= 1 else "blocked loop (portable, no BLAS)"
-    inverse = ("AVX-512 registers" if level >= 1 and "avx512f" in flags and native
-               else "loop the compiler vectorises")
+    # the hand-written vector forms of the kernels' own loops (above the portable level, in a native build)
+    vector = ("AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma"} <= flags else None) if level >= 1 and native else None
+    inverse = {"AVX-512": "AVX-512 registers", "AVX2": "AVX2 registers (chunks up to 64)"}.get(vector, "loop the compiler vectorises")
+    exps = f"an {vector} polynomial" if vector else "the C library's exp"
+    transpose = f"{vector} register tiles" if vector else "a scalar loop"
     bf16 = {
         3: "oneDNN brgemm on AMX tiles (B packed VNNI-2)",
         2: "vdpbf16ps micro-kernel (AVX512-BF16)",
@@ -144,10 +179,12 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
         "chunk_delta_fwd / chunk_delta_bwd (fp32, fp64)": f"products: {fp_products}; triangular inverse: {inverse}",
         "chunk_delta_fwd_bf16 (bf16 products)": f"products: {bf16}; solve and state fp32",
         "chunk_kda_fwd / chunk_kda_bwd (KDA, GDN-2; fp32, fp64)": (
-            f"products: {fp_products}; per-channel decay factors and triangular inverse: {loops}"),
+            f"products: {fp_products}; exponentials: {exps}; triangular inverse: {inverse}; "
+            f"per-channel decay factors: {loops}"),
         "chunk_kda_fwd_bf16 (KDA, bf16 products)": (
             f"products: {bf16}; decayed rows, solve and state fp32 ({loops})"),
-        "chunk_linear_attn_fwd / _bwd (fp32, fp64)": f"products: {fp_products}; decays and masks: {loops}",
+        "chunk_linear_attn_fwd / _bwd (fp32, fp64)": (
+            f"products: {fp_products}; key transpose: {transpose}; decays and masks: {loops}"),
         "delta_step (decode)": loops,
         "kda_step (decode)": loops,
         "short_conv_fwd / _bwd": loops,
