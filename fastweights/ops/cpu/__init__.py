@@ -41,7 +41,7 @@ __all__ = ["available", "kernels", "kernels_for", "enabled", "set_enabled", "bui
 _SOURCES = ("module.cpp", "chunk_delta.cpp", "chunk_delta_bf16.cpp", "gemm_bf16_check.cpp", "decode_step.cpp",
             "short_conv.cpp", "l2norm.cpp", "chunk_linear_attn.cpp", "chunk_kda.cpp",
             "chunk_kda_bf16.cpp")
-_HEADERS = ("chunk_common.h", "chunk_bf16.h", "chunk_rows.h", "gemm_bf16.h", "gemm.h", "isa.h")  # included by the sources: part of the build key
+_HEADERS = ("chunk_common.h", "chunk_bf16.h", "chunk_rows.h", "gemm_bf16.h", "gemm.h", "isa.h", "vec.h")  # included by the sources: part of the build key
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _module = None

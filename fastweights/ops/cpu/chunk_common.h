@@ -10,6 +10,7 @@
 #include "gemm.h"
 #include "gemm_bf16.h"
 #include "isa.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -118,55 +119,31 @@ void mask_scores(int64_t C, const T* bcum, T* S, T* P, T* G) {
   }
 }
 
-#if defined(__AVX512F__)
-// The fp32 inverse below with each row held in (at most 8) zmm registers while it is summed: only
-// the 16-wide blocks where T_i can be nonzero are touched, and a row is stored once.
-inline bool unit_lower_inverse_avx512(int64_t C, const float* S, const float* beta, float* Tm) {
-  if (C % 16 != 0 || C > 128) return false;
-  const int64_t blocks = C / 16;
+#if defined(FASTWEIGHTS_VEC)
+// The fp32 inverse below with each row held in (at most 8) vector registers while it is summed:
+// only the blocks of Vec::kLanes where T_i can be nonzero are touched, and a row is stored once.
+// C up to 8 blocks: 128 with AVX-512, 64 with AVX2 (whose 16 registers hold the 8 accumulators).
+inline bool unit_lower_inverse_vec(int64_t C, const float* S, const float* beta, float* Tm) {
+  constexpr int64_t W = Vec::kLanes;
+  if (C % W != 0 || C > 8 * W) return false;
+  const int64_t blocks = C / W;
   for (int64_t r = 0; r < C; ++r) {
-    __m512 acc[8];
+    Vec::R acc[8];
 #pragma GCC unroll 8
-    for (int v = 0; v < 8; ++v) acc[v] = _mm512_setzero_ps();
+    for (int v = 0; v < 8; ++v) acc[v] = Vec::zero();
     const float* s = S + r * C;
     const float minus_beta = -beta[r];
     for (int64_t i = 0; i < r; ++i) {
-      const __m512 a = _mm512_set1_ps(minus_beta * s[i]);
+      const Vec::R a = Vec::set1(minus_beta * s[i]);
       const float* ti = Tm + i * C;
-      const int64_t live = i / 16 + 1;
+      const int64_t live = i / W + 1;
 #pragma GCC unroll 8
       for (int v = 0; v < 8; ++v)
-        if (v < live) acc[v] = _mm512_fmadd_ps(a, _mm512_loadu_ps(ti + 16 * v), acc[v]);
+        if (v < live) acc[v] = Vec::fmadd(a, Vec::load(ti + W * v), acc[v]);
     }
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v)
-      if (v < blocks) _mm512_storeu_ps(Tm + r * C + 16 * v, acc[v]);
-    Tm[r * C + r] = 1.f;
-  }
-  return true;
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same with ymm registers: C ≤ 64 (a row in at most 8 of AVX2's 16 registers).
-inline bool unit_lower_inverse_avx2(int64_t C, const float* S, const float* beta, float* Tm) {
-  if (C % 8 != 0 || C > 64) return false;
-  const int64_t blocks = C / 8;
-  for (int64_t r = 0; r < C; ++r) {
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
-    const float* s = S + r * C;
-    const float minus_beta = -beta[r];
-    for (int64_t i = 0; i < r; ++i) {
-      const __m256 a = _mm256_set1_ps(minus_beta * s[i]);
-      const float* ti = Tm + i * C;
-      const int64_t live = i / 8 + 1;
-#pragma GCC unroll 8
-      for (int v = 0; v < 8; ++v)
-        if (v < live) acc[v] = _mm256_fmadd_ps(a, _mm256_loadu_ps(ti + 8 * v), acc[v]);
-    }
-#pragma GCC unroll 8
-    for (int v = 0; v < 8; ++v)
-      if (v < blocks) _mm256_storeu_ps(Tm + r * C + 8 * v, acc[v]);
+      if (v < blocks) Vec::store(Tm + r * C + W * v, acc[v]);
     Tm[r * C + r] = 1.f;
   }
   return true;
@@ -176,13 +153,9 @@ inline bool unit_lower_inverse_avx2(int64_t C, const float* S, const float* beta
 // Tm = (I + diag(β) S)⁻¹ for strictly lower S, row by row: T_r = e_r − β_r Σ_{i<r} S[r, i] T_i.
 template <typename T>
 void unit_lower_inverse(int64_t C, const T* S, const T* beta, T* Tm) {
-#if defined(__AVX512F__)
+#if defined(FASTWEIGHTS_VEC)
   if constexpr (std::is_same_v<T, float>) {
-    if (isa() > kPortable && unit_lower_inverse_avx512(C, S, beta, Tm)) return;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (isa() > kPortable && unit_lower_inverse_avx2(C, S, beta, Tm)) return;
+    if (isa() > kPortable && unit_lower_inverse_vec(C, S, beta, Tm)) return;
   }
 #endif
   std::fill(Tm, Tm + C * C, T(0));
@@ -419,19 +392,11 @@ void per_head_group(const Work& work) {
 // with store_fence().
 template <typename T>
 inline void store_scaled_stream(const T* src, T factor, T* dst, int64_t n) {
-#if defined(__AVX512F__)
+#if defined(FASTWEIGHTS_VEC)
   if constexpr (std::is_same_v<T, float>) {
     if (isa() > kPortable && n % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-      const __m512 f = _mm512_set1_ps(factor);
-      for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), f));
-      return;
-    }
-  }
-#elif defined(__AVX2__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (isa() > kPortable && n % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-      const __m256 f = _mm256_set1_ps(factor);
-      for (int64_t j = 0; j < n; j += 8) _mm256_stream_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), f));
+      const Vec::R f = Vec::set1(factor);
+      for (int64_t j = 0; j < n; j += Vec::kLanes) Vec::stream(dst + j, Vec::mul(Vec::load(src + j), f));
       return;
     }
   }

@@ -58,13 +58,7 @@ inline __m512 join(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_cast
 
 // 2^n e^r from the reduced argument r (|r| ≤ ln2/2) and n, as floats; 0 where x < −87.3.
 inline __m512 exp16_reduced(__m512 r, __m512 n, __m512 x) {
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512 p = exp_poly(r);  // vec.h
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
@@ -104,13 +98,7 @@ inline __m256 exp8(const double* x) {
   };
   const __m256 r = join(_mm256_fnmadd_pd(n0, ln2, x0), _mm256_fnmadd_pd(n1, ln2, x1));
   const __m256 n = join(n0, n1), xf = join(x0, x1);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256 p = exp_poly(r);  // vec.h
   // x ≥ −87.3 gives n ≥ −126, a normal power; below, the mask zeroes the lane
   auto pow2 = [](__m256 k) {  // 2^k for integral k in [−126, 127]
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
