@@ -135,11 +135,12 @@ def test_a_bad_entry_in_any_column_is_found_in_its_chunk(gated, K, V, grad):
     is found and counted every time (a column the check skipped would lose its chunk's count)."""
     T = 16 * max(K, V) - 5
     (q, k, v), beta, g = inputs(T=T, H=1, K=K, V=V)
-    q = spoil(q, [(0, 16 * j + (j * 7) % min(16, T - 16 * j), 0, j) for j in range(K)], float("nan"))
-    v = spoil(v, [(0, 16 * j + (j * 5) % min(16, T - 16 * j), 0, j) for j in range(V)], float("inf"))
-    args = [q, k, v]
-    if grad:
-        args = [t.requires_grad_() for t in args]
-    got = message(gated, (*args, beta, g), "cpu")
-    assert got == message(gated, (*args, beta, g), "torch")
-    assert f"`q` contains {K} non-finite value(s)" in got
+    bad = {"q": spoil(q, [(0, 16 * j + (j * 7) % min(16, T - 16 * j), 0, j) for j in range(K)], float("nan")),
+           "v": spoil(v, [(0, 16 * j + (j * 5) % min(16, T - 16 * j), 0, j) for j in range(V)], float("inf"))}
+    for name, width in (("q", K), ("v", V)):  # one input spoiled at a time: the error names the first bad one
+        args = [bad["q"] if name == "q" else q, k, bad["v"] if name == "v" else v]
+        if grad:
+            args = [t.detach().clone().requires_grad_() for t in args]
+        got = message(gated, (*args, beta, g), "cpu")
+        assert got == message(gated, (*args, beta, g), "torch")
+        assert f"`{name}` contains {width} non-finite value(s)" in got
