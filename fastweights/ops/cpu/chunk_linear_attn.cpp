@@ -140,18 +140,13 @@ bool rows_any_nonfinite(const T* x, int64_t ld, int64_t rows, int64_t width) {
       const __m256i e = _mm256_set1_epi32(0x7f800000);
       const int64_t whole = width / 8 * 8;
       __m256i low = e;
-      uint32_t tail = 0x7f800000u;  // the last width − whole entries of each row
       for (int64_t i = 0; i < rows; ++i) {
         const T* r = x + i * ld;
         for (int64_t j = 0; j < whole; j += 8)
           low = _mm256_min_epu32(low, _mm256_andnot_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + j)), e));
-        for (int64_t j = whole; j < width; ++j) {
-          uint32_t bits;
-          std::memcpy(&bits, r + j, sizeof(bits));
-          tail = std::min(tail, ~bits & 0x7f800000u);
-        }
+        if (whole < width && any_nonfinite(r + whole, width - whole)) return true;  // the row's last entries
       }
-      return tail == 0 || _mm256_movemask_epi8(_mm256_cmpeq_epi32(low, _mm256_setzero_si256())) != 0;
+      return _mm256_movemask_epi8(_mm256_cmpeq_epi32(low, _mm256_setzero_si256())) != 0;
     }
   }
 #endif

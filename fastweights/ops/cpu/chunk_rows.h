@@ -63,7 +63,7 @@ inline __m512 exp16_reduced(__m512 r, __m512 n, __m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-inline __m512 exp16(const double* x) {
+inline __m512 exp_lanes(const double* x) {
   const __m512d log2e = _mm512_set1_pd(1.4426950408889634), ln2 = _mm512_set1_pd(0.6931471805599453);
   const __m512d x0 = _mm512_loadu_pd(x), x1 = _mm512_loadu_pd(x + 8);
   const __m512d n0 = _mm512_roundscale_pd(_mm512_mul_pd(x0, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -84,11 +84,11 @@ inline __m512 exp16f(__m512 x) {
   return exp16_reduced(r, n, x);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// exp16's arithmetic eight at a time. AVX2 has no scalef: p · 2^n is (p · 2^{min(n, 127)}) ·
+// The AVX-512 exp_lanes's arithmetic eight at a time. AVX2 has no scalef: p · 2^n is (p · 2^{min(n, 127)}) ·
 // 2^{min(max(n − 127, 0), 127)}, both powers built in the exponent field, so n = 128 (x up to
 // float's largest e^x) stays finite and larger n overflow to +Inf, exactly as scalef rounds them.
 // Same reduction, same polynomial, the same results as the AVX-512 path (x < −87.3 to 0).
-inline __m256 exp8(const double* x) {
+inline __m256 exp_lanes(const double* x) {
   const __m256d log2e = _mm256_set1_pd(1.4426950408889634), ln2 = _mm256_set1_pd(0.6931471805599453);
   const __m256d x0 = _mm256_loadu_pd(x), x1 = _mm256_loadu_pd(x + 4);
   const __m256d n0 = _mm256_round_pd(_mm256_mul_pd(x0, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -110,20 +110,15 @@ inline __m256 exp8(const double* x) {
 }
 #endif
 
-// out[i] = e^{x[i]} for float64 exponents x, rounded to T once, at the end: exp16 / exp8 for fp32
-// above the portable level, the C library's exp elsewhere.
+// out[i] = e^{x[i]} for float64 exponents x, rounded to T once, at the end: exp_lanes (16 or 8
+// lanes) for fp32 above the portable level, the C library's exp elsewhere.
 template <typename T>
 inline void exp_of(const double* x, T* out, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(FASTWEIGHTS_VEC)
   if constexpr (std::is_same_v<T, float>) {
     if (isa() > kPortable)
-      for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(x + i));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (isa() > kPortable)
-      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp8(x + i));
+      for (; i + Vec::kLanes <= n; i += Vec::kLanes) Vec::store(out + i, exp_lanes(x + i));
   }
 #endif
   for (; i < n; ++i) out[i] = T(std::exp(x[i]));
