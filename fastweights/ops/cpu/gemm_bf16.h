@@ -151,6 +151,18 @@ inline __m512i round_operand_lanes(__m512 x) {
 }
 inline __mmask16 live16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 }  // namespace bf16_detail
+#elif defined(__AVX2__)
+namespace bf16_detail {
+// 8 floats → 8 bf16 bit patterns: round_to_bf16's steps on 8 lanes (AVX2 has no 32 → 16 bit
+// narrowing, so the two halves are packed: every pattern fits 16 bits unsigned, no saturation).
+inline __m128i round_to_bf16_8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  r = _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), r, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+}  // namespace bf16_detail
 #endif
 
 // n floats → n bf16, round to nearest even (bit for bit torch's `.to(torch.bfloat16)`).
@@ -167,6 +179,10 @@ inline void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
       i = n;
     }
   }
+#elif defined(__AVX2__)
+  if (isa() > kPortable)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bf16_detail::round_to_bf16_8(_mm256_loadu_ps(src + i)));
 #endif
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i]);
 }
@@ -188,6 +204,13 @@ inline void to_bf16_scaled(const float* src, float factor, at::BFloat16* dst, in
       _mm256_mask_storeu_epi16(out + i, live, round(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, src + i), f)));
       i = n;
     }
+  }
+#elif defined(__AVX2__)
+  if (isa() > kPortable) {  // torch's rounding (no bf16 unit on an AVX2 build, so an operand rounds alike)
+    const __m256 f = _mm256_set1_ps(factor);
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                       bf16_detail::round_to_bf16_8(_mm256_mul_ps(_mm256_loadu_ps(src + i), f)));
   }
 #endif
   for (; i < n; ++i) out[i] = bf16_detail::to_bf16_bits(src[i] * factor);
