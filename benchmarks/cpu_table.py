@@ -10,6 +10,7 @@ times, round by round (best of ``--repeats``):
   inputs under :func:`fastweights.ops.bf16_products`; and the gated rule the same way;
 - ``chunk_kda`` forward (no grad) at B 1, T 2048, H 8, K = V = 128: fp32, bf16 inputs, bf16
   inputs under :func:`fastweights.ops.bf16_products`;
+- ``chunk_linear_attn`` forward (no grad, a scalar decay) at the same shape: fp32 and bf16 inputs;
 - ``chunk_gated_delta_rule`` at Qwen3-Next's head shape (H 32, K = V = 128, T 2048; fp32, and
   bf16 products against it) and, fp32, against
   transformers' ``torch_chunk_gated_delta_rule`` (when transformers is installed);
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from fastweights.config import atomic_write_text, flag
 
-from .roofline import CLOCKS, interleaved, op_flops
+from .roofline import CLOCKS, interleaved, linear_attn_flops, op_flops
 
 
 def _inputs(B, T, H, K, V, gen):
@@ -98,6 +99,16 @@ def cases(T: int = 2048) -> Dict[str, tuple]:
     out["chunk_kda fwd H=8 K=V=128 fp32"] = ((lambda q=q, k=k, v=v: kda(q, k, v)), flops)
     out["chunk_kda fwd H=8 K=V=128 bf16 inputs"] = ((lambda low=low: kda(*low)), flops)
     out["chunk_kda fwd H=8 K=V=128 bf16 products"] = (kda_products, flops)
+    # linear attention with a scalar decay at the same shape: fp32, bf16 inputs
+    g = F.logsigmoid(torch.randn(1, T, 8, generator=gen) + 3.0)
+
+    def linear(q, k, v, g=g):
+        with torch.no_grad():
+            return ops.chunk_linear_attn(q, k, v, g=g, chunk_size=64)
+
+    flops = linear_attn_flops(1, 8, T, 128, 128, 64)
+    out["chunk_linear_attn fwd H=8 K=V=128 fp32"] = ((lambda q=q, k=k, v=v: linear(q, k, v)), flops)
+    out["chunk_linear_attn fwd H=8 K=V=128 bf16 inputs"] = ((lambda low=low: linear(*low)), flops)
     # Qwen3-Next's heads: 32 value heads of 128 (the keys repeated to them, as the model does)
     q, k, v, beta, g = _inputs(1, T, 32, 128, 128, gen)
     flops = op_flops(1, 32, T, 128, 128, 64)
@@ -185,6 +196,8 @@ def run(T: int = 2048, repeats: int = 5, threads: int = 2, clock: str = "wall") 
     base = best["chunk_kda fwd H=8 K=V=128 fp32"]
     for mode in ("bf16 inputs", "bf16 products"):
         ratios[f"chunk_kda fwd H=8 K=V=128: {mode} speed-up over fp32"] = base / best[f"chunk_kda fwd H=8 K=V=128 {mode}"]
+    ratios["chunk_linear_attn fwd H=8 K=V=128: bf16 inputs speed-up over fp32"] = (
+        best["chunk_linear_attn fwd H=8 K=V=128 fp32"] / best["chunk_linear_attn fwd H=8 K=V=128 bf16 inputs"])
     from fastweights.ops import cpu as cpu_kernels
 
     return {"T": T, "threads": threads, "clock": clock, "repeats": repeats, "cpu_path": cpu_kernels.status(),

@@ -65,3 +65,5 @@ def test_cpu_table_times_every_row_and_the_comparisons(tmp_path, one_thread):
         if "fraction_of_fp32_mm" in r:
             assert r["fraction_of_fp32_mm"] == pytest.approx(r["gflops"] / fp32)
     assert "chunk_delta_rule fwd H=8 K=V=128: bf16 products speed-up over fp32" in result["ratios"]
+    for op in ("chunk_kda", "chunk_linear_attn"):
+        assert f"{op} fwd H=8 K=V=128: bf16 inputs speed-up over fp32" in result["ratios"]

@@ -255,6 +255,12 @@ def kernels_for(*tensors: Optional[torch.Tensor], dtypes=(torch.float32, torch.f
     dtype = present[0].dtype
     if dtype not in dtypes or any(t.device.type != "cpu" or t.dtype != dtype for t in present):
         return None
+    return _kernels_now()
+
+
+def _kernels_now():
+    """:mod:`fastweights.ops.cpu.library` when the kernels are enabled and built (decided while
+    tracing under ``torch.compile``), else None."""
     if torch.compiler.is_compiling():
         return library if _available_when_traced() else None
     return library if kernels() is not None else None
@@ -264,12 +270,14 @@ def kernels_for_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others:
                      operands: bool = False):
     """The kernels (as :func:`kernels_for`) for bf16 rows that a kernel reads as bf16: q, k, v bf16
     CPU tensors (``operands``: only v need be bf16 yet, the caller rounds q and k to bf16 product
-    operands), beside fp32 CPU ``others`` (None skipped: β, the decays, the initial state).
-    Otherwise None."""
+    operands), beside fp32 CPU ``others`` (None skipped: β, the decays, the initial state; there
+    may be none, as for linear attention without decay or initial state). Otherwise None."""
     rows = (v,) if operands else (q, k, v)
     if any(t.dtype != torch.bfloat16 for t in rows) or any(t.device.type != "cpu" for t in (q, k, v)):
         return None
-    return kernels_for(*others, dtypes=(torch.float32,))
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in others):
+        return None
+    return _kernels_now()
 
 
 @torch.compiler.assume_constant_result

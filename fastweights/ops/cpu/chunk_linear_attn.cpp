@@ -155,11 +155,17 @@ bool rows_any_nonfinite(const T* x, int64_t ld, int64_t rows, int64_t width) {
   return false;
 }
 
-template <typename T>
+// E: the type of q, k, v and o — T, or bf16 (inference only, T = float: the rows widened to fp32 as
+// they are gathered into scratch, the output rows rounded to bf16 once as they are written, as
+// torch's .to(bfloat16) rounds; the arithmetic is the fp32 kernel's on the widened inputs).
+template <typename T, typename E = T>
 struct Forward : Grid {
-  const T *q, *k, *v, *g, *h0;  // head-first [N, H, T, ·] (g [N, H, T]), unit last stride
+  static constexpr bool kWiden = !std::is_same_v<T, E>;
+  const E *q, *k, *v;           // head-first [N, H, T, ·], unit last stride
+  const T *g, *h0;              // g [N, H, T]
   int64_t q_s[3] = {}, k_s[3] = {}, v_s[3] = {}, g_s[3] = {};
-  T *o, *h_out, *states;        // [N, NC·C, H, V], [N·H, K, V], [NC, N·H, K, V]
+  E* o;                         // [N, NC·C, H, V]
+  T *h_out, *states;            // [N·H, K, V], [NC, N·H, K, V]
   T *qc, *kc, *vc, *gc;         // kept: the flattened chunks [NC·N·H, C, ·] (gc [NC·N·H, C])
   T scale;
   bool keep;
@@ -175,9 +181,11 @@ struct Forward : Grid {
   static constexpr int64_t kMaxGroup = 8;
   int64_t z_size() const { return round16((C + K) * (C + V)); }
 
-  // A group's Z blocks, then Q and V of a chunk gathered where they cannot be read in place, and
-  // the chunk's decays (shared by the group's heads, one after the other).
-  int64_t scratch_size() const { return group() * z_size() + round16(C * K) + round16(C * V) + 4 * round16(C); }
+  // A group's Z blocks, then Q and V of a chunk gathered where they cannot be read in place (and K
+  // for bf16 rows, widened), and the chunk's decays (shared by the group's heads, one after the other).
+  int64_t scratch_size() const {
+    return group() * z_size() + (kWiden ? 2 : 1) * round16(C * K) + round16(C * V) + 4 * round16(C);
+  }
 
   // Tasks begin .. end (sequence·H + head), in groups of group() heads, chunk by chunk.
   void run(int64_t begin, int64_t end, T* scratch) const {
@@ -227,15 +235,15 @@ struct Forward : Grid {
   void chunk(int64_t nh, int64_t c, T* Z, T* shared, int64_t* bad) const {
     const int64_t n = nh / H, hh = nh % H, NH = N * H, ldo = H * V, ldz = C + V;
     Carve<T> s{shared};
-    T *Qs = s.take(C * K), *Vs = s.take(C * V);
+    T *Qs = s.take(C * K), *Vs = s.take(C * V), *Ks = kWiden ? s.take(C * K) : nullptr;
     T *b = s.take(C), *rd = s.take(C), *te = s.take(C), *pr = s.take(C);
     T* O = Z;               // [C, V] at ld ldz: Y, then O before its scaling
     T* X = Z + V;           // [C, C]: X, then P
     T* h = Z + C * ldz;     // [K, V]: the state
     T* KT = h + V;          // [K, C]: K̄ᵀ
-    const T* qh = q + n * q_s[0] + hh * q_s[1];
-    const T* kh = k + n * k_s[0] + hh * k_s[1];
-    const T* vh = v + n * v_s[0] + hh * v_s[1];
+    const E* qh = q + n * q_s[0] + hh * q_s[1];
+    const E* kh = k + n * k_s[0] + hh * k_s[1];
+    const E* vh = v + n * v_s[0] + hh * v_s[1];
     const T* gh = g == nullptr ? nullptr : g + n * g_s[0] + hh * g_s[1];
     const bool in_place = q_s[2] >= K && v_s[2] >= V;  // rows apart (not broadcast)
     const int64_t t0 = c * C, row = c * NH + nh, rows = std::min(C, L - t0);
@@ -251,7 +259,12 @@ struct Forward : Grid {
     prefetch(0);
     const T *Q, *Km, *Vm;
     int64_t ldq = K, ldk = K, ldv = V;
-    if (keep) {
+    if constexpr (kWiden) {  // bf16 rows: all three widened into scratch (no keep)
+      gather_rows(qh, q_s[2], t0, L, C, K, Qs, K);
+      gather_rows(kh, k_s[2], t0, L, C, K, Ks, K);
+      gather_rows(vh, v_s[2], t0, L, C, V, Vs, V);
+      Q = Qs; Km = Ks; Vm = Vs;
+    } else if (keep) {
       T *qd = qc + row * C * K, *kd = kc + row * C * K, *vd = vc + row * C * V;
       gather_rows(qh, q_s[2], t0, L, C, K, qd, K);
       gather_rows(kh, k_s[2], t0, L, C, K, kd, K);
@@ -330,9 +343,12 @@ struct Forward : Grid {
     if (c1 > 0) mm<T>(false, false, c1, V, c1, T(1), X, ldz, Vm, ldv, last, O, ldz);
     mm<T>(false, false, C - c1 + K, V, C, T(1), X + c1 * ldz, ldz, Vm, ldv, last, O + c1 * ldz, ldz);
     prefetch(2);
-    T* out = o + (n * NC * C + t0) * ldo + hh * V;
-    for (int64_t i = 0; i < C; ++i)
-      store_scaled_stream(O + i * ldz, gh != nullptr && fold ? pr[i] : scale, out + i * ldo, V);
+    E* out = o + (n * NC * C + t0) * ldo + hh * V;
+    for (int64_t i = 0; i < C; ++i) {
+      const T f = gh != nullptr && fold ? pr[i] : scale;
+      if constexpr (kWiden) fastweights::cpu::to_bf16_scaled_stream(O + i * ldz, f, out + i * ldo, V);
+      else store_scaled_stream(O + i * ldz, f, out + i * ldo, V);
+    }
     if (finite->on()) {  // the chunk's rows, still in cache after its products; counted where there are any
       if (rows_any_nonfinite(Q, ldq, rows, K)) bad[0] += rows_nonfinite(Q, ldq, rows, K);
       if (rows_any_nonfinite(Km, ldk, rows, K)) bad[1] += rows_nonfinite(Km, ldk, rows, K);
@@ -449,7 +465,9 @@ struct Backward : Grid {
 
 // Returns (o [N, NC·C, H, V], h_T [N·H, K, V], states [NC, N·H, K, V], qc, kc, vc [NC·N·H, C, ·],
 // gc [NC·N·H, C]); states and the flattened chunks are what the backward keeps (empty unless keep;
-// gc empty without g).
+// gc empty without g). q, k, v fp32 or fp64 (g, h0 of the same dtype), or bf16 with fp32 g, h0 for
+// inference (keep false): the fp32 forward on the rows widened as they are gathered, o bf16 (rounded
+// once), h_T fp32.
 std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const torch::Tensor& k,
                                                  const torch::Tensor& v, const c10::optional<torch::Tensor>& g,
                                                  const c10::optional<torch::Tensor>& h0, double scale, int64_t C,
@@ -459,8 +477,13 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
   TORCH_CHECK(C > 0 && C <= 1024, "chunk_linear_attn_fwd: chunk size must be in [1, 1024], got ", C);
   TORCH_CHECK(q.scalar_type() == v.scalar_type() && k.scalar_type() == v.scalar_type(), "chunk_linear_attn_fwd: one dtype");
   const int64_t N = k.size(0), H = k.size(1), L = k.size(2), K = k.size(3), V = v.size(3), NC = (L + C - 1) / C;
-  auto opts = v.options();
-  torch::Tensor o = torch::empty({N, NC * C, H, V}, opts), h_out = torch::empty({N * H, K, V}, opts);
+  const bool bf16_io = v.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(!bf16_io || (!keep && (!g.has_value() || g->scalar_type() == torch::kFloat) &&
+                           (!h0.has_value() || h0->scalar_type() == torch::kFloat)),
+              "chunk_linear_attn_fwd: bf16 q, k, v take float32 g, h0 and are for inference (keep false)");
+  // the arithmetic's dtype (the state's, what is kept): v's, or float32 for bf16 rows
+  auto opts = bf16_io ? v.options().dtype(torch::kFloat) : v.options();
+  torch::Tensor o = torch::empty({N, NC * C, H, V}, v.options()), h_out = torch::empty({N * H, K, V}, opts);
   torch::Tensor states, qc, kc, vc, gc;
   if (keep) {
     states = torch::empty({NC, N * H, K, V}, opts);
@@ -473,16 +496,17 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
   gc = keep && g.has_value() ? torch::empty({NC * N * H, C}, opts) : torch::empty({0}, opts);
   torch::Tensor h0c = h0.has_value() ? h0->contiguous() : torch::Tensor();
   FiniteCheck finite(check_finite);
-  auto run = [&](auto* tag) {
+  auto run = [&](auto* tag, auto* io_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    Forward<T> f;
+    using E = std::remove_pointer_t<decltype(io_tag)>;
+    Forward<T, E> f;
     static_cast<Grid&>(f) = Grid{N, H, L, K, V, C, NC};
-    f.q = rows_of<T>(q, f.q_s);
-    f.k = rows_of<T>(k, f.k_s);
-    f.v = rows_of<T>(v, f.v_s);
+    f.q = rows_of<E>(q, f.q_s);
+    f.k = rows_of<E>(k, f.k_s);
+    f.v = rows_of<E>(v, f.v_s);
     f.g = rows_of<T>(g, f.g_s);
     f.h0 = data_if<T>(h0.has_value(), h0c);
-    f.o = o.data_ptr<T>();
+    f.o = o.data_ptr<E>();
     f.h_out = h_out.data_ptr<T>();
     f.states = data_if<T>(keep, states);
     f.qc = data_if<T>(keep, qc);
@@ -494,7 +518,8 @@ std::vector<torch::Tensor> chunk_linear_attn_fwd(const torch::Tensor& q, const t
     f.finite = &finite;
     per_head_group(f);
   };
-  fp32_or_fp64(v.scalar_type(), "chunk_linear_attn_fwd", run);
+  if (bf16_io) run(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  else fp32_or_fp64(v.scalar_type(), "chunk_linear_attn_fwd", [&](auto* tag) { run(tag, tag); });
   finite.raise_if_any();
   return {o, h_out, states, qc, kc, vc, gc};
 }

@@ -34,7 +34,7 @@ from .._checks import check_qkv_finite
 from ..precision import autocast_off
 from .._moved import moved_names
 from .._spec import Form, OpSpec, Rule
-from ..cpu import kernels_for, unit_last_stride
+from ..cpu import kernels_for, kernels_for_bf16, unit_last_stride
 from ..step import linear_attn_step
 
 
@@ -93,10 +93,18 @@ def _native_forward(q, k, v, g, h0, scale, chunk_size, keep: bool = True, check_
     them), or None where it does not apply: T = 0, or not :func:`~fastweights.ops.cpu.kernels_for`
     the inputs. ``keep=False`` (no gradient asked for): nothing kept, the returned kept tensors empty.
     ``check_finite``: the op's name, for the finite check of q, k, v the kernel makes on each chunk's
-    rows after its products ("" for none)."""
+    rows after its products ("" for none).
+
+    Plain bf16 q, k, v (inference: ``keep=False``; g and h0 fp32): the fp32 kernel widens their rows
+    as it gathers them and rounds o to bf16 once as it writes it (no pass converting the inputs
+    first); o is then bf16, h_T fp32, bitwise what the fp32 kernel gives on the widened inputs with
+    its output cast to bf16."""
     if k.shape[2] == 0:
         return None
-    mod = kernels_for(q, k, v, g, h0)
+    if v.dtype == torch.bfloat16 and not keep:  # plain bf16 inputs, widened in the gather
+        mod = kernels_for_bf16(q, k, v, g, h0)
+    else:
+        mod = kernels_for(q, k, v, g, h0)
     if mod is None:
         return None
     n, nh, t_len, dk = k.shape
@@ -212,7 +220,8 @@ def _infer_op(
     native: bool = True, check_finite: str = "",
 ) -> Tuple[Tensor, Tensor]:
     """``(o [N, H, T, V], h_T [N·H, K, V])``: the forward when no gradient is asked for, keeping
-    nothing for a backward (the compiled kernel then reads the inputs where they lie)."""
+    nothing for a backward (the compiled kernel then reads the inputs where they lie). Plain bf16
+    q, k, v (g, h0 fp32 or None): the fp32 forward on them widened, o in bf16 and h_T in fp32."""
     n, nh, t_len, dk = k.shape
     with autocast_off(q.device):
         compiled = _native_forward(q, k, v, g, h0, scale, chunk_size, False, check_finite=check_finite) if native else None
@@ -220,16 +229,21 @@ def _infer_op(
             return compiled[0], compiled[1]
         if check_finite:
             check_qkv_finite(check_finite, q, k, v)
+        out_dtype = v.dtype
+        if v.dtype == torch.bfloat16:  # plain bf16 inputs the compiled kernel did not take: widen here
+            q, k, v = (t.float() for t in (q, k, v))
         qc, kc, vc, gc = (None if x is None else flat_chunks(x, chunk_size) for x in (q, k, v, g))
         h0_ = None if h0 is None else h0.reshape(n * nh, dk, v.shape[-1])
         o, h_final, _ = chunk_linear_attn_fwd(qc, kc, vc, gc, h0_, scale, n, nh)
         # h_T may be a view into the scan's stacked states: its own memory, as the fake says
-        return unflat_chunks(o, n, nh, t_len), h_final.clone() if h_final.storage_offset() else h_final
+        return unflat_chunks(o, n, nh, t_len).to(out_dtype), h_final.clone() if h_final.storage_offset() else h_final
 
 
 @_infer_op.register_fake
 def _infer_fake(q, k, v, g, h0, scale, chunk_size, native=True, check_finite=""):
     o, h_final, *_ = _fwd_fake(q, k, v, g, h0, scale, chunk_size, native)
+    if v.dtype == torch.bfloat16:  # plain bf16 inputs: the state in fp32
+        h_final = h_final.float()
     return o, h_final
 
 
@@ -254,7 +268,8 @@ def linear_attn_chunk(q, k, v, beta, g, h0, scale, chunk_size, native: bool = Tr
 #: Linear attention's chunk op, declared once (``fastweights/ops/_spec.py``): :func:`linear_attn_chunk`
 #: without and with the compiled CPU kernels.
 CHUNK_LINEAR_ATTN = OpSpec("chunk_linear_attn", Rule.SUM, Form.CHUNK, torch=functools.partial(linear_attn_chunk, native=False),
-                           cpu=linear_attn_chunk, fused_finite_check=True, step=linear_attn_step)
+                           cpu=linear_attn_chunk, reads_bf16_inputs=True, fused_finite_check=True,
+                           step=linear_attn_step)
 
 
 #: The public function moved to api.py (its old path still works, with a DeprecationWarning).
