@@ -102,13 +102,11 @@ def test_shape_errors(mod):
 
 
 def test_to_bf16_is_torchs_conversion_bit_for_bit(mod):
+    from plain_bf16_checks import rounding_cases
+
     gen = torch.Generator().manual_seed(0)
     # every rounding case: ties to even both ways, denormals, overflow to inf, signed zeros
-    bits = torch.randint(-(2**31), 2**31 - 1, (100_003,), generator=gen, dtype=torch.int64).to(torch.int32)
-    x = bits.view(torch.float32)
-    x = x[~torch.isnan(x)]
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4e38, -3.4e38, 1e-40, -1e-45,
-                            1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20])
+    x, special = rounding_cases(gen, 100_003)
     for t in (x, special, torch.randn(37, generator=gen), torch.randn(1, generator=gen)):
         assert torch.equal(mod.to_bf16_check(t).view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
     nan = mod.to_bf16_check(torch.tensor([float("nan"), 1.0]))

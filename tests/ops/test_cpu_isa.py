@@ -450,12 +450,9 @@ def test_bf16_rounding_on_every_path(path, kernels):
     8 with AVX2, the scalar loop on the portable path and in the tails) is torch's conversion bit
     for bit: random bit patterns (ties both ways, subnormals, overflow to inf, signed zeros) and
     lengths that leave lanes to the tail; NaN stays NaN."""
-    gen = torch.Generator().manual_seed(1)
-    bits = torch.randint(-(2**31), 2**31 - 1, (20_011,), generator=gen, dtype=torch.int64).to(torch.int32)
-    x = bits.view(torch.float32)
-    x = x[~torch.isnan(x)]
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4e38, -3.4e38, 1e-40, -1e-45,
-                            1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20])
+    from plain_bf16_checks import rounding_cases
+
+    x, special = rounding_cases(torch.Generator().manual_seed(1), 20_011)
     for t in (x, special, x[:7], x[:9], x[:17]):
         assert torch.equal(kernels.to_bf16_check(t).view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), path
     nan = kernels.to_bf16_check(torch.tensor([1.0, float("nan")] * 8 + [float("nan")]))

@@ -14,10 +14,9 @@ kernel receives, so a test that silently ran the old path fails. No speed is ass
 import pytest
 import torch
 
+import plain_bf16_checks as checks
 from fastweights import ops
-from fastweights.ops import cpu as cpu_kernels
-from helpers import record_calls, thread_and_batch_runs
-from test_compile_kernels import Graphs
+from helpers import record_calls
 from test_cpu_isa import path  # noqa: F401  (the fixture: each ISA path this machine runs)
 from test_cpu_kda_bf16 import _inputs
 
@@ -33,27 +32,11 @@ def fwd_calls(kernels, monkeypatch):
 
 
 def _run(x, **kwargs):
-    with torch.no_grad():
-        return ops.chunk_kda(**x, output_final_state=True, **kwargs)
-
-
-def _widened(x, **kwargs):
-    """The old path: q, k, v cast to fp32 first, the fp32 output cast to bf16."""
-    o, h = _run({n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()}, **kwargs)
-    return o.to(torch.bfloat16), h
+    return checks.run(ops.chunk_kda, x, **kwargs)
 
 
 def _same_as_widened(x, fwd_calls, label, **kwargs):
-    plain = _run(x, **kwargs)
-    assert fwd_calls == [torch.bfloat16], f"{label}: the kernel did not read bf16 inputs: {fwd_calls}"
-    old = _widened(x, **kwargs)
-    assert fwd_calls[1:] == [torch.float32]
-    assert plain[0].dtype == torch.bfloat16 and plain[1].dtype == torch.float32
-    assert plain[0].shape == old[0].shape and plain[1].shape == old[1].shape
-    for name, a, b in zip(("o", "h_T"), plain, old):
-        assert torch.equal(a, b), f"{label} {name}: max |diff| {(a.float() - b.float()).abs().max():.3e}"
-    print(f"{label}: o and h_T bitwise the widened path's ({tuple(plain[0].shape)})")
-    fwd_calls.clear()
+    return checks.same_as_widened(ops.chunk_kda, x, fwd_calls, label, **kwargs)
 
 
 @pytest.mark.parametrize("B,T,H,K,V,h0,decay", [
@@ -97,15 +80,7 @@ def test_grouped_value_heads_and_the_gate_in_kernel(fwd_calls):
 
 
 def test_under_autocast(fwd_calls):
-    """bf16 inputs under ``torch.autocast("cpu", bf16)`` (what an autocast model's projections hand
-    the op): the same kernel call on the bf16 rows, bitwise the result without autocast."""
-    x = _inputs(2, 70, 2, 16, 24, seed=5)
-    plain = _run(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast = _run(x)
-    assert fwd_calls == [torch.bfloat16] * 2
-    assert cast[0].dtype == torch.bfloat16 and cast[1].dtype == torch.float32
-    assert all(torch.equal(a, b) for a, b in zip(plain, cast))
+    checks.check_autocast(ops.chunk_kda, _inputs(2, 70, 2, 16, 24, seed=5), fwd_calls)
 
 
 def test_every_isa_path(path, fwd_calls):  # noqa: F811  (the imported fixture)
@@ -115,54 +90,21 @@ def test_every_isa_path(path, fwd_calls):  # noqa: F811  (the imported fixture)
 
 
 def test_deterministic_and_batch_invariant(fwd_calls):
-    """Bitwise: one or two threads, and a sequence alone or in a batch of 8."""
-    x = _inputs(8, 130, 3, 32, 32, seed=2)
-    one, two, alone = thread_and_batch_runs(ops.chunk_kda, x)
-    assert all(torch.equal(a, b) for a, b in zip(one, two))
-    assert torch.equal(alone[0], one[0][:1]) and torch.equal(alone[1], one[1][:1])
-    assert fwd_calls == [torch.bfloat16] * 3
+    checks.check_deterministic_and_batch_invariant(ops.chunk_kda, _inputs(8, 130, 3, 32, 32, seed=2), fwd_calls)
 
 
 def test_without_the_kernel_the_inputs_are_widened_in_python(kernels, fwd_calls):
-    """Kernels off, or backend "torch": the PyTorch forward on the widened inputs, bitwise the
-    widened path's result on the same backend."""
-    x = _inputs(2, 70, 2, 16, 24, seed=5)
-    torch_plain, torch_old = _run(x, backend="torch"), _widened(x, backend="torch")
-    cpu_kernels.set_enabled(False)
-    try:
-        off_plain, off_old = _run(x), _widened(x)
-    finally:
-        cpu_kernels.set_enabled(None)
-    assert not fwd_calls
-    for plain, old in ((torch_plain, torch_old), (off_plain, off_old)):
-        assert plain[0].dtype == torch.bfloat16 and plain[1].dtype == torch.float32
-        assert all(torch.equal(a, b) for a, b in zip(plain, old))
+    checks.check_without_the_kernel(ops.chunk_kda, _inputs(2, 70, 2, 16, 24, seed=5), fwd_calls)
 
 
 def test_a_gradient_takes_the_widened_fp32_path(fwd_calls):
-    """A backward may follow (through the decays or through q): q, k, v widened before the kernel,
-    the same values as the widened path, and the backward runs."""
-    x = _inputs(2, 100, 2, 32, 24, seed=4)
-    for name in ("g", "q"):
-        leaves = {n: (t.clone().requires_grad_() if n == name else t) for n, t in x.items()}
-        o, h = ops.chunk_kda(**leaves, output_final_state=True)
-        assert fwd_calls == [torch.float32], (name, fwd_calls)
-        old = _widened(x)
-        assert torch.equal(o.detach(), old[0]) and torch.equal(h.detach(), old[1]), name
-        o.float().sum().backward()
-        assert leaves[name].grad is not None and torch.isfinite(leaves[name].grad).all()
-        fwd_calls.clear()
+    """Through the decays or through q."""
+    checks.check_a_gradient_takes_the_widened_path(ops.chunk_kda, _inputs(2, 100, 2, 32, 24, seed=4), fwd_calls)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_a_nan_in_a_bf16_input_is_the_ops_value_error(fwd_calls, name):
-    """The kernel's fused finite check on the widened rows: the ops' ValueError naming the input."""
-    x = _inputs(1, 40, 2, 16, 16, seed=6)
-    bad = dict(x, **{name: x[name].clone()})
-    bad[name][0, 3, 1, 2] = float("nan")
-    with pytest.raises(ValueError, match=f"`{name}`"):
-        _run(bad)
-    assert fwd_calls == [torch.bfloat16]
+    checks.check_a_nan_is_the_ops_value_error(ops.chunk_kda, _inputs(1, 40, 2, 16, 16, seed=6), fwd_calls, name)
 
 
 def test_a_positive_log_decay_is_the_ops_value_error(fwd_calls):
@@ -175,23 +117,12 @@ def test_a_positive_log_decay_is_the_ops_value_error(fwd_calls):
 
 
 def test_torch_compile_fullgraph_calls_the_kernel_bitwise(fwd_calls):
-    """``torch.compile(fullgraph=True)`` of the op on bf16 inputs: one graph, the inference op in it,
-    the kernel called on the bf16 inputs, the eager outputs bitwise."""
     x = _inputs(2, 37, 2, 8, 6, seed=7)
-    graphs = Graphs()
 
     def call(q, k, v, g, beta, initial_state):
         return ops.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True, chunk_size=16)
 
-    with torch.no_grad():
-        compiled = torch.compile(call, backend=graphs, fullgraph=True)(**x)
-        traced = list(fwd_calls)
-        eager = call(**x)
-    print(f"graphs {graphs.count}, kernel calls compiled {traced}, all {fwd_calls}")
-    assert graphs.count == 1 and graphs.has("chunk_kda_infer")
-    assert traced == [torch.bfloat16] and fwd_calls == [torch.bfloat16] * 2
-    assert compiled[0].dtype == torch.bfloat16 and compiled[1].dtype == torch.float32
-    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    checks.check_torch_compile(call, x, fwd_calls, "chunk_kda_infer")
 
 
 def test_the_kernel_refuses_bf16_where_it_does_not_apply(kernels):
