@@ -112,6 +112,10 @@ def test_every_kernel_is_reported_on_every_path():
     assert "AMX" in isa.kernel_paths(3)["chunk_delta_fwd_bf16 (bf16 products)"]
     assert "vdpbf16ps" in isa.kernel_paths(2)["chunk_delta_fwd_bf16 (bf16 products)"]
     assert "portable" in isa.kernel_paths(0)["chunk_delta_fwd / chunk_delta_bwd (fp32, fp64)"]
+    plain = "plain bf16 inputs (inference: delta, gated, KDA, linear attention)"
+    assert "AVX-512, 16 lanes" in isa.kernel_paths(1, flags=AMD_EPYC)[plain]
+    assert "AVX2, 8 lanes" in isa.kernel_paths(1, flags=frozenset({"avx2", "fma"}))[plain]
+    assert "scalar loops" in isa.kernel_paths(0, flags=AMD_EPYC)[plain]
 
 
 # -- the kernels on each path this machine runs -------------------------------------------------

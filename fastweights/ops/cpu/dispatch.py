@@ -175,7 +175,13 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
     if level < 2:  # no bf16 unit: the ops send bf16_products() inputs to the fp32 kernel (cpu.bf16_unit)
         bf16 += " when called directly; the ops under bf16_products() take the fp32 kernel on the bf16 rows instead"
     loops = "loops the compiler vectorises for this CPU" + (" (-march=native)" if native else " (portable build)")
+    # plain bf16 q, k, v: the gather's widening and the output's rounding to bf16 (torch's rounding)
+    lanes = {"AVX-512": "16", "AVX2": "8"}.get(vector)
+    conversions = f"{vector}, {lanes} lanes" if vector else "scalar loops"
     return {
+        "plain bf16 inputs (inference: delta, gated, KDA, linear attention)": (
+            f"the fp32 kernels on the rows widened as they are gathered, o rounded to bf16 once as it is "
+            f"written; conversions: {conversions}"),
         "chunk_delta_fwd / chunk_delta_bwd (fp32, fp64)": f"products: {fp_products}; triangular inverse: {inverse}",
         "chunk_delta_fwd_bf16 (bf16 products)": f"products: {bf16}; solve and state fp32",
         "chunk_kda_fwd / chunk_kda_bwd (KDA, GDN-2; fp32, fp64)": (
