@@ -272,23 +272,10 @@ inline void copy_row(const E* src, D* dst, int64_t n) {
     std::memcpy(dst, src, sizeof(E) * n);
   } else {
     int64_t j = 0;
-#if defined(__AVX512F__)
+#if defined(FASTWEIGHTS_VEC)
     if constexpr (std::is_same_v<E, at::BFloat16> && std::is_same_v<D, float>) {
-      // the bf16 bits are the fp32 value's upper half: 16 widened a vector
       const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-      for (; j + 16 <= n; j += 16) {
-        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j)));
-        _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-      }
-    }
-#elif defined(__AVX2__)
-    if constexpr (std::is_same_v<E, at::BFloat16> && std::is_same_v<D, float>) {
-      // the same, 8 a vector
-      const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-      for (; j + 8 <= n; j += 8) {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + j)));
-        _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-      }
+      for (; j + Vec::kLanes <= n; j += Vec::kLanes) Vec::store(dst + j, Vec::load_bf16(bits + j));
     }
 #endif
     for (; j < n; ++j) dst[j] = D(static_cast<float>(src[j]));

@@ -7,11 +7,15 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+
+#include <cstdint>
 #define FASTWEIGHTS_VEC 1
 
 namespace fastweights {
 namespace cpu {
 
+// load_bf16(p): kLanes bf16 values (their bit patterns at p) widened to fp32, exactly (a bf16 is the
+// upper half of the fp32 with the same value).
 struct Vec {
 #if defined(__AVX512F__)
   using R = __m512;
@@ -24,6 +28,9 @@ struct Vec {
   static R add(R a, R b) { return _mm512_add_ps(a, b); }
   static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
 #else
   using R = __m256;
   static constexpr int kLanes = 8;
@@ -35,6 +42,9 @@ struct Vec {
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
 #endif
 };
 
