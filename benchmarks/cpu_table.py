@@ -117,7 +117,9 @@ def cases(T: int = 2048) -> Dict[str, tuple]:
         with torch.no_grad():
             ops.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
 
-    def ours_h32_products(low=[t.bfloat16() for t in (q, k, v)]):
+    low_h32 = tuple(t.bfloat16() for t in (q, k, v))
+
+    def ours_h32_products(low=low_h32):
         with ops.bf16_products():
             ours_h32(*low)
 

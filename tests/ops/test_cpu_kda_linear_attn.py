@@ -400,10 +400,10 @@ def test_linear_attn_kernel_with_decays_that_fold_in_some_chunks_and_not_in_othe
     x["g"] = -torch.exp(torch.empty_like(x["g"]).uniform_(-4.6, 2.5, generator=gen)) * (torch.arange(300) // 64 % 2 + 0.05).view(1, -1, 1).double()
     got = _run(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=64)
     want = _run(lambda **a: call(rule.reference, rule, a), x, kernels_on=False)
-    for name, a, b in zip(_names(x), got, want):
-        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.2e}"
-    for name, a, b in zip(["o", "h_T"], _infer(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=64), want):
-        assert rel_err(a, b) < 1e-12, f"inference {name}: {rel_err(a, b):.2e}"
+    for name, g, w in zip(_names(x), got, want):
+        assert rel_err(g, w) < 1e-12, f"{name}: {rel_err(g, w):.2e}"
+    for name, g, w in zip(["o", "h_T"], _infer(lambda **a: call(rule.forms[2], rule, a), x, chunk_size=64), want):
+        assert rel_err(g, w) < 1e-12, f"inference {name}: {rel_err(g, w):.2e}"
     assert native_calls
 
 

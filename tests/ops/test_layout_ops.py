@@ -445,7 +445,7 @@ def test_the_old_paths_of_the_public_functions_warn_and_resolve():
             found = getattr(module, name)
         assert found is getattr(importlib.import_module(f"fastweights.ops.{family}.api"), name)
     with pytest.raises(AttributeError, match="has no attribute 'chunk_delta_rule_typo'"):
-        importlib.import_module("fastweights.ops.delta_rule.chunk").chunk_delta_rule_typo
+        _ = importlib.import_module("fastweights.ops.delta_rule.chunk").chunk_delta_rule_typo
 
 
 # -- no recurrent or parallel op takes chunk_size -------------------------------------------------------

@@ -119,7 +119,7 @@ def dplr_block_core(q, k, v, ab, gk, scale: float):
 def block_terms_of(q, k, v, ab, read, to_end, neg_a_ab, scores, wu, saved: DplrSaved, scale: float) -> BlockTerms:
     """KDA's :class:`~..kda.parallel.BlockTerms` with 2L pseudo-rows from a block's DPLR terms (module
     docstring): ``s`` holds −A_ab (its diagonal is never read), ``solver`` the :class:`DplrSaved`."""
-    a, b = ab[..., 0, :], ab[..., 1, :]
+    b = ab[..., 1, :]
     dk = q.shape[-1]
     rows = torch.cat([torch.cat([-wu[..., :dk], wu[..., dk:]], dim=-1), torch.cat([torch.zeros_like(k), v], dim=-1)],
                      dim=-2)
@@ -154,7 +154,7 @@ def dplr_block_terms_backward(q, k, v, ab, terms: BlockTerms, d_wu, d_scores, d_
     a ⊙ e^{−gk} and scale·q, columns b and k), the rows' e^{−gk}, and the factors of gk taken
     span by span, each summed directly: e^{c_r} (Q̂) for t <= r, e^{c_{r−1}} (the solve's
     right-hand side) for t < r, e^{c_L − c_r} (the write keys) for t > r, e^{c_L} for every t."""
-    a, b = ab[..., 0, :], ab[..., 1, :]
+    b = ab[..., 1, :]
     saved: DplrSaved = terms.solver
     length, dk = q.shape[-2], q.shape[-1]
     read, to_end = terms.read, terms.to_end
