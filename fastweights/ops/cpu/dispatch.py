@@ -3,8 +3,8 @@
 Four paths, lowest first (``fastweights/ops/cpu/isa.h`` has the C++ side):
 
 ========== ==================================================================================
-portable   no hand-written intrinsics and no MKL: fp32/fp64 products by a blocked loop the
-           compiler vectorises (what ARM and macOS builds run)
+portable   no hand-written intrinsics and no MKL: fp32/fp64 products by a register-blocked
+           loop the compiler vectorises (what ARM and macOS builds run)
 avx2       products by MKL's ``sgemm_`` / ``dgemm_``; bf16 products widened to fp32 first
 avx512bf16 bf16 products by the ``vdpbf16ps`` micro-kernel (``gemm_bf16.h``)
 amx        bf16 products by oneDNN's brgemm on AMX tiles (``at::native::cpublas::brgemm``)
@@ -160,7 +160,7 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
     """What each compiled kernel runs at ``level``: ``{kernel: path}``. ``native``: the build
     targets this CPU (``-march=native`` / ``-mcpu=native``)."""
     flags = cpu_flags() if flags is None else flags
-    fp_products = "MKL sgemm_/dgemm_, one call per tile" if level >= 1 else "blocked loop (portable, no BLAS)"
+    fp_products = "MKL sgemm_/dgemm_, one call per tile" if level >= 1 else "register-blocked loop (portable, no BLAS)"
     # the hand-written vector forms of the kernels' own loops (above the portable level, in a native build)
     vector = ("AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma"} <= flags else None) if level >= 1 and native else None
     inverse = {"AVX-512": "AVX-512 registers", "AVX2": "AVX2 registers (chunks up to 64)"}.get(vector, "loop the compiler vectorises")
@@ -170,7 +170,7 @@ def kernel_paths(level: int, flags: Optional[frozenset] = None, native: bool = T
         3: "oneDNN brgemm on AMX tiles (B packed VNNI-2)",
         2: "vdpbf16ps micro-kernel (AVX512-BF16)",
         1: "operands widened to fp32, then MKL sgemm_",
-        0: "operands widened to fp32, then the portable blocked loop",
+        0: "operands widened to fp32, then the portable register-blocked loop",
     }[level]
     if level < 2:  # no bf16 unit: the ops send bf16_products() inputs to the fp32 kernel (cpu.bf16_unit)
         bf16 += " when called directly; the ops under bf16_products() take the fp32 kernel on the bf16 rows instead"

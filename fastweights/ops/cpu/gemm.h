@@ -3,9 +3,8 @@
 //
 // Above the portable level (isa.h) each product is one call of MKL's sgemm_/dgemm_ (exported by
 // x86 builds of libtorch_cpu), which reaches the big-matmul rate on these tiles. At the portable
-// level — and in builds without MKL (ARM, macOS) — a blocked loop runs instead: op(B) copied once
-// into contiguous rows, then each row of the product accumulated as a[i, p] · B[p, :], an inner
-// loop the compiler vectorises for whatever CPU it targets. beta == 0 never reads C (as in BLAS).
+// level — and in builds without MKL (ARM, macOS) — a register-blocked loop runs instead (below),
+// which the compiler vectorises for whatever CPU it targets. beta == 0 never reads C (as in BLAS).
 #pragma once
 
 #include "isa.h"
@@ -44,31 +43,60 @@ struct OneThreadBlas {
 
 namespace gemm_detail {
 
-// The portable product (see the top of this file). Each row of op(A) op(B) is summed in its own
-// accumulator and only then scaled and added to beta · C, as BLAS does: summing the products
+// The portable product (see the top of this file). op(B) is copied once into rows padded to whole
+// strips of NR columns (a transposed B in TT × TT blocks, so neither side walks a whole column)
+// and op(A) into panels of MR rows, p-major; then each MR × NR tile of the product is summed in
+// local accumulators the compiler keeps in vector registers (MR · NR / lanes of them: 12 with AVX2,
+// 24 of NEON's 32) and only then scaled and added to beta · C, as BLAS does: summing the products
 // straight into a large C (the state update h ← h + K̄ᵀ U') would round at C's magnitude at every
-// step.
+// step. Each entry's sum runs over p in order, so a result does not depend on the tile it is in.
 template <typename T>
 void blocked(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
              int64_t ldb, T beta, T* c, int64_t ldc) {
-  thread_local std::vector<T> scratch;  // op(B) as [k, n], then one accumulator row; reused call to call
-  scratch.resize(size_t(k * n + n));
+  constexpr int64_t MR = 6, NR = 64 / int64_t(sizeof(T)), TT = 8;  // NR: one 64-byte line of a row
+  const int64_t np = (n + NR - 1) / NR * NR, mp = (m + MR - 1) / MR * MR;
+  thread_local std::vector<T> scratch;  // packed op(B) [k, np], then op(A)'s panels; reused call to call
+  scratch.resize(size_t(k * (np + mp)));
   T* bp = scratch.data();
-  T* acc = bp + k * n;
-  for (int64_t p = 0; p < k; ++p)
-    for (int64_t j = 0; j < n; ++j) bp[p * n + j] = tb ? b[j * ldb + p] : b[p * ldb + j];
-  for (int64_t i = 0; i < m; ++i) {
-    std::fill(acc, acc + n, T(0));
-    for (int64_t p = 0; p < k; ++p) {
-      const T aip = ta ? a[p * lda + i] : a[i * lda + p];
-      const T* bpp = bp + p * n;
-      for (int64_t j = 0; j < n; ++j) acc[j] += aip * bpp[j];
+  T* ap = bp + k * np;
+  if (tb) {
+    for (int64_t j0 = 0; j0 < n; j0 += TT)
+      for (int64_t p0 = 0; p0 < k; p0 += TT) {
+        const int64_t jn = std::min(TT, n - j0), pn = std::min(TT, k - p0);
+        for (int64_t p = 0; p < pn; ++p)
+          for (int64_t j = 0; j < jn; ++j) bp[(p0 + p) * np + j0 + j] = b[(j0 + j) * ldb + p0 + p];
+      }
+  } else {
+    for (int64_t p = 0; p < k; ++p) std::copy(b + p * ldb, b + p * ldb + n, bp + p * np);
+  }
+  for (int64_t p = 0; p < k; ++p) std::fill(bp + p * np + n, bp + (p + 1) * np, T(0));
+  for (int64_t i0 = 0; i0 < mp; i0 += MR)
+    for (int64_t p = 0; p < k; ++p)
+      for (int64_t r = 0; r < MR; ++r) {
+        const int64_t i = i0 + r;
+        ap[i0 * k + p * MR + r] = i < m ? (ta ? a[p * lda + i] : a[i * lda + p]) : T(0);
+      }
+  for (int64_t i0 = 0; i0 < mp; i0 += MR) {
+    const T* panel = ap + i0 * k;
+    const int64_t rows = std::min(MR, m - i0);
+    for (int64_t j0 = 0; j0 < np; j0 += NR) {
+      T acc[MR][NR] = {};
+      for (int64_t p = 0; p < k; ++p) {
+        const T* ar = panel + p * MR;
+        const T* br = bp + p * np + j0;
+        for (int64_t r = 0; r < MR; ++r)
+#pragma omp simd
+          for (int64_t j = 0; j < NR; ++j) acc[r][j] += ar[r] * br[j];
+      }
+      const int64_t cols = std::min(NR, n - j0);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* ci = c + (i0 + r) * ldc + j0;
+        if (beta == T(0))
+          for (int64_t j = 0; j < cols; ++j) ci[j] = alpha * acc[r][j];
+        else
+          for (int64_t j = 0; j < cols; ++j) ci[j] = alpha * acc[r][j] + beta * ci[j];
+      }
     }
-    T* ci = c + i * ldc;
-    if (beta == T(0))
-      for (int64_t j = 0; j < n; ++j) ci[j] = alpha * acc[j];
-    else
-      for (int64_t j = 0; j < n; ++j) ci[j] = alpha * acc[j] + beta * ci[j];
   }
 }
 
