@@ -26,6 +26,7 @@ generation included: an intrinsic outside its target, a failed inline): 60 compi
 ``g++-aarch64-linux-gnu``) and skips without it.
 """
 
+import functools
 import os
 import shutil
 import subprocess
@@ -56,19 +57,28 @@ def _host_compiler():
     return shutil.which(cxx) or shutil.which("g++")
 
 
-def _compiler(target):
+@functools.cache
+def _compiler_or_why(target):
+    """(the compiler for ``target``, None) or (None, why not): probed once per target and process."""
     kind = TARGETS[target][0]
     found = _host_compiler() if kind == "host" else shutil.which(kind)
     if found is None:
-        pytest.skip(f"no compiler for the {target} target ({'c++/g++' if kind == 'host' else kind} not on PATH)")
+        return None, f"no compiler for the {target} target ({'c++/g++' if kind == 'host' else kind} not on PATH)"
     if kind == "host":
         probe = subprocess.run([found, "-dumpmachine"], capture_output=True, text=True)
         if not probe.stdout.startswith(("x86_64", "amd64")):
-            pytest.skip(f"the host compiler targets {probe.stdout.strip() or 'an unknown machine'}, not x86-64")
+            return None, f"the host compiler targets {probe.stdout.strip() or 'an unknown machine'}, not x86-64"
         accepts = subprocess.run([found, *TARGETS[target][1], "-E", "-x", "c++", "-"], input="", capture_output=True,
                                  text=True)
         if accepts.returncode != 0:
-            pytest.skip(f"{found} does not know {' '.join(TARGETS[target][1])}: {accepts.stderr.strip()[:200]}")
+            return None, f"{found} does not know {' '.join(TARGETS[target][1])}: {accepts.stderr.strip()[:200]}"
+    return found, None
+
+
+def _compiler(target):
+    found, why = _compiler_or_why(target)
+    if found is None:
+        pytest.skip(why)
     return found
 
 
